@@ -1,0 +1,220 @@
+"""The embedded inference engine: requests in, one batched step at a time, tokens out."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from agentflash.engine.detokenizer import Detokenizer
+from agentflash.engine.kv_cache import KVCache
+from agentflash.engine.model_runner import ModelRunner, Row
+from agentflash.engine.request import FinishReason, Request, SamplingParams, Status
+from agentflash.engine.sampling import sample
+from agentflash.engine.scheduler import Scheduler, SchedulerConfig
+from agentflash.errors import UserError
+from agentflash.tool_format import parse_tool_calls
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Where the engine runs and how much it holds at once."""
+
+    device: str = "cpu"
+    max_running: int = 8  # requests decoding together; each owns a KV-cache slot
+    max_len: int = 2048  # tokens per request (prompt + output)
+
+    def __post_init__(self) -> None:
+        if self.max_running < 1:
+            raise ValueError(f"max_running must be at least 1, got {self.max_running}")
+        if self.max_len < 2:
+            raise ValueError(f"max_len must be at least 2, got {self.max_len}")
+
+
+@dataclass
+class StepOutput:
+    """What one step did for one request."""
+
+    request: Request
+    new_ids: list[int]
+
+
+@dataclass
+class GenerationResult:
+    """A finished request, as ``agentflash generate --json`` prints it."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    stats: dict[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        calls, _ = parse_tool_calls(self.text)
+        return {"text": self.text, "token_ids": self.token_ids,
+                "tool_calls": [c.to_dict() for c in calls],
+                "finish_reason": self.finish_reason, "stats": self.stats}
+
+
+class Engine:
+    """Owns the model, its KV cache and the scheduler; ``step()`` runs one target forward."""
+
+    def __init__(self, model, tokenizer, config: EngineConfig = EngineConfig(),
+                 model_dir: Path | None = None):
+        self.model, self.tokenizer, self.config, self.model_dir = model, tokenizer, config, model_dir
+        max_len = min(config.max_len, model.cfg.max_position_embeddings)
+        dtype = next(model.parameters()).dtype
+        self.cache = KVCache(model.cfg, config.max_running, max_len, torch.device(config.device), dtype)
+        self.runner = ModelRunner(model, self.cache)
+        self.scheduler = Scheduler(SchedulerConfig(config.max_running, max_len), self.cache)
+        self.eos_ids = end_of_turn_ids(tokenizer)
+        self._inbox: deque[Request] = deque()  # filled from any thread, drained by step()
+        self._cancels: deque[Request] = deque()
+
+    @classmethod
+    def from_pretrained(cls, model: str | Path = "demo", config: EngineConfig = EngineConfig()) -> Engine:
+        """Load a Hugging Face causal-LM directory (or ``demo``) with its tokenizer."""
+        from agentflash.models.loading import load_model, load_tokenizer
+
+        net, _, model_dir = load_model(model, device=config.device)
+        return cls(net, load_tokenizer(model_dir), config, model_dir)
+
+    # --- prompts ---------------------------------------------------------------------------
+
+    def chat_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """Token ids of ``messages`` under the model's chat template, ready for the reply."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise UserError(f"{self.model_dir}: the tokenizer has no chat template")
+        text = self.tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
+                                                  add_generation_prompt=True)
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    # --- requests --------------------------------------------------------------------------
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams) -> Request:
+        """Queue a request; safe to call from any thread."""
+        if not prompt_ids:
+            raise UserError("the prompt is empty")
+        limit = self.scheduler.cfg.max_len
+        if len(prompt_ids) + 1 > limit:
+            raise UserError(f"the prompt has {len(prompt_ids)} tokens; this engine holds {limit} per request")
+        req = Request(prompt_ids, params)
+        self._inbox.append(req)
+        return req
+
+    def cancel(self, req: Request) -> None:
+        """Stop a request at the next step and free its cache slot; safe from any thread."""
+        self._cancels.append(req)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._inbox or self._cancels or self.scheduler.has_work)
+
+    def step(self) -> list[StepOutput]:
+        """One scheduling decision and one target forward; returns the tokens it produced."""
+        self._drain_inbox()
+        batch, is_prefill = self.scheduler.schedule()
+        if not batch:
+            return []
+        rows = [Row(r.slot, r.num_cached, r.uncached_ids()) for r in batch]
+        logits = self.runner.forward(rows, last_only=True).logits[:, -1]  # [B, V]
+        outputs = []
+        for req, row, row_logits in zip(batch, rows, logits):
+            req.num_cached += len(row.tokens)
+            req.stats.target_forwards += 0 if is_prefill else 1
+            token = sample(row_logits, req.params.temperature, req.params.top_p, req.generator)
+            outputs.append(StepOutput(req, self.append_tokens(req, [token])))
+        return outputs
+
+    def _drain_inbox(self) -> None:
+        while self._inbox:
+            self.scheduler.add(self._inbox.popleft())
+        while self._cancels:
+            req = self._cancels.popleft()
+            if not req.is_finished:
+                req.finish_reason = FinishReason.CANCELLED
+                self._finish(req)
+
+    def append_tokens(self, req: Request, tokens: list[int]) -> list[int]:
+        """Commit ``tokens`` one by one, stopping where plain decoding would stop.
+
+        Returns the tokens actually committed (a prefix of ``tokens``).
+        """
+        params = req.params
+        for n, token in enumerate(tokens, start=1):
+            req.output_ids.append(token)
+            if req.stats.first_token_at is None:
+                req.stats.first_token_at = time.perf_counter()
+            if self._hits_stop(req, token):
+                req.finish_reason = FinishReason.STOP
+            elif len(req.output_ids) >= params.max_tokens or req.num_tokens >= self.scheduler.cfg.max_len:
+                req.finish_reason = FinishReason.LENGTH
+            if req.finish_reason is not None:
+                self._finish(req)
+                return tokens[:n]
+        return tokens
+
+    def _hits_stop(self, req: Request, token: int) -> bool:
+        params = req.params
+        if token in params.stop_token_ids or (token in self.eos_ids and not params.ignore_eos):
+            return True
+        if not params.stop:
+            return False
+        text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True)
+        cuts = [i for i in (text.find(s) for s in params.stop) if i >= 0]
+        if cuts:
+            req.stop_text_len = min(cuts)
+            return True
+        return False
+
+    def _finish(self, req: Request) -> None:
+        req.stats.finished_at = time.perf_counter()
+        self.scheduler.finish(req)
+
+    # --- results ---------------------------------------------------------------------------
+
+    def result(self, req: Request) -> GenerationResult:
+        """The finished request as text, token ids and stats."""
+        assert req.status is Status.FINISHED and req.finish_reason is not None
+        text = Detokenizer(self.tokenizer).text(req.output_ids)
+        if req.stop_text_len is not None:
+            text = text[: req.stop_text_len]
+        return GenerationResult(text, list(req.output_ids), req.finish_reason.value, request_stats(req))
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationResult:
+        """Run one request to completion (other queued requests advance with it)."""
+        req = self.submit(prompt_ids, params)
+        while not req.is_finished:
+            self.step()
+        return self.result(req)
+
+
+def end_of_turn_ids(tokenizer) -> set[int]:
+    """Token ids that end an assistant turn: the tokenizer's eos and the chat end markers."""
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    for marker in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>"):
+        token_id = tokenizer.convert_tokens_to_ids(marker)
+        if isinstance(token_id, int) and token_id != tokenizer.unk_token_id:
+            ids.add(token_id)
+    return ids
+
+
+def request_stats(req: Request) -> dict[str, Any]:
+    s = req.stats
+    end = s.finished_at or time.perf_counter()
+    wall = end - s.started
+    new = len(req.output_ids)
+    return {
+        "mode": s.mode,
+        "prompt_tokens": len(req.prompt_ids),
+        "new_tokens": new,
+        "target_forwards": s.target_forwards,
+        "draft_forwards": s.draft_forwards,
+        "tau": round(new / s.target_forwards, 3) if s.target_forwards else float(new),
+        "wall_s": round(wall, 4),
+        "tokens_per_s": round(new / wall, 2) if wall > 0 else 0.0,
+        "segments": [],
+    }

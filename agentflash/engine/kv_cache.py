@@ -1,0 +1,35 @@
+"""A slot-based KV cache: every running request owns one slot of ``max_len`` positions.
+
+Cropping a request's cache (after a rejected draft) is setting its length; nothing moves.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from agentflash.models.qwen3 import LayerCache, ModelConfig
+
+
+class KVCache:
+    def __init__(self, cfg: ModelConfig, num_slots: int, max_len: int,
+                 device: torch.device, dtype: torch.dtype):
+        shape = (num_slots, cfg.num_kv_heads, max_len, cfg.head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
+        self.num_slots, self.max_len = num_slots, max_len
+        self._free = list(range(num_slots - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self) -> int:
+        assert self._free, "allocate() called with no free slot"
+        return self._free.pop()
+
+    def release(self, slot: int) -> None:
+        assert slot not in self._free, f"slot {slot} released twice"
+        self._free.append(slot)
+
+    def layer_views(self, slots: torch.Tensor, write_pos: torch.Tensor, attend_len: int) -> list[LayerCache]:
+        return [LayerCache(k, v, slots, write_pos, attend_len) for k, v in zip(self.k, self.v)]

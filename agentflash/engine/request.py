@@ -1,0 +1,100 @@
+"""A request, its sampling parameters and its run-time state."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request decodes. Checked when built; a bad value names its field."""
+
+    max_tokens: int = 256
+    temperature: float = 0.0  # 0 means greedy
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()  # stop strings; the text ends before the first one written
+    stop_token_ids: tuple[int, ...] = ()  # in addition to the tokenizer's end-of-turn tokens
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if not 0.0 <= self.temperature <= 10.0:
+            raise ValueError(f"temperature must be in [0, 10], got {self.temperature!r}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"stop must hold non-empty strings, got {self.stop!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"  # an end-of-turn token or a stop string
+    LENGTH = "length"  # max_tokens reached
+    CANCELLED = "cancelled"
+
+
+_ids = itertools.count()
+
+
+@dataclass
+class RequestStats:
+    """Counts the engine keeps for one request (decode phase; the prefill is not counted)."""
+
+    mode: str = "plain"
+    target_forwards: int = 0
+    draft_forwards: int = 0
+    started: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    finished_at: float | None = None
+
+
+class Request:
+    """One generation: prompt, parameters, the tokens produced so far and its cache slot."""
+
+    def __init__(self, prompt_ids: list[int], params: SamplingParams):
+        self.id = next(_ids)
+        self.prompt_ids = list(prompt_ids)
+        self.params = params
+        self.output_ids: list[int] = []
+        self.status = Status.WAITING
+        self.finish_reason: FinishReason | None = None
+        self.slot: int | None = None
+        self.num_cached = 0  # tokens whose keys/values are in the cache
+        self.stop_text_len: int | None = None  # where a stop string cut the text
+        self.stats = RequestStats()
+        self.generator: torch.Generator | None = None
+        if not params.is_greedy:
+            self.generator = torch.Generator()
+            self.generator.manual_seed(params.seed if params.seed is not None else torch.seed())
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def uncached_ids(self) -> list[int]:
+        """Tokens the next target forward must feed (prompt on prefill, then the last token)."""
+        return self.all_ids[self.num_cached :]

@@ -1,0 +1,26 @@
+"""Choosing the next token from logits: greedy, or temperature and top-p with a seeded generator."""
+
+from __future__ import annotations
+
+import torch
+
+
+def sample(logits: torch.Tensor, temperature: float, top_p: float,
+           generator: torch.Generator | None) -> int:
+    """One token from ``logits`` [V]."""
+    if temperature == 0.0:
+        return int(logits.argmax())
+    probs = probabilities(logits, temperature, top_p)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def probabilities(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """The distribution sampling draws from: softmax(logits / T), cut to the top-p nucleus."""
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        outside = sorted_probs.cumsum(-1) - sorted_probs > top_p  # keeps the token that crosses
+        sorted_probs[outside] = 0.0
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+        probs /= probs.sum()
+    return probs

@@ -1,0 +1,52 @@
+"""Which requests run in the next step: admission under limits, prefill first, then decode."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from agentflash.engine.kv_cache import KVCache
+from agentflash.engine.request import Request, Status
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Limits that keep the engine alive under load."""
+
+    max_running: int = 8  # requests decoding at once (each holds one cache slot)
+    max_len: int = 2048  # prompt + output tokens of one request (one cache slot)
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig, cache: KVCache):
+        self.cfg, self.cache = cfg, cache
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> tuple[list[Request], bool]:
+        """The batch of this step and whether it is a prefill."""
+        if self.waiting and self.cache.num_free and len(self.running) < self.cfg.max_running:
+            req = self.waiting.popleft()
+            req.slot = self.cache.allocate()
+            req.status = Status.RUNNING
+            self.running.append(req)
+            return [req], True
+        return list(self.running), False
+
+    def finish(self, req: Request) -> None:
+        """Free a finished or cancelled request's slot."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        if req.slot is not None:
+            self.cache.release(req.slot)
+            req.slot = None
+        req.status = Status.FINISHED

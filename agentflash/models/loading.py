@@ -1,0 +1,101 @@
+"""Load a Hugging Face causal-LM directory (or the bundled demo) into the engine's decoder."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from agentflash.errors import UserError
+from agentflash.models.qwen3 import ModelConfig, Qwen3Model
+
+DEMO_DIR = Path(__file__).resolve().parent.parent / "assets" / "demo"
+
+
+def resolve_model_dir(name_or_path: str | Path) -> Path:
+    """``demo`` names the bundled model; anything else is a directory path."""
+    if str(name_or_path) == "demo":
+        return DEMO_DIR / "target"
+    path = Path(name_or_path).expanduser()
+    if not path.exists():
+        raise UserError(f"{path}: model directory does not exist")
+    if not path.is_dir():
+        raise UserError(f"{path}: is not a directory (expected a Hugging Face model directory)")
+    return path
+
+
+def read_json(path: Path, what: str) -> dict[str, Any]:
+    if not path.exists():
+        raise UserError(f"{path}: missing {what}")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise UserError(f"{path}:{err.lineno}: malformed JSON in {what}: {err.msg}") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{path}: {what} must be a JSON object")
+    return data
+
+
+def load_config(model_dir: Path) -> tuple[ModelConfig, dict[str, Any]]:
+    raw = read_json(model_dir / "config.json", "config.json")
+    try:
+        return ModelConfig.from_hf(raw), raw
+    except ValueError as err:
+        raise UserError(f"{model_dir / 'config.json'}: {err}") from None
+
+
+def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
+    """Tensors of ``model.safetensors`` or of every shard listed in its index."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    single = model_dir / "model.safetensors"
+    index = model_dir / "model.safetensors.index.json"
+    if single.exists():
+        files = [single]
+    elif index.exists():
+        shards = read_json(index, "safetensors index").get("weight_map", {})
+        files = [model_dir / name for name in sorted(set(shards.values()))]
+    else:
+        raise UserError(f"{model_dir}: no model.safetensors (or model.safetensors.index.json)")
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        try:
+            state.update(load_file(file))
+        except (SafetensorError, OSError) as err:
+            raise UserError(f"{file}: cannot read safetensors: {err}") from None
+    return state
+
+
+def load_model(name_or_path: str | Path, device: str | torch.device = "cpu",
+               dtype: torch.dtype | None = None) -> tuple[Qwen3Model, dict[str, Any], Path]:
+    """Build the decoder for a model directory and load its weights."""
+    model_dir = resolve_model_dir(name_or_path)
+    cfg, raw = load_config(model_dir)
+    state = load_state_dict(model_dir)
+    attn_bias = any(k.endswith("self_attn.q_proj.bias") for k in state)
+    model = Qwen3Model(cfg, attn_bias=attn_bias)
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    result = model.load_state_dict(state, strict=False)
+    missing = [k for k in result.missing_keys if not (cfg.tie_word_embeddings and k == "lm_head.weight")]
+    if missing or result.unexpected_keys:
+        problem = f"missing weights {missing[:3]}" if missing else f"unexpected weights {result.unexpected_keys[:3]}"
+        raise UserError(f"{model_dir}: weights do not match config.json: {problem}")
+    if dtype is None:
+        dtype = torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
+    return model.to(device=device, dtype=dtype).eval(), raw, model_dir
+
+
+def load_tokenizer(model_dir: Path):  # -> transformers.PreTrainedTokenizerBase
+    """The directory's tokenizer; a clear error if it is missing or unreadable."""
+    from transformers import AutoTokenizer
+
+    if not (model_dir / "tokenizer.json").exists() and not (model_dir / "tokenizer_config.json").exists():
+        raise UserError(f"{model_dir}: no tokenizer (tokenizer.json or tokenizer_config.json)")
+    try:
+        return AutoTokenizer.from_pretrained(model_dir)
+    except Exception as err:  # transformers raises many kinds here; name the directory once
+        raise UserError(f"{model_dir}: cannot load tokenizer: {err}") from None

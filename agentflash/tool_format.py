@@ -1,0 +1,52 @@
+"""The Qwen3/Hermes tool-call format: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+_CALL = re.compile(re.escape(OPEN) + r"(.*?)" + re.escape(CLOSE), re.DOTALL)
+
+
+@dataclass(frozen=True)
+class ParsedToolCall:
+    name: str
+    arguments: dict[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "arguments": self.arguments}
+
+
+@dataclass(frozen=True)
+class MalformedToolCall:
+    body: str
+    error: str
+
+
+def parse_tool_calls(text: str) -> tuple[list[ParsedToolCall], list[MalformedToolCall]]:
+    """Every closed ``<tool_call>`` block of ``text``: the well-formed calls and the malformed ones."""
+    calls, bad = [], []
+    for match in _CALL.finditer(text):
+        body = match.group(1).strip()
+        try:
+            obj = json.loads(body)
+        except json.JSONDecodeError as err:
+            bad.append(MalformedToolCall(body, f"invalid JSON: {err.msg}"))
+            continue
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            bad.append(MalformedToolCall(body, 'expected an object with a string "name"'))
+            continue
+        args = obj.get("arguments", {})
+        if not isinstance(args, dict):
+            bad.append(MalformedToolCall(body, '"arguments" must be an object'))
+            continue
+        calls.append(ParsedToolCall(obj["name"], args))
+    return calls, bad
+
+
+def text_outside_calls(text: str) -> str:
+    """The text of a reply with its tool-call blocks removed."""
+    return _CALL.sub("", text).strip()
