@@ -9,7 +9,6 @@ import torch
 
 from agentflash.models.loading import DEMO_DIR
 
-torch.set_num_threads(2)
 
 
 def save_tiny_qwen3(path: Path, vocab_size: int, seed: int = 0, **overrides) -> Path:

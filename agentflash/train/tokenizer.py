@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -56,13 +57,17 @@ def _tojson(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
+@lru_cache(maxsize=1)
+def _template() -> jinja2.Template:
+    env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+    env.filters["tojson"] = _tojson
+    return env.from_string(CHAT_TEMPLATE)
+
+
 def render(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
            add_generation_prompt: bool = False) -> str:
     """Render a conversation with the chat template, without needing a tokenizer."""
-    env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
-    env.filters["tojson"] = _tojson
-    template = env.from_string(CHAT_TEMPLATE)
-    return template.render(messages=messages, tools=tools or None,
+    return _template().render(messages=messages, tools=tools or None,
                            add_generation_prompt=add_generation_prompt)
 
 

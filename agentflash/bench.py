@@ -1,0 +1,148 @@
+"""``agentflash bench``: decoding modes and their peers side by side, in one run, on one model.
+
+Prompts are held out from the demo model's training corpus (other seeds of the same generators),
+grouped in suites by kind of text. Every row decodes the same prompts greedily; the table reports
+tokens/s, the ratio to plain decoding, tau and whether the output equals plain greedy output.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from agentflash.engine.engine import Engine
+from agentflash.engine.request import SamplingParams
+from agentflash.errors import UserError
+from agentflash.train import corpus
+
+SUITES = ("tool_call", "code", "math", "prose")
+HELD_OUT_SEED = 1_000_003  # the training corpus uses seed 0
+
+
+@dataclass(frozen=True)
+class Prompt:
+    kind: str
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]]
+    expected: list[dict[str, Any]] | None = None  # the corpus' tool calls, for tool_call prompts
+
+
+def held_out_prompts(kind: str, num: int, seed: int = HELD_OUT_SEED) -> list[Prompt]:
+    """``num`` conversations of ``kind`` cut before their first assistant turn."""
+    if kind not in corpus.KINDS:
+        raise UserError(f"unknown suite {kind!r} (known: {', '.join(SUITES)})")
+    rng = random.Random(seed + SUITES.index(kind))
+    prompts = []
+    while len(prompts) < num:
+        convo = corpus.KINDS[kind](rng)
+        msgs = convo["messages"]
+        first = next(i for i, m in enumerate(msgs) if m["role"] == "assistant")
+        calls = msgs[first].get("tool_calls")
+        if kind == "tool_call" and not calls:
+            continue  # keep the suite about writing calls
+        prompts.append(Prompt(kind, msgs[:first], convo["tools"], calls))
+    return prompts
+
+
+def _time_engine(engine: Engine, ids: list[int], max_tokens: int) -> tuple[list[int], float, int]:
+    t0 = time.perf_counter()
+    result = engine.generate(ids, SamplingParams(max_tokens=max_tokens))
+    return result.token_ids, time.perf_counter() - t0, result.stats["target_forwards"]
+
+
+def _time_hf(hf_model, ids: list[int], max_tokens: int, eos: list[int], **kwargs) -> tuple[list[int], float]:
+    inputs = torch.tensor([ids])
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = hf_model.generate(inputs, attention_mask=torch.ones_like(inputs), do_sample=False,
+                                max_new_tokens=max_tokens, eos_token_id=eos, pad_token_id=eos[0],
+                                **kwargs)
+    return out[0, len(ids):].tolist(), time.perf_counter() - t0
+
+
+def run(model: str, suites: list[str], num_prompts: int, max_tokens: int) -> dict[str, Any]:
+    """Every row on every suite; returns ``{"rows": [...], "config": {...}}``."""
+    from transformers import AutoModelForCausalLM
+
+    engine = Engine.from_pretrained(model)
+    hf_model = AutoModelForCausalLM.from_pretrained(engine.model_dir, dtype=torch.float32).eval()
+    eos = sorted(engine.eos_ids)
+    rows = []
+    for suite in suites:
+        prompts = [engine.chat_prompt(p.messages, p.tools) for p in held_out_prompts(suite, num_prompts)]
+        _time_engine(engine, prompts[0], 8)  # warm-up: first-call allocations
+        plain = [_time_engine(engine, ids, max_tokens) for ids in prompts]
+        ref = [tokens for tokens, _, _ in plain]
+        rows.append(_row(suite, "plain", ref, ref, [t for _, t, _ in plain], [f for _, _, f in plain]))
+        peers = {"transformers": {}, "prompt_lookup": {"prompt_lookup_num_tokens": 10}}
+        for name, kwargs in peers.items():
+            outs = [_time_hf(hf_model, ids, max_tokens, eos, **kwargs) for ids in prompts]
+            rows.append(_row(suite, name, [o for o, _ in outs], ref, [t for _, t in outs], None))
+    for row in rows:
+        base = next(r for r in rows if r["suite"] == row["suite"] and r["mode"] == "plain")
+        row["ratio_to_plain"] = round(row["tokens_per_s"] / base["tokens_per_s"], 3)
+    return {"config": {"model": model, "num_prompts": num_prompts, "max_tokens": max_tokens,
+                       "threads": torch.get_num_threads()}, "rows": rows}
+
+
+def _row(suite: str, mode: str, outputs: list[list[int]], reference: list[list[int]],
+         seconds: list[float], forwards: list[int] | None) -> dict[str, Any]:
+    tokens = sum(len(o) for o in outputs)
+    return {
+        "suite": suite,
+        "mode": mode,
+        "new_tokens": tokens,
+        "tokens_per_s": round(tokens / sum(seconds), 2),
+        "tau": round(tokens / sum(forwards), 3) if forwards and sum(forwards) else None,
+        "identical_to_plain": all(_same(o, r) for o, r in zip(outputs, reference)),
+    }
+
+
+def _same(output: list[int], reference: list[int]) -> bool:
+    # transformers stops after the eos token too, and pads nothing at batch size 1
+    return output == reference
+
+
+def print_table(report: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"agentflash bench ({report['config']['model']}, "
+                        f"{report['config']['num_prompts']} prompts/suite, greedy)")
+    for col in ("suite", "mode", "tokens", "tokens/s", "x plain", "tau", "identical"):
+        table.add_column(col, justify="right" if col not in ("suite", "mode") else "left")
+    for r in report["rows"]:
+        table.add_row(r["suite"], r["mode"], str(r["new_tokens"]), f"{r['tokens_per_s']:.1f}",
+                      f"{r['ratio_to_plain']:.2f}", "-" if r["tau"] is None else f"{r['tau']:.2f}",
+                      "yes" if r["identical_to_plain"] else "NO")
+    Console().print(table)
+
+
+def eval_tool_calls(model: str, num: int, max_tokens: int = 256) -> dict[str, Any]:
+    """Unconstrained greedy replies to held-out tool requests, scored by what they get right."""
+    import jsonschema
+
+    from agentflash.tool_format import parse_tool_calls
+
+    engine = Engine.from_pretrained(model)
+    counts = {"prompts": 0, "wrote_call": 0, "valid_json": 0, "known_name": 0,
+              "arguments_valid": 0, "exact_match": 0}
+    for p in held_out_prompts("tool_call", num):
+        result = engine.generate(engine.chat_prompt(p.messages, p.tools), SamplingParams(max_tokens=max_tokens))
+        calls, bad = parse_tool_calls(result.text)
+        schemas = {t["function"]["name"]: t["function"]["parameters"] for t in p.tools}
+        counts["prompts"] += 1
+        counts["wrote_call"] += bool(calls or bad)
+        counts["valid_json"] += bool(calls) and not bad
+        known = bool(calls) and not bad and all(c.name in schemas for c in calls)
+        counts["known_name"] += known
+        if known:
+            valid = all(jsonschema.Draft202012Validator(schemas[c.name]).is_valid(c.arguments) for c in calls)
+            counts["arguments_valid"] += valid
+            counts["exact_match"] += [c.to_dict() for c in calls] == p.expected
+    rates = {k: round(v / counts["prompts"], 3) for k, v in counts.items() if k != "prompts"}
+    return {"model": model, "counts": counts, "rates": rates}

@@ -1,0 +1,140 @@
+"""The ``agentflash`` command line: thin wrappers that parse flags into the library's objects."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from agentflash.errors import UserError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Agents and tool calls on an engine that makes structured output fast.")
+train_app = typer.Typer(no_args_is_help=True, help="Train the demo tokenizer, target and drafter.")
+app.add_typer(train_app, name="train")
+
+
+def fail(message: str) -> None:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(2)
+
+
+ModelOpt = Annotated[str, typer.Option("--model", help="'demo' or a Hugging Face model directory")]
+
+
+@app.command()
+def generate(
+    prompt: Annotated[Optional[str], typer.Option(help="user message")] = None,
+    messages: Annotated[Optional[Path], typer.Option(help="chat messages (JSON list)")] = None,
+    tools: Annotated[Optional[Path], typer.Option(help="OpenAI tools list (JSON)")] = None,
+    requests: Annotated[Optional[Path], typer.Option(help="one request per JSON line")] = None,
+    model: ModelOpt = "demo",
+    max_tokens: Annotated[Optional[int], typer.Option("--max-tokens")] = None,
+    temperature: Annotated[Optional[float], typer.Option()] = None,
+    top_p: Annotated[Optional[float], typer.Option("--top-p")] = None,
+    seed: Annotated[Optional[int], typer.Option()] = None,
+    stop: Annotated[Optional[list[str]], typer.Option(help="stop string (repeatable)")] = None,
+    mode: Annotated[str, typer.Option(help="plain | auto")] = "auto",
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object per request")] = False,
+) -> None:
+    """Generate a reply with the embedded engine."""
+    from agentflash import inputs
+
+    try:
+        if mode not in ("plain", "auto"):
+            raise UserError(f"--mode must be plain or auto, got {mode!r}")
+        defaults = {"max_tokens": max_tokens if max_tokens is not None else 256,
+                    "temperature": temperature, "top_p": top_p, "seed": seed, "stop": stop}
+        if tools is not None:
+            defaults["tools"] = inputs.load_tools(tools)
+        if requests is not None:
+            if prompt is not None or messages is not None:
+                raise UserError("--requests cannot be combined with --prompt or --messages")
+            todo = inputs.load_requests(requests, defaults)
+        else:
+            if (prompt is None) == (messages is None):
+                raise UserError("give exactly one of --prompt, --messages or --requests")
+            if messages is not None:
+                defaults["messages"] = inputs.load_messages(messages)
+            else:
+                defaults["prompt"] = prompt
+            todo = [inputs.make_input(defaults, "command line")]
+        engine = _load_engine(model)
+        for item in todo:
+            result = engine.generate(engine.chat_prompt(item.messages, item.tools), item.params)
+            if as_json:
+                typer.echo(json.dumps(result.to_dict()))
+            else:
+                typer.echo(result.text)
+    except UserError as err:
+        fail(str(err))
+
+
+def _load_engine(model: str):
+    from agentflash.engine.engine import Engine
+
+    return Engine.from_pretrained(model)
+
+
+@app.command()
+def bench(
+    model: ModelOpt = "demo",
+    suites: Annotated[str, typer.Option(help="comma-separated: tool_call,code,math,prose")] = "tool_call,code,math,prose",
+    num_prompts: Annotated[int, typer.Option("--num-prompts", help="prompts per suite")] = 4,
+    max_tokens: Annotated[int, typer.Option("--max-tokens")] = 128,
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """Side-by-side speed of the engine and its peers on held-out prompts."""
+    from agentflash import bench as bench_mod
+
+    try:
+        names = [s.strip() for s in suites.split(",") if s.strip()]
+        report = bench_mod.run(model, names, num_prompts, max_tokens)
+    except UserError as err:
+        fail(str(err))
+    if as_json:
+        typer.echo(json.dumps(report, indent=2))
+    else:
+        bench_mod.print_table(report)
+
+
+@app.command("eval-tool-calls")
+def eval_tool_calls(
+    model: ModelOpt = "demo",
+    num: Annotated[int, typer.Option(help="held-out conversations")] = 100,
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """How often the model, unconstrained, writes a valid call naming a tool it was given."""
+    from agentflash import bench as bench_mod
+
+    try:
+        report = bench_mod.eval_tool_calls(model, num)
+    except UserError as err:
+        fail(str(err))
+    typer.echo(json.dumps(report, indent=None if as_json else 2))
+
+
+@train_app.command("target")
+def train_target(
+    out: Annotated[Path, typer.Option(help="output directory (resumes if it holds checkpoints)")],
+    steps: Annotated[int, typer.Option()] = 1800,
+) -> None:
+    """Train the demo tokenizer and target on the synthetic agent corpus."""
+    from agentflash.train.target import TargetTrainConfig, train_target as run
+
+    run(out, TargetTrainConfig(steps=steps))
+
+
+def main() -> None:
+    try:
+        app()
+    except UserError as err:  # raised outside a command's own handling
+        typer.echo(f"error: {err}", err=True)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""User input files (chat messages, OpenAI tools, request lists), checked with errors that name
+the file, line and field."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from agentflash.engine.request import SamplingParams
+from agentflash.errors import UserError
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+@dataclass(frozen=True)
+class GenerateInput:
+    """One generation as the CLI and the bench describe it."""
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] = field(default_factory=list)
+    params: SamplingParams = SamplingParams()
+
+
+def read_json_file(path: Path, what: str) -> Any:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise UserError(f"{path}: {what} file does not exist") from None
+    except OSError as err:
+        raise UserError(f"{path}: cannot read {what} file: {err.strerror}") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise UserError(f"{path}:{err.lineno}:{err.colno}: malformed JSON: {err.msg}") from None
+
+
+def check_messages(messages: Any, where: str) -> list[dict[str, Any]]:
+    if not isinstance(messages, list) or not messages:
+        raise UserError(f"{where}: messages must be a non-empty JSON list")
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict):
+            raise UserError(f"{where}: messages[{i}] must be an object")
+        if msg.get("role") not in ROLES:
+            raise UserError(f"{where}: messages[{i}].role must be one of {', '.join(ROLES)}, "
+                            f"got {msg.get('role')!r}")
+        content = msg.get("content")
+        if content is None and msg.get("tool_calls"):
+            continue
+        if not isinstance(content, str):
+            raise UserError(f"{where}: messages[{i}].content must be a string")
+    return messages
+
+
+def check_tools(tools: Any, where: str) -> list[dict[str, Any]]:
+    """An OpenAI ``tools`` list: ``[{"type": "function", "function": {"name", "parameters"}}]``."""
+    if not isinstance(tools, list):
+        raise UserError(f"{where}: tools must be a JSON list")
+    names = set()
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(fn, dict):
+            raise UserError(f"{where}: tools[{i}] must be {{\"type\": \"function\", \"function\": {{...}}}}")
+        name = fn.get("name")
+        if not isinstance(name, str) or not name:
+            raise UserError(f"{where}: tools[{i}].function.name must be a non-empty string")
+        if name in names:
+            raise UserError(f"{where}: tools[{i}].function.name {name!r} is listed twice")
+        names.add(name)
+        params = fn.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(params, dict):
+            raise UserError(f"{where}: tools[{i}].function.parameters must be a JSON Schema object")
+    return tools
+
+
+def load_messages(path: Path) -> list[dict[str, Any]]:
+    return check_messages(read_json_file(path, "messages"), str(path))
+
+
+def load_tools(path: Path) -> list[dict[str, Any]]:
+    return check_tools(read_json_file(path, "tools"), str(path))
+
+
+PARAM_FIELDS = ("max_tokens", "temperature", "top_p", "seed", "stop")
+REQUEST_FIELDS = ("prompt", "messages", "tools") + PARAM_FIELDS
+
+
+def make_params(values: dict[str, Any], where: str) -> SamplingParams:
+    fields = {k: v for k, v in values.items() if k in PARAM_FIELDS and v is not None}
+    if isinstance(fields.get("stop"), str):
+        fields["stop"] = (fields["stop"],)
+    if "stop" in fields:
+        fields["stop"] = tuple(fields["stop"])
+    try:
+        return SamplingParams(**fields)
+    except (TypeError, ValueError) as err:
+        raise UserError(f"{where}: {err}") from None
+
+
+def make_input(values: dict[str, Any], where: str) -> GenerateInput:
+    """A request from ``prompt`` or ``messages``, ``tools`` and sampling fields."""
+    unknown = sorted(set(values) - set(REQUEST_FIELDS))
+    if unknown:
+        raise UserError(f"{where}: unknown field {unknown[0]!r} (known: {', '.join(REQUEST_FIELDS)})")
+    prompt, messages = values.get("prompt"), values.get("messages")
+    if (prompt is None) == (messages is None):
+        raise UserError(f"{where}: give exactly one of 'prompt' and 'messages'")
+    if prompt is not None:
+        if not isinstance(prompt, str) or not prompt:
+            raise UserError(f"{where}: prompt must be a non-empty string")
+        messages = [{"role": "user", "content": prompt}]
+    messages = check_messages(messages, where)
+    tools = check_tools(values.get("tools") or [], where)
+    return GenerateInput(messages, tools, make_params(values, where))
+
+
+def load_requests(path: Path, defaults: dict[str, Any]) -> list[GenerateInput]:
+    """One request per JSON line; ``defaults`` fill the fields a line does not set."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        raise UserError(f"{path}: requests file does not exist") from None
+    requests = []
+    for lineno, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{lineno}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise UserError(f"{where}: malformed JSON: {err.msg}") from None
+        if not isinstance(obj, dict):
+            raise UserError(f"{where}: each line must be a JSON object")
+        merged = {k: v for k, v in defaults.items() if v is not None and k not in obj}
+        if "prompt" in obj or "messages" in obj:
+            merged.pop("prompt", None)
+            merged.pop("messages", None)
+        requests.append(make_input({**merged, **obj}, where))
+    if not requests:
+        raise UserError(f"{path}: no requests in the file")
+    return requests

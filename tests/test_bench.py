@@ -1,0 +1,25 @@
+"""The benchmark's held-out suites and its side-by-side rows (behaviour only, never timings)."""
+
+from agentflash import bench
+from agentflash.train import corpus
+
+
+def test_held_out_prompts_end_before_the_reply_and_differ_from_training():
+    train = corpus.generate(corpus.CorpusConfig(num_tool_call=200, num_code=0, num_math=0, num_prose=0))
+    train_requests = {c["messages"][1]["content"] for c in train}
+    for suite in bench.SUITES:
+        prompts = bench.held_out_prompts(suite, 5)
+        assert len(prompts) == 5 and all(p.messages[-1]["role"] == "user" for p in prompts)
+    tool_prompts = bench.held_out_prompts("tool_call", 20)
+    assert all(p.expected for p in tool_prompts)
+    assert not {p.messages[-1]["content"] for p in tool_prompts} & train_requests
+
+
+def test_rows_are_side_by_side_and_peers_match_plain_greedy(tiny_model_dir):
+    report = bench.run(str(tiny_model_dir), ["tool_call", "math"], num_prompts=1, max_tokens=6)
+    modes = [(r["suite"], r["mode"]) for r in report["rows"]]
+    assert modes == [(s, m) for s in ("tool_call", "math") for m in ("plain", "transformers", "prompt_lookup")]
+    for row in report["rows"]:
+        assert row["identical_to_plain"], row
+        assert row["tokens_per_s"] > 0
+    assert all(r["ratio_to_plain"] == 1.0 for r in report["rows"] if r["mode"] == "plain")

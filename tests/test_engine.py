@@ -1,0 +1,122 @@
+"""Plain decoding in the engine against transformers, and its stop rules."""
+
+import anyio
+import pytest
+import torch
+
+from agentflash.engine.async_engine import AsyncEngine, FinishEvent, TokenEvent
+from agentflash.engine.engine import Engine, EngineConfig
+from agentflash.engine.request import SamplingParams
+from agentflash.errors import UserError
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    return Engine.from_pretrained(tiny_model_dir, EngineConfig(max_running=4, max_len=512))
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+
+def prompts(engine, n=4):
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(10, 4000, (int(torch.randint(3, 60, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+def hf_greedy(hf, ids, max_new):
+    out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                      do_sample=False, max_new_tokens=max_new, eos_token_id=None, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+def test_greedy_equals_transformers_generate(engine, hf):
+    for ids in prompts(engine):
+        got = engine.generate(ids, SamplingParams(max_tokens=24, ignore_eos=True)).token_ids
+        assert got == hf_greedy(hf, ids, 24)
+
+
+def test_batched_requests_decode_as_if_alone(engine):
+    ps = prompts(engine, 4)
+    alone = [engine.generate(ids, SamplingParams(max_tokens=20, ignore_eos=True)).token_ids for ids in ps]
+    reqs = [engine.submit(ids, SamplingParams(max_tokens=20, ignore_eos=True)) for ids in ps]
+    while engine.has_work:
+        engine.step()
+    assert [engine.result(r).token_ids for r in reqs] == alone
+    assert engine.cache.num_free == engine.cache.num_slots
+
+
+def test_sampling_is_reproducible_with_a_seed_and_varies_without(engine):
+    ids = prompts(engine, 1)[0]
+    params = SamplingParams(max_tokens=30, temperature=1.5, seed=7, ignore_eos=True)
+    a = engine.generate(ids, params).token_ids
+    assert engine.generate(ids, params).token_ids == a
+    other = {tuple(engine.generate(ids, SamplingParams(max_tokens=30, temperature=1.5, seed=s,
+                                                       ignore_eos=True)).token_ids) for s in range(4)}
+    assert len(other) > 1
+
+
+def test_max_tokens_and_stop_token(engine):
+    ids = prompts(engine, 1)[0]
+    free = engine.generate(ids, SamplingParams(max_tokens=12, ignore_eos=True))
+    assert len(free.token_ids) == 12 and free.finish_reason == "length"
+    stop_at = free.token_ids[5]
+    first = free.token_ids.index(stop_at)
+    stopped = engine.generate(ids, SamplingParams(max_tokens=12, stop_token_ids=(stop_at,)))
+    assert stopped.token_ids == free.token_ids[: first + 1] and stopped.finish_reason == "stop"
+
+
+def test_stop_string_cuts_text_where_it_starts(engine):
+    ids = prompts(engine, 1)[0]
+    free = engine.generate(ids, SamplingParams(max_tokens=16, ignore_eos=True))
+    text = free.text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    assert stop.strip(), "the tiny model wrote whitespace only"
+    res = engine.generate(ids, SamplingParams(max_tokens=16, stop=(stop,)))
+    assert res.finish_reason == "stop"
+    assert res.text == text[: text.find(stop)]
+    assert stop in engine.tokenizer.decode(res.token_ids) and len(res.token_ids) <= 16
+
+
+def test_prompt_longer_than_a_slot_is_a_user_error(engine):
+    with pytest.raises(UserError, match="holds 512"):
+        engine.submit(list(range(10, 700)), SamplingParams())
+
+
+def test_async_streams_many_requests_and_cancels_one(engine):
+    ps = prompts(engine, 3)
+    expected = [engine.generate(ids, SamplingParams(max_tokens=15, ignore_eos=True)) for ids in ps]
+
+    async def main():
+        results = {}
+        async with AsyncEngine(engine) as aengine:
+            async def collect(i, ids):
+                tokens, text = [], ""
+                async for ev in aengine.stream(ids, SamplingParams(max_tokens=15, ignore_eos=True)):
+                    if isinstance(ev, TokenEvent):
+                        tokens += ev.token_ids
+                        text += ev.text
+                    else:
+                        assert isinstance(ev, FinishEvent)
+                        results[i] = (tokens, text, ev.result)
+
+            async def cancelled():
+                async for ev in aengine.stream(ps[0], SamplingParams(max_tokens=400, ignore_eos=True)):
+                    break
+
+            async with anyio.create_task_group() as tg:
+                for i, ids in enumerate(ps):
+                    tg.start_soon(collect, i, ids)
+                tg.start_soon(cancelled)
+        return results
+
+    results = anyio.run(main)
+    for i, exp in enumerate(expected):
+        tokens, text, result = results[i]
+        assert tokens == exp.token_ids == result.token_ids
+        assert text == exp.text
+    assert engine.cache.num_free == engine.cache.num_slots

@@ -1,0 +1,84 @@
+"""Loading Hugging Face directories: real configs with random weights, and clear errors."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from agentflash.engine.kv_cache import KVCache
+from agentflash.engine.model_runner import ModelRunner, Row
+from agentflash.errors import UserError
+from agentflash.models.loading import load_model, load_tokenizer
+
+# Qwen/Qwen3-0.6B's config.json, with the sizes cut down so that random weights stay tiny.
+QWEN3_0_6B = {
+    "architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 151643, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu",
+    "hidden_size": 1024, "initializer_range": 0.02, "intermediate_size": 3072,
+    "max_position_embeddings": 40960, "max_window_layers": 28, "model_type": "qwen3",
+    "num_attention_heads": 16, "num_hidden_layers": 28, "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None,
+    "tie_word_embeddings": True, "torch_dtype": "bfloat16", "use_cache": True,
+    "use_sliding_window": False, "vocab_size": 151936,
+}
+
+
+def test_random_weight_model_from_a_real_qwen3_config(tmp_path):
+    from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    cfg = dict(QWEN3_0_6B, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=2048)
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(Qwen3Config(**cfg)).save_pretrained(tmp_path)
+    ours, raw, _ = load_model(tmp_path)
+    assert ours.cfg.rope_theta == 1e6 and ours.cfg.qk_norm and ours.cfg.head_dim == 32
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    ids = torch.randint(0, 2048, (1, 20))
+    runner = ModelRunner(ours, KVCache(ours.cfg, 1, 64, torch.device("cpu"), torch.float32))
+    got = runner.forward([Row(0, 0, ids[0].tolist())]).logits
+    torch.testing.assert_close(got, theirs(ids).logits, atol=1e-4, rtol=1e-4)
+
+
+def test_missing_directory(tmp_path):
+    with pytest.raises(UserError, match="does not exist"):
+        load_model(tmp_path / "nope")
+
+
+def test_malformed_config(tiny_model_dir, tmp_path):
+    shutil.copytree(tiny_model_dir, tmp_path / "m")
+    (tmp_path / "m" / "config.json").write_text('{"model_type": "qwen3",\n  "hidden_size": }')
+    with pytest.raises(UserError, match=r"config.json:2: malformed JSON"):
+        load_model(tmp_path / "m")
+
+
+def test_config_missing_a_field_and_unsupported_type(tiny_model_dir, tmp_path):
+    shutil.copytree(tiny_model_dir, tmp_path / "m")
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    del cfg["hidden_size"]
+    (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UserError, match="no field 'hidden_size'"):
+        load_model(tmp_path / "m")
+    (tmp_path / "m" / "config.json").write_text(json.dumps(dict(cfg, model_type="gpt2")))
+    with pytest.raises(UserError, match="'gpt2' is not supported"):
+        load_model(tmp_path / "m")
+
+
+def test_missing_weights_and_weights_that_do_not_fit(tiny_model_dir, tmp_path):
+    shutil.copytree(tiny_model_dir, tmp_path / "m")
+    (tmp_path / "m" / "model.safetensors").unlink()
+    with pytest.raises(UserError, match="no model.safetensors"):
+        load_model(tmp_path / "m")
+    shutil.copy(tiny_model_dir / "model.safetensors", tmp_path / "m")
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    (tmp_path / "m" / "config.json").write_text(json.dumps(dict(cfg, num_hidden_layers=5)))
+    with pytest.raises(UserError, match="weights do not match"):
+        load_model(tmp_path / "m")
+    (tmp_path / "m" / "model.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(UserError, match="cannot read safetensors"):
+        load_model(tmp_path / "m")
+
+
+def test_missing_tokenizer(tmp_path):
+    with pytest.raises(UserError, match="no tokenizer"):
+        load_tokenizer(tmp_path)
