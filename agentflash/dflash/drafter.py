@@ -1,0 +1,323 @@
+"""The DFlash drafter network and its weight names (z-lab ``DFlashDraftModel`` layout).
+
+A few Qwen3-style decoder layers draft a whole block in one forward. The block is
+``[last committed token, <mask> x (B-1)]``, embedded with the target's ``embed_tokens``; the
+drafter's final hidden states go through the target's ``lm_head``. The drafter has neither of its
+own. What it sees of the past is the target's hidden states of K layers, concatenated, fused by
+``fc`` and ``hidden_norm``, and injected as extra keys/values into every layer:
+
+    keys   = cat(k_proj(context), k_proj(block))      queries from the block only
+    values = cat(v_proj(context), v_proj(block))      no causal mask
+
+Positions are absolute: context token ``j`` sits at ``j``, block slot ``i`` at ``start + i`` where
+``start`` is the position of the block's first (committed) token. The context is the target's
+hidden states of every position before ``start``: the block's first token has not been through the
+target yet when the block is drafted.
+
+Weight names (unprefixed, as in z-lab checkpoints): ``fc.weight``, ``hidden_norm.weight``,
+``norm.weight`` and per layer ``layers.{i}.input_layernorm.weight``,
+``layers.{i}.post_attention_layernorm.weight``, ``layers.{i}.self_attn.{q,k,v,o}_proj.weight``,
+``layers.{i}.self_attn.{q,k}_norm.weight``, ``layers.{i}.mlp.{gate,up,down}_proj.weight``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from agentflash.models.qwen3 import MLP, RMSNorm, Rotary, apply_rotary
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    """Shape of a drafter and how it plugs into its target. Checked when built (``ValueError``)."""
+
+    hidden_size: int  # equals the target's: the block is embedded by the target
+    intermediate_size: int
+    num_layers: int  # draft decoder layers
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    rms_norm_eps: float
+    block_size: int  # tokens per block, the committed one included (16 in z-lab's b16)
+    mask_token_id: int  # fills the block's slots 1..B-1
+    target_layer_ids: tuple[int, ...]  # 0-based target layers whose outputs form the context
+    num_target_layers: int | None  # the target's depth, when the checkpoint records it
+    vocab_size: int  # the target's vocabulary (recorded for serving engines)
+    max_position_embeddings: int = 40960
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
+        for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "vocab_size", "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+                             f"({self.num_kv_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if not isinstance(self.block_size, int) or self.block_size < 2:
+            raise ValueError(f"block_size must be an integer >= 2, got {self.block_size!r}")
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(f"mask_token_id {self.mask_token_id} is outside the vocabulary "
+                             f"(vocab_size {self.vocab_size})")
+        self._check_layer_ids()
+
+    def _check_layer_ids(self) -> None:
+        ids = self.target_layer_ids
+        if not ids:
+            raise ValueError("target_layer_ids must name at least one target layer")
+        if ids[0] < 0 or any(b <= a for a, b in zip(ids, ids[1:], strict=False)):
+            raise ValueError(f"target_layer_ids must be non-negative and increasing, "
+                             f"got {list(ids)}")
+        if self.num_target_layers is not None and ids[-1] >= self.num_target_layers:
+            raise ValueError(f"target_layer_ids {list(ids)} reach past num_target_layers "
+                             f"({self.num_target_layers})")
+
+    @property
+    def num_context_layers(self) -> int:
+        """K: how many target layers are concatenated into the context features."""
+        return len(self.target_layer_ids)
+
+
+class DraftContext:
+    """One request's projected target context: per draft layer, keys and values [KV, len, D].
+
+    Grows as the target's hidden states of committed tokens arrive (``DFlashDrafter.extend``);
+    the block's own keys and values are never stored. Storage doubles when full, so appending a
+    few positions per step stays cheap.
+    """
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int,
+                 device: torch.device, dtype: torch.dtype):
+        self.length = 0
+        shape = (num_kv_heads, 0, head_dim)
+        self._k = [torch.empty(shape, device=device, dtype=dtype) for _ in range(num_layers)]
+        self._v = [torch.empty(shape, device=device, dtype=dtype) for _ in range(num_layers)]
+
+    @property
+    def capacity(self) -> int:
+        return self._k[0].shape[1]
+
+    def keys(self, layer: int) -> torch.Tensor:
+        return self._k[layer][:, : self.length]  # [KV, len, D]
+
+    def values(self, layer: int) -> torch.Tensor:
+        return self._v[layer][:, : self.length]  # [KV, len, D]
+
+    def append(self, layer_kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Add ``t`` positions: one (keys, values) pair [KV, t, D] per draft layer."""
+        assert len(layer_kv) == len(self._k), "one (keys, values) pair per draft layer"
+        t = layer_kv[0][0].shape[1]
+        if self.length + t > self.capacity:
+            self._grow(max(self.length + t, 2 * self.capacity, 64))
+        for store_k, store_v, (k, v) in zip(self._k, self._v, layer_kv, strict=True):
+            store_k[:, self.length : self.length + t] = k
+            store_v[:, self.length : self.length + t] = v
+        self.length += t
+
+    def crop(self, length: int) -> None:
+        """Forget every position from ``length`` on."""
+        assert 0 <= length <= self.length, f"crop to {length} of a context of {self.length}"
+        self.length = length
+
+    def reset(self) -> None:
+        self.length = 0
+
+    def _grow(self, capacity: int) -> None:
+        for store in (self._k, self._v):
+            for i, old in enumerate(store):
+                new = old.new_empty(old.shape[0], capacity, old.shape[2])
+                new[:, : self.length] = old[:, : self.length]
+                store[i] = new
+
+
+class DraftAttention(nn.Module):
+    """GQA attention whose keys/values are the context's followed by the block's."""
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
+        self.head_dim = cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+
+    def keys_values(self, x: torch.Tensor, cos: torch.Tensor,
+                    sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotated keys and values of ``x`` [..., S, H]; both [..., KV, S, D]."""
+        k = self.k_norm(self.k_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim)))
+        v = self.v_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
+        k = apply_rotary(k, cos[..., None, :], sin[..., None, :])  # [..., S, KV, D]
+        return k.transpose(-2, -3), v.transpose(-2, -3)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                ctx_k: torch.Tensor, ctx_v: torch.Tensor,
+                ctx_visible: torch.Tensor | None) -> torch.Tensor:
+        # x: [B, N, T, H], N blocks of T slots per row; cos, sin: [B, N, T, D]
+        # ctx_k, ctx_v: [B, KV, S, D]; ctx_visible: [B, N, S] (True where a block sees the context)
+        b, n, t, _ = x.shape
+        q = self.q_norm(self.q_proj(x).unflatten(-1, (self.num_heads, self.head_dim)))
+        q = apply_rotary(q, cos[..., None, :], sin[..., None, :])  # [B, N, T, Hq, D]
+        k, v = self.keys_values(x, cos, sin)  # [B, N, KV, T, D]
+        if n == 1:
+            out = self._attend_one_block(q[:, 0], k[:, 0], v[:, 0], ctx_k, ctx_v, ctx_visible)
+        else:
+            out = self._attend_blocks(q, k, v, ctx_k, ctx_v, ctx_visible)
+        return self.o_proj(out.reshape(b, n, t, -1))
+
+    def _attend_one_block(self, q, k, v, ctx_k, ctx_v, ctx_visible) -> torch.Tensor:
+        # q: [B, T, Hq, D]; k, v: [B, KV, T, D]; one block per row, as when drafting
+        keys, values = torch.cat((ctx_k, k), dim=2), torch.cat((ctx_v, v), dim=2)  # [B, KV, S+T, D]
+        mask = None
+        if ctx_visible is not None:
+            own = ctx_visible.new_ones(ctx_visible.shape[0], 1, k.shape[2])
+            mask = torch.cat((ctx_visible, own), dim=-1)[:, None]  # [B, 1, 1, S+T]
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
+                                             enable_gqa=True)  # [B, Hq, T, D]
+        return out.transpose(1, 2)[:, None]  # [B, 1, T, Hq, D]
+
+    def _attend_blocks(self, q, k, v, ctx_k, ctx_v, ctx_visible) -> torch.Tensor:
+        # Many blocks per row (training): every block sees part of one shared context and only its
+        # own slots, so scores are built per block instead of one [N*T, S+N*T] masked matrix.
+        b, n, t, _, d = q.shape
+        groups = self.num_heads // self.num_kv_heads
+        q = q.view(b, n, t, self.num_kv_heads, groups, d)
+        q = q.permute(0, 3, 4, 1, 2, 5)  # [B, KV, G, N, T, D]
+        scale = d**-0.5
+        ctx_scores = torch.einsum("bkgntd,bksd->bkgnts", q, ctx_k) * scale
+        own_scores = torch.einsum("bkgntd,bnkud->bkgntu", q, k) * scale  # u: the block's slots
+        if ctx_visible is not None:
+            hidden = ~ctx_visible[:, None, None, :, None, :]  # [B, 1, 1, N, 1, S]
+            ctx_scores = ctx_scores.masked_fill(hidden, float("-inf"))
+        probs = torch.cat((ctx_scores, own_scores), dim=-1).float().softmax(-1).to(q.dtype)
+        s = ctx_k.shape[2]
+        out = (torch.einsum("bkgnts,bksd->bkgntd", probs[..., :s], ctx_v)
+               + torch.einsum("bkgntu,bnkud->bkgntd", probs[..., s:], v))
+        return out.permute(0, 3, 4, 1, 2, 5).reshape(b, n, t, self.num_heads, d)
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.self_attn = DraftAttention(cfg)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, ctx_k, ctx_v, ctx_visible):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, ctx_visible)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDrafter(nn.Module):
+    """The draft network. Parameter names are the z-lab checkpoint keys, unprefixed."""
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.fc = nn.Linear(cfg.num_context_layers * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)  # a buffer, not a checkpoint key
+
+    def rope(self, positions: torch.Tensor,
+             dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [..., D] for integer ``positions`` [...]."""
+        freqs = positions.float()[..., None] * self.rotary.inv_freq  # [..., D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def context_kv(self, target_hidden: torch.Tensor,
+                   positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per draft layer, the context's keys and values [B, KV, S, D].
+
+        ``target_hidden`` [B, S, K*H] are the target's captured layers, concatenated in
+        ``target_layer_ids`` order; ``positions`` [B, S] their absolute positions.
+        """
+        ctx = self.hidden_norm(self.fc(target_hidden))  # [B, S, H]
+        cos, sin = self.rope(positions, ctx.dtype)
+        return [layer.self_attn.keys_values(ctx, cos, sin) for layer in self.layers]
+
+    def forward(self, block_embeds: torch.Tensor, positions: torch.Tensor,
+                context: list[tuple[torch.Tensor, torch.Tensor]],
+                ctx_visible: torch.Tensor | None = None) -> torch.Tensor:
+        """Final-normed hidden states [B, N, T, H] of N blocks per row.
+
+        ``block_embeds`` [B, N, T, H]: target embeddings of each block; ``positions`` [B, N, T];
+        ``context`` from ``context_kv`` (one [B, KV, S, D] pair per layer); ``ctx_visible``
+        [B, N, S] says which context positions each block attends to (None: all).
+        """
+        cos, sin = self.rope(positions, block_embeds.dtype)
+        x = block_embeds
+        for layer, (ctx_k, ctx_v) in zip(self.layers, context, strict=True):
+            x = layer(x, cos, sin, ctx_k, ctx_v, ctx_visible)
+        return self.norm(x)
+
+    # --- drafting: one block per request, against each request's cached context ---------------
+
+    def new_context(self) -> DraftContext:
+        weight = self.fc.weight
+        return DraftContext(self.cfg.num_layers, self.cfg.num_kv_heads, self.cfg.head_dim,
+                            weight.device, weight.dtype)
+
+    @torch.no_grad()
+    def extend(self, contexts: list[DraftContext], target_hidden: list[torch.Tensor]) -> None:
+        """Append newly committed positions to each request's context.
+
+        ``target_hidden[i]`` [t_i, K*H] are the target's captured hidden states of the next
+        ``t_i`` positions of request ``i`` (they continue at ``contexts[i].length``). All rows are
+        projected in one pass.
+        """
+        assert len(contexts) == len(target_hidden), "one hidden-state chunk per context"
+        lengths = [h.shape[0] for h in target_hidden]
+        positions = torch.cat([c.length + torch.arange(h.shape[0])
+                               for c, h in zip(contexts, target_hidden, strict=True)])
+        hidden = torch.cat(target_hidden).to(self.fc.weight.dtype)[None]  # [1, sum t, K*H]
+        per_layer = self.context_kv(hidden, positions.to(hidden.device)[None])
+        offsets = [0]
+        for n in lengths:
+            offsets.append(offsets[-1] + n)
+        for i, ctx in enumerate(contexts):
+            lo, hi = offsets[i], offsets[i + 1]
+            ctx.append([(k[0, :, lo:hi], v[0, :, lo:hi]) for k, v in per_layer])
+
+    @torch.no_grad()
+    def draft_forward(self, block_embeds: torch.Tensor, positions: torch.Tensor,
+                      contexts: list[DraftContext]) -> torch.Tensor:
+        """Hidden states [B, T, H] of one block per request.
+
+        ``block_embeds`` [B, T, H]: the target's embeddings of ``[last token, mask, ...]``;
+        ``positions`` [B, T]: absolute positions (slot ``i`` at ``contexts[b].length + i`` when the
+        context holds every earlier position); rows may have contexts of different lengths.
+        """
+        assert block_embeds.shape[0] == len(contexts), "one context per block"
+        if len(contexts) == 1:
+            ctx = contexts[0]
+            kv = [(ctx.keys(i)[None], ctx.values(i)[None]) for i in range(self.cfg.num_layers)]
+            visible = None
+        else:
+            kv, visible = self._padded_contexts(contexts)
+        return self(block_embeds[:, None], positions[:, None], kv, visible)[:, 0]
+
+    def _padded_contexts(self, contexts: list[DraftContext]):
+        longest = max(c.length for c in contexts)
+        kv = []
+        for layer in range(self.cfg.num_layers):
+            k = torch.stack([F.pad(c.keys(layer), (0, 0, 0, longest - c.length)) for c in contexts])
+            v = torch.stack([F.pad(c.values(layer), (0, 0, 0, longest - c.length))
+                             for c in contexts])
+            kv.append((k, v))  # [B, KV, S, D]
+        lengths = torch.tensor([c.length for c in contexts], device=self.fc.weight.device)
+        visible = torch.arange(longest, device=lengths.device)[None] < lengths[:, None]
+        return kv, visible[:, None]  # [B, 1, S]: one block per row
