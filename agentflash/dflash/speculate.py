@@ -1,0 +1,97 @@
+"""Draft, verify, accept: the DFlash speculation rules as small tensor functions.
+
+One speculation step for a request whose last committed token is ``x`` at position ``p``:
+
+1. draft: ``draft_block`` runs the drafter on ``[x, mask x (B-1)]`` and takes the argmax of slots
+   ``1..B-1``: ``T = B-1`` draft tokens.
+2. verify: the target runs causally over ``[x, d_1 .. d_T]`` (positions ``p .. p+T``) and yields
+   ``T+1`` rows of logits; row ``i`` predicts the token after slot ``i``.
+3. accept: ``greedy_accept`` (temperature 0) or ``sample_accept`` (the draft as a one-hot
+   proposal) returns how many draft tokens stand and the target's own next token, the bonus.
+   ``num_accepted + 1`` tokens are committed; the output equals plain decoding's.
+
+Nothing here knows about requests, caches or the engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from agentflash.dflash.drafter import DFlashDrafter, DraftContext
+
+
+def greedy_accept(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:
+    """Accept draft tokens while they equal the target's argmax; then the target's token.
+
+    ``draft_tokens`` [T], ``target_logits`` [T+1, V]. Returns ``(num_accepted, bonus_token)``
+    with ``0 <= num_accepted <= T``.
+    """
+    t = draft_tokens.shape[0]
+    assert target_logits.shape[0] == t + 1, "verify yields one more row than there are drafts"
+    target = target_logits.argmax(-1)  # [T+1]
+    matches = (draft_tokens == target[:t]).int()  # [T]
+    num_accepted = int(matches.cumprod(0).sum())
+    return num_accepted, int(target[num_accepted])
+
+
+def greedy_accept_batch(draft_tokens: torch.Tensor, num_drafts: torch.Tensor,
+                        target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``greedy_accept`` over rows whose drafts differ in length.
+
+    ``draft_tokens`` [B, T] (row ``b`` uses its first ``num_drafts[b]`` entries), ``num_drafts``
+    [B], ``target_logits`` [B, T+1, V] (row ``b`` uses its first ``num_drafts[b] + 1`` rows).
+    Returns ``num_accepted`` [B] and ``bonus`` [B].
+    """
+    b, t = draft_tokens.shape
+    target = target_logits.argmax(-1)  # [B, T+1]
+    in_draft = torch.arange(t, device=draft_tokens.device)[None] < num_drafts[:, None]  # [B, T]
+    matches = ((draft_tokens == target[:, :t]) & in_draft).int()
+    num_accepted = matches.cumprod(1).sum(1)  # [B]
+    bonus = target.gather(1, num_accepted[:, None])[:, 0]  # [B]
+    return num_accepted, bonus
+
+
+def sample_accept(draft_tokens: torch.Tensor, target_probs: torch.Tensor,
+                  generator: torch.Generator | None) -> tuple[int, int]:
+    """Lossless acceptance of a one-hot proposal under sampling.
+
+    ``draft_tokens`` [T]; ``target_probs`` [T+1, V]: the target's sampling distribution at every
+    verify position (temperature and top-p applied, each row summing to 1). Position ``i`` draws
+    the target's own token from row ``i`` with ``generator``; the draft token stands only if the
+    draw equals it, and the first draw that differs is the bonus. Each committed token is thus one
+    draw from the target's distribution given the committed prefix, taken in the same order and
+    with the same ``torch.multinomial`` call as plain decoding, so a seeded request commits the
+    same tokens in both modes (up to floating-point differences between a block forward and
+    one-token forwards). Returns ``(num_accepted, bonus_token)``.
+    """
+    t = draft_tokens.shape[0]
+    assert target_probs.shape[0] == t + 1, "verify yields one more row than there are drafts"
+    for i in range(t + 1):
+        token = int(torch.multinomial(target_probs[i], 1, generator=generator))
+        if i == t or token != int(draft_tokens[i]):
+            return i, token
+    raise AssertionError("unreachable: the last position always returns")
+
+
+def draft_block(drafter: DFlashDrafter, embed: Callable[[torch.Tensor], torch.Tensor],
+                logits: Callable[[torch.Tensor], torch.Tensor], last_tokens: torch.Tensor,
+                contexts: list[DraftContext], block_size: int | None = None) -> torch.Tensor:
+    """Greedy draft tokens [B, block_size-1] for one block per request.
+
+    ``embed`` and ``logits`` are the target's (``Qwen3Model.embed`` and ``Qwen3Model.logits``);
+    ``last_tokens`` [B] are the requests' last committed tokens, whose positions are the lengths
+    of their contexts (the context holds the target's hidden states of every earlier position).
+    """
+    size = block_size or drafter.cfg.block_size
+    assert size >= 2, "a block drafts at least one token"
+    b = last_tokens.shape[0]
+    device = drafter.fc.weight.device
+    ids = torch.full((b, size), drafter.cfg.mask_token_id, dtype=torch.long, device=device)
+    ids[:, 0] = last_tokens
+    starts = torch.tensor([c.length for c in contexts], device=device)
+    positions = starts[:, None] + torch.arange(size, device=device)  # [B, size]
+    with torch.no_grad():
+        hidden = drafter.draft_forward(embed(ids), positions, contexts)  # [B, size, H]
+        return logits(hidden[:, 1:]).argmax(-1)  # [B, size-1]
