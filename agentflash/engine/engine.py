@@ -13,8 +13,9 @@ import torch
 from agentflash.engine.detokenizer import Detokenizer
 from agentflash.engine.kv_cache import KVCache
 from agentflash.engine.model_runner import ModelRunner, Row
-from agentflash.engine.request import FinishReason, Request, SamplingParams, Status
-from agentflash.engine.sampling import sample
+from agentflash.dflash.speculate import draft_block
+from agentflash.engine.request import FinishReason, Request, SamplingParams, Speculation, Status
+from agentflash.engine.sampling import accept, sample
 from agentflash.engine.scheduler import Scheduler, SchedulerConfig
 from agentflash.errors import UserError
 from agentflash.tool_format import parse_tool_calls
@@ -63,8 +64,9 @@ class Engine:
     """Owns the model, its KV cache and the scheduler; ``step()`` runs one target forward."""
 
     def __init__(self, model, tokenizer, config: EngineConfig = EngineConfig(),
-                 model_dir: Path | None = None):
+                 model_dir: Path | None = None, drafter=None):
         self.model, self.tokenizer, self.config, self.model_dir = model, tokenizer, config, model_dir
+        self.drafter = drafter  # a DFlashDrafter, or None for plain decoding only
         max_len = min(config.max_len, model.cfg.max_position_embeddings)
         dtype = next(model.parameters()).dtype
         self.cache = KVCache(model.cfg, config.max_running, max_len, torch.device(config.device), dtype)
@@ -75,12 +77,20 @@ class Engine:
         self._cancels: deque[Request] = deque()
 
     @classmethod
-    def from_pretrained(cls, model: str | Path = "demo", config: EngineConfig = EngineConfig()) -> Engine:
-        """Load a Hugging Face causal-LM directory (or ``demo``) with its tokenizer."""
-        from agentflash.models.loading import load_model, load_tokenizer
+    def from_pretrained(cls, model: str | Path = "demo", config: EngineConfig = EngineConfig(),
+                        drafter: str | Path | None = "auto") -> Engine:
+        """Load a Hugging Face causal-LM directory (or ``demo``) with its tokenizer.
+
+        ``drafter``: a DFlash drafter directory, ``demo``, ``None`` for none, or ``auto`` (the
+        demo drafter for the demo model, none otherwise).
+        """
+        from agentflash.models.loading import load_drafter_for, load_model, load_tokenizer
 
         net, _, model_dir = load_model(model, device=config.device)
-        return cls(net, load_tokenizer(model_dir), config, model_dir)
+        if drafter == "auto":
+            drafter = "demo" if str(model) == "demo" else None
+        draft_net = load_drafter_for(net, drafter, config.device) if drafter is not None else None
+        return cls(net, load_tokenizer(model_dir), config, model_dir, draft_net)
 
     # --- prompts ---------------------------------------------------------------------------
 
@@ -119,15 +129,66 @@ class Engine:
         batch, is_prefill = self.scheduler.schedule()
         if not batch:
             return []
-        rows = [Row(r.slot, r.num_cached, r.uncached_ids()) for r in batch]
-        logits = self.runner.forward(rows, last_only=True).logits[:, -1]  # [B, V]
-        outputs = []
-        for req, row, row_logits in zip(batch, rows, logits):
-            req.num_cached += len(row.tokens)
-            req.stats.target_forwards += 0 if is_prefill else 1
-            token = sample(row_logits, req.params.temperature, req.params.top_p, req.generator)
-            outputs.append(StepOutput(req, self.append_tokens(req, [token])))
+        if is_prefill:
+            return [self._prefill(req) for req in batch]
+        return self._decode(batch)
+
+    def _prefill(self, req: Request) -> StepOutput:
+        speculative = self.drafter is not None and req.params.speculation is not Speculation.OFF
+        row = Row(req.slot, 0, req.uncached_ids())
+        out = self.runner.forward([row], last_only=True, capture_layers=self._capture(speculative))
+        req.num_cached = len(row.tokens)
+        if speculative:
+            req.stats.mode = "dflash"
+            req.draft_context = self.drafter.new_context()
+            self.drafter.extend([req.draft_context], [out.hidden[0]])
+        token = sample(out.logits[0, -1], req.params.temperature, req.params.top_p, req.generator)
+        return StepOutput(req, self.append_tokens(req, [token]))
+
+    def _decode(self, batch: list[Request]) -> list[StepOutput]:
+        """One verify forward for every running request: drafted blocks and single tokens together."""
+        drafts = self._draft([r for r in batch if r.draft_context is not None])
+        rows = [Row(r.slot, r.num_cached, r.uncached_ids() + drafts.get(r.id, [])) for r in batch]
+        out = self.runner.forward(rows, capture_layers=self._capture(bool(drafts)))
+        outputs, contexts, hidden = [], [], []
+        for i, req in enumerate(batch):
+            draft = drafts.get(req.id, [])
+            logits = out.logits[i, : len(draft) + 1]  # [T+1, V]: row j predicts after slot j
+            num_accepted, bonus = accept(torch.tensor(draft, dtype=torch.long), logits, req.params,
+                                         req.generator)
+            req.stats.target_forwards += 1
+            req.num_cached += 1 + num_accepted
+            committed = self.append_tokens(req, draft[:num_accepted] + [bonus])
+            outputs.append(StepOutput(req, committed))
+            if req.draft_context is not None and not req.is_finished:
+                contexts.append(req.draft_context)
+                hidden.append(out.hidden[i, : 1 + num_accepted])
+        if contexts:
+            self.drafter.extend(contexts, hidden)
         return outputs
+
+    def _draft(self, reqs: list[Request]) -> dict[int, list[int]]:
+        """Draft tokens per request id, as many as the request can still use (maybe none)."""
+        sizes = {r.id: self._draft_len(r) for r in reqs}
+        reqs = [r for r in reqs if sizes[r.id] > 0]
+        if not reqs:
+            return {}
+        block = max(sizes[r.id] for r in reqs) + 1
+        last = torch.tensor([r.output_ids[-1] for r in reqs])
+        tokens = draft_block(self.drafter, self.model.embed, self.model.logits, last,
+                             [r.draft_context for r in reqs], block)  # [B, block-1]
+        for r in reqs:
+            r.stats.draft_forwards += 1
+        return {r.id: tokens[i, : sizes[r.id]].tolist() for i, r in enumerate(reqs)}
+
+    def _draft_len(self, req: Request) -> int:
+        block = req.params.block_size or self.drafter.cfg.block_size
+        room = min(req.params.max_tokens - len(req.output_ids),
+                   self.scheduler.cfg.max_len - req.num_tokens)
+        return max(0, min(block - 1, room - 1))
+
+    def _capture(self, speculative: bool) -> tuple[int, ...]:
+        return self.drafter.cfg.target_layer_ids if speculative else ()
 
     def _drain_inbox(self) -> None:
         while self._inbox:

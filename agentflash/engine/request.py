@@ -10,6 +10,14 @@ from dataclasses import dataclass, field
 import torch
 
 
+class Speculation(enum.Enum):
+    """Whether a request decodes with DFlash block speculation."""
+
+    AUTO = "auto"  # dflash when the engine has a drafter (the router refines this per segment)
+    DFLASH = "dflash"
+    OFF = "off"
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request decodes. Checked when built; a bad value names its field."""
@@ -21,8 +29,17 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # stop strings; the text ends before the first one written
     stop_token_ids: tuple[int, ...] = ()  # in addition to the tokenizer's end-of-turn tokens
     ignore_eos: bool = False
+    speculation: Speculation = Speculation.AUTO
+    block_size: int | None = None  # DFlash block (the committed token + drafts); None: drafter's
 
     def __post_init__(self) -> None:
+        if isinstance(self.speculation, str):
+            try:
+                object.__setattr__(self, "speculation", Speculation(self.speculation))
+            except ValueError:
+                raise ValueError(f"speculation must be auto, dflash or off, got {self.speculation!r}") from None
+        if self.block_size is not None and not (isinstance(self.block_size, int) and 2 <= self.block_size <= 64):
+            raise ValueError(f"block_size must be an integer in [2, 64], got {self.block_size!r}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
         if not 0.0 <= self.temperature <= 10.0:
@@ -78,6 +95,7 @@ class Request:
         self.num_cached = 0  # tokens whose keys/values are in the cache
         self.stop_text_len: int | None = None  # where a stop string cut the text
         self.stats = RequestStats()
+        self.draft_context = None  # a DraftContext while the request decodes with DFlash
         self.generator: torch.Generator | None = None
         if not params.is_greedy:
             self.generator = torch.Generator()

@@ -24,3 +24,16 @@ def probabilities(logits: torch.Tensor, temperature: float, top_p: float) -> tor
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
         probs /= probs.sum()
     return probs
+
+
+def accept(draft: torch.Tensor, logits: torch.Tensor, params, generator) -> tuple[int, int]:
+    """How many of ``draft`` [T] the target's ``logits`` [T+1, V] accept, and the next token.
+
+    With no draft this is plain decoding: zero accepted and a token sampled from ``logits[0]``.
+    """
+    from agentflash.dflash.speculate import greedy_accept, sample_accept
+
+    if params.is_greedy:
+        return greedy_accept(draft, logits)
+    probs = torch.stack([probabilities(row, params.temperature, params.top_p) for row in logits])
+    return sample_accept(draft, probs, generator)

@@ -14,6 +14,16 @@ from agentflash.models.qwen3 import ModelConfig, Qwen3Model
 DEMO_DIR = Path(__file__).resolve().parent.parent / "assets" / "demo"
 
 
+def load_drafter_for(target: Qwen3Model, drafter: str | Path, device: str | torch.device = "cpu"):
+    """A DFlash drafter (``demo`` or a directory) checked against the target it will serve."""
+    from agentflash.dflash.checkpoint import load_drafter, validate_against_target
+
+    path = DEMO_DIR / "drafter" if str(drafter) == "demo" else Path(drafter).expanduser()
+    net = load_drafter(path, device=device, dtype=next(target.parameters()).dtype)
+    validate_against_target(net.cfg, target.cfg, where=str(path))
+    return net
+
+
 def resolve_model_dir(name_or_path: str | Path) -> Path:
     """``demo`` names the bundled model; anything else is a directory path."""
     if str(name_or_path) == "demo":

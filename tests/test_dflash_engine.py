@@ -1,0 +1,109 @@
+"""DFlash decoding in the engine is lossless: the same tokens as plain decoding, and the same
+stopping points, whatever the drafter proposes."""
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import agentflash.engine.engine as engine_mod
+from agentflash.dflash.drafter import DFlashDrafter, DrafterConfig
+from agentflash.engine.engine import Engine, EngineConfig
+from agentflash.engine.request import SamplingParams
+from agentflash.models.loading import load_model, load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    model, _, _ = load_model(tiny_model_dir)
+    tok = load_tokenizer(tiny_model_dir)
+    torch.manual_seed(0)
+    cfg = DrafterConfig(hidden_size=64, intermediate_size=128, num_layers=1, num_heads=4,
+                        num_kv_heads=2, head_dim=16, rope_theta=10000.0, rms_norm_eps=1e-6,
+                        block_size=16, mask_token_id=tok.convert_tokens_to_ids("<|mask|>"),
+                        target_layer_ids=(1, 2), num_target_layers=4, vocab_size=len(tok))
+    return Engine(model, tok, EngineConfig(max_running=4, max_len=512), tiny_model_dir,
+                  DFlashDrafter(cfg).eval())
+
+
+def plain(engine, ids, **kw):
+    return engine.generate(ids, SamplingParams(speculation="off", **kw))
+
+
+def dflash(engine, ids, **kw):
+    return engine.generate(ids, SamplingParams(speculation="dflash", **kw))
+
+
+class Oracle:
+    """A drafter that proposes the target's own greedy continuation, wrong from slot ``k`` on,
+    so that blocks are accepted in long runs and stops fall inside accepted blocks."""
+
+    def __init__(self, prompt_len, reference, wrong_at):
+        self.prompt_len, self.reference, self.wrong_at = prompt_len, reference, wrong_at
+
+    def __call__(self, drafter, embed, logits, last_tokens, contexts, block_size=None):
+        done = contexts[0].length + 1 - self.prompt_len  # tokens already committed
+        out = torch.tensor(self.reference[done : done + block_size - 1] + [0] * block_size)
+        out = out[: block_size - 1].clone()
+        if self.wrong_at < block_size - 1:
+            out[self.wrong_at] = (out[self.wrong_at] + 1) % 4000
+        return out[None]
+
+
+prompt_ids = st.lists(st.integers(10, 4000), min_size=1, max_size=40)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ids=prompt_ids, block=st.integers(2, 16), max_tokens=st.integers(1, 40))
+def test_random_drafter_greedy_equals_plain(engine, ids, block, max_tokens):
+    a = plain(engine, ids, max_tokens=max_tokens, ignore_eos=True)
+    b = dflash(engine, ids, max_tokens=max_tokens, ignore_eos=True, block_size=block)
+    assert b.token_ids == a.token_ids and b.finish_reason == a.finish_reason
+    assert b.stats["mode"] == "dflash" and b.stats["draft_forwards"] >= 1 or max_tokens == 1
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ids=prompt_ids, block=st.integers(2, 16), max_tokens=st.integers(1, 48),
+       wrong_at=st.integers(0, 20), stop_index=st.integers(0, 47), use_string=st.booleans())
+def test_accepted_blocks_stop_where_plain_decoding_stops(engine, monkeypatch, ids, block, max_tokens,
+                                                         wrong_at, stop_index, use_string):
+    free = plain(engine, ids, max_tokens=48, ignore_eos=True)
+    kw = {"max_tokens": max_tokens}
+    stop_token = free.token_ids[stop_index]
+    if use_string:
+        piece = engine.tokenizer.decode([stop_token])
+        kw["stop"] = (piece,) if piece.strip() else ()
+        kw["ignore_eos"] = True
+    else:
+        kw["stop_token_ids"] = (stop_token,)
+    expected = plain(engine, ids, **kw)
+    monkeypatch.setattr(engine_mod, "draft_block", Oracle(len(ids), free.token_ids, wrong_at))
+    got = dflash(engine, ids, block_size=block, **kw)
+    monkeypatch.undo()
+    assert got.token_ids == expected.token_ids
+    assert got.text == expected.text and got.finish_reason == expected.finish_reason
+    if wrong_at >= block - 1 and len(got.token_ids) > block:
+        assert got.stats["tau"] > 1.5  # whole blocks were accepted
+
+
+def test_batched_dflash_and_plain_rows_decode_as_if_alone(engine):
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(10, 4000, (n,), generator=g).tolist() for n in (5, 17, 33, 8)]
+    modes = ["dflash", "off", "dflash", "dflash"]
+    alone = [engine.generate(p, SamplingParams(max_tokens=25, ignore_eos=True, speculation=m,
+                                               block_size=4 + 3 * i))
+             for i, (p, m) in enumerate(zip(prompts, modes))]
+    reqs = [engine.submit(p, SamplingParams(max_tokens=25, ignore_eos=True, speculation=m,
+                                            block_size=4 + 3 * i))
+            for i, (p, m) in enumerate(zip(prompts, modes))]
+    while engine.has_work:
+        engine.step()
+    for req, ref in zip(reqs, alone):
+        assert engine.result(req).token_ids == ref.token_ids
+    assert engine.cache.num_free == engine.cache.num_slots
+
+
+def test_seeded_sampling_gives_the_same_tokens_with_and_without_speculation(engine):
+    ids = list(range(100, 130))
+    kw = dict(max_tokens=30, temperature=0.8, top_p=0.9, seed=11, ignore_eos=True)
+    assert dflash(engine, ids, **kw).token_ids == plain(engine, ids, **kw).token_ids
