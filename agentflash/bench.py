@@ -48,9 +48,10 @@ def held_out_prompts(kind: str, num: int, seed: int = HELD_OUT_SEED) -> list[Pro
     return prompts
 
 
-def _time_engine(engine: Engine, ids: list[int], max_tokens: int) -> tuple[list[int], float, int]:
+def _time_engine(engine: Engine, ids: list[int], max_tokens: int,
+                 speculation: str = "off") -> tuple[list[int], float, int]:
     t0 = time.perf_counter()
-    result = engine.generate(ids, SamplingParams(max_tokens=max_tokens))
+    result = engine.generate(ids, SamplingParams(max_tokens=max_tokens, speculation=speculation))
     return result.token_ids, time.perf_counter() - t0, result.stats["target_forwards"]
 
 
@@ -64,11 +65,12 @@ def _time_hf(hf_model, ids: list[int], max_tokens: int, eos: list[int], **kwargs
     return out[0, len(ids):].tolist(), time.perf_counter() - t0
 
 
-def run(model: str, suites: list[str], num_prompts: int, max_tokens: int) -> dict[str, Any]:
+def run(model: str, suites: list[str], num_prompts: int, max_tokens: int,
+        drafter: str | None = "auto") -> dict[str, Any]:
     """Every row on every suite; returns ``{"rows": [...], "config": {...}}``."""
     from transformers import AutoModelForCausalLM
 
-    engine = Engine.from_pretrained(model)
+    engine = Engine.from_pretrained(model, drafter=drafter)
     hf_model = AutoModelForCausalLM.from_pretrained(engine.model_dir, dtype=torch.float32).eval()
     eos = sorted(engine.eos_ids)
     rows = []
@@ -78,6 +80,11 @@ def run(model: str, suites: list[str], num_prompts: int, max_tokens: int) -> dic
         plain = [_time_engine(engine, ids, max_tokens) for ids in prompts]
         ref = [tokens for tokens, _, _ in plain]
         rows.append(_row(suite, "plain", ref, ref, [t for _, t, _ in plain], [f for _, _, f in plain]))
+        if engine.drafter is not None:
+            _time_engine(engine, prompts[0], 8, "dflash")
+            spec = [_time_engine(engine, ids, max_tokens, "dflash") for ids in prompts]
+            rows.append(_row(suite, "dflash", [o for o, _, _ in spec], ref, [t for _, t, _ in spec],
+                             [f for _, _, f in spec]))
         peers = {"transformers": {}, "prompt_lookup": {"prompt_lookup_num_tokens": 10}}
         for name, kwargs in peers.items():
             outs = [_time_hf(hf_model, ids, max_tokens, eos, **kwargs) for ids in prompts]
@@ -85,7 +92,8 @@ def run(model: str, suites: list[str], num_prompts: int, max_tokens: int) -> dic
     for row in rows:
         base = next(r for r in rows if r["suite"] == row["suite"] and r["mode"] == "plain")
         row["ratio_to_plain"] = round(row["tokens_per_s"] / base["tokens_per_s"], 3)
-    return {"config": {"model": model, "num_prompts": num_prompts, "max_tokens": max_tokens,
+    return {"config": {"model": model, "drafter": str(drafter), "num_prompts": num_prompts,
+                       "max_tokens": max_tokens,
                        "threads": torch.get_num_threads()}, "rows": rows}
 
 

@@ -37,17 +37,20 @@ def generate(
     top_p: Annotated[Optional[float], typer.Option("--top-p")] = None,
     seed: Annotated[Optional[int], typer.Option()] = None,
     stop: Annotated[Optional[list[str]], typer.Option(help="stop string (repeatable)")] = None,
-    mode: Annotated[str, typer.Option(help="plain | auto")] = "auto",
+    mode: Annotated[str, typer.Option(help="plain | dflash | auto (dflash when a drafter is loaded)")] = "auto",
+    drafter: Annotated[str, typer.Option(help="auto | demo | none | a DFlash drafter directory")] = "auto",
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object per request")] = False,
 ) -> None:
     """Generate a reply with the embedded engine."""
     from agentflash import inputs
 
     try:
-        if mode not in ("plain", "auto"):
-            raise UserError(f"--mode must be plain or auto, got {mode!r}")
+        speculation = {"plain": "off", "dflash": "dflash", "auto": "auto"}.get(mode)
+        if speculation is None:
+            raise UserError(f"--mode must be plain, dflash or auto, got {mode!r}")
         defaults = {"max_tokens": max_tokens if max_tokens is not None else 256,
-                    "temperature": temperature, "top_p": top_p, "seed": seed, "stop": stop}
+                    "temperature": temperature, "top_p": top_p, "seed": seed, "stop": stop,
+                    "speculation": speculation}
         if tools is not None:
             defaults["tools"] = inputs.load_tools(tools)
         if requests is not None:
@@ -62,7 +65,9 @@ def generate(
             else:
                 defaults["prompt"] = prompt
             todo = [inputs.make_input(defaults, "command line")]
-        engine = _load_engine(model)
+        engine = _load_engine(model, drafter)
+        if speculation == "dflash" and engine.drafter is None:
+            raise UserError("--mode dflash needs a drafter (--drafter demo or a directory)")
         for item in todo:
             result = engine.generate(engine.chat_prompt(item.messages, item.tools), item.params)
             if as_json:
@@ -73,10 +78,10 @@ def generate(
         fail(str(err))
 
 
-def _load_engine(model: str):
+def _load_engine(model: str, drafter: str = "auto"):
     from agentflash.engine.engine import Engine
 
-    return Engine.from_pretrained(model)
+    return Engine.from_pretrained(model, drafter=None if drafter == "none" else drafter)
 
 
 @app.command()
@@ -85,6 +90,7 @@ def bench(
     suites: Annotated[str, typer.Option(help="comma-separated: tool_call,code,math,prose")] = "tool_call,code,math,prose",
     num_prompts: Annotated[int, typer.Option("--num-prompts", help="prompts per suite")] = 4,
     max_tokens: Annotated[int, typer.Option("--max-tokens")] = 128,
+    drafter: Annotated[str, typer.Option(help="auto | demo | none | a drafter directory")] = "auto",
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
     """Side-by-side speed of the engine and its peers on held-out prompts."""
@@ -92,7 +98,8 @@ def bench(
 
     try:
         names = [s.strip() for s in suites.split(",") if s.strip()]
-        report = bench_mod.run(model, names, num_prompts, max_tokens)
+        report = bench_mod.run(model, names, num_prompts, max_tokens,
+                               None if drafter == "none" else drafter)
     except UserError as err:
         fail(str(err))
     if as_json:

@@ -82,7 +82,7 @@ def load_tools(path: Path) -> list[dict[str, Any]]:
     return check_tools(read_json_file(path, "tools"), str(path))
 
 
-PARAM_FIELDS = ("max_tokens", "temperature", "top_p", "seed", "stop")
+PARAM_FIELDS = ("max_tokens", "temperature", "top_p", "seed", "stop", "speculation", "block_size")
 REQUEST_FIELDS = ("prompt", "messages", "tools") + PARAM_FIELDS
 
 

@@ -84,11 +84,12 @@ class Engine:
         ``drafter``: a DFlash drafter directory, ``demo``, ``None`` for none, or ``auto`` (the
         demo drafter for the demo model, none otherwise).
         """
-        from agentflash.models.loading import load_drafter_for, load_model, load_tokenizer
+        from agentflash.models.loading import DEMO_DIR, load_drafter_for, load_model, load_tokenizer
 
         net, _, model_dir = load_model(model, device=config.device)
         if drafter == "auto":
-            drafter = "demo" if str(model) == "demo" else None
+            shipped = str(model) == "demo" and (DEMO_DIR / "drafter" / "config.json").exists()
+            drafter = "demo" if shipped else None
         draft_net = load_drafter_for(net, drafter, config.device) if drafter is not None else None
         return cls(net, load_tokenizer(model_dir), config, model_dir, draft_net)
 
