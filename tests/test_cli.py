@@ -28,7 +28,11 @@ def test_generate_json_contract(tiny_model_dir, tmp_path):
     assert set(obj) == {"text", "token_ids", "tool_calls", "finish_reason", "stats"}
     assert set(obj["stats"]) == STATS_KEYS
     assert len(obj["token_ids"]) == obj["stats"]["new_tokens"] <= 7
-    assert obj["stats"]["mode"] == "plain" and obj["stats"]["segments"] == []
+    assert obj["stats"]["mode"] == "plain"
+    segments = obj["stats"]["segments"]
+    assert {s["kind"] for s in segments} <= {"prose", "tool_call", "code", "math", "schema"}
+    assert sum(s["tokens"] for s in segments) == obj["stats"]["new_tokens"]
+    assert sum(s["target_forwards"] for s in segments) == obj["stats"]["target_forwards"]
     if obj["finish_reason"] == "length":
         assert obj["stats"]["target_forwards"] == 6
 

@@ -18,6 +18,8 @@ from agentflash.engine.request import FinishReason, Request, SamplingParams, Spe
 from agentflash.engine.sampling import accept, sample
 from agentflash.engine.scheduler import Scheduler, SchedulerConfig
 from agentflash.errors import UserError
+from agentflash.router.policy import CostModel
+from agentflash.router.segments import SegmentKind
 from agentflash.tool_format import parse_tool_calls
 
 
@@ -73,6 +75,7 @@ class Engine:
         self.runner = ModelRunner(model, self.cache)
         self.scheduler = Scheduler(SchedulerConfig(config.max_running, max_len), self.cache)
         self.eos_ids = end_of_turn_ids(tokenizer)
+        self.cost = CostModel()  # what the router has measured of this engine's speed
         self._inbox: deque[Request] = deque()  # filled from any thread, drained by step()
         self._cancels: deque[Request] = deque()
 
@@ -140,17 +143,23 @@ class Engine:
         out = self.runner.forward([row], last_only=True, capture_layers=self._capture(speculative))
         req.num_cached = len(row.tokens)
         if speculative:
-            req.stats.mode = "dflash"
+            req.stats.mode = req.params.speculation.value
             req.draft_context = self.drafter.new_context()
             self.drafter.extend([req.draft_context], [out.hidden[0]])
         token = sample(out.logits[0, -1], req.params.temperature, req.params.top_p, req.generator)
-        return StepOutput(req, self.append_tokens(req, [token]))
+        committed = self.append_tokens(req, [token])
+        self._track(req, req.segments.kind, "dflash" if speculative else "plain", committed, 0)
+        return StepOutput(req, committed)
 
     def _decode(self, batch: list[Request]) -> list[StepOutput]:
         """One verify forward for every running request: drafted blocks and single tokens together."""
-        drafts = self._draft([r for r in batch if r.draft_context is not None])
+        t0 = time.perf_counter()
+        kinds = {r.id: r.segments.kind for r in batch}
+        speculating = [r for r in batch if self._wants_dflash(r, kinds[r.id], len(batch))]
+        drafts = self._draft(speculating)
         rows = [Row(r.slot, r.num_cached, r.uncached_ids() + drafts.get(r.id, [])) for r in batch]
-        out = self.runner.forward(rows, capture_layers=self._capture(bool(drafts)))
+        tracked = any(r.draft_context is not None for r in batch)
+        out = self.runner.forward(rows, capture_layers=self._capture(tracked))
         outputs, contexts, hidden = [], [], []
         for i, req in enumerate(batch):
             draft = drafts.get(req.id, [])
@@ -161,12 +170,29 @@ class Engine:
             req.num_cached += 1 + num_accepted
             committed = self.append_tokens(req, draft[:num_accepted] + [bonus])
             outputs.append(StepOutput(req, committed))
+            mode = "dflash" if req.id in drafts else "plain"
+            if mode == "dflash":
+                self.cost.observe_tau(req.routing, kinds[req.id], num_accepted + 1)
+            self._track(req, kinds[req.id], mode, committed, 1)
             if req.draft_context is not None and not req.is_finished:
                 contexts.append(req.draft_context)
                 hidden.append(out.hidden[i, : 1 + num_accepted])
         if contexts:
             self.drafter.extend(contexts, hidden)
+        self.cost.observe_step("dflash" if drafts else "plain", len(batch), time.perf_counter() - t0)
         return outputs
+
+    def _wants_dflash(self, req: Request, kind: SegmentKind, batch_size: int) -> bool:
+        if req.draft_context is None:
+            return False
+        if req.params.speculation is Speculation.DFLASH:
+            return True
+        return self.cost.choose_dflash(req.routing, kind, batch_size)
+
+    def _track(self, req: Request, kind: SegmentKind, mode: str, committed: list[int],
+               forwards: int) -> None:
+        req.segments.record(kind, mode, len(committed), forwards)
+        req.segments.feed(self.tokenizer.decode(committed, skip_special_tokens=True))
 
     def _draft(self, reqs: list[Request]) -> dict[int, list[int]]:
         """Draft tokens per request id, as many as the request can still use (maybe none)."""
@@ -278,5 +304,5 @@ def request_stats(req: Request) -> dict[str, Any]:
         "tau": round(new / s.target_forwards, 3) if s.target_forwards else float(new),
         "wall_s": round(wall, 4),
         "tokens_per_s": round(new / wall, 2) if wall > 0 else 0.0,
-        "segments": [],
+        "segments": [seg.to_dict() for seg in req.segments.segments],
     }

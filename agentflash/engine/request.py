@@ -9,6 +9,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from agentflash.router.policy import RequestRouting
+from agentflash.router.segments import SegmentTracker
+
 
 class Speculation(enum.Enum):
     """Whether a request decodes with DFlash block speculation."""
@@ -96,6 +99,8 @@ class Request:
         self.stop_text_len: int | None = None  # where a stop string cut the text
         self.stats = RequestStats()
         self.draft_context = None  # a DraftContext while the request decodes with DFlash
+        self.segments = SegmentTracker()
+        self.routing = RequestRouting()
         self.generator: torch.Generator | None = None
         if not params.is_greedy:
             self.generator = torch.Generator()

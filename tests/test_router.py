@@ -1,0 +1,93 @@
+"""The segment router: kinds switch inside one generation, the cost model decides per step,
+and per-request overrides are obeyed."""
+
+import pytest
+import torch
+
+from agentflash.engine.request import SamplingParams
+from agentflash.router.policy import CostModel, RequestRouting
+from agentflash.router.segments import SegmentKind, SegmentTracker
+
+
+def kinds_along(pieces):
+    tracker = SegmentTracker()
+    seen = []
+    for piece in pieces:
+        seen.append(tracker.kind)
+        tracker.feed(piece)
+    return seen + [tracker.kind]
+
+
+def test_segments_switch_at_their_boundaries():
+    pieces = ["Let me check.", "\n", "<tool_call>", '\n{"name": "f",', ' "arguments": {}}\n',
+              "</tool_call>", "Here", " is code:\n``", "`python\n", "x = 1\n", "``", "`\n",
+              "Total: 12 ", "* 3", " = 36", "\n", "Done."]
+    k = kinds_along(pieces)
+    P, T, C, M = SegmentKind.PROSE, SegmentKind.TOOL_CALL, SegmentKind.CODE, SegmentKind.MATH
+    assert k == [P, P, P, T, T, T, P, P, P, C, C, C, P, P, M, M, P, P]
+
+
+def test_schema_bound_reply_is_one_schema_segment():
+    tracker = SegmentTracker(schema_bound=True)
+    tracker.feed('{"a": 1 + 2}')
+    assert tracker.kind is SegmentKind.SCHEMA
+
+
+def test_recorded_segments_merge_same_kind_and_mode():
+    tracker = SegmentTracker()
+    tracker.record(SegmentKind.PROSE, "plain", 1, 0)
+    tracker.record(SegmentKind.PROSE, "plain", 1, 1)
+    tracker.record(SegmentKind.TOOL_CALL, "dflash", 9, 1)
+    tracker.record(SegmentKind.TOOL_CALL, "dflash", 7, 1)
+    assert [s.to_dict() for s in tracker.segments] == [
+        {"kind": "prose", "mode": "plain", "tokens": 2, "target_forwards": 1, "tau": 2.0},
+        {"kind": "tool_call", "mode": "dflash", "tokens": 16, "target_forwards": 2, "tau": 8.0}]
+
+
+def test_cost_model_follows_measurements_and_probes_plain_kinds():
+    cost, routing = CostModel(probe_every=4), RequestRouting()
+    assert cost.choose_dflash(routing, SegmentKind.TOOL_CALL, 1)  # prior: predictable
+    for _ in range(20):
+        cost.observe_tau(routing, SegmentKind.PROSE, 1)  # drafts keep failing on prose
+    cost.observe_step("dflash", 1, 0.018)
+    cost.observe_step("plain", 1, 0.010)
+    decisions = [cost.choose_dflash(routing, SegmentKind.PROSE, 1) for _ in range(8)]
+    assert decisions == [False, False, False, True] * 2  # plain, with a probe every 4th step
+    for _ in range(10):
+        cost.observe_tau(routing, SegmentKind.PROSE, 8)  # the prose became predictable
+    assert cost.choose_dflash(routing, SegmentKind.PROSE, 1)
+
+
+def test_verify_cost_ratio_is_per_batch_size():
+    cost = CostModel(alpha=1.0)
+    cost.observe_step("dflash", 8, 0.08)
+    cost.observe_step("plain", 8, 0.02)
+    assert cost.verify_cost_ratio(7) == pytest.approx(4.0)
+    assert cost.verify_cost_ratio(1) == pytest.approx(1.8)  # nothing measured yet: the prior
+
+
+def test_overrides_are_obeyed(tiny_model_dir):
+    from agentflash.dflash.drafter import DFlashDrafter, DrafterConfig
+    from agentflash.engine.engine import Engine, EngineConfig
+    from agentflash.models.loading import load_model, load_tokenizer
+
+    model, _, _ = load_model(tiny_model_dir)
+    tok = load_tokenizer(tiny_model_dir)
+    torch.manual_seed(0)
+    cfg = DrafterConfig(hidden_size=64, intermediate_size=128, num_layers=1, num_heads=4,
+                        num_kv_heads=2, head_dim=16, rope_theta=10000.0, rms_norm_eps=1e-6,
+                        block_size=8, mask_token_id=tok.convert_tokens_to_ids("<|mask|>"),
+                        target_layer_ids=(1, 2), num_target_layers=4, vocab_size=len(tok))
+    engine = Engine(model, tok, EngineConfig(max_len=256), tiny_model_dir, DFlashDrafter(cfg).eval())
+    ids = list(range(50, 70))
+    off = engine.generate(ids, SamplingParams(max_tokens=20, ignore_eos=True, speculation="off"))
+    assert off.stats["mode"] == "plain" and off.stats["draft_forwards"] == 0
+    on = engine.generate(ids, SamplingParams(max_tokens=20, ignore_eos=True, speculation="dflash"))
+    # every step drafts but the last, which has room for one token only
+    assert on.stats["draft_forwards"] == on.stats["target_forwards"] - 1
+    # a random drafter is never accepted: auto learns that and mostly decodes plainly
+    for _ in range(3):
+        auto = engine.generate(ids, SamplingParams(max_tokens=40, ignore_eos=True))
+    assert auto.stats["mode"] == "auto"
+    assert auto.stats["draft_forwards"] < auto.stats["target_forwards"] / 2
+    assert auto.token_ids[:20] == off.token_ids == on.token_ids
