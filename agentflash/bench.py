@@ -33,6 +33,9 @@ class Prompt:
 
 def held_out_prompts(kind: str, num: int, seed: int = HELD_OUT_SEED) -> list[Prompt]:
     """``num`` conversations of ``kind`` cut before their first assistant turn."""
+    if kind == "mixed":
+        per_kind = [held_out_prompts(k, num, seed) for k in SUITES]
+        return [p for group in zip(*per_kind) for p in group][:num]
     if kind not in corpus.KINDS:
         raise UserError(f"unknown suite {kind!r} (known: {', '.join(SUITES)})")
     rng = random.Random(seed + SUITES.index(kind))
@@ -154,3 +157,75 @@ def eval_tool_calls(model: str, num: int, max_tokens: int = 256) -> dict[str, An
             counts["exact_match"] += [c.to_dict() for c in calls] == p.expected
     rates = {k: round(v / counts["prompts"], 3) for k, v in counts.items() if k != "prompts"}
     return {"model": model, "counts": counts, "rates": rates}
+
+
+MODES = {"plain": "off", "dflash": "dflash", "auto": "auto"}
+
+
+def _run_together(engine: Engine, prompts: list[list[int]], max_tokens: int,
+                  speculation: str) -> tuple[list[list[int]], float, list[float], int]:
+    """All prompts submitted at once; returns outputs, wall time, latencies and forwards."""
+    t0 = time.perf_counter()
+    reqs = [engine.submit(ids, SamplingParams(max_tokens=max_tokens, speculation=speculation))
+            for ids in prompts]
+    while engine.has_work:
+        engine.step()
+    wall = time.perf_counter() - t0
+    latencies = [r.stats.finished_at - t0 for r in reqs]
+    return ([r.output_ids for r in reqs], wall, latencies,
+            sum(r.stats.target_forwards for r in reqs))
+
+
+def run_concurrency(model: str, suites: list[str], levels: list[int], max_tokens: int,
+                    drafter: str | None = "auto") -> dict[str, Any]:
+    """Plain, always-dflash and router rows at each concurrency, side by side in one run.
+
+    Suite ``mixed`` interleaves prompts of every kind. Each level runs ``level`` requests at once
+    (the engine batches them into shared forwards); outputs are checked against each prompt run
+    alone with plain greedy decoding.
+    """
+    from agentflash.engine.engine import EngineConfig
+
+    engine = Engine.from_pretrained(model, EngineConfig(max_running=max(levels)), drafter=drafter)
+    if engine.drafter is None:
+        raise UserError("the concurrency benchmark compares dflash rows: load a drafter")
+    rows = []
+    for suite in suites:
+        prompts = [engine.chat_prompt(p.messages, p.tools) for p in held_out_prompts(suite, max(levels))]
+        alone = {i: engine.generate(ids, SamplingParams(max_tokens=max_tokens, speculation="off")).token_ids
+                 for i, ids in enumerate(prompts)}
+        for level in levels:
+            batch = prompts[:level]
+            for mode, speculation in MODES.items():
+                _run_together(engine, batch[:1], 8, speculation)  # warm the cost model and allocator
+                outs, wall, lat, forwards = _run_together(engine, batch, max_tokens, speculation)
+                tokens = sum(len(o) for o in outs)
+                lat.sort()
+                rows.append({"suite": suite, "concurrency": level, "mode": mode,
+                             "new_tokens": tokens, "tokens_per_s": round(tokens / wall, 2),
+                             "latency_median_s": round(lat[len(lat) // 2], 3),
+                             "latency_p95_s": round(lat[min(len(lat) - 1, int(0.95 * len(lat)))], 3),
+                             "tau": round(tokens / forwards, 3) if forwards else None,
+                             "identical_to_alone": all(o == alone[i] for i, o in enumerate(outs))})
+    for row in rows:
+        base = next(r for r in rows if r["suite"] == row["suite"]
+                    and r["concurrency"] == row["concurrency"] and r["mode"] == "plain")
+        row["ratio_to_plain"] = round(row["tokens_per_s"] / base["tokens_per_s"], 3)
+    return {"config": {"model": model, "levels": levels, "max_tokens": max_tokens,
+                       "threads": torch.get_num_threads()}, "rows": rows}
+
+
+def print_concurrency_table(report: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"agentflash bench --concurrency ({report['config']['model']}, greedy)")
+    cols = ("suite", "streams", "mode", "tokens/s", "x plain", "p50 s", "p95 s", "tau", "identical")
+    for col in cols:
+        table.add_column(col, justify="left" if col in ("suite", "mode") else "right")
+    for r in report["rows"]:
+        table.add_row(r["suite"], str(r["concurrency"]), r["mode"], f"{r['tokens_per_s']:.1f}",
+                      f"{r['ratio_to_plain']:.2f}", f"{r['latency_median_s']:.2f}",
+                      f"{r['latency_p95_s']:.2f}", "-" if r["tau"] is None else f"{r['tau']:.2f}",
+                      "yes" if r["identical_to_alone"] else "NO")
+    Console().print(table)

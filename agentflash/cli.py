@@ -91,6 +91,9 @@ def bench(
     num_prompts: Annotated[int, typer.Option("--num-prompts", help="prompts per suite")] = 4,
     max_tokens: Annotated[int, typer.Option("--max-tokens")] = 128,
     drafter: Annotated[str, typer.Option(help="auto | demo | none | a drafter directory")] = "auto",
+    concurrency: Annotated[Optional[str], typer.Option(
+        help="e.g. 1,4,8,32: plain, dflash and router rows with that many requests at once "
+             "(suites may include 'mixed')")] = None,
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
     """Side-by-side speed of the engine and its peers on held-out prompts."""
@@ -98,14 +101,30 @@ def bench(
 
     try:
         names = [s.strip() for s in suites.split(",") if s.strip()]
-        report = bench_mod.run(model, names, num_prompts, max_tokens,
-                               None if drafter == "none" else drafter)
+        draft = None if drafter == "none" else drafter
+        if concurrency:
+            levels = _int_list(concurrency, "--concurrency")
+            report = bench_mod.run_concurrency(model, names, levels, max_tokens, draft)
+        else:
+            report = bench_mod.run(model, names, num_prompts, max_tokens, draft)
     except UserError as err:
         fail(str(err))
     if as_json:
         typer.echo(json.dumps(report, indent=2))
+    elif concurrency:
+        bench_mod.print_concurrency_table(report)
     else:
         bench_mod.print_table(report)
+
+
+def _int_list(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UserError(f"{flag} takes comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise UserError(f"{flag} takes positive integers, got {text!r}")
+    return values
 
 
 @app.command("eval-tool-calls")
