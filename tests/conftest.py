@@ -9,6 +9,9 @@ import torch
 
 from agentflash.models.loading import DEMO_DIR
 
+# The models under test are tiny: one thread is as fast, and it leaves the other core free.
+torch.set_num_threads(1)
+
 
 
 def save_tiny_qwen3(path: Path, vocab_size: int, seed: int = 0, **overrides) -> Path:
