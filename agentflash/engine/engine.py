@@ -30,8 +30,11 @@ class EngineConfig:
     device: str = "cpu"
     max_running: int = 8  # requests decoding together; each owns a KV-cache slot
     max_len: int = 2048  # tokens per request (prompt + output)
+    kv_budget_mb: float | None = None  # caps the slots to what fits; None: max_running slots
 
     def __post_init__(self) -> None:
+        if self.kv_budget_mb is not None and self.kv_budget_mb <= 0:
+            raise ValueError(f"kv_budget_mb must be positive, got {self.kv_budget_mb}")
         if self.max_running < 1:
             raise ValueError(f"max_running must be at least 1, got {self.max_running}")
         if self.max_len < 2:
@@ -71,9 +74,10 @@ class Engine:
         self.drafter = drafter  # a DFlashDrafter, or None for plain decoding only
         max_len = min(config.max_len, model.cfg.max_position_embeddings)
         dtype = next(model.parameters()).dtype
-        self.cache = KVCache(model.cfg, config.max_running, max_len, torch.device(config.device), dtype)
+        slots = num_slots(model.cfg, config, max_len, dtype)
+        self.cache = KVCache(model.cfg, slots, max_len, torch.device(config.device), dtype)
         self.runner = ModelRunner(model, self.cache)
-        self.scheduler = Scheduler(SchedulerConfig(config.max_running, max_len), self.cache)
+        self.scheduler = Scheduler(SchedulerConfig(slots, max_len), self.cache)
         self.eos_ids = end_of_turn_ids(tokenizer)
         self.cost = CostModel()  # what the router has measured of this engine's speed
         self._inbox: deque[Request] = deque()  # filled from any thread, drained by step()
@@ -278,6 +282,19 @@ class Engine:
         while not req.is_finished:
             self.step()
         return self.result(req)
+
+
+def num_slots(cfg, config: EngineConfig, max_len: int, dtype: torch.dtype) -> int:
+    """KV-cache slots: ``max_running``, or fewer if the memory budget holds fewer."""
+    if config.kv_budget_mb is None:
+        return config.max_running
+    itemsize = torch.tensor([], dtype=dtype).element_size()
+    per_slot = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * max_len * itemsize
+    fits = int(config.kv_budget_mb * 2**20 // per_slot)
+    if fits < 1:
+        raise UserError(f"kv_budget_mb {config.kv_budget_mb} holds no request of {max_len} tokens "
+                        f"(one needs {per_slot / 2**20:.1f} MB)")
+    return min(config.max_running, fits)
 
 
 def end_of_turn_ids(tokenizer) -> set[int]:

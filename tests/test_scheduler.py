@@ -1,0 +1,76 @@
+"""The shared engine under load: queueing beyond its limits, cancellations, no leaks."""
+
+import random
+
+import anyio
+import pytest
+
+from agentflash.engine.async_engine import AsyncEngine, FinishEvent
+from agentflash.engine.engine import Engine, EngineConfig
+from agentflash.engine.request import SamplingParams
+from agentflash.errors import UserError
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    return Engine.from_pretrained(tiny_model_dir, EngineConfig(max_running=6, max_len=128))
+
+
+def test_hundreds_of_requests_with_random_cancellations_all_end_and_free_the_pool(engine):
+    rng = random.Random(0)
+    reqs = [engine.submit([rng.randint(10, 4000) for _ in range(rng.randint(1, 30))],
+                          SamplingParams(max_tokens=rng.randint(1, 12), ignore_eos=True))
+            for _ in range(300)]
+    cancelled = set(rng.sample(range(300), 60))
+    steps = 0
+    while engine.has_work:
+        engine.step()
+        steps += 1
+        assert len(engine.scheduler.running) <= 6
+        for i in list(cancelled):
+            if rng.random() < 0.05:
+                engine.cancel(reqs[i])
+                cancelled.discard(i)
+        assert steps < 300 * 14, "a request waits forever"
+    assert all(r.is_finished for r in reqs)
+    finished = [r for r in reqs if r.finish_reason.value == "length"]
+    assert all(len(r.output_ids) == r.params.max_tokens for r in finished)
+    assert len(finished) >= 240
+    assert engine.cache.num_free == engine.cache.num_slots
+
+
+def test_many_async_streams_with_cancellations(engine):
+    rng = random.Random(1)
+
+    async def main():
+        done, cancelled = [], []
+        async with AsyncEngine(engine) as aengine:
+            async def client(i):
+                ids = [rng.randint(10, 4000) for _ in range(rng.randint(1, 20))]
+                with anyio.move_on_after(rng.choice([0.001, 0.01, 60])) as scope:
+                    async for ev in aengine.stream(ids, SamplingParams(max_tokens=10, ignore_eos=True)):
+                        if isinstance(ev, FinishEvent):
+                            done.append(ev.result)
+                if scope.cancelled_caught:
+                    cancelled.append(i)
+
+            async with anyio.create_task_group() as tg:
+                for i in range(120):
+                    tg.start_soon(client, i)
+            with anyio.fail_after(30):
+                while engine.has_work:
+                    await anyio.sleep(0.01)
+        return done, cancelled
+
+    done, cancelled = anyio.run(main)
+    assert len(done) + len(cancelled) == 120
+    assert all(len(r.token_ids) == 10 for r in done)
+    assert engine.cache.num_free == engine.cache.num_slots
+
+
+def test_kv_budget_caps_slots_and_rejects_a_budget_that_holds_nothing(tiny_model_dir):
+    # tiny model: 4 layers x 2 kv heads x 16 dims x 128 positions x 4 bytes x (k, v) = 128 KiB a slot
+    e = Engine.from_pretrained(tiny_model_dir, EngineConfig(max_running=8, max_len=128, kv_budget_mb=0.4))
+    assert e.cache.num_slots == 3
+    with pytest.raises(UserError, match="holds no request"):
+        Engine.from_pretrained(tiny_model_dir, EngineConfig(max_len=128, kv_budget_mb=0.05))
