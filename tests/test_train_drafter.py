@@ -1,0 +1,173 @@
+"""Drafter training on a tiny random target: blocks, a short run, resuming, and tau as decoding."""
+
+import json
+import random
+
+import pytest
+import torch
+
+from agentflash.dflash.checkpoint import load_drafter, validate_against_target
+from agentflash.dflash.speculate import draft_block, greedy_accept
+from agentflash.errors import UserError
+from agentflash.models.loading import load_model
+from agentflash.train import corpus as corpus_mod
+from agentflash.train import drafter as train_mod
+from agentflash.train.drafter import (
+    IGNORE,
+    DrafterTrainConfig,
+    Sample,
+    make_blocks,
+    slot_weights,
+    train_drafter,
+    validation_tau,
+)
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the weather of a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}
+
+
+def conversations(n: int) -> list[dict]:
+    """A small hand-written corpus: ``n`` conversations of each kind (stands in for the
+    stdlib-based corpus, which takes long to index)."""
+    out = []
+    for i in range(n):
+        city = ["Paris", "Oslo", "Lima", "Rome"][i % 4]
+        out.append({"kind": "tool_call", "tools": [WEATHER], "messages": [
+            {"role": "user", "content": f"What is the weather in {city}?"},
+            {"role": "assistant", "content": "",
+             "tool_calls": [{"name": "get_weather", "arguments": {"city": city}}]},
+            {"role": "tool", "name": "get_weather", "content": json.dumps({"temp": 20 + i})},
+            {"role": "assistant", "content": f"It is {20 + i} degrees in {city}."}]})
+        out.append({"kind": "code", "tools": [], "messages": [
+            {"role": "user", "content": f"Write a function that adds {i}."},
+            {"role": "assistant", "content": f"```python\ndef add(x):\n    return x + {i}\n```"}]})
+        out.append({"kind": "math", "tools": [], "messages": [
+            {"role": "user", "content": f"Compute {i} + 7."},
+            {"role": "assistant", "content": f"{i} + 7 = {i + 7}.\nThe answer is {i + 7}."}]})
+        out.append({"kind": "prose", "tools": [], "messages": [
+            {"role": "user", "content": f"Explain list number {i}."},
+            {"role": "assistant", "content": "A list holds items in order."}]})
+    return out
+
+
+def tiny_config(**overrides) -> DrafterTrainConfig:
+    fields = dict(num_layers=1, block_size=4, num_anchors=8, steps=30, batch_size=2, lr=3e-3,
+                  max_response_tokens=16, max_seq_len=512, regen_batch=8, num_val_per_kind=1,
+                  val_every=15, save_every=10)
+    fields.update(overrides)
+    return DrafterTrainConfig(**fields)
+
+
+@pytest.fixture(scope="module")
+def run(tiny_model_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("drafter-run")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(corpus_mod, "generate", lambda cfg: conversations(3))
+        train_drafter(tiny_model_dir, out, tiny_config())
+    return out
+
+
+def read_log(out):
+    return [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+
+
+def test_make_blocks_labels_and_positions():
+    sample = Sample(ids=[10, 11, 12, 13, 14, 15, 16], prompt_len=3, kind="code")
+    short = Sample(ids=[20, 21, 22, 23], prompt_len=2, kind="math")
+    blocks = make_blocks([sample, short], block_size=4, num_anchors=8, mask_token_id=99,
+                         rng=random.Random(0))
+    # every position of the answer that has a next token is an anchor: 3, 4, 5 and 2
+    assert blocks.anchors.tolist() == [[3, 4, 5], [2, 0, 0]]
+    assert blocks.ids[0].tolist() == [[13, 99, 99, 99], [14, 99, 99, 99], [15, 99, 99, 99]]
+    assert blocks.positions[0, 1].tolist() == [4, 5, 6, 7]
+    assert blocks.labels[0].tolist() == [[IGNORE, 14, 15, 16], [IGNORE, 15, 16, IGNORE],
+                                         [IGNORE, 16, IGNORE, IGNORE]]
+    assert blocks.labels[1].tolist() == [[IGNORE, 23, IGNORE, IGNORE]] + [[IGNORE] * 4] * 2
+    few = make_blocks([sample], block_size=4, num_anchors=2, mask_token_id=99,
+                      rng=random.Random(0))
+    assert few.anchors.shape == (1, 2) and set(few.anchors[0].tolist()) <= {3, 4, 5}
+
+
+def test_slot_weights_decay_from_slot_one():
+    w = slot_weights(16, 7.0)
+    assert w.shape == (15,) and w[0] == 1.0
+    assert torch.allclose(w[7], torch.tensor(float(torch.exp(torch.tensor(-1.0)))))
+
+
+def test_training_reduces_loss_and_writes_a_loadable_drafter(run, tiny_model_dir):
+    log = read_log(run)
+    losses = [e["loss"] for e in log if "loss" in e]
+    assert len(losses) == 30
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.3
+    vals = [e for e in log if "val_tau" in e]
+    assert [e["step"] for e in vals] == [15, 30]
+    assert set(vals[-1]["val_tau"]) == {"tool_call", "code", "math", "prose", "all"}
+    assert all(1.0 <= tau <= 4.0 for tau in vals[-1]["val_tau"].values())
+    drafter = load_drafter(run)
+    target, _, _ = load_model(tiny_model_dir)
+    validate_against_target(drafter.cfg, target.cfg)
+    assert drafter.cfg.block_size == 4 and drafter.cfg.target_layer_ids == (2,)
+    summary = json.loads((run / "train_drafter.json").read_text())
+    assert summary["val_tau"] == vals[-1]["val_tau"]
+    assert torch.load(run / "checkpoints" / "latest.pt", weights_only=False)["step"] == 30
+
+
+def test_a_rerun_resumes_without_regenerating(run, tiny_model_dir):
+    def no_regeneration(*args, **kwargs):
+        raise AssertionError("the cached answers should have been reused")
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(train_mod, "regenerate", no_regeneration)
+        train_drafter(tiny_model_dir, run, tiny_config(steps=33))
+        steps = [e["step"] for e in read_log(run) if "loss" in e]
+        assert steps == list(range(1, 31)) + [31, 32, 33]
+        with pytest.raises(UserError, match="different drafter"):
+            train_drafter(tiny_model_dir, run, tiny_config(steps=40, num_layers=2))
+
+
+def test_validation_tau_is_what_draft_and_verify_decoding_achieves(run, tiny_model_dir):
+    # Decode with the target verifying every block (full forwards, no cache) and compare with
+    # plain greedy decoding and with validation_tau's count of the same sequence.
+    target, _, _ = load_model(tiny_model_dir)
+    drafter = load_drafter(run)
+    responses = json.loads((run / "responses.json").read_text())["train"]
+    prompt = next(s for s in responses if s["kind"] == "tool_call")
+    prompt = prompt["ids"][: prompt["prompt_len"]]
+    layers = drafter.cfg.target_layer_ids
+
+    def forward(ids):
+        n = len(ids)
+        hidden, captured = target(torch.tensor([ids]), torch.arange(n)[None],
+                                  [NoCache()] * target.cfg.num_layers, None, layers)
+        return target.logits(hidden)[0], torch.cat(captured, -1)[0]  # [n, V], [n, K*H]
+
+    n_new = 16
+    plain = list(prompt)
+    with torch.no_grad():
+        while len(plain) < len(prompt) + n_new:
+            plain.append(int(forward(plain)[0][-1].argmax()))
+        logits, hidden = forward(prompt)
+        seq, steps = prompt + [int(logits[-1].argmax())], []
+        ctx = drafter.new_context()
+        drafter.extend([ctx], [hidden])
+        while len(seq) < len(prompt) + n_new:
+            draft = draft_block(drafter, target.embed, target.logits, torch.tensor([seq[-1]]),
+                                [ctx])[0]
+            logits, hidden = forward(seq + draft.tolist())
+            accepted, bonus = greedy_accept(draft, logits[len(seq) - 1 :])
+            produced = min(accepted + 1, len(prompt) + n_new - len(seq))
+            drafter.extend([ctx], [hidden[len(seq) - 1 : len(seq) - 1 + produced]])
+            seq += (draft[:accepted].tolist() + [bonus])[:produced]
+            steps.append(produced)
+    assert seq == plain
+    assert sum(steps) / len(steps) > 1.5  # the trained drafter gets whole runs accepted
+    tau = validation_tau(drafter, target, [Sample(plain, len(prompt), "tool_call")])
+    assert tau == {"tool_call": pytest.approx(sum(steps) / len(steps)),
+                   "all": pytest.approx(sum(steps) / len(steps))}
+
+
+class NoCache:
+    def write(self, k, v):
+        return k, v
