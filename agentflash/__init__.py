@@ -1,3 +1,4 @@
-"""agentflash: an agent / tool-calling runtime whose own inference engine makes structured output fast."""
+"""agentflash: an agent / tool-calling runtime whose own inference engine makes structured
+output fast."""
 
 __version__ = "0.1.0"

@@ -51,25 +51,35 @@ def held_out_prompts(kind: str, num: int, seed: int = HELD_OUT_SEED) -> list[Pro
     return prompts
 
 
-def _time_engine(engine: Engine, ids: list[int], max_tokens: int,
-                 speculation: str = "off") -> tuple[list[int], float, int]:
+def _time_engine(
+    engine: Engine, ids: list[int], max_tokens: int, speculation: str = "off"
+) -> tuple[list[int], float, int]:
     t0 = time.perf_counter()
     result = engine.generate(ids, SamplingParams(max_tokens=max_tokens, speculation=speculation))
     return result.token_ids, time.perf_counter() - t0, result.stats["target_forwards"]
 
 
-def _time_hf(hf_model, ids: list[int], max_tokens: int, eos: list[int], **kwargs) -> tuple[list[int], float]:
+def _time_hf(
+    hf_model, ids: list[int], max_tokens: int, eos: list[int], **kwargs
+) -> tuple[list[int], float]:
     inputs = torch.tensor([ids])
     t0 = time.perf_counter()
     with torch.inference_mode():
-        out = hf_model.generate(inputs, attention_mask=torch.ones_like(inputs), do_sample=False,
-                                max_new_tokens=max_tokens, eos_token_id=eos, pad_token_id=eos[0],
-                                **kwargs)
-    return out[0, len(ids):].tolist(), time.perf_counter() - t0
+        out = hf_model.generate(
+            inputs,
+            attention_mask=torch.ones_like(inputs),
+            do_sample=False,
+            max_new_tokens=max_tokens,
+            eos_token_id=eos,
+            pad_token_id=eos[0],
+            **kwargs,
+        )
+    return out[0, len(ids) :].tolist(), time.perf_counter() - t0
 
 
-def run(model: str, suites: list[str], num_prompts: int, max_tokens: int,
-        drafter: str | None = "auto") -> dict[str, Any]:
+def run(
+    model: str, suites: list[str], num_prompts: int, max_tokens: int, drafter: str | None = "auto"
+) -> dict[str, Any]:
     """Every row on every suite; returns ``{"rows": [...], "config": {...}}``."""
     from transformers import AutoModelForCausalLM
 
@@ -78,16 +88,28 @@ def run(model: str, suites: list[str], num_prompts: int, max_tokens: int,
     eos = sorted(engine.eos_ids)
     rows = []
     for suite in suites:
-        prompts = [engine.chat_prompt(p.messages, p.tools) for p in held_out_prompts(suite, num_prompts)]
+        prompts = [
+            engine.chat_prompt(p.messages, p.tools) for p in held_out_prompts(suite, num_prompts)
+        ]
         _time_engine(engine, prompts[0], 8)  # warm-up: first-call allocations
         plain = [_time_engine(engine, ids, max_tokens) for ids in prompts]
         ref = [tokens for tokens, _, _ in plain]
-        rows.append(_row(suite, "plain", ref, ref, [t for _, t, _ in plain], [f for _, _, f in plain]))
+        rows.append(
+            _row(suite, "plain", ref, ref, [t for _, t, _ in plain], [f for _, _, f in plain])
+        )
         if engine.drafter is not None:
             _time_engine(engine, prompts[0], 8, "dflash")
             spec = [_time_engine(engine, ids, max_tokens, "dflash") for ids in prompts]
-            rows.append(_row(suite, "dflash", [o for o, _, _ in spec], ref, [t for _, t, _ in spec],
-                             [f for _, _, f in spec]))
+            rows.append(
+                _row(
+                    suite,
+                    "dflash",
+                    [o for o, _, _ in spec],
+                    ref,
+                    [t for _, t, _ in spec],
+                    [f for _, _, f in spec],
+                )
+            )
         peers = {"transformers": {}, "prompt_lookup": {"prompt_lookup_num_tokens": 10}}
         for name, kwargs in peers.items():
             outs = [_time_hf(hf_model, ids, max_tokens, eos, **kwargs) for ids in prompts]
@@ -95,13 +117,26 @@ def run(model: str, suites: list[str], num_prompts: int, max_tokens: int,
     for row in rows:
         base = next(r for r in rows if r["suite"] == row["suite"] and r["mode"] == "plain")
         row["ratio_to_plain"] = round(row["tokens_per_s"] / base["tokens_per_s"], 3)
-    return {"config": {"model": model, "drafter": str(drafter), "num_prompts": num_prompts,
-                       "max_tokens": max_tokens,
-                       "threads": torch.get_num_threads()}, "rows": rows}
+    return {
+        "config": {
+            "model": model,
+            "drafter": str(drafter),
+            "num_prompts": num_prompts,
+            "max_tokens": max_tokens,
+            "threads": torch.get_num_threads(),
+        },
+        "rows": rows,
+    }
 
 
-def _row(suite: str, mode: str, outputs: list[list[int]], reference: list[list[int]],
-         seconds: list[float], forwards: list[int] | None) -> dict[str, Any]:
+def _row(
+    suite: str,
+    mode: str,
+    outputs: list[list[int]],
+    reference: list[list[int]],
+    seconds: list[float],
+    forwards: list[int] | None,
+) -> dict[str, Any]:
     tokens = sum(len(o) for o in outputs)
     return {
         "suite": suite,
@@ -122,14 +157,22 @@ def print_table(report: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"agentflash bench ({report['config']['model']}, "
-                        f"{report['config']['num_prompts']} prompts/suite, greedy)")
+    table = Table(
+        title=f"agentflash bench ({report['config']['model']}, "
+        f"{report['config']['num_prompts']} prompts/suite, greedy)"
+    )
     for col in ("suite", "mode", "tokens", "tokens/s", "x plain", "tau", "identical"):
         table.add_column(col, justify="right" if col not in ("suite", "mode") else "left")
     for r in report["rows"]:
-        table.add_row(r["suite"], r["mode"], str(r["new_tokens"]), f"{r['tokens_per_s']:.1f}",
-                      f"{r['ratio_to_plain']:.2f}", "-" if r["tau"] is None else f"{r['tau']:.2f}",
-                      "yes" if r["identical_to_plain"] else "NO")
+        table.add_row(
+            r["suite"],
+            r["mode"],
+            str(r["new_tokens"]),
+            f"{r['tokens_per_s']:.1f}",
+            f"{r['ratio_to_plain']:.2f}",
+            "-" if r["tau"] is None else f"{r['tau']:.2f}",
+            "yes" if r["identical_to_plain"] else "NO",
+        )
     Console().print(table)
 
 
@@ -140,10 +183,18 @@ def eval_tool_calls(model: str, num: int, max_tokens: int = 256) -> dict[str, An
     from agentflash.tool_format import parse_tool_calls
 
     engine = Engine.from_pretrained(model)
-    counts = {"prompts": 0, "wrote_call": 0, "valid_json": 0, "known_name": 0,
-              "arguments_valid": 0, "exact_match": 0}
+    counts = {
+        "prompts": 0,
+        "wrote_call": 0,
+        "valid_json": 0,
+        "known_name": 0,
+        "arguments_valid": 0,
+        "exact_match": 0,
+    }
     for p in held_out_prompts("tool_call", num):
-        result = engine.generate(engine.chat_prompt(p.messages, p.tools), SamplingParams(max_tokens=max_tokens))
+        result = engine.generate(
+            engine.chat_prompt(p.messages, p.tools), SamplingParams(max_tokens=max_tokens)
+        )
         calls, bad = parse_tool_calls(result.text)
         schemas = {t["function"]["name"]: t["function"]["parameters"] for t in p.tools}
         counts["prompts"] += 1
@@ -152,7 +203,10 @@ def eval_tool_calls(model: str, num: int, max_tokens: int = 256) -> dict[str, An
         known = bool(calls) and not bad and all(c.name in schemas for c in calls)
         counts["known_name"] += known
         if known:
-            valid = all(jsonschema.Draft202012Validator(schemas[c.name]).is_valid(c.arguments) for c in calls)
+            valid = all(
+                jsonschema.Draft202012Validator(schemas[c.name]).is_valid(c.arguments)
+                for c in calls
+            )
             counts["arguments_valid"] += valid
             counts["exact_match"] += [c.to_dict() for c in calls] == p.expected
     rates = {k: round(v / counts["prompts"], 3) for k, v in counts.items() if k != "prompts"}
@@ -162,22 +216,30 @@ def eval_tool_calls(model: str, num: int, max_tokens: int = 256) -> dict[str, An
 MODES = {"plain": "off", "dflash": "dflash", "auto": "auto"}
 
 
-def _run_together(engine: Engine, prompts: list[list[int]], max_tokens: int,
-                  speculation: str) -> tuple[list[list[int]], float, list[float], int]:
+def _run_together(
+    engine: Engine, prompts: list[list[int]], max_tokens: int, speculation: str
+) -> tuple[list[list[int]], float, list[float], int]:
     """All prompts submitted at once; returns outputs, wall time, latencies and forwards."""
     t0 = time.perf_counter()
-    reqs = [engine.submit(ids, SamplingParams(max_tokens=max_tokens, speculation=speculation))
-            for ids in prompts]
+    reqs = [
+        engine.submit(ids, SamplingParams(max_tokens=max_tokens, speculation=speculation))
+        for ids in prompts
+    ]
     while engine.has_work:
         engine.step()
     wall = time.perf_counter() - t0
     latencies = [r.stats.finished_at - t0 for r in reqs]
-    return ([r.output_ids for r in reqs], wall, latencies,
-            sum(r.stats.target_forwards for r in reqs))
+    return (
+        [r.output_ids for r in reqs],
+        wall,
+        latencies,
+        sum(r.stats.target_forwards for r in reqs),
+    )
 
 
-def run_concurrency(model: str, suites: list[str], levels: list[int], max_tokens: int,
-                    drafter: str | None = "auto") -> dict[str, Any]:
+def run_concurrency(
+    model: str, suites: list[str], levels: list[int], max_tokens: int, drafter: str | None = "auto"
+) -> dict[str, Any]:
     """Plain, always-dflash and router rows at each concurrency, side by side in one run.
 
     Suite ``mixed`` interleaves prompts of every kind. Each level runs ``level`` requests at once
@@ -191,28 +253,55 @@ def run_concurrency(model: str, suites: list[str], levels: list[int], max_tokens
         raise UserError("the concurrency benchmark compares dflash rows: load a drafter")
     rows = []
     for suite in suites:
-        prompts = [engine.chat_prompt(p.messages, p.tools) for p in held_out_prompts(suite, max(levels))]
-        alone = {i: engine.generate(ids, SamplingParams(max_tokens=max_tokens, speculation="off")).token_ids
-                 for i, ids in enumerate(prompts)}
+        prompts = [
+            engine.chat_prompt(p.messages, p.tools) for p in held_out_prompts(suite, max(levels))
+        ]
+        alone = {
+            i: engine.generate(
+                ids, SamplingParams(max_tokens=max_tokens, speculation="off")
+            ).token_ids
+            for i, ids in enumerate(prompts)
+        }
         for level in levels:
             batch = prompts[:level]
             for mode, speculation in MODES.items():
-                _run_together(engine, batch[:1], 8, speculation)  # warm the cost model and allocator
+                _run_together(
+                    engine, batch[:1], 8, speculation
+                )  # warm the cost model and allocator
                 outs, wall, lat, forwards = _run_together(engine, batch, max_tokens, speculation)
                 tokens = sum(len(o) for o in outs)
                 lat.sort()
-                rows.append({"suite": suite, "concurrency": level, "mode": mode,
-                             "new_tokens": tokens, "tokens_per_s": round(tokens / wall, 2),
-                             "latency_median_s": round(lat[len(lat) // 2], 3),
-                             "latency_p95_s": round(lat[min(len(lat) - 1, int(0.95 * len(lat)))], 3),
-                             "tau": round(tokens / forwards, 3) if forwards else None,
-                             "identical_to_alone": all(o == alone[i] for i, o in enumerate(outs))})
+                rows.append(
+                    {
+                        "suite": suite,
+                        "concurrency": level,
+                        "mode": mode,
+                        "new_tokens": tokens,
+                        "tokens_per_s": round(tokens / wall, 2),
+                        "latency_median_s": round(lat[len(lat) // 2], 3),
+                        "latency_p95_s": round(lat[min(len(lat) - 1, int(0.95 * len(lat)))], 3),
+                        "tau": round(tokens / forwards, 3) if forwards else None,
+                        "identical_to_alone": all(o == alone[i] for i, o in enumerate(outs)),
+                    }
+                )
     for row in rows:
-        base = next(r for r in rows if r["suite"] == row["suite"]
-                    and r["concurrency"] == row["concurrency"] and r["mode"] == "plain")
+        base = next(
+            r
+            for r in rows
+            if r["suite"] == row["suite"]
+            and r["concurrency"] == row["concurrency"]
+            and r["mode"] == "plain"
+        )
         row["ratio_to_plain"] = round(row["tokens_per_s"] / base["tokens_per_s"], 3)
-    return {"config": {"model": model, "levels": levels, "max_tokens": max_tokens,
-                       "threads": torch.get_num_threads()}, "rows": rows}
+    return {
+        "config": {
+            "model": model,
+            "levels": levels,
+            "max_tokens": max_tokens,
+            "threads": torch.get_num_threads(),
+        },
+        "rows": rows,
+    }
 
 
 def print_concurrency_table(report: dict[str, Any]) -> None:
@@ -224,8 +313,15 @@ def print_concurrency_table(report: dict[str, Any]) -> None:
     for col in cols:
         table.add_column(col, justify="left" if col in ("suite", "mode") else "right")
     for r in report["rows"]:
-        table.add_row(r["suite"], str(r["concurrency"]), r["mode"], f"{r['tokens_per_s']:.1f}",
-                      f"{r['ratio_to_plain']:.2f}", f"{r['latency_median_s']:.2f}",
-                      f"{r['latency_p95_s']:.2f}", "-" if r["tau"] is None else f"{r['tau']:.2f}",
-                      "yes" if r["identical_to_alone"] else "NO")
+        table.add_row(
+            r["suite"],
+            str(r["concurrency"]),
+            r["mode"],
+            f"{r['tokens_per_s']:.1f}",
+            f"{r['ratio_to_plain']:.2f}",
+            f"{r['latency_median_s']:.2f}",
+            f"{r['latency_p95_s']:.2f}",
+            "-" if r["tau"] is None else f"{r['tau']:.2f}",
+            "yes" if r["identical_to_alone"] else "NO",
+        )
     Console().print(table)

@@ -43,8 +43,10 @@ def check_messages(messages: Any, where: str) -> list[dict[str, Any]]:
         if not isinstance(msg, dict):
             raise UserError(f"{where}: messages[{i}] must be an object")
         if msg.get("role") not in ROLES:
-            raise UserError(f"{where}: messages[{i}].role must be one of {', '.join(ROLES)}, "
-                            f"got {msg.get('role')!r}")
+            raise UserError(
+                f"{where}: messages[{i}].role must be one of {', '.join(ROLES)}, "
+                f"got {msg.get('role')!r}"
+            )
         content = msg.get("content")
         if content is None and msg.get("tool_calls"):
             continue
@@ -61,7 +63,9 @@ def check_tools(tools: Any, where: str) -> list[dict[str, Any]]:
     for i, tool in enumerate(tools):
         fn = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(fn, dict):
-            raise UserError(f"{where}: tools[{i}] must be {{\"type\": \"function\", \"function\": {{...}}}}")
+            raise UserError(
+                f'{where}: tools[{i}] must be {{"type": "function", "function": {{...}}}}'
+            )
         name = fn.get("name")
         if not isinstance(name, str) or not name:
             raise UserError(f"{where}: tools[{i}].function.name must be a non-empty string")
@@ -102,7 +106,9 @@ def make_input(values: dict[str, Any], where: str) -> GenerateInput:
     """A request from ``prompt`` or ``messages``, ``tools`` and sampling fields."""
     unknown = sorted(set(values) - set(REQUEST_FIELDS))
     if unknown:
-        raise UserError(f"{where}: unknown field {unknown[0]!r} (known: {', '.join(REQUEST_FIELDS)})")
+        raise UserError(
+            f"{where}: unknown field {unknown[0]!r} (known: {', '.join(REQUEST_FIELDS)})"
+        )
     prompt, messages = values.get("prompt"), values.get("messages")
     if (prompt is None) == (messages is None):
         raise UserError(f"{where}: give exactly one of 'prompt' and 'messages'")

@@ -1,4 +1,5 @@
-"""The Qwen3/Hermes tool-call format: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``."""
+"""The Qwen3/Hermes tool-call format:
+``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ class MalformedToolCall:
 
 
 def parse_tool_calls(text: str) -> tuple[list[ParsedToolCall], list[MalformedToolCall]]:
-    """Every closed ``<tool_call>`` block of ``text``: the well-formed calls and the malformed ones."""
+    """Every closed ``<tool_call>`` block of ``text``: the well-formed calls and the malformed ones."""  # noqa: E501
     calls, bad = [], []
     for match in _CALL.finditer(text):
         body = match.group(1).strip()

@@ -13,15 +13,23 @@ from agentflash.models.loading import DEMO_DIR
 torch.set_num_threads(1)
 
 
-
 def save_tiny_qwen3(path: Path, vocab_size: int, seed: int = 0, **overrides) -> Path:
     """A random-weight Qwen3 with the demo tokenizer's vocabulary, in Hugging Face format."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
-    fields = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128,
-                  num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                  max_position_embeddings=1024, tie_word_embeddings=True, rope_theta=10000.0)
+    fields = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        rope_theta=10000.0,
+    )
     fields.update(overrides)
     model = Qwen3ForCausalLM(Qwen3Config(**fields))
     model.save_pretrained(path)

@@ -5,7 +5,9 @@ from agentflash.train import corpus
 
 
 def test_held_out_prompts_end_before_the_reply_and_differ_from_training():
-    train = corpus.generate(corpus.CorpusConfig(num_tool_call=200, num_code=0, num_math=0, num_prose=0))
+    train = corpus.generate(
+        corpus.CorpusConfig(num_tool_call=200, num_code=0, num_math=0, num_prose=0)
+    )
     train_requests = {c["messages"][1]["content"] for c in train}
     for suite in bench.SUITES:
         prompts = bench.held_out_prompts(suite, 5)
@@ -18,7 +20,9 @@ def test_held_out_prompts_end_before_the_reply_and_differ_from_training():
 def test_rows_are_side_by_side_and_peers_match_plain_greedy(tiny_model_dir):
     report = bench.run(str(tiny_model_dir), ["tool_call", "math"], num_prompts=1, max_tokens=6)
     modes = [(r["suite"], r["mode"]) for r in report["rows"]]
-    assert modes == [(s, m) for s in ("tool_call", "math") for m in ("plain", "transformers", "prompt_lookup")]
+    assert modes == [
+        (s, m) for s in ("tool_call", "math") for m in ("plain", "transformers", "prompt_lookup")
+    ]
     for row in report["rows"]:
         assert row["identical_to_plain"], row
         assert row["tokens_per_s"] > 0
@@ -32,14 +36,29 @@ def test_concurrency_rows_match_outputs_run_alone(tiny_model_dir, tmp_path):
     from agentflash.dflash.drafter import DFlashDrafter, DrafterConfig
 
     torch.manual_seed(0)
-    drafter = DFlashDrafter(DrafterConfig(
-        hidden_size=64, intermediate_size=128, num_layers=1, num_heads=4, num_kv_heads=2,
-        head_dim=16, rope_theta=1e4, rms_norm_eps=1e-6, block_size=8, mask_token_id=3,
-        target_layer_ids=(1, 2), num_target_layers=4, vocab_size=4096))
+    drafter = DFlashDrafter(
+        DrafterConfig(
+            hidden_size=64,
+            intermediate_size=128,
+            num_layers=1,
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=16,
+            rope_theta=1e4,
+            rms_norm_eps=1e-6,
+            block_size=8,
+            mask_token_id=3,
+            target_layer_ids=(1, 2),
+            num_target_layers=4,
+            vocab_size=4096,
+        )
+    )
     save_drafter(drafter, tmp_path / "drafter")
-    report = bench.run_concurrency(str(tiny_model_dir), ["mixed"], [1, 3], max_tokens=6,
-                                   drafter=str(tmp_path / "drafter"))
+    report = bench.run_concurrency(
+        str(tiny_model_dir), ["mixed"], [1, 3], max_tokens=6, drafter=str(tmp_path / "drafter")
+    )
     assert [(r["concurrency"], r["mode"]) for r in report["rows"]] == [
-        (c, m) for c in (1, 3) for m in ("plain", "dflash", "auto")]
+        (c, m) for c in (1, 3) for m in ("plain", "dflash", "auto")
+    ]
     assert all(r["identical_to_alone"] for r in report["rows"])
     assert all(r["latency_p95_s"] >= r["latency_median_s"] > 0 for r in report["rows"])

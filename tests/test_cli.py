@@ -7,11 +7,31 @@ from typer.testing import CliRunner
 
 from agentflash.cli import app
 
-STATS_KEYS = {"mode", "prompt_tokens", "new_tokens", "target_forwards", "draft_forwards", "tau",
-              "wall_s", "tokens_per_s", "segments"}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather",
-          "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                         "required": ["city"]}}}]
+STATS_KEYS = {
+    "mode",
+    "prompt_tokens",
+    "new_tokens",
+    "target_forwards",
+    "draft_forwards",
+    "tau",
+    "wall_s",
+    "tokens_per_s",
+    "segments",
+}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    }
+]
 
 
 def run(*args):
@@ -21,8 +41,18 @@ def run(*args):
 
 def test_generate_json_contract(tiny_model_dir, tmp_path):
     (tmp_path / "tools.json").write_text(json.dumps(TOOLS))
-    code, out, _ = run("generate", "--model", str(tiny_model_dir), "--prompt", "weather in Oslo?",
-                       "--tools", str(tmp_path / "tools.json"), "--max-tokens", "7", "--json")
+    code, out, _ = run(
+        "generate",
+        "--model",
+        str(tiny_model_dir),
+        "--prompt",
+        "weather in Oslo?",
+        "--tools",
+        str(tmp_path / "tools.json"),
+        "--max-tokens",
+        "7",
+        "--json",
+    )
     assert code == 0
     obj = json.loads(out)
     assert set(obj) == {"text", "token_ids", "tool_calls", "finish_reason", "stats"}
@@ -38,49 +68,79 @@ def test_generate_json_contract(tiny_model_dir, tmp_path):
 
 
 def test_requests_file_writes_one_result_per_line(tiny_model_dir, tmp_path):
-    lines = [{"prompt": "a"}, {"messages": [{"role": "user", "content": "b"}], "max_tokens": 3},
-             {"prompt": "c", "temperature": 0.9, "seed": 1}]
+    lines = [
+        {"prompt": "a"},
+        {"messages": [{"role": "user", "content": "b"}], "max_tokens": 3},
+        {"prompt": "c", "temperature": 0.9, "seed": 1},
+    ]
     (tmp_path / "r.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
-    code, out, _ = run("generate", "--model", str(tiny_model_dir), "--requests",
-                       str(tmp_path / "r.jsonl"), "--max-tokens", "5", "--json")
+    code, out, _ = run(
+        "generate",
+        "--model",
+        str(tiny_model_dir),
+        "--requests",
+        str(tmp_path / "r.jsonl"),
+        "--max-tokens",
+        "5",
+        "--json",
+    )
     assert code == 0
     results = [json.loads(x) for x in out.splitlines()]
     assert len(results) == 3
     assert results[0]["stats"]["new_tokens"] <= 5 and results[1]["stats"]["new_tokens"] <= 3
 
 
-@pytest.mark.parametrize("content, message", [
-    ('[{"role": "user"}]', "messages[0].content must be a string"),
-    ('[{"role": "robot", "content": "x"}]', "messages[0].role must be one of"),
-    ('{"role": "user"}', "must be a non-empty JSON list"),
-    ('[{"role": "user",\n "content": }]', ":2:13: malformed JSON"),
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ('[{"role": "user"}]', "messages[0].content must be a string"),
+        ('[{"role": "robot", "content": "x"}]', "messages[0].role must be one of"),
+        ('{"role": "user"}', "must be a non-empty JSON list"),
+        ('[{"role": "user",\n "content": }]', ":2:13: malformed JSON"),
+    ],
+)
 def test_bad_messages_file(tiny_model_dir, tmp_path, content, message):
     (tmp_path / "m.json").write_text(content)
-    code, out, err = run("generate", "--model", str(tiny_model_dir), "--messages", str(tmp_path / "m.json"))
+    code, out, err = run(
+        "generate", "--model", str(tiny_model_dir), "--messages", str(tmp_path / "m.json")
+    )
     assert code == 2 and out == ""
     assert err.startswith(f"error: {tmp_path / 'm.json'}") and message in err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
-@pytest.mark.parametrize("content, message", [
-    ('{"type": "function"}', "tools must be a JSON list"),
-    ('[{"type": "function", "function": {"description": "x"}}]', "tools[0].function.name"),
-    ('[{"name": "f"}]', 'tools[0] must be {"type": "function"'),
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ('{"type": "function"}', "tools must be a JSON list"),
+        ('[{"type": "function", "function": {"description": "x"}}]', "tools[0].function.name"),
+        ('[{"name": "f"}]', 'tools[0] must be {"type": "function"'),
+    ],
+)
 def test_bad_tools_file(tiny_model_dir, tmp_path, content, message):
     (tmp_path / "t.json").write_text(content)
-    code, _, err = run("generate", "--model", str(tiny_model_dir), "--prompt", "x", "--tools",
-                       str(tmp_path / "t.json"))
+    code, _, err = run(
+        "generate",
+        "--model",
+        str(tiny_model_dir),
+        "--prompt",
+        "x",
+        "--tools",
+        str(tmp_path / "t.json"),
+    )
     assert code == 2 and message in err and str(tmp_path / "t.json") in err
 
 
 def test_bad_requests_line_is_named(tiny_model_dir, tmp_path):
     (tmp_path / "r.jsonl").write_text('{"prompt": "ok"}\n{"prompt": "x", "max_tokens": -1}\n')
-    code, _, err = run("generate", "--model", str(tiny_model_dir), "--requests", str(tmp_path / "r.jsonl"))
+    code, _, err = run(
+        "generate", "--model", str(tiny_model_dir), "--requests", str(tmp_path / "r.jsonl")
+    )
     assert code == 2 and f"{tmp_path / 'r.jsonl'}:2" in err and "max_tokens" in err
     (tmp_path / "r.jsonl").write_text('{"prompt": "ok", "colour": 1}\n')
-    code, _, err = run("generate", "--model", str(tiny_model_dir), "--requests", str(tmp_path / "r.jsonl"))
+    code, _, err = run(
+        "generate", "--model", str(tiny_model_dir), "--requests", str(tmp_path / "r.jsonl")
+    )
     assert code == 2 and "unknown field 'colour'" in err
 
 

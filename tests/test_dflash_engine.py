@@ -18,12 +18,28 @@ def engine(tiny_model_dir):
     model, _, _ = load_model(tiny_model_dir)
     tok = load_tokenizer(tiny_model_dir)
     torch.manual_seed(0)
-    cfg = DrafterConfig(hidden_size=64, intermediate_size=128, num_layers=1, num_heads=4,
-                        num_kv_heads=2, head_dim=16, rope_theta=10000.0, rms_norm_eps=1e-6,
-                        block_size=16, mask_token_id=tok.convert_tokens_to_ids("<|mask|>"),
-                        target_layer_ids=(1, 2), num_target_layers=4, vocab_size=len(tok))
-    return Engine(model, tok, EngineConfig(max_running=4, max_len=512), tiny_model_dir,
-                  DFlashDrafter(cfg).eval())
+    cfg = DrafterConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=1,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        block_size=16,
+        mask_token_id=tok.convert_tokens_to_ids("<|mask|>"),
+        target_layer_ids=(1, 2),
+        num_target_layers=4,
+        vocab_size=len(tok),
+    )
+    return Engine(
+        model,
+        tok,
+        EngineConfig(max_running=4, max_len=512),
+        tiny_model_dir,
+        DFlashDrafter(cfg).eval(),
+    )
 
 
 def plain(engine, ids, **kw):
@@ -53,21 +69,34 @@ class Oracle:
 prompt_ids = st.lists(st.integers(10, 4000), min_size=1, max_size=40)
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(ids=prompt_ids, block=st.integers(2, 16), max_tokens=st.integers(1, 40))
 def test_random_drafter_greedy_equals_plain(engine, ids, block, max_tokens):
     a = plain(engine, ids, max_tokens=max_tokens, ignore_eos=True)
     b = dflash(engine, ids, max_tokens=max_tokens, ignore_eos=True, block_size=block)
     assert b.token_ids == a.token_ids and b.finish_reason == a.finish_reason
     assert b.stats["mode"] == "dflash"
-    assert b.stats["draft_forwards"] >= 1 or max_tokens <= 2  # room for a draft after the first token
+    assert (
+        b.stats["draft_forwards"] >= 1 or max_tokens <= 2
+    )  # room for a draft after the first token
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(ids=prompt_ids, block=st.integers(2, 16), max_tokens=st.integers(1, 48),
-       wrong_at=st.integers(0, 20), stop_index=st.integers(0, 47), use_string=st.booleans())
-def test_accepted_blocks_stop_where_plain_decoding_stops(engine, monkeypatch, ids, block, max_tokens,
-                                                         wrong_at, stop_index, use_string):
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    ids=prompt_ids,
+    block=st.integers(2, 16),
+    max_tokens=st.integers(1, 48),
+    wrong_at=st.integers(0, 20),
+    stop_index=st.integers(0, 47),
+    use_string=st.booleans(),
+)
+def test_accepted_blocks_stop_where_plain_decoding_stops(
+    engine, monkeypatch, ids, block, max_tokens, wrong_at, stop_index, use_string
+):
     free = plain(engine, ids, max_tokens=48, ignore_eos=True)
     kw = {"max_tokens": max_tokens}
     stop_token = free.token_ids[stop_index]
@@ -91,12 +120,18 @@ def test_batched_dflash_and_plain_rows_decode_as_if_alone(engine):
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(10, 4000, (n,), generator=g).tolist() for n in (5, 17, 33, 8)]
     modes = ["dflash", "off", "dflash", "dflash"]
-    alone = [engine.generate(p, SamplingParams(max_tokens=25, ignore_eos=True, speculation=m,
-                                               block_size=4 + 3 * i))
-             for i, (p, m) in enumerate(zip(prompts, modes))]
-    reqs = [engine.submit(p, SamplingParams(max_tokens=25, ignore_eos=True, speculation=m,
-                                            block_size=4 + 3 * i))
-            for i, (p, m) in enumerate(zip(prompts, modes))]
+    alone = [
+        engine.generate(
+            p, SamplingParams(max_tokens=25, ignore_eos=True, speculation=m, block_size=4 + 3 * i)
+        )
+        for i, (p, m) in enumerate(zip(prompts, modes))
+    ]
+    reqs = [
+        engine.submit(
+            p, SamplingParams(max_tokens=25, ignore_eos=True, speculation=m, block_size=4 + 3 * i)
+        )
+        for i, (p, m) in enumerate(zip(prompts, modes))
+    ]
     while engine.has_work:
         engine.step()
     for req, ref in zip(reqs, alone):

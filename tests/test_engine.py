@@ -24,14 +24,24 @@ def hf(tiny_model_dir):
 
 def prompts(engine, n=4):
     g = torch.Generator().manual_seed(1)
-    return [torch.randint(10, 4000, (int(torch.randint(3, 60, (1,), generator=g)),), generator=g).tolist()
-            for _ in range(n)]
+    return [
+        torch.randint(
+            10, 4000, (int(torch.randint(3, 60, (1,), generator=g)),), generator=g
+        ).tolist()
+        for _ in range(n)
+    ]
 
 
 def hf_greedy(hf, ids, max_new):
-    out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                      do_sample=False, max_new_tokens=max_new, eos_token_id=None, pad_token_id=0)
-    return out[0, len(ids):].tolist()
+    out = hf.generate(
+        torch.tensor([ids]),
+        attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+        do_sample=False,
+        max_new_tokens=max_new,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    return out[0, len(ids) :].tolist()
 
 
 def test_greedy_equals_transformers_generate(engine, hf):
@@ -42,7 +52,9 @@ def test_greedy_equals_transformers_generate(engine, hf):
 
 def test_batched_requests_decode_as_if_alone(engine):
     ps = prompts(engine, 4)
-    alone = [engine.generate(ids, SamplingParams(max_tokens=20, ignore_eos=True)).token_ids for ids in ps]
+    alone = [
+        engine.generate(ids, SamplingParams(max_tokens=20, ignore_eos=True)).token_ids for ids in ps
+    ]
     reqs = [engine.submit(ids, SamplingParams(max_tokens=20, ignore_eos=True)) for ids in ps]
     while engine.has_work:
         engine.step()
@@ -55,8 +67,14 @@ def test_sampling_is_reproducible_with_a_seed_and_varies_without(engine):
     params = SamplingParams(max_tokens=30, temperature=1.5, seed=7, ignore_eos=True)
     a = engine.generate(ids, params).token_ids
     assert engine.generate(ids, params).token_ids == a
-    other = {tuple(engine.generate(ids, SamplingParams(max_tokens=30, temperature=1.5, seed=s,
-                                                       ignore_eos=True)).token_ids) for s in range(4)}
+    other = {
+        tuple(
+            engine.generate(
+                ids, SamplingParams(max_tokens=30, temperature=1.5, seed=s, ignore_eos=True)
+            ).token_ids
+        )
+        for s in range(4)
+    }
     assert len(other) > 1
 
 
@@ -94,6 +112,7 @@ def test_async_streams_many_requests_and_cancels_one(engine):
     async def main():
         results = {}
         async with AsyncEngine(engine) as aengine:
+
             async def collect(i, ids):
                 tokens, text = [], ""
                 async for ev in aengine.stream(ids, SamplingParams(max_tokens=15, ignore_eos=True)):
@@ -105,7 +124,9 @@ def test_async_streams_many_requests_and_cancels_one(engine):
                         results[i] = (tokens, text, ev.result)
 
             async def cancelled():
-                async for ev in aengine.stream(ps[0], SamplingParams(max_tokens=400, ignore_eos=True)):
+                async for _ in aengine.stream(
+                    ps[0], SamplingParams(max_tokens=400, ignore_eos=True)
+                ):
                     break
 
             async with anyio.create_task_group() as tg:

@@ -13,22 +13,47 @@ from agentflash.models.loading import load_model, load_tokenizer
 
 # Qwen/Qwen3-0.6B's config.json, with the sizes cut down so that random weights stay tiny.
 QWEN3_0_6B = {
-    "architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
-    "bos_token_id": 151643, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu",
-    "hidden_size": 1024, "initializer_range": 0.02, "intermediate_size": 3072,
-    "max_position_embeddings": 40960, "max_window_layers": 28, "model_type": "qwen3",
-    "num_attention_heads": 16, "num_hidden_layers": 28, "num_key_value_heads": 8,
-    "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None,
-    "tie_word_embeddings": True, "torch_dtype": "bfloat16", "use_cache": True,
-    "use_sliding_window": False, "vocab_size": 151936,
+    "architectures": ["Qwen3ForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 1024,
+    "initializer_range": 0.02,
+    "intermediate_size": 3072,
+    "max_position_embeddings": 40960,
+    "max_window_layers": 28,
+    "model_type": "qwen3",
+    "num_attention_heads": 16,
+    "num_hidden_layers": 28,
+    "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 1000000,
+    "sliding_window": None,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "use_cache": True,
+    "use_sliding_window": False,
+    "vocab_size": 151936,
 }
 
 
 def test_random_weight_model_from_a_real_qwen3_config(tmp_path):
     from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-    cfg = dict(QWEN3_0_6B, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-               num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=2048)
+    cfg = dict(
+        QWEN3_0_6B,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        vocab_size=2048,
+    )
     torch.manual_seed(0)
     Qwen3ForCausalLM(Qwen3Config(**cfg)).save_pretrained(tmp_path)
     ours, raw, _ = load_model(tmp_path)

@@ -18,7 +18,9 @@ def pair(tiny_model_dir):
 
 
 def runner(model, slots=4, max_len=256):
-    return ModelRunner(model, KVCache(model.cfg, slots, max_len, torch.device("cpu"), torch.float32))
+    return ModelRunner(
+        model, KVCache(model.cfg, slots, max_len, torch.device("cpu"), torch.float32)
+    )
 
 
 def test_prefill_logits_match_transformers(pair):
@@ -34,11 +36,14 @@ def test_incremental_and_batched_rows_match_full_forward(pair):
     seqs = [torch.randint(0, ours.cfg.vocab_size, (n,)) for n in (23, 9, 40)]
     expected = [theirs(s[None]).logits[0] for s in seqs]
     r = runner(ours)
-    # prefill each prompt but its last 5 tokens alone, then feed blocks of different lengths together
+    # prefill each prompt but its last 5 tokens alone, then feed blocks of different lengths together  # noqa: E501
     for slot, s in enumerate(seqs):
         r.forward([Row(slot, 0, s[:-5].tolist())])
-    rows = [Row(0, 18, seqs[0][18:].tolist()), Row(1, 4, seqs[1][4:6].tolist()),
-            Row(2, 35, seqs[2][35:36].tolist())]
+    rows = [
+        Row(0, 18, seqs[0][18:].tolist()),
+        Row(1, 4, seqs[1][4:6].tolist()),
+        Row(2, 35, seqs[2][35:36].tolist()),
+    ]
     out = r.forward(rows).logits
     torch.testing.assert_close(out[0, :5], expected[0][18:], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(out[1, :2], expected[1][4:6], atol=1e-4, rtol=1e-4)

@@ -19,9 +19,25 @@ def kinds_along(pieces):
 
 
 def test_segments_switch_at_their_boundaries():
-    pieces = ["Let me check.", "\n", "<tool_call>", '\n{"name": "f",', ' "arguments": {}}\n',
-              "</tool_call>", "Here", " is code:\n``", "`python\n", "x = 1\n", "``", "`\n",
-              "Total: 12 ", "* 3", " = 36", "\n", "Done."]
+    pieces = [
+        "Let me check.",
+        "\n",
+        "<tool_call>",
+        '\n{"name": "f",',
+        ' "arguments": {}}\n',
+        "</tool_call>",
+        "Here",
+        " is code:\n``",
+        "`python\n",
+        "x = 1\n",
+        "``",
+        "`\n",
+        "Total: 12 ",
+        "* 3",
+        " = 36",
+        "\n",
+        "Done.",
+    ]
     k = kinds_along(pieces)
     P, T, C, M = SegmentKind.PROSE, SegmentKind.TOOL_CALL, SegmentKind.CODE, SegmentKind.MATH
     assert k == [P, P, P, T, T, T, P, P, P, C, C, C, P, P, M, M, P, P]
@@ -41,7 +57,8 @@ def test_recorded_segments_merge_same_kind_and_mode():
     tracker.record(SegmentKind.TOOL_CALL, "dflash", 7, 1)
     assert [s.to_dict() for s in tracker.segments] == [
         {"kind": "prose", "mode": "plain", "tokens": 2, "target_forwards": 1, "tau": 2.0},
-        {"kind": "tool_call", "mode": "dflash", "tokens": 16, "target_forwards": 2, "tau": 8.0}]
+        {"kind": "tool_call", "mode": "dflash", "tokens": 16, "target_forwards": 2, "tau": 8.0},
+    ]
 
 
 def test_cost_model_follows_measurements_and_probes_plain_kinds():
@@ -74,11 +91,24 @@ def test_overrides_are_obeyed(tiny_model_dir):
     model, _, _ = load_model(tiny_model_dir)
     tok = load_tokenizer(tiny_model_dir)
     torch.manual_seed(0)
-    cfg = DrafterConfig(hidden_size=64, intermediate_size=128, num_layers=1, num_heads=4,
-                        num_kv_heads=2, head_dim=16, rope_theta=10000.0, rms_norm_eps=1e-6,
-                        block_size=8, mask_token_id=tok.convert_tokens_to_ids("<|mask|>"),
-                        target_layer_ids=(1, 2), num_target_layers=4, vocab_size=len(tok))
-    engine = Engine(model, tok, EngineConfig(max_len=256), tiny_model_dir, DFlashDrafter(cfg).eval())
+    cfg = DrafterConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=1,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        block_size=8,
+        mask_token_id=tok.convert_tokens_to_ids("<|mask|>"),
+        target_layer_ids=(1, 2),
+        num_target_layers=4,
+        vocab_size=len(tok),
+    )
+    engine = Engine(
+        model, tok, EngineConfig(max_len=256), tiny_model_dir, DFlashDrafter(cfg).eval()
+    )
     ids = list(range(50, 70))
     off = engine.generate(ids, SamplingParams(max_tokens=20, ignore_eos=True, speculation="off"))
     assert off.stats["mode"] == "plain" and off.stats["draft_forwards"] == 0

@@ -18,9 +18,13 @@ def engine(tiny_model_dir):
 
 def test_hundreds_of_requests_with_random_cancellations_all_end_and_free_the_pool(engine):
     rng = random.Random(0)
-    reqs = [engine.submit([rng.randint(10, 4000) for _ in range(rng.randint(1, 30))],
-                          SamplingParams(max_tokens=rng.randint(1, 12), ignore_eos=True))
-            for _ in range(300)]
+    reqs = [
+        engine.submit(
+            [rng.randint(10, 4000) for _ in range(rng.randint(1, 30))],
+            SamplingParams(max_tokens=rng.randint(1, 12), ignore_eos=True),
+        )
+        for _ in range(300)
+    ]
     cancelled = set(rng.sample(range(300), 60))
     steps = 0
     while engine.has_work:
@@ -45,10 +49,13 @@ def test_many_async_streams_with_cancellations(engine):
     async def main():
         done, cancelled = [], []
         async with AsyncEngine(engine) as aengine:
+
             async def client(i):
                 ids = [rng.randint(10, 4000) for _ in range(rng.randint(1, 20))]
                 with anyio.move_on_after(rng.choice([0.001, 0.01, 60])) as scope:
-                    async for ev in aengine.stream(ids, SamplingParams(max_tokens=10, ignore_eos=True)):
+                    async for ev in aengine.stream(
+                        ids, SamplingParams(max_tokens=10, ignore_eos=True)
+                    ):
                         if isinstance(ev, FinishEvent):
                             done.append(ev.result)
                 if scope.cancelled_caught:
@@ -69,8 +76,10 @@ def test_many_async_streams_with_cancellations(engine):
 
 
 def test_kv_budget_caps_slots_and_rejects_a_budget_that_holds_nothing(tiny_model_dir):
-    # tiny model: 4 layers x 2 kv heads x 16 dims x 128 positions x 4 bytes x (k, v) = 128 KiB a slot
-    e = Engine.from_pretrained(tiny_model_dir, EngineConfig(max_running=8, max_len=128, kv_budget_mb=0.4))
+    # tiny model: 4 layers x 2 kv heads x 16 dims x 128 positions x 4 bytes x (k, v) = 128 KiB a slot  # noqa: E501
+    e = Engine.from_pretrained(
+        tiny_model_dir, EngineConfig(max_running=8, max_len=128, kv_budget_mb=0.4)
+    )
     assert e.cache.num_slots == 3
     with pytest.raises(UserError, match="holds no request"):
         Engine.from_pretrained(tiny_model_dir, EngineConfig(max_len=128, kv_budget_mb=0.05))

@@ -26,7 +26,9 @@ def test_chat_tokens_are_single_ids_and_tool_tags_survive_decoding(demo_tokenize
     for t in tokenizer.SPECIAL_TOKENS + tokenizer.ADDED_TOKENS:
         ids = tok(t, add_special_tokens=False)["input_ids"]
         assert len(ids) == 1 and tok.convert_ids_to_tokens(ids[0]) == t
-    ids = tok('<tool_call>\n{"name": "f"}\n</tool_call><|im_end|>', add_special_tokens=False)["input_ids"]
+    ids = tok('<tool_call>\n{"name": "f"}\n</tool_call><|im_end|>', add_special_tokens=False)[
+        "input_ids"
+    ]
     assert tok.decode(ids, skip_special_tokens=True) == '<tool_call>\n{"name": "f"}\n</tool_call>'
     assert tok.eos_token == tokenizer.IM_END
 
@@ -47,10 +49,17 @@ def test_chat_template_renders_tools_like_the_training_renderer(demo_tokenizer_d
 
 def test_openai_style_tool_calls_render_in_the_hermes_format(demo_tokenizer_dir):
     tok = load(demo_tokenizer_dir)
-    msgs = [{"role": "user", "content": "go"},
-            {"role": "assistant", "content": None, "tool_calls": [
-                {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]},
-            {"role": "tool", "content": '{"ok": true}'}]
+    msgs = [
+        {"role": "user", "content": "go"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
+            ],
+        },
+        {"role": "tool", "content": '{"ok": true}'},
+    ]
     text = tok.apply_chat_template(msgs, tokenize=False)
     assert '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call><|im_end|>' in text
-    assert "<tool_response>\n{\"ok\": true}\n</tool_response>" in text
+    assert '<tool_response>\n{"ok": true}\n</tool_response>' in text

@@ -56,12 +56,16 @@ class AsyncEngine:
         self._tg.cancel_scope.cancel()
         return await self._tg.__aexit__(*exc)
 
-    async def stream(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[TokenEvent | FinishEvent]:
+    async def stream(
+        self, prompt_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[TokenEvent | FinishEvent]:
         """Token events as they are decoded, then one ``FinishEvent``.
 
         Leaving the iteration early (or being cancelled) cancels the request in the engine.
         """
-        send, receive = anyio.create_memory_object_stream[TokenEvent | FinishEvent](max_buffer_size=1 << 16)
+        send, receive = anyio.create_memory_object_stream[TokenEvent | FinishEvent](
+            max_buffer_size=1 << 16
+        )
         req = self.engine.submit(prompt_ids, params)
         self._streams[req.id] = send
         self._detok[req.id] = Detokenizer(self.engine.tokenizer, params.stop)
@@ -97,8 +101,9 @@ class AsyncEngine:
         if send is None:
             return
         if new_ids:
-            text = self._detok[req.id].delta(req.output_ids, final=req.is_finished,
-                                             cut=req.stop_text_len)
+            text = self._detok[req.id].delta(
+                req.output_ids, final=req.is_finished, cut=req.stop_text_len
+            )
             send.send_nowait(TokenEvent(new_ids, text))
         if req.is_finished:
             send.send_nowait(FinishEvent(self.engine.result(req)))

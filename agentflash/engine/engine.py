@@ -10,10 +10,10 @@ from typing import Any
 
 import torch
 
+from agentflash.dflash.speculate import draft_block
 from agentflash.engine.detokenizer import Detokenizer
 from agentflash.engine.kv_cache import KVCache
 from agentflash.engine.model_runner import ModelRunner, Row
-from agentflash.dflash.speculate import draft_block
 from agentflash.engine.request import FinishReason, Request, SamplingParams, Speculation, Status
 from agentflash.engine.sampling import accept, sample
 from agentflash.engine.scheduler import Scheduler, SchedulerConfig
@@ -60,17 +60,32 @@ class GenerationResult:
 
     def to_dict(self) -> dict[str, Any]:
         calls, _ = parse_tool_calls(self.text)
-        return {"text": self.text, "token_ids": self.token_ids,
-                "tool_calls": [c.to_dict() for c in calls],
-                "finish_reason": self.finish_reason, "stats": self.stats}
+        return {
+            "text": self.text,
+            "token_ids": self.token_ids,
+            "tool_calls": [c.to_dict() for c in calls],
+            "finish_reason": self.finish_reason,
+            "stats": self.stats,
+        }
 
 
 class Engine:
     """Owns the model, its KV cache and the scheduler; ``step()`` runs one target forward."""
 
-    def __init__(self, model, tokenizer, config: EngineConfig = EngineConfig(),
-                 model_dir: Path | None = None, drafter=None):
-        self.model, self.tokenizer, self.config, self.model_dir = model, tokenizer, config, model_dir
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        config: EngineConfig = EngineConfig(),
+        model_dir: Path | None = None,
+        drafter=None,
+    ):
+        self.model, self.tokenizer, self.config, self.model_dir = (
+            model,
+            tokenizer,
+            config,
+            model_dir,
+        )
         self.drafter = drafter  # a DFlashDrafter, or None for plain decoding only
         max_len = min(config.max_len, model.cfg.max_position_embeddings)
         dtype = next(model.parameters()).dtype
@@ -84,8 +99,12 @@ class Engine:
         self._cancels: deque[Request] = deque()
 
     @classmethod
-    def from_pretrained(cls, model: str | Path = "demo", config: EngineConfig = EngineConfig(),
-                        drafter: str | Path | None = "auto") -> Engine:
+    def from_pretrained(
+        cls,
+        model: str | Path = "demo",
+        config: EngineConfig = EngineConfig(),
+        drafter: str | Path | None = "auto",
+    ) -> Engine:
         """Load a Hugging Face causal-LM directory (or ``demo``) with its tokenizer.
 
         ``drafter``: a DFlash drafter directory, ``demo``, ``None`` for none, or ``auto`` (the
@@ -102,12 +121,15 @@ class Engine:
 
     # --- prompts ---------------------------------------------------------------------------
 
-    def chat_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+    def chat_prompt(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
         """Token ids of ``messages`` under the model's chat template, ready for the reply."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise UserError(f"{self.model_dir}: the tokenizer has no chat template")
-        text = self.tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
-                                                  add_generation_prompt=True)
+        text = self.tokenizer.apply_chat_template(
+            messages, tools=tools or None, tokenize=False, add_generation_prompt=True
+        )
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     # --- requests --------------------------------------------------------------------------
@@ -118,7 +140,9 @@ class Engine:
             raise UserError("the prompt is empty")
         limit = self.scheduler.cfg.max_len
         if len(prompt_ids) + 1 > limit:
-            raise UserError(f"the prompt has {len(prompt_ids)} tokens; this engine holds {limit} per request")
+            raise UserError(
+                f"the prompt has {len(prompt_ids)} tokens; this engine holds {limit} per request"
+            )
         req = Request(prompt_ids, params)
         self._inbox.append(req)
         return req
@@ -156,7 +180,7 @@ class Engine:
         return StepOutput(req, committed)
 
     def _decode(self, batch: list[Request]) -> list[StepOutput]:
-        """One verify forward for every running request: drafted blocks and single tokens together."""
+        """One verify forward for every running request: drafted blocks and single tokens together."""  # noqa: E501
         t0 = time.perf_counter()
         kinds = {r.id: r.segments.kind for r in batch}
         speculating = [r for r in batch if self._wants_dflash(r, kinds[r.id], len(batch))]
@@ -168,8 +192,9 @@ class Engine:
         for i, req in enumerate(batch):
             draft = drafts.get(req.id, [])
             logits = out.logits[i, : len(draft) + 1]  # [T+1, V]: row j predicts after slot j
-            num_accepted, bonus = accept(torch.tensor(draft, dtype=torch.long), logits, req.params,
-                                         req.generator)
+            num_accepted, bonus = accept(
+                torch.tensor(draft, dtype=torch.long), logits, req.params, req.generator
+            )
             req.stats.target_forwards += 1
             req.num_cached += 1 + num_accepted
             committed = self.append_tokens(req, draft[:num_accepted] + [bonus])
@@ -183,7 +208,9 @@ class Engine:
                 hidden.append(out.hidden[i, : 1 + num_accepted])
         if contexts:
             self.drafter.extend(contexts, hidden)
-        self.cost.observe_step("dflash" if drafts else "plain", len(batch), time.perf_counter() - t0)
+        self.cost.observe_step(
+            "dflash" if drafts else "plain", len(batch), time.perf_counter() - t0
+        )
         return outputs
 
     def _wants_dflash(self, req: Request, kind: SegmentKind, batch_size: int) -> bool:
@@ -193,8 +220,9 @@ class Engine:
             return True
         return self.cost.choose_dflash(req.routing, kind, batch_size)
 
-    def _track(self, req: Request, kind: SegmentKind, mode: str, committed: list[int],
-               forwards: int) -> None:
+    def _track(
+        self, req: Request, kind: SegmentKind, mode: str, committed: list[int], forwards: int
+    ) -> None:
         req.segments.record(kind, mode, len(committed), forwards)
         req.segments.feed(self.tokenizer.decode(committed, skip_special_tokens=True))
 
@@ -206,16 +234,23 @@ class Engine:
             return {}
         block = max(sizes[r.id] for r in reqs) + 1
         last = torch.tensor([r.output_ids[-1] for r in reqs])
-        tokens = draft_block(self.drafter, self.model.embed, self.model.logits, last,
-                             [r.draft_context for r in reqs], block)  # [B, block-1]
+        tokens = draft_block(
+            self.drafter,
+            self.model.embed,
+            self.model.logits,
+            last,
+            [r.draft_context for r in reqs],
+            block,
+        )  # [B, block-1]
         for r in reqs:
             r.stats.draft_forwards += 1
         return {r.id: tokens[i, : sizes[r.id]].tolist() for i, r in enumerate(reqs)}
 
     def _draft_len(self, req: Request) -> int:
         block = req.params.block_size or self.drafter.cfg.block_size
-        room = min(req.params.max_tokens - len(req.output_ids),
-                   self.scheduler.cfg.max_len - req.num_tokens)
+        room = min(
+            req.params.max_tokens - len(req.output_ids), self.scheduler.cfg.max_len - req.num_tokens
+        )
         return max(0, min(block - 1, room - 1))
 
     def _capture(self, speculative: bool) -> tuple[int, ...]:
@@ -242,7 +277,10 @@ class Engine:
                 req.stats.first_token_at = time.perf_counter()
             if self._hits_stop(req, token):
                 req.finish_reason = FinishReason.STOP
-            elif len(req.output_ids) >= params.max_tokens or req.num_tokens >= self.scheduler.cfg.max_len:
+            elif (
+                len(req.output_ids) >= params.max_tokens
+                or req.num_tokens >= self.scheduler.cfg.max_len
+            ):
                 req.finish_reason = FinishReason.LENGTH
             if req.finish_reason is not None:
                 self._finish(req)
@@ -274,7 +312,9 @@ class Engine:
         text = Detokenizer(self.tokenizer).text(req.output_ids)
         if req.stop_text_len is not None:
             text = text[: req.stop_text_len]
-        return GenerationResult(text, list(req.output_ids), req.finish_reason.value, request_stats(req))
+        return GenerationResult(
+            text, list(req.output_ids), req.finish_reason.value, request_stats(req)
+        )
 
     def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationResult:
         """Run one request to completion (other queued requests advance with it)."""
@@ -292,8 +332,10 @@ def num_slots(cfg, config: EngineConfig, max_len: int, dtype: torch.dtype) -> in
     per_slot = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * max_len * itemsize
     fits = int(config.kv_budget_mb * 2**20 // per_slot)
     if fits < 1:
-        raise UserError(f"kv_budget_mb {config.kv_budget_mb} holds no request of {max_len} tokens "
-                        f"(one needs {per_slot / 2**20:.1f} MB)")
+        raise UserError(
+            f"kv_budget_mb {config.kv_budget_mb} holds no request of {max_len} tokens "
+            f"(one needs {per_slot / 2**20:.1f} MB)"
+        )
     return min(config.max_running, fits)
 
 

@@ -11,8 +11,14 @@ from agentflash.models.qwen3 import LayerCache, ModelConfig
 
 
 class KVCache:
-    def __init__(self, cfg: ModelConfig, num_slots: int, max_len: int,
-                 device: torch.device, dtype: torch.dtype):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        num_slots: int,
+        max_len: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ):
         shape = (num_slots, cfg.num_kv_heads, max_len, cfg.head_dim)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
@@ -31,5 +37,7 @@ class KVCache:
         assert slot not in self._free, f"slot {slot} released twice"
         self._free.append(slot)
 
-    def layer_views(self, slots: torch.Tensor, write_pos: torch.Tensor, attend_len: int) -> list[LayerCache]:
+    def layer_views(
+        self, slots: torch.Tensor, write_pos: torch.Tensor, attend_len: int
+    ) -> list[LayerCache]:
         return [LayerCache(k, v, slots, write_pos, attend_len) for k, v in zip(self.k, self.v)]

@@ -31,8 +31,9 @@ class ModelRunner:
         self.device = next(model.parameters()).device
 
     @torch.inference_mode()
-    def forward(self, rows: list[Row], last_only: bool = False,
-                capture_layers: tuple[int, ...] = ()) -> ForwardOutput:
+    def forward(
+        self, rows: list[Row], last_only: bool = False, capture_layers: tuple[int, ...] = ()
+    ) -> ForwardOutput:
         """Feed every row's tokens causally after its cached prefix; rows may differ in length."""
         lengths = [len(r.tokens) for r in rows]
         t = max(lengths)
@@ -45,9 +46,12 @@ class ModelRunner:
         assert attend_len <= self.cache.max_len, "forward past the cache slot"
         slots = torch.tensor([r.slot for r in rows])
         mask = self._mask(rows, t, attend_len)
-        caches = self.cache.layer_views(slots.to(self.device), positions.to(self.device), attend_len)
-        hidden, captured = self.model(input_ids.to(self.device), positions.to(self.device), caches,
-                                      mask, capture_layers)
+        caches = self.cache.layer_views(
+            slots.to(self.device), positions.to(self.device), attend_len
+        )
+        hidden, captured = self.model(
+            input_ids.to(self.device), positions.to(self.device), caches, mask, capture_layers
+        )
         if last_only:
             idx = torch.tensor([n - 1 for n in lengths], device=self.device)
             hidden = hidden[torch.arange(len(rows), device=self.device), idx][:, None]

@@ -40,8 +40,12 @@ class SamplingParams:
             try:
                 object.__setattr__(self, "speculation", Speculation(self.speculation))
             except ValueError:
-                raise ValueError(f"speculation must be auto, dflash or off, got {self.speculation!r}") from None
-        if self.block_size is not None and not (isinstance(self.block_size, int) and 2 <= self.block_size <= 64):
+                raise ValueError(
+                    f"speculation must be auto, dflash or off, got {self.speculation!r}"
+                ) from None
+        if self.block_size is not None and not (
+            isinstance(self.block_size, int) and 2 <= self.block_size <= 64
+        ):
             raise ValueError(f"block_size must be an integer in [2, 64], got {self.block_size!r}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")

@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 
 
-def sample(logits: torch.Tensor, temperature: float, top_p: float,
-           generator: torch.Generator | None) -> int:
+def sample(
+    logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None
+) -> int:
     """One token from ``logits`` [V]."""
     if temperature == 0.0:
         return int(logits.argmax())

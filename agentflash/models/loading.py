@@ -79,8 +79,9 @@ def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def load_model(name_or_path: str | Path, device: str | torch.device = "cpu",
-               dtype: torch.dtype | None = None) -> tuple[Qwen3Model, dict[str, Any], Path]:
+def load_model(
+    name_or_path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+) -> tuple[Qwen3Model, dict[str, Any], Path]:
     """Build the decoder for a model directory and load its weights."""
     model_dir = resolve_model_dir(name_or_path)
     cfg, raw = load_config(model_dir)
@@ -90,9 +91,15 @@ def load_model(name_or_path: str | Path, device: str | torch.device = "cpu",
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     result = model.load_state_dict(state, strict=False)
-    missing = [k for k in result.missing_keys if not (cfg.tie_word_embeddings and k == "lm_head.weight")]
+    missing = [
+        k for k in result.missing_keys if not (cfg.tie_word_embeddings and k == "lm_head.weight")
+    ]
     if missing or result.unexpected_keys:
-        problem = f"missing weights {missing[:3]}" if missing else f"unexpected weights {result.unexpected_keys[:3]}"
+        problem = (
+            f"missing weights {missing[:3]}"
+            if missing
+            else f"unexpected weights {result.unexpected_keys[:3]}"
+        )
         raise UserError(f"{model_dir}: weights do not match config.json: {problem}")
     if dtype is None:
         dtype = torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
@@ -103,7 +110,10 @@ def load_tokenizer(model_dir: Path):  # -> transformers.PreTrainedTokenizerBase
     """The directory's tokenizer; a clear error if it is missing or unreadable."""
     from transformers import AutoTokenizer
 
-    if not (model_dir / "tokenizer.json").exists() and not (model_dir / "tokenizer_config.json").exists():
+    if (
+        not (model_dir / "tokenizer.json").exists()
+        and not (model_dir / "tokenizer_config.json").exists()
+    ):
         raise UserError(f"{model_dir}: no tokenizer (tokenizer.json or tokenizer_config.json)")
     try:
         return AutoTokenizer.from_pretrained(model_dir)

@@ -85,7 +85,9 @@ class Rotary(nn.Module):
         inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
         self.register_buffer("inv_freq", inv.float(), persistent=False)
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[..., None] * self.inv_freq  # [B, T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, T, D]
         return emb.cos().to(dtype), emb.sin().to(dtype)
@@ -111,7 +113,11 @@ class MLP(nn.Module):
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, bias: bool = False):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+        )
         self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=bias)
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
@@ -121,8 +127,14 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: LayerCache, mask: torch.Tensor | None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: LayerCache,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
@@ -132,8 +144,9 @@ class Attention(nn.Module):
         q = apply_rotary(q.transpose(1, 2), cos, sin)  # [B, H, T, D]
         k = apply_rotary(k.transpose(1, 2), cos, sin)  # [B, KV, T, D]
         keys, values = cache.write(k, v)  # [B, KV, S, D] with S the attended length
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
-                                             is_causal=mask is None and t > 1, enable_gqa=True)
+        out = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=mask, is_causal=mask is None and t > 1, enable_gqa=True
+        )
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -157,8 +170,14 @@ class LayerCache:
     values that the forward attends to (all rows padded to the same length ``S``).
     """
 
-    def __init__(self, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
-                 write_pos: torch.Tensor, attend_len: int):
+    def __init__(
+        self,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        slots: torch.Tensor,
+        write_pos: torch.Tensor,
+        attend_len: int,
+    ):
         self.k_pool, self.v_pool = k_pool, v_pool  # [num_slots, KV, max_len, D]
         self.slots, self.write_pos, self.attend_len = slots, write_pos, attend_len
 
@@ -170,12 +189,16 @@ class LayerCache:
             start = int(self.write_pos[0, 0])
             self.k_pool[s, :, start : start + t] = k[0]
             self.v_pool[s, :, start : start + t] = v[0]
-            return (self.k_pool[s : s + 1, :, : self.attend_len],
-                    self.v_pool[s : s + 1, :, : self.attend_len])
+            return (
+                self.k_pool[s : s + 1, :, : self.attend_len],
+                self.v_pool[s : s + 1, :, : self.attend_len],
+            )
         rows = self.slots[:, None].expand(b, t)
         self.k_pool[rows, :, self.write_pos] = k.transpose(1, 2)
         self.v_pool[rows, :, self.write_pos] = v.transpose(1, 2)
-        return self.k_pool[self.slots, :, : self.attend_len], self.v_pool[self.slots, :, : self.attend_len]
+        return self.k_pool[self.slots, :, : self.attend_len], self.v_pool[
+            self.slots, :, : self.attend_len
+        ]
 
 
 class Qwen3Model(nn.Module):
@@ -186,7 +209,9 @@ class Qwen3Model(nn.Module):
         self.cfg = cfg
         self.model = nn.Module()
         self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.model.layers = nn.ModuleList(DecoderLayer(cfg, attn_bias) for _ in range(cfg.num_layers))
+        self.model.layers = nn.ModuleList(
+            DecoderLayer(cfg, attn_bias) for _ in range(cfg.num_layers)
+        )
         self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -196,9 +221,14 @@ class Qwen3Model(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                caches: list[LayerCache], mask: torch.Tensor | None,
-                capture_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        caches: list[LayerCache],
+        mask: torch.Tensor | None,
+        capture_layers: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Run the stack; returns final-normed hidden states [B, T, H] and captured layer outputs.
 
         ``capture_layers`` are 0-based layer indices; the output of layer ``i`` is what Hugging

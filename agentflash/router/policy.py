@@ -27,7 +27,9 @@ PRIOR_TAU = {
     SegmentKind.MATH: 4.0,
     SegmentKind.PROSE: 2.0,
 }
-PRIOR_VERIFY_COST = 1.8  # a 16-token block forward against a one-token forward (measured range 1.5-1.9)
+PRIOR_VERIFY_COST = (
+    1.8  # a 16-token block forward against a one-token forward (measured range 1.5-1.9)
+)
 
 
 def _ema(old: float | None, new: float, weight: float) -> float:

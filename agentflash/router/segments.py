@@ -31,8 +31,13 @@ class Segment:
 
     def to_dict(self) -> dict:
         tau = self.tokens / self.target_forwards if self.target_forwards else float(self.tokens)
-        return {"kind": self.kind.value, "mode": self.mode, "tokens": self.tokens,
-                "target_forwards": self.target_forwards, "tau": round(tau, 3)}
+        return {
+            "kind": self.kind.value,
+            "mode": self.mode,
+            "tokens": self.tokens,
+            "target_forwards": self.target_forwards,
+            "tau": round(tau, 3),
+        }
 
 
 class SegmentTracker:

@@ -52,7 +52,9 @@ WORDS = (
     "guitar violin report draft final urgent weekly daily monthly project phoenix atlas "
     "orion nova delta echo harbor valley mountain ocean forest meadow"
 ).split()
-FIRST_NAMES = "Alice Bob Carol Dave Erin Frank Grace Heidi Ivan Judy Mallory Niaj Olivia Peggy".split()
+FIRST_NAMES = (
+    "Alice Bob Carol Dave Erin Frank Grace Heidi Ivan Judy Mallory Niaj Olivia Peggy".split()
+)
 ITEMS = "apples pencils books marbles coins stickers cookies cards boxes bottles tickets".split()
 DESCRIPTIONS = (
     "Use this to {verb} a {noun}.",
@@ -203,7 +205,9 @@ def tool_call_conversation(rng: random.Random) -> dict[str, Any]:
     summary = " ".join(
         f"{name} returned status {r['status']} with id {r['id']}." for name, r in results
     )
-    messages.append({"role": "assistant", "content": rng.choice(("Done. ", "", "All set. ")) + summary})
+    messages.append(
+        {"role": "assistant", "content": rng.choice(("Done. ", "", "All set. ")) + summary}
+    )
     return {"kind": "tool_call", "tools": tools, "messages": messages}
 
 
@@ -281,7 +285,11 @@ def functions() -> list[Function]:
 def code_conversation(rng: random.Random) -> dict[str, Any]:
     fn = rng.choice(functions())
     ask = rng.choice(
-        ("Write a Python function. {s}", "Implement this in Python: {s}", "Show code that does this: {s}")
+        (
+            "Write a Python function. {s}",
+            "Implement this in Python: {s}",
+            "Show code that does this: {s}",
+        )
     )
     answer = f"```python\n{fn.source}\n```"
     if rng.random() < 0.5:
@@ -318,7 +326,7 @@ def math_conversation(rng: random.Random) -> dict[str, Any]:
 def _buy(rng: random.Random) -> tuple[str, str, str]:
     who, item = rng.choice(FIRST_NAMES), rng.choice(ITEMS)
     a, b, c = rng.randint(2, 60), rng.randint(2, 9), rng.randint(2, 12)
-    q = f"{who} has {a} {item} and buys {b} packs of {c} {item}. How many {item} does {who} have now?"
+    q = f"{who} has {a} {item} and buys {b} packs of {c} {item}. How many {item} does {who} have now?"  # noqa: E501
     w = f"{b} packs of {c} is {b} * {c} = {b * c}.\n{a} + {b * c} = {a + b * c}."
     return q, w, str(a + b * c)
 
@@ -327,8 +335,8 @@ def _share(rng: random.Random) -> tuple[str, str, str]:
     who, item = rng.choice(FIRST_NAMES), rng.choice(ITEMS)
     n, each, left = rng.randint(2, 9), rng.randint(2, 15), rng.randint(0, 8)
     total = n * each + left
-    q = f"{who} shares {total} {item} equally among {n} friends. How many does each friend get, and how many are left?"
-    w = f"{total} / {n} = {each} with remainder {left}, since {n} * {each} = {n * each} and {total} - {n * each} = {left}."
+    q = f"{who} shares {total} {item} equally among {n} friends. How many does each friend get, and how many are left?"  # noqa: E501
+    w = f"{total} / {n} = {each} with remainder {left}, since {n} * {each} = {n * each} and {total} - {n * each} = {left}."  # noqa: E501
     return q, w, f"{each} each, with {left} left over"
 
 
@@ -337,7 +345,7 @@ def _price(rng: random.Random) -> tuple[str, str, str]:
     n, price, pay = rng.randint(2, 12), rng.randint(1, 25), 0
     cost = n * price
     pay = cost + rng.randint(0, 50)
-    q = f"One box of {item} costs {price} dollars. How much change do you get from {pay} dollars after buying {n} boxes?"
+    q = f"One box of {item} costs {price} dollars. How much change do you get from {pay} dollars after buying {n} boxes?"  # noqa: E501
     w = f"Cost: {n} * {price} = {cost} dollars.\nChange: {pay} - {cost} = {pay - cost} dollars."
     return q, w, f"{pay - cost} dollars"
 
@@ -345,7 +353,7 @@ def _price(rng: random.Random) -> tuple[str, str, str]:
 def _speed(rng: random.Random) -> tuple[str, str, str]:
     speed, hours, extra = rng.randint(20, 120), rng.randint(2, 9), rng.randint(5, 90)
     d = speed * hours
-    q = f"A train travels at {speed} km/h for {hours} hours, then {extra} km more. How far does it go in total?"
+    q = f"A train travels at {speed} km/h for {hours} hours, then {extra} km more. How far does it go in total?"  # noqa: E501
     w = f"Distance at speed: {speed} * {hours} = {d} km.\nTotal: {d} + {extra} = {d + extra} km."
     return q, w, f"{d + extra} km"
 

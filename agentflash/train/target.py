@@ -86,8 +86,11 @@ def lr_at(step: int, cfg: TargetTrainConfig) -> float:
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def train_target(out_dir: Path, cfg: TargetTrainConfig = TargetTrainConfig(),
-                 corpus_cfg: corpus_mod.CorpusConfig = corpus_mod.CorpusConfig()) -> Path:
+def train_target(
+    out_dir: Path,
+    cfg: TargetTrainConfig = TargetTrainConfig(),
+    corpus_cfg: corpus_mod.CorpusConfig = corpus_mod.CorpusConfig(),
+) -> Path:
     """Train tokenizer and target into ``out_dir`` (resuming if checkpoints exist)."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
     from transformers import AutoTokenizer, Qwen3ForCausalLM
@@ -101,17 +104,24 @@ def train_target(out_dir: Path, cfg: TargetTrainConfig = TargetTrainConfig(),
     data = token_stream(convos, tokenizer)
     num_windows = len(data) // cfg.seq_len
     model = Qwen3ForCausalLM(qwen3_config(cfg, tokenizer))
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95),
-                            weight_decay=cfg.weight_decay)
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay
+    )
     ckpt_dir = out_dir / "checkpoints"
     start = _resume(ckpt_dir, model, opt)
     order = torch.randperm(num_windows, generator=torch.Generator().manual_seed(cfg.seed))
     log = (out_dir / "train_log.jsonl").open("a")
-    print(f"target: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "
-          f"{len(data) / 1e6:.2f}M corpus tokens, steps {start}..{cfg.steps}")
+    print(
+        f"target: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "
+        f"{len(data) / 1e6:.2f}M corpus tokens, steps {start}..{cfg.steps}"
+    )
     t0 = time.time()
-    columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[info]}"),
-               TimeRemainingColumn())
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.fields[info]}"),
+        TimeRemainingColumn(),
+    )
     with Progress(*columns) as progress:
         task = progress.add_task("target", total=cfg.steps, completed=start, info="")
         for step in range(start, cfg.steps):
@@ -126,8 +136,17 @@ def train_target(out_dir: Path, cfg: TargetTrainConfig = TargetTrainConfig(),
             opt.step()
             elapsed = time.time() - t0
             tok_s = (step + 1 - start) * cfg.batch_size * cfg.seq_len / elapsed
-            log.write(json.dumps({"step": step + 1, "loss": round(loss.item(), 4),
-                                  "lr": lr_at(step, cfg), "tokens_per_s": round(tok_s)}) + "\n")
+            log.write(
+                json.dumps(
+                    {
+                        "step": step + 1,
+                        "loss": round(loss.item(), 4),
+                        "lr": lr_at(step, cfg),
+                        "tokens_per_s": round(tok_s),
+                    }
+                )
+                + "\n"
+            )
             log.flush()
             progress.update(task, advance=1, info=f"loss {loss.item():.3f}  {tok_s:.0f} tok/s")
             if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
@@ -135,14 +154,20 @@ def train_target(out_dir: Path, cfg: TargetTrainConfig = TargetTrainConfig(),
     model.config.torch_dtype = "float32"
     model.save_pretrained(out_dir, safe_serialization=True)
     (out_dir / "train_config.json").write_text(
-        json.dumps({"target": asdict(cfg), "corpus": asdict(corpus_cfg)}, indent=2) + "\n")
+        json.dumps({"target": asdict(cfg), "corpus": asdict(corpus_cfg)}, indent=2) + "\n"
+    )
     return out_dir
 
 
 def _save_checkpoint(ckpt_dir: Path, step: int, model, opt) -> None:
     ckpt_dir.mkdir(parents=True, exist_ok=True)
-    state = {"step": step, "model": model.state_dict(), "opt": opt.state_dict(),
-             "rng": torch.get_rng_state(), "py_rng": random.getstate()}
+    state = {
+        "step": step,
+        "model": model.state_dict(),
+        "opt": opt.state_dict(),
+        "rng": torch.get_rng_state(),
+        "py_rng": random.getstate(),
+    }
     tmp = ckpt_dir / "latest.pt.tmp"
     torch.save(state, tmp)
     tmp.replace(ckpt_dir / "latest.pt")

@@ -15,7 +15,14 @@ IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 MASK = "<|mask|>"  # reserved for the DFlash drafter's block slots
 SPECIAL_TOKENS = [EOS, IM_START, IM_END, MASK]
 # Added (not special) tokens, as in Qwen3: they stay visible when decoding with skip_special_tokens.
-ADDED_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<tools>", "</tools>"]
+ADDED_TOKENS = [
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
+    "<tools>",
+    "</tools>",
+]
 
 # Qwen3's tool template, with a shorter preamble so that the small demo model spends less context.
 CHAT_TEMPLATE = """\
@@ -64,11 +71,15 @@ def _template() -> jinja2.Template:
     return env.from_string(CHAT_TEMPLATE)
 
 
-def render(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-           add_generation_prompt: bool = False) -> str:
+def render(
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None = None,
+    add_generation_prompt: bool = False,
+) -> str:
     """Render a conversation with the chat template, without needing a tokenizer."""
-    return _template().render(messages=messages, tools=tools or None,
-                           add_generation_prompt=add_generation_prompt)
+    return _template().render(
+        messages=messages, tools=tools or None, add_generation_prompt=add_generation_prompt
+    )
 
 
 def train_tokenizer(texts: Iterable[str], out_dir: Path, vocab_size: int = 4096) -> None:
