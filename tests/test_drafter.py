@@ -177,6 +177,28 @@ def test_block_parallel_training_forward_equals_drafting_each_block():
         torch.testing.assert_close(together[n], alone, atol=1e-5, rtol=1e-5)
 
 
+def test_block_parallel_gradients_equal_per_block_gradients():
+    drafter = random_drafter(small_config()).train()
+    seq_len, anchors = 16, torch.tensor([[3, 8, 11]])
+    hidden = torch.randn(1, seq_len, 3 * 32)
+    blocks, weights = torch.randn(1, 3, 5, 32), torch.randn(1, 3, 5, 32)
+    positions = anchors[..., None] + torch.arange(5)
+    visible = torch.arange(seq_len)[None, None] < anchors[..., None]
+    out = drafter(blocks, positions, drafter.context_kv(hidden, torch.arange(seq_len)[None]),
+                  visible)
+    (out * weights).sum().backward()
+    together = {name: p.grad.clone() for name, p in drafter.named_parameters()}
+    drafter.zero_grad()
+    total = torch.zeros(())
+    for n, a in enumerate(anchors[0].tolist()):
+        context = drafter.context_kv(hidden[:, :a], torch.arange(a)[None])
+        alone = drafter(blocks[:, n : n + 1], positions[:, n : n + 1], context)
+        total = total + (alone * weights[:, n : n + 1]).sum()
+    total.backward()
+    for name, p in drafter.named_parameters():
+        torch.testing.assert_close(together[name], p.grad, atol=1e-4, rtol=1e-3, msg=name)
+
+
 def test_gradients_reach_every_parameter():
     drafter = random_drafter(small_config()).train()
     hidden = torch.randn(2, 10, 3 * 32)

@@ -191,18 +191,19 @@ class DraftAttention(nn.Module):
         # own slots, so scores are built per block instead of one [N*T, S+N*T] masked matrix.
         b, n, t, _, d = q.shape
         groups = self.num_heads // self.num_kv_heads
+        q = q * d**-0.5  # scaled here, on the small tensor, rather than on the scores
         q = q.view(b, n, t, self.num_kv_heads, groups, d)
         q = q.permute(0, 3, 4, 1, 2, 5)  # [B, KV, G, N, T, D]
-        scale = d**-0.5
-        ctx_scores = torch.einsum("bkgntd,bksd->bkgnts", q, ctx_k) * scale
-        own_scores = torch.einsum("bkgntd,bnkud->bkgntu", q, k) * scale  # u: the block's slots
+        ctx_scores = torch.einsum("bkgntd,bksd->bkgnts", q, ctx_k)
+        own_scores = torch.einsum("bkgntd,bnkud->bkgntu", q, k)  # u: the block's own slots
         if ctx_visible is not None:
             hidden = ~ctx_visible[:, None, None, :, None, :]  # [B, 1, 1, N, 1, S]
-            ctx_scores = ctx_scores.masked_fill(hidden, float("-inf"))
-        probs = torch.cat((ctx_scores, own_scores), dim=-1).float().softmax(-1).to(q.dtype)
-        s = ctx_k.shape[2]
-        out = (torch.einsum("bkgnts,bksd->bkgntd", probs[..., :s], ctx_v)
-               + torch.einsum("bkgntu,bnkud->bkgntd", probs[..., s:], v))
+            ctx_scores.masked_fill_(hidden, float("-inf"))
+        scores = torch.cat((ctx_scores, own_scores), dim=-1)  # [B, KV, G, N, T, S+T]
+        probs = scores.softmax(-1, dtype=torch.float32).to(q.dtype)
+        ctx_probs, own_probs = probs.split([ctx_k.shape[2], t], dim=-1)
+        out = (torch.einsum("bkgnts,bksd->bkgntd", ctx_probs, ctx_v)
+               + torch.einsum("bkgntu,bnkud->bkgntd", own_probs, v))
         return out.permute(0, 3, 4, 1, 2, 5).reshape(b, n, t, self.num_heads, d)
 
 
