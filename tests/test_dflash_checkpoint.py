@@ -60,23 +60,28 @@ def reference_state_dict(hidden=64, inter=192, heads=4, kv=1, head_dim=16, layer
     def rand(*shape):
         return torch.randn(*shape, generator=g).to(torch.bfloat16)
 
-    state = {"fc.weight": rand(hidden, k * hidden), "hidden_norm.weight": rand(hidden),
-             "norm.weight": rand(hidden)}
+    state = {
+        "fc.weight": rand(hidden, k * hidden),
+        "hidden_norm.weight": rand(hidden),
+        "norm.weight": rand(hidden),
+    }
     for i in range(layers):
         p = f"layers.{i}."
-        state.update({
-            p + "input_layernorm.weight": rand(hidden),
-            p + "post_attention_layernorm.weight": rand(hidden),
-            p + "self_attn.q_proj.weight": rand(heads * head_dim, hidden),
-            p + "self_attn.k_proj.weight": rand(kv * head_dim, hidden),
-            p + "self_attn.v_proj.weight": rand(kv * head_dim, hidden),
-            p + "self_attn.o_proj.weight": rand(hidden, heads * head_dim),
-            p + "self_attn.q_norm.weight": rand(head_dim),
-            p + "self_attn.k_norm.weight": rand(head_dim),
-            p + "mlp.gate_proj.weight": rand(inter, hidden),
-            p + "mlp.up_proj.weight": rand(inter, hidden),
-            p + "mlp.down_proj.weight": rand(hidden, inter),
-        })
+        state.update(
+            {
+                p + "input_layernorm.weight": rand(hidden),
+                p + "post_attention_layernorm.weight": rand(hidden),
+                p + "self_attn.q_proj.weight": rand(heads * head_dim, hidden),
+                p + "self_attn.k_proj.weight": rand(kv * head_dim, hidden),
+                p + "self_attn.v_proj.weight": rand(kv * head_dim, hidden),
+                p + "self_attn.o_proj.weight": rand(hidden, heads * head_dim),
+                p + "self_attn.q_norm.weight": rand(head_dim),
+                p + "self_attn.k_norm.weight": rand(head_dim),
+                p + "mlp.gate_proj.weight": rand(inter, hidden),
+                p + "mlp.up_proj.weight": rand(inter, hidden),
+                p + "mlp.down_proj.weight": rand(hidden, inter),
+            }
+        )
     return state
 
 
@@ -88,20 +93,33 @@ def write_reference_dir(path, config=None, state=None):
 
 
 def qwen3_8b_target(hidden=64, layers=36, vocab=151936) -> ModelConfig:
-    return ModelConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=192,
-                       num_layers=layers, num_heads=4, num_kv_heads=1, head_dim=16,
-                       rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False, qk_norm=True,
-                       max_position_embeddings=40960)
+    return ModelConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=192,
+        num_layers=layers,
+        num_heads=4,
+        num_kv_heads=1,
+        head_dim=16,
+        rope_theta=1e6,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        qk_norm=True,
+        max_position_embeddings=40960,
+    )
 
 
-@pytest.mark.parametrize("target_layers, draft_layers, expected", [
-    (36, 5, (1, 9, 17, 25, 33)),  # Qwen3-8B and the b16 drafter
-    (36, 1, (18,)),
-    (28, 5, (1, 7, 13, 19, 25)),
-    (6, 2, (1, 3)),
-    (4, 3, (1,)),  # the span holds one layer: read it once
-    (1, 2, (0,)),
-])
+@pytest.mark.parametrize(
+    "target_layers, draft_layers, expected",
+    [
+        (36, 5, (1, 9, 17, 25, 33)),  # Qwen3-8B and the b16 drafter
+        (36, 1, (18,)),
+        (28, 5, (1, 7, 13, 19, 25)),
+        (6, 2, (1, 3)),
+        (4, 3, (1,)),  # the span holds one layer: read it once
+        (1, 2, (0,)),
+    ],
+)
 def test_default_target_layer_ids(target_layers, draft_layers, expected):
     assert default_target_layer_ids(target_layers, draft_layers) == expected
 
@@ -122,8 +140,9 @@ def test_reference_checkpoint_loads(tmp_path):
     assert drafter.fc.weight.dtype == torch.float32
     for name, tensor in state.items():
         assert torch.equal(loaded[name], tensor.float()), name
-    assert torch.equal(drafter.layers[3].self_attn.k_norm.weight,
-                       state["layers.3.self_attn.k_norm.weight"].float())
+    assert torch.equal(
+        drafter.layers[3].self_attn.k_norm.weight, state["layers.3.self_attn.k_norm.weight"].float()
+    )
     validate_against_target(cfg, qwen3_8b_target())
     ctx = drafter.new_context()
     drafter.extend([ctx], [torch.randn(7, 5 * 64)])
@@ -132,10 +151,22 @@ def test_reference_checkpoint_loads(tmp_path):
 
 
 def test_round_trip_keeps_config_and_weights(tmp_path):
-    cfg = DrafterConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                        num_kv_heads=2, head_dim=8, rope_theta=10000.0, rms_norm_eps=1e-6,
-                        block_size=8, mask_token_id=3, target_layer_ids=(1, 3), num_target_layers=6,
-                        vocab_size=50, max_position_embeddings=2048)
+    cfg = DrafterConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        block_size=8,
+        mask_token_id=3,
+        target_layer_ids=(1, 3),
+        num_target_layers=6,
+        vocab_size=50,
+        max_position_embeddings=2048,
+    )
     torch.manual_seed(0)
     drafter = DFlashDrafter(cfg)
     with torch.no_grad():
@@ -174,19 +205,22 @@ def _edit(config: dict, changes: dict) -> dict:
     return config
 
 
-@pytest.mark.parametrize("changes, message", [
-    ({"architectures": ["DFlash2DraftModel"]}, "DFlash2DraftModel"),
-    ({"architectures": ["Qwen3ForCausalLM"]}, "expected \\['DFlashDraftModel'\\]"),
-    ({"model_type": "llama"}, "model_type"),
-    ({"attention_bias": True}, "attention_bias"),
-    ({"layer_types": ["sliding_attention"] * 5}, "layer_types"),
-    ({"hidden_size": None}, "hidden_size"),
-    ({"dflash_config": {"target_layer_ids": [1, 9]}}, "mask_token_id"),
-    ({"dflash.target_layer_ids": [1, 9, 40]}, "num_target_layers"),
-    ({"dflash.target_layer_ids": [9, 1]}, "increasing"),
-    ({"dflash.mask_token_id": 200000}, "vocabulary"),
-    ({"dflash.output_multiplier": 2.0}, "output_multiplier"),
-])
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"architectures": ["DFlash2DraftModel"]}, "DFlash2DraftModel"),
+        ({"architectures": ["Qwen3ForCausalLM"]}, "expected \\['DFlashDraftModel'\\]"),
+        ({"model_type": "llama"}, "model_type"),
+        ({"attention_bias": True}, "attention_bias"),
+        ({"layer_types": ["sliding_attention"] * 5}, "layer_types"),
+        ({"hidden_size": None}, "hidden_size"),
+        ({"dflash_config": {"target_layer_ids": [1, 9]}}, "mask_token_id"),
+        ({"dflash.target_layer_ids": [1, 9, 40]}, "num_target_layers"),
+        ({"dflash.target_layer_ids": [9, 1]}, "increasing"),
+        ({"dflash.mask_token_id": 200000}, "vocabulary"),
+        ({"dflash.output_multiplier": 2.0}, "output_multiplier"),
+    ],
+)
 def test_bad_config_is_a_user_error_naming_the_file(tmp_path, changes, message):
     path = write_reference_dir(tmp_path / "d", config=_edit(qwen3_8b_dflash_b16_scaled(), changes))
     with pytest.raises(UserError, match=message) as err:
@@ -200,7 +234,7 @@ def test_missing_or_malformed_files_are_user_errors(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(UserError, match="missing drafter config.json"):
         load_drafter(tmp_path / "empty")
-    (tmp_path / "empty" / "config.json").write_text("{\"architectures\": [")
+    (tmp_path / "empty" / "config.json").write_text('{"architectures": [')
     with pytest.raises(UserError, match="malformed JSON"):
         load_drafter(tmp_path / "empty")
     (tmp_path / "empty" / "config.json").write_text(json.dumps(qwen3_8b_dflash_b16_scaled()))
@@ -208,14 +242,23 @@ def test_missing_or_malformed_files_are_user_errors(tmp_path):
         load_drafter(tmp_path / "empty")
 
 
-@pytest.mark.parametrize("edit, message", [
-    (lambda s: s.pop("layers.4.mlp.up_proj.weight"),
-     "missing \\['layers.4.mlp.up_proj.weight'\\]"),
-    (lambda s: s.update({"model.fc.weight": s["fc.weight"].clone()}),
-     "unexpected \\['model.fc.weight'\\]"),
-    (lambda s: s.update({"fc.weight": torch.zeros(64, 3 * 64)}),
-     "fc.weight has shape \\[64, 192\\]"),
-])
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (
+            lambda s: s.pop("layers.4.mlp.up_proj.weight"),
+            "missing \\['layers.4.mlp.up_proj.weight'\\]",
+        ),
+        (
+            lambda s: s.update({"model.fc.weight": s["fc.weight"].clone()}),
+            "unexpected \\['model.fc.weight'\\]",
+        ),
+        (
+            lambda s: s.update({"fc.weight": torch.zeros(64, 3 * 64)}),
+            "fc.weight has shape \\[64, 192\\]",
+        ),
+    ],
+)
 def test_weights_that_do_not_fit_the_config(tmp_path, edit, message):
     state = reference_state_dict()
     edit(state)
@@ -229,8 +272,9 @@ def test_validate_against_target_names_the_mismatch(tmp_path):
     cfg = load_drafter(write_reference_dir(tmp_path / "d")).cfg
     with pytest.raises(UserError, match="hidden_size 64 does not match the target's 128"):
         validate_against_target(cfg, qwen3_8b_target(hidden=128), where="my-drafter")
-    with pytest.raises(UserError, match="my-drafter: trained for a target of 36 layers, this "
-                                        "target has 28"):
+    with pytest.raises(
+        UserError, match="my-drafter: trained for a target of 36 layers, this target has 28"
+    ):
         validate_against_target(cfg, qwen3_8b_target(layers=28), where="my-drafter")
     unrecorded = DrafterConfig(**{**cfg.__dict__, "num_target_layers": None})
     with pytest.raises(UserError, match="layers \\[33\\] that the target lacks .*0..27"):

@@ -10,10 +10,21 @@ from agentflash.dflash.drafter import DFlashDrafter, DrafterConfig
 
 
 def small_config(**overrides) -> DrafterConfig:
-    fields = dict(hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
-                  head_dim=8, rope_theta=10000.0, rms_norm_eps=1e-6, block_size=5,
-                  mask_token_id=99, target_layer_ids=(0, 2, 3), num_target_layers=4,
-                  vocab_size=100)
+    fields = dict(
+        hidden_size=32,
+        intermediate_size=48,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        block_size=5,
+        mask_token_id=99,
+        target_layer_ids=(0, 2, 3),
+        num_target_layers=4,
+        vocab_size=100,
+    )
     fields.update(overrides)
     return DrafterConfig(**fields)
 
@@ -38,8 +49,10 @@ def test_weight_names_are_the_reference_keys():
     cfg = small_config(num_layers=3)
     expected = {"fc.weight", "hidden_norm.weight", "norm.weight"}
     for i in range(3):
-        expected |= {f"layers.{i}.input_layernorm.weight",
-                     f"layers.{i}.post_attention_layernorm.weight"}
+        expected |= {
+            f"layers.{i}.input_layernorm.weight",
+            f"layers.{i}.post_attention_layernorm.weight",
+        }
         expected |= {f"layers.{i}.self_attn.{p}_proj.weight" for p in "qkvo"}
         expected |= {f"layers.{i}.self_attn.{p}_norm.weight" for p in "qk"}
         expected |= {f"layers.{i}.mlp.{p}_proj.weight" for p in ("gate", "up", "down")}
@@ -100,8 +113,9 @@ def test_draft_forward_matches_the_architecture_written_out():
     drafter = random_drafter(small_config())
     hidden = torch.randn(9, 3 * 32)
     block = torch.randn(5, 32)
-    got = drafter.draft_forward(block[None], (9 + torch.arange(5))[None],
-                                [context_of(drafter, hidden)])[0]
+    got = drafter.draft_forward(
+        block[None], (9 + torch.arange(5))[None], [context_of(drafter, hidden)]
+    )[0]
     expected = naive_draft(drafter, hidden, block, start=9)
     torch.testing.assert_close(got.double(), expected, atol=1e-4, rtol=1e-4)
 
@@ -111,10 +125,12 @@ def test_block_output_depends_on_context_and_positions():
     hidden = torch.randn(6, 3 * 32)
     block = torch.randn(1, 5, 32)
     base = drafter.draft_forward(block, (6 + torch.arange(5))[None], [context_of(drafter, hidden)])
-    other_ctx = drafter.draft_forward(block, (6 + torch.arange(5))[None],
-                                      [context_of(drafter, hidden.flip(0))])
-    shifted = drafter.draft_forward(block, (9 + torch.arange(5))[None],
-                                    [context_of(drafter, hidden)])
+    other_ctx = drafter.draft_forward(
+        block, (6 + torch.arange(5))[None], [context_of(drafter, hidden.flip(0))]
+    )
+    shifted = drafter.draft_forward(
+        block, (9 + torch.arange(5))[None], [context_of(drafter, hidden)]
+    )
     assert not torch.allclose(base, other_ctx, atol=1e-3)
     assert not torch.allclose(base, shifted, atol=1e-3)
 
@@ -172,8 +188,9 @@ def test_block_parallel_training_forward_equals_drafting_each_block():
     with torch.no_grad():
         together = drafter(blocks, positions, context, visible)[0]
     for n, a in enumerate(anchors[0].tolist()):
-        alone = drafter.draft_forward(blocks[:, n], positions[:, n],
-                                      [context_of(drafter, hidden[0, :a])])[0]
+        alone = drafter.draft_forward(
+            blocks[:, n], positions[:, n], [context_of(drafter, hidden[0, :a])]
+        )[0]
         torch.testing.assert_close(together[n], alone, atol=1e-5, rtol=1e-5)
 
 
@@ -184,8 +201,9 @@ def test_block_parallel_gradients_equal_per_block_gradients():
     blocks, weights = torch.randn(1, 3, 5, 32), torch.randn(1, 3, 5, 32)
     positions = anchors[..., None] + torch.arange(5)
     visible = torch.arange(seq_len)[None, None] < anchors[..., None]
-    out = drafter(blocks, positions, drafter.context_kv(hidden, torch.arange(seq_len)[None]),
-                  visible)
+    out = drafter(
+        blocks, positions, drafter.context_kv(hidden, torch.arange(seq_len)[None]), visible
+    )
     (out * weights).sum().backward()
     together = {name: p.grad.clone() for name, p in drafter.named_parameters()}
     drafter.zero_grad()
@@ -204,22 +222,28 @@ def test_gradients_reach_every_parameter():
     hidden = torch.randn(2, 10, 3 * 32)
     blocks = torch.randn(2, 2, 5, 32)
     anchors = torch.tensor([[2, 6], [4, 9]])
-    out = drafter(blocks, anchors[..., None] + torch.arange(5),
-                  drafter.context_kv(hidden, torch.arange(10).expand(2, 10)),
-                  torch.arange(10)[None, None] < anchors[..., None])
+    out = drafter(
+        blocks,
+        anchors[..., None] + torch.arange(5),
+        drafter.context_kv(hidden, torch.arange(10).expand(2, 10)),
+        torch.arange(10)[None, None] < anchors[..., None],
+    )
     out.square().mean().backward()
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in drafter.parameters())
 
 
-@pytest.mark.parametrize("field, value, message", [
-    ("target_layer_ids", (3, 1), "increasing"),
-    ("target_layer_ids", (), "at least one"),
-    ("target_layer_ids", (1, 4), "num_target_layers"),
-    ("num_kv_heads", 3, "multiple"),
-    ("block_size", 1, "block_size"),
-    ("mask_token_id", 100, "vocabulary"),
-    ("hidden_size", 0, "hidden_size"),
-])
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("target_layer_ids", (3, 1), "increasing"),
+        ("target_layer_ids", (), "at least one"),
+        ("target_layer_ids", (1, 4), "num_target_layers"),
+        ("num_kv_heads", 3, "multiple"),
+        ("block_size", 1, "block_size"),
+        ("mask_token_id", 100, "vocabulary"),
+        ("hidden_size", 0, "hidden_size"),
+    ],
+)
 def test_config_rejects_bad_values(field, value, message):
     with pytest.raises(ValueError, match=message):
         small_config(**{field: value})

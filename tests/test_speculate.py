@@ -12,13 +12,16 @@ def logits_with_argmax(tokens: list[int], vocab: int = 10) -> torch.Tensor:
     return out  # [len(tokens), V]
 
 
-@pytest.mark.parametrize("draft, target, accepted, bonus", [
-    ([4, 5, 6], [4, 5, 6, 7], 3, 7),  # every draft token stands, the last row gives the bonus
-    ([4, 5, 6], [1, 5, 6, 7], 0, 1),  # the first token already differs
-    ([4, 5, 6], [4, 2, 6, 7], 1, 2),  # a later match after a mismatch does not count
-    ([4, 5, 6], [4, 5, 9, 7], 2, 9),
-    ([], [3], 0, 3),  # a block of one: no draft, plain decoding
-])
+@pytest.mark.parametrize(
+    "draft, target, accepted, bonus",
+    [
+        ([4, 5, 6], [4, 5, 6, 7], 3, 7),  # every draft token stands, the last row gives the bonus
+        ([4, 5, 6], [1, 5, 6, 7], 0, 1),  # the first token already differs
+        ([4, 5, 6], [4, 2, 6, 7], 1, 2),  # a later match after a mismatch does not count
+        ([4, 5, 6], [4, 5, 9, 7], 2, 9),
+        ([], [3], 0, 3),  # a block of one: no draft, plain decoding
+    ],
+)
 def test_greedy_accept(draft, target, accepted, bonus):
     got = greedy_accept(torch.tensor(draft, dtype=torch.long), logits_with_argmax(target))
     assert got == (accepted, bonus)
@@ -44,8 +47,9 @@ def test_greedy_accept_batch_equals_rows_of_different_lengths():
 # A toy target over a tiny vocabulary: the next-token distribution depends on the last two tokens.
 
 VOCAB = 3
-_TABLE = torch.softmax(torch.randn(VOCAB, VOCAB, VOCAB, generator=torch.Generator().manual_seed(1))
-                       * 1.5, dim=-1)
+_TABLE = torch.softmax(
+    torch.randn(VOCAB, VOCAB, VOCAB, generator=torch.Generator().manual_seed(1)) * 1.5, dim=-1
+)
 
 
 def toy_probs(prefix: list[int]) -> torch.Tensor:
@@ -59,8 +63,9 @@ def plain_sampling(prefix: list[int], n: int, gen: torch.Generator) -> list[int]
     return out[len(prefix) :]
 
 
-def speculative_sampling(prefix: list[int], n: int, gen: torch.Generator,
-                         draft_gen: torch.Generator, block: int = 4) -> list[int]:
+def speculative_sampling(
+    prefix: list[int], n: int, gen: torch.Generator, draft_gen: torch.Generator, block: int = 4
+) -> list[int]:
     out = list(prefix)
     while len(out) - len(prefix) < n:
         draft = torch.randint(0, VOCAB, (block - 1,), generator=draft_gen)  # any proposal at all
@@ -74,8 +79,12 @@ def speculative_sampling(prefix: list[int], n: int, gen: torch.Generator,
 def test_sample_accept_commits_the_same_tokens_as_plain_sampling_for_a_seed():
     for seed in range(20):
         plain = plain_sampling([0, 1], 12, torch.Generator().manual_seed(seed))
-        spec = speculative_sampling([0, 1], 12, torch.Generator().manual_seed(seed),
-                                    torch.Generator().manual_seed(100 + seed))
+        spec = speculative_sampling(
+            [0, 1],
+            12,
+            torch.Generator().manual_seed(seed),
+            torch.Generator().manual_seed(100 + seed),
+        )
         assert spec == plain
 
 

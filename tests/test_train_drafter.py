@@ -22,10 +22,18 @@ from agentflash.train.drafter import (
     validation_tau,
 )
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Get the weather of a city.",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                   "required": ["city"]}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the weather of a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
 
 
 def conversations(n: int) -> list[dict]:
@@ -34,28 +42,77 @@ def conversations(n: int) -> list[dict]:
     out = []
     for i in range(n):
         city = ["Paris", "Oslo", "Lima", "Rome"][i % 4]
-        out.append({"kind": "tool_call", "tools": [WEATHER], "messages": [
-            {"role": "user", "content": f"What is the weather in {city}?"},
-            {"role": "assistant", "content": "",
-             "tool_calls": [{"name": "get_weather", "arguments": {"city": city}}]},
-            {"role": "tool", "name": "get_weather", "content": json.dumps({"temp": 20 + i})},
-            {"role": "assistant", "content": f"It is {20 + i} degrees in {city}."}]})
-        out.append({"kind": "code", "tools": [], "messages": [
-            {"role": "user", "content": f"Write a function that adds {i}."},
-            {"role": "assistant", "content": f"```python\ndef add(x):\n    return x + {i}\n```"}]})
-        out.append({"kind": "math", "tools": [], "messages": [
-            {"role": "user", "content": f"Compute {i} + 7."},
-            {"role": "assistant", "content": f"{i} + 7 = {i + 7}.\nThe answer is {i + 7}."}]})
-        out.append({"kind": "prose", "tools": [], "messages": [
-            {"role": "user", "content": f"Explain list number {i}."},
-            {"role": "assistant", "content": "A list holds items in order."}]})
+        out.append(
+            {
+                "kind": "tool_call",
+                "tools": [WEATHER],
+                "messages": [
+                    {"role": "user", "content": f"What is the weather in {city}?"},
+                    {
+                        "role": "assistant",
+                        "content": "",
+                        "tool_calls": [{"name": "get_weather", "arguments": {"city": city}}],
+                    },
+                    {
+                        "role": "tool",
+                        "name": "get_weather",
+                        "content": json.dumps({"temp": 20 + i}),
+                    },
+                    {"role": "assistant", "content": f"It is {20 + i} degrees in {city}."},
+                ],
+            }
+        )
+        out.append(
+            {
+                "kind": "code",
+                "tools": [],
+                "messages": [
+                    {"role": "user", "content": f"Write a function that adds {i}."},
+                    {
+                        "role": "assistant",
+                        "content": f"```python\ndef add(x):\n    return x + {i}\n```",
+                    },
+                ],
+            }
+        )
+        out.append(
+            {
+                "kind": "math",
+                "tools": [],
+                "messages": [
+                    {"role": "user", "content": f"Compute {i} + 7."},
+                    {"role": "assistant", "content": f"{i} + 7 = {i + 7}.\nThe answer is {i + 7}."},
+                ],
+            }
+        )
+        out.append(
+            {
+                "kind": "prose",
+                "tools": [],
+                "messages": [
+                    {"role": "user", "content": f"Explain list number {i}."},
+                    {"role": "assistant", "content": "A list holds items in order."},
+                ],
+            }
+        )
     return out
 
 
 def tiny_config(**overrides) -> DrafterTrainConfig:
-    fields = dict(num_layers=1, block_size=4, num_anchors=8, steps=30, batch_size=2, lr=3e-3,
-                  max_response_tokens=16, max_seq_len=512, regen_batch=8, num_val_per_kind=1,
-                  val_every=15, save_every=10)
+    fields = dict(
+        num_layers=1,
+        block_size=4,
+        num_anchors=8,
+        steps=30,
+        batch_size=2,
+        lr=3e-3,
+        max_response_tokens=16,
+        max_seq_len=512,
+        regen_batch=8,
+        num_val_per_kind=1,
+        val_every=15,
+        save_every=10,
+    )
     fields.update(overrides)
     return DrafterTrainConfig(**fields)
 
@@ -76,17 +133,20 @@ def read_log(out):
 def test_make_blocks_labels_and_positions():
     sample = Sample(ids=[10, 11, 12, 13, 14, 15, 16], prompt_len=3, kind="code")
     short = Sample(ids=[20, 21, 22, 23], prompt_len=2, kind="math")
-    blocks = make_blocks([sample, short], block_size=4, num_anchors=8, mask_token_id=99,
-                         rng=random.Random(0))
+    blocks = make_blocks(
+        [sample, short], block_size=4, num_anchors=8, mask_token_id=99, rng=random.Random(0)
+    )
     # every position of the answer that has a next token is an anchor: 3, 4, 5 and 2
     assert blocks.anchors.tolist() == [[3, 4, 5], [2, 0, 0]]
     assert blocks.ids[0].tolist() == [[13, 99, 99, 99], [14, 99, 99, 99], [15, 99, 99, 99]]
     assert blocks.positions[0, 1].tolist() == [4, 5, 6, 7]
-    assert blocks.labels[0].tolist() == [[IGNORE, 14, 15, 16], [IGNORE, 15, 16, IGNORE],
-                                         [IGNORE, 16, IGNORE, IGNORE]]
+    assert blocks.labels[0].tolist() == [
+        [IGNORE, 14, 15, 16],
+        [IGNORE, 15, 16, IGNORE],
+        [IGNORE, 16, IGNORE, IGNORE],
+    ]
     assert blocks.labels[1].tolist() == [[IGNORE, 23, IGNORE, IGNORE]] + [[IGNORE] * 4] * 2
-    few = make_blocks([sample], block_size=4, num_anchors=2, mask_token_id=99,
-                      rng=random.Random(0))
+    few = make_blocks([sample], block_size=4, num_anchors=2, mask_token_id=99, rng=random.Random(0))
     assert few.anchors.shape == (1, 2) and set(few.anchors[0].tolist()) <= {3, 4, 5}
 
 
@@ -139,8 +199,13 @@ def test_validation_tau_is_what_draft_and_verify_decoding_achieves(run, tiny_mod
 
     def forward(ids):
         n = len(ids)
-        hidden, captured = target(torch.tensor([ids]), torch.arange(n)[None],
-                                  [NoCache()] * target.cfg.num_layers, None, layers)
+        hidden, captured = target(
+            torch.tensor([ids]),
+            torch.arange(n)[None],
+            [NoCache()] * target.cfg.num_layers,
+            None,
+            layers,
+        )
         return target.logits(hidden)[0], torch.cat(captured, -1)[0]  # [n, V], [n, K*H]
 
     n_new = 16
@@ -153,8 +218,9 @@ def test_validation_tau_is_what_draft_and_verify_decoding_achieves(run, tiny_mod
         ctx = drafter.new_context()
         drafter.extend([ctx], [hidden])
         while len(seq) < len(prompt) + n_new:
-            draft = draft_block(drafter, target.embed, target.logits, torch.tensor([seq[-1]]),
-                                [ctx])[0]
+            draft = draft_block(
+                drafter, target.embed, target.logits, torch.tensor([seq[-1]]), [ctx]
+            )[0]
             logits, hidden = forward(seq + draft.tolist())
             accepted, bonus = greedy_accept(draft, logits[len(seq) - 1 :])
             produced = min(accepted + 1, len(prompt) + n_new - len(seq))
@@ -164,8 +230,10 @@ def test_validation_tau_is_what_draft_and_verify_decoding_achieves(run, tiny_mod
     assert seq == plain
     assert sum(steps) / len(steps) > 1.5  # the trained drafter gets whole runs accepted
     tau = validation_tau(drafter, target, [Sample(plain, len(prompt), "tool_call")])
-    assert tau == {"tool_call": pytest.approx(sum(steps) / len(steps)),
-                   "all": pytest.approx(sum(steps) / len(steps))}
+    assert tau == {
+        "tool_call": pytest.approx(sum(steps) / len(steps)),
+        "all": pytest.approx(sum(steps) / len(steps)),
+    }
 
 
 class NoCache:

@@ -31,8 +31,10 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> t
     holds fewer layers than asked for, get each layer once.
     """
     if num_target_layers < 1 or num_draft_layers < 1:
-        raise ValueError(f"need at least one target and one draft layer, got "
-                         f"{num_target_layers} and {num_draft_layers}")
+        raise ValueError(
+            f"need at least one target and one draft layer, got "
+            f"{num_target_layers} and {num_draft_layers}"
+        )
     if num_draft_layers == 1:
         return (num_target_layers // 2,)
     start = min(1, num_target_layers - 1)
@@ -128,8 +130,10 @@ def _check_supported(raw: dict[str, Any]) -> None:
     archs = raw.get("architectures") or []
     if ARCHITECTURE not in archs:
         if "DFlash2DraftModel" in archs:
-            raise ValueError("architectures is DFlash2DraftModel (candidate selector and "
-                             "convolutions), which agentflash does not run; use a DFlashDraftModel")
+            raise ValueError(
+                "architectures is DFlash2DraftModel (candidate selector and "
+                "convolutions), which agentflash does not run; use a DFlashDraftModel"
+            )
         raise ValueError(f"architectures is {archs!r}, expected [{ARCHITECTURE!r}]")
     if raw.get("model_type", "qwen3") != "qwen3":
         raise ValueError(f"model_type {raw['model_type']!r} is not supported (qwen3)")
@@ -179,8 +183,9 @@ def load_drafter_config(path: Path) -> DrafterConfig:
         raise UserError(f"{config_path}: {err}") from None
 
 
-def load_drafter(path: Path, device: str | torch.device = "cpu",
-                 dtype: torch.dtype | None = None) -> DFlashDrafter:
+def load_drafter(
+    path: Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+) -> DFlashDrafter:
     """Build a drafter from a z-lab-format directory and load its weights."""
     path = Path(path).expanduser()
     cfg = load_drafter_config(path)
@@ -203,25 +208,36 @@ def _check_state(path: Path, drafter: DFlashDrafter, state: dict[str, torch.Tens
         raise UserError(f"{path}: weights do not match config.json: unexpected {unexpected[:3]}")
     for name, tensor in state.items():
         if tensor.shape != expected[name].shape:
-            raise UserError(f"{path}: weight {name} has shape {list(tensor.shape)}, config.json "
-                            f"implies {list(expected[name].shape)}")
+            raise UserError(
+                f"{path}: weight {name} has shape {list(tensor.shape)}, config.json "
+                f"implies {list(expected[name].shape)}"
+            )
 
 
-def validate_against_target(drafter_cfg: DrafterConfig, target_cfg: ModelConfig,
-                            where: str = "drafter") -> None:
+def validate_against_target(
+    drafter_cfg: DrafterConfig, target_cfg: ModelConfig, where: str = "drafter"
+) -> None:
     """``UserError`` when a drafter cannot serve a target; ``where`` names the drafter."""
     if drafter_cfg.hidden_size != target_cfg.hidden_size:
-        raise UserError(f"{where}: hidden_size {drafter_cfg.hidden_size} does not match the "
-                        f"target's {target_cfg.hidden_size} (the drafter reads the target's "
-                        "embeddings and feeds its lm_head)")
+        raise UserError(
+            f"{where}: hidden_size {drafter_cfg.hidden_size} does not match the "
+            f"target's {target_cfg.hidden_size} (the drafter reads the target's "
+            "embeddings and feeds its lm_head)"
+        )
     layers = target_cfg.num_layers
     if drafter_cfg.num_target_layers is not None and drafter_cfg.num_target_layers != layers:
-        raise UserError(f"{where}: trained for a target of {drafter_cfg.num_target_layers} "
-                        f"layers, this target has {layers}")
+        raise UserError(
+            f"{where}: trained for a target of {drafter_cfg.num_target_layers} "
+            f"layers, this target has {layers}"
+        )
     outside = [i for i in drafter_cfg.target_layer_ids if not 0 <= i < layers]
     if outside:
-        raise UserError(f"{where}: target_layer_ids {list(drafter_cfg.target_layer_ids)} name "
-                        f"layers {outside} that the target lacks (it has layers 0..{layers - 1})")
+        raise UserError(
+            f"{where}: target_layer_ids {list(drafter_cfg.target_layer_ids)} name "
+            f"layers {outside} that the target lacks (it has layers 0..{layers - 1})"
+        )
     if drafter_cfg.mask_token_id >= target_cfg.vocab_size:
-        raise UserError(f"{where}: mask_token_id {drafter_cfg.mask_token_id} is outside the "
-                        f"target's vocabulary of {target_cfg.vocab_size}")
+        raise UserError(
+            f"{where}: mask_token_id {drafter_cfg.mask_token_id} is outside the "
+            f"target's vocabulary of {target_cfg.vocab_size}"
+        )

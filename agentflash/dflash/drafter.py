@@ -52,21 +52,33 @@ class DrafterConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
-        for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads",
-                     "num_kv_heads", "head_dim", "vocab_size", "max_position_embeddings"):
+        for name in (
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "vocab_size",
+            "max_position_embeddings",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
-                             f"({self.num_kv_heads})")
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+                f"({self.num_kv_heads})"
+            )
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
         if not isinstance(self.block_size, int) or self.block_size < 2:
             raise ValueError(f"block_size must be an integer >= 2, got {self.block_size!r}")
         if not 0 <= self.mask_token_id < self.vocab_size:
-            raise ValueError(f"mask_token_id {self.mask_token_id} is outside the vocabulary "
-                             f"(vocab_size {self.vocab_size})")
+            raise ValueError(
+                f"mask_token_id {self.mask_token_id} is outside the vocabulary "
+                f"(vocab_size {self.vocab_size})"
+            )
         self._check_layer_ids()
 
     def _check_layer_ids(self) -> None:
@@ -74,11 +86,14 @@ class DrafterConfig:
         if not ids:
             raise ValueError("target_layer_ids must name at least one target layer")
         if ids[0] < 0 or any(b <= a for a, b in zip(ids, ids[1:], strict=False)):
-            raise ValueError(f"target_layer_ids must be non-negative and increasing, "
-                             f"got {list(ids)}")
+            raise ValueError(
+                f"target_layer_ids must be non-negative and increasing, got {list(ids)}"
+            )
         if self.num_target_layers is not None and ids[-1] >= self.num_target_layers:
-            raise ValueError(f"target_layer_ids {list(ids)} reach past num_target_layers "
-                             f"({self.num_target_layers})")
+            raise ValueError(
+                f"target_layer_ids {list(ids)} reach past num_target_layers "
+                f"({self.num_target_layers})"
+            )
 
     @property
     def num_context_layers(self) -> int:
@@ -94,8 +109,14 @@ class DraftContext:
     few positions per step stays cheap.
     """
 
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int,
-                 device: torch.device, dtype: torch.dtype):
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ):
         self.length = 0
         shape = (num_kv_heads, 0, head_dim)
         self._k = [torch.empty(shape, device=device, dtype=dtype) for _ in range(num_layers)]
@@ -152,17 +173,24 @@ class DraftAttention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
-    def keys_values(self, x: torch.Tensor, cos: torch.Tensor,
-                    sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def keys_values(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotated keys and values of ``x`` [..., S, H]; both [..., KV, S, D]."""
         k = self.k_norm(self.k_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim)))
         v = self.v_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
         k = apply_rotary(k, cos[..., None, :], sin[..., None, :])  # [..., S, KV, D]
         return k.transpose(-2, -3), v.transpose(-2, -3)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                ctx_k: torch.Tensor, ctx_v: torch.Tensor,
-                ctx_visible: torch.Tensor | None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        ctx_k: torch.Tensor,
+        ctx_v: torch.Tensor,
+        ctx_visible: torch.Tensor | None,
+    ) -> torch.Tensor:
         # x: [B, N, T, H], N blocks of T slots per row; cos, sin: [B, N, T, D]
         # ctx_k, ctx_v: [B, KV, S, D]; ctx_visible: [B, N, S] (True where a block sees the context)
         b, n, t, _ = x.shape
@@ -182,8 +210,9 @@ class DraftAttention(nn.Module):
         if ctx_visible is not None:
             own = ctx_visible.new_ones(ctx_visible.shape[0], 1, k.shape[2])
             mask = torch.cat((ctx_visible, own), dim=-1)[:, None]  # [B, 1, 1, S+T]
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
-                                             enable_gqa=True)  # [B, Hq, T, D]
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=True
+        )  # [B, Hq, T, D]
         return out.transpose(1, 2)[:, None]  # [B, 1, T, Hq, D]
 
     def _attend_blocks(self, q, k, v, ctx_k, ctx_v, ctx_visible) -> torch.Tensor:
@@ -202,8 +231,9 @@ class DraftAttention(nn.Module):
         scores = torch.cat((ctx_scores, own_scores), dim=-1)  # [B, KV, G, N, T, S+T]
         probs = scores.softmax(-1, dtype=torch.float32).to(q.dtype)
         ctx_probs, own_probs = probs.split([ctx_k.shape[2], t], dim=-1)
-        out = (torch.einsum("bkgnts,bksd->bkgntd", ctx_probs, ctx_v)
-               + torch.einsum("bkgntu,bnkud->bkgntd", own_probs, v))
+        out = torch.einsum("bkgnts,bksd->bkgntd", ctx_probs, ctx_v) + torch.einsum(
+            "bkgntu,bnkud->bkgntd", own_probs, v
+        )
         return out.permute(0, 3, 4, 1, 2, 5).reshape(b, n, t, self.num_heads, d)
 
 
@@ -232,15 +262,17 @@ class DFlashDrafter(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)  # a buffer, not a checkpoint key
 
-    def rope(self, positions: torch.Tensor,
-             dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def rope(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [..., D] for integer ``positions`` [...]."""
         freqs = positions.float()[..., None] * self.rotary.inv_freq  # [..., D/2]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
-    def context_kv(self, target_hidden: torch.Tensor,
-                   positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def context_kv(
+        self, target_hidden: torch.Tensor, positions: torch.Tensor
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per draft layer, the context's keys and values [B, KV, S, D].
 
         ``target_hidden`` [B, S, K*H] are the target's captured layers, concatenated in
@@ -250,9 +282,13 @@ class DFlashDrafter(nn.Module):
         cos, sin = self.rope(positions, ctx.dtype)
         return [layer.self_attn.keys_values(ctx, cos, sin) for layer in self.layers]
 
-    def forward(self, block_embeds: torch.Tensor, positions: torch.Tensor,
-                context: list[tuple[torch.Tensor, torch.Tensor]],
-                ctx_visible: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        block_embeds: torch.Tensor,
+        positions: torch.Tensor,
+        context: list[tuple[torch.Tensor, torch.Tensor]],
+        ctx_visible: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Final-normed hidden states [B, N, T, H] of N blocks per row.
 
         ``block_embeds`` [B, N, T, H]: target embeddings of each block; ``positions`` [B, N, T];
@@ -269,8 +305,13 @@ class DFlashDrafter(nn.Module):
 
     def new_context(self) -> DraftContext:
         weight = self.fc.weight
-        return DraftContext(self.cfg.num_layers, self.cfg.num_kv_heads, self.cfg.head_dim,
-                            weight.device, weight.dtype)
+        return DraftContext(
+            self.cfg.num_layers,
+            self.cfg.num_kv_heads,
+            self.cfg.head_dim,
+            weight.device,
+            weight.dtype,
+        )
 
     @torch.no_grad()
     def extend(self, contexts: list[DraftContext], target_hidden: list[torch.Tensor]) -> None:
@@ -282,8 +323,12 @@ class DFlashDrafter(nn.Module):
         """
         assert len(contexts) == len(target_hidden), "one hidden-state chunk per context"
         lengths = [h.shape[0] for h in target_hidden]
-        positions = torch.cat([c.length + torch.arange(h.shape[0])
-                               for c, h in zip(contexts, target_hidden, strict=True)])
+        positions = torch.cat(
+            [
+                c.length + torch.arange(h.shape[0])
+                for c, h in zip(contexts, target_hidden, strict=True)
+            ]
+        )
         hidden = torch.cat(target_hidden).to(self.fc.weight.dtype)[None]  # [1, sum t, K*H]
         per_layer = self.context_kv(hidden, positions.to(hidden.device)[None])
         offsets = [0]
@@ -294,8 +339,9 @@ class DFlashDrafter(nn.Module):
             ctx.append([(k[0, :, lo:hi], v[0, :, lo:hi]) for k, v in per_layer])
 
     @torch.no_grad()
-    def draft_forward(self, block_embeds: torch.Tensor, positions: torch.Tensor,
-                      contexts: list[DraftContext]) -> torch.Tensor:
+    def draft_forward(
+        self, block_embeds: torch.Tensor, positions: torch.Tensor, contexts: list[DraftContext]
+    ) -> torch.Tensor:
         """Hidden states [B, T, H] of one block per request.
 
         ``block_embeds`` [B, T, H]: the target's embeddings of ``[last token, mask, ...]``;
@@ -316,8 +362,9 @@ class DFlashDrafter(nn.Module):
         kv = []
         for layer in range(self.cfg.num_layers):
             k = torch.stack([F.pad(c.keys(layer), (0, 0, 0, longest - c.length)) for c in contexts])
-            v = torch.stack([F.pad(c.values(layer), (0, 0, 0, longest - c.length))
-                             for c in contexts])
+            v = torch.stack(
+                [F.pad(c.values(layer), (0, 0, 0, longest - c.length)) for c in contexts]
+            )
             kv.append((k, v))  # [B, KV, S, D]
         lengths = torch.tensor([c.length for c in contexts], device=self.fc.weight.device)
         visible = torch.arange(longest, device=lengths.device)[None] < lengths[:, None]

@@ -36,8 +36,9 @@ def greedy_accept(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tu
     return num_accepted, int(target[num_accepted])
 
 
-def greedy_accept_batch(draft_tokens: torch.Tensor, num_drafts: torch.Tensor,
-                        target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def greedy_accept_batch(
+    draft_tokens: torch.Tensor, num_drafts: torch.Tensor, target_logits: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``greedy_accept`` over rows whose drafts differ in length.
 
     ``draft_tokens`` [B, T] (row ``b`` uses its first ``num_drafts[b]`` entries), ``num_drafts``
@@ -53,8 +54,9 @@ def greedy_accept_batch(draft_tokens: torch.Tensor, num_drafts: torch.Tensor,
     return num_accepted, bonus
 
 
-def sample_accept(draft_tokens: torch.Tensor, target_probs: torch.Tensor,
-                  generator: torch.Generator | None) -> tuple[int, int]:
+def sample_accept(
+    draft_tokens: torch.Tensor, target_probs: torch.Tensor, generator: torch.Generator | None
+) -> tuple[int, int]:
     """Lossless acceptance of a one-hot proposal under sampling.
 
     ``draft_tokens`` [T]; ``target_probs`` [T+1, V]: the target's sampling distribution at every
@@ -75,9 +77,14 @@ def sample_accept(draft_tokens: torch.Tensor, target_probs: torch.Tensor,
     raise AssertionError("unreachable: the last position always returns")
 
 
-def draft_block(drafter: DFlashDrafter, embed: Callable[[torch.Tensor], torch.Tensor],
-                logits: Callable[[torch.Tensor], torch.Tensor], last_tokens: torch.Tensor,
-                contexts: list[DraftContext], block_size: int | None = None) -> torch.Tensor:
+def draft_block(
+    drafter: DFlashDrafter,
+    embed: Callable[[torch.Tensor], torch.Tensor],
+    logits: Callable[[torch.Tensor], torch.Tensor],
+    last_tokens: torch.Tensor,
+    contexts: list[DraftContext],
+    block_size: int | None = None,
+) -> torch.Tensor:
     """Greedy draft tokens [B, block_size-1] for one block per request.
 
     ``embed`` and ``logits`` are the target's (``Qwen3Model.embed`` and ``Qwen3Model.logits``);

@@ -68,8 +68,11 @@ class DrafterTrainConfig:
     save_every: int = 100
     seed: int = 0
     device: str = "cpu"
-    corpus: corpus_mod.CorpusConfig = field(default_factory=lambda: corpus_mod.CorpusConfig(
-        seed=1, num_tool_call=6000, num_code=1000, num_math=1500, num_prose=1500))
+    corpus: corpus_mod.CorpusConfig = field(
+        default_factory=lambda: corpus_mod.CorpusConfig(
+            seed=1, num_tool_call=6000, num_code=1000, num_math=1500, num_prose=1500
+        )
+    )
 
     def __post_init__(self) -> None:
         if self.block_size < 2:
@@ -114,14 +117,16 @@ def turn_prompts(convo: dict, tokenizer) -> list[list[int]]:
     prompts = []
     for j, message in enumerate(convo["messages"]):
         if message["role"] == "assistant":
-            text = tokenizer_mod.render(convo["messages"][:j], convo["tools"],
-                                        add_generation_prompt=True)
+            text = tokenizer_mod.render(
+                convo["messages"][:j], convo["tools"], add_generation_prompt=True
+            )
             prompts.append(tokenizer(text, add_special_tokens=False)["input_ids"])
     return prompts
 
 
-def regenerate(engine, prompts: list[tuple[list[int], str]], max_tokens: int,
-               label: str) -> list[Sample]:
+def regenerate(
+    engine, prompts: list[tuple[list[int], str]], max_tokens: int, label: str
+) -> list[Sample]:
     """The target's greedy answers to ``prompts`` (ids, kind), decoded together by ``engine``."""
     from rich.progress import Progress
 
@@ -137,11 +142,16 @@ def regenerate(engine, prompts: list[tuple[list[int], str]], max_tokens: int,
     return [Sample(ids + list(req.output_ids), len(ids), kind) for req, ids, kind in requests]
 
 
-def build_samples(target: Qwen3Model, tokenizer, cfg: DrafterTrainConfig,
-                  cache_path: Path) -> tuple[list[Sample], list[Sample]]:
+def build_samples(
+    target: Qwen3Model, tokenizer, cfg: DrafterTrainConfig, cache_path: Path
+) -> tuple[list[Sample], list[Sample]]:
     """Train and validation sequences, regenerated once and cached in ``cache_path``."""
-    settings = {"corpus": asdict(cfg.corpus), "max_response_tokens": cfg.max_response_tokens,
-                "max_seq_len": cfg.max_seq_len, "num_val_per_kind": cfg.num_val_per_kind}
+    settings = {
+        "corpus": asdict(cfg.corpus),
+        "max_response_tokens": cfg.max_response_tokens,
+        "max_seq_len": cfg.max_seq_len,
+        "num_val_per_kind": cfg.num_val_per_kind,
+    }
     if cache_path.exists():
         cached = json.loads(cache_path.read_text(encoding="utf-8"))
         if cached.get("settings") == settings:
@@ -149,17 +159,32 @@ def build_samples(target: Qwen3Model, tokenizer, cfg: DrafterTrainConfig,
     from agentflash.engine.engine import Engine, EngineConfig
 
     train_convos, val_convos = split_corpus(corpus_mod.generate(cfg.corpus), cfg.num_val_per_kind)
-    engine = Engine(target, tokenizer, EngineConfig(device=cfg.device, max_running=cfg.regen_batch,
-                                                    max_len=cfg.max_seq_len))
+    engine = Engine(
+        target,
+        tokenizer,
+        EngineConfig(device=cfg.device, max_running=cfg.regen_batch, max_len=cfg.max_seq_len),
+    )
     limit = engine.scheduler.cfg.max_len - cfg.max_response_tokens  # room left for the answer
     splits = []
     for label, convos in (("train", train_convos), ("val", val_convos)):
-        prompts = [(ids, c["kind"]) for c in convos for ids in turn_prompts(c, tokenizer)
-                   if len(ids) <= limit]
+        prompts = [
+            (ids, c["kind"])
+            for c in convos
+            for ids in turn_prompts(c, tokenizer)
+            if len(ids) <= limit
+        ]
         samples = regenerate(engine, prompts, cfg.max_response_tokens, label)
         splits.append([s for s in samples if s.num_response >= 2])
-    cache_path.write_text(json.dumps({"settings": settings, "train": [asdict(s) for s in splits[0]],
-                                      "val": [asdict(s) for s in splits[1]]}), encoding="utf-8")
+    cache_path.write_text(
+        json.dumps(
+            {
+                "settings": settings,
+                "train": [asdict(s) for s in splits[0]],
+                "val": [asdict(s) for s in splits[1]],
+            }
+        ),
+        encoding="utf-8",
+    )
     return splits[0], splits[1]
 
 
@@ -174,8 +199,9 @@ class _NoCache:
 
 
 @torch.no_grad()
-def target_hidden(target: Qwen3Model, sequences: list[list[int]],
-                  layer_ids: tuple[int, ...]) -> torch.Tensor:
+def target_hidden(
+    target: Qwen3Model, sequences: list[list[int]], layer_ids: tuple[int, ...]
+) -> torch.Tensor:
     """Captured target layers [B, S, K*H] of right-padded ``sequences`` (causal, so the padding
     does not reach the real positions)."""
     device = next(target.parameters()).device
@@ -199,8 +225,9 @@ class Blocks:
     anchors: torch.Tensor  # [B, N]: a block sees the context positions before its anchor
 
 
-def make_blocks(samples: list[Sample], block_size: int, num_anchors: int, mask_token_id: int,
-                rng: random.Random) -> Blocks:
+def make_blocks(
+    samples: list[Sample], block_size: int, num_anchors: int, mask_token_id: int, rng: random.Random
+) -> Blocks:
     """Sample anchors in every response and build its blocks."""
     chosen = []
     for s in samples:
@@ -226,8 +253,9 @@ def slot_weights(block_size: int, gamma: float) -> torch.Tensor:
     return torch.exp(-torch.arange(block_size - 1, dtype=torch.float32) / gamma)
 
 
-def block_loss(drafter: DFlashDrafter, target: Qwen3Model, hidden: torch.Tensor, blocks: Blocks,
-               gamma: float) -> tuple[torch.Tensor, float]:
+def block_loss(
+    drafter: DFlashDrafter, target: Qwen3Model, hidden: torch.Tensor, blocks: Blocks, gamma: float
+) -> tuple[torch.Tensor, float]:
     """Weighted cross-entropy of all blocks, and the accuracy of slot 1."""
     device = hidden.device
     ids, positions = blocks.ids.to(device), blocks.positions.to(device)
@@ -239,8 +267,9 @@ def block_loss(drafter: DFlashDrafter, target: Qwen3Model, hidden: torch.Tensor,
     visible = torch.arange(s, device=device)[None, None] < anchors[..., None]  # [B, N, S]
     out = drafter(embeds, positions, context, visible)  # [B, N, T, H]
     logits = target.logits(out[:, :, 1:])  # [B, N, T-1, V]
-    ce = F.cross_entropy(logits.flatten(0, 2), labels.flatten(), ignore_index=IGNORE,
-                         reduction="none").view_as(labels)
+    ce = F.cross_entropy(
+        logits.flatten(0, 2), labels.flatten(), ignore_index=IGNORE, reduction="none"
+    ).view_as(labels)
     valid = (labels != IGNORE).float()
     weights = slot_weights(ids.shape[-1], gamma).to(device) * valid
     loss = (ce * weights).sum() / weights.sum()
@@ -253,8 +282,13 @@ def block_loss(drafter: DFlashDrafter, target: Qwen3Model, hidden: torch.Tensor,
 
 
 @torch.no_grad()
-def validation_tau(drafter: DFlashDrafter, target: Qwen3Model, samples: list[Sample],
-                   block_size: int | None = None, batch: int = 8) -> dict[str, float]:
+def validation_tau(
+    drafter: DFlashDrafter,
+    target: Qwen3Model,
+    samples: list[Sample],
+    block_size: int | None = None,
+    batch: int = 8,
+) -> dict[str, float]:
     """Mean tokens committed per target forward when decoding ``samples`` with DFlash, greedy.
 
     Each sample's answer is the target's greedy output, so verifying a block is comparing it with
@@ -285,14 +319,17 @@ def _simulate(drafter, target, chunk: list[Sample], hidden: torch.Tensor, size: 
     active = [i for i, s in enumerate(chunk) if pos[i] < len(s.ids) - 1]
     while active:
         last = torch.tensor([chunk[i].ids[pos[i]] for i in active], device=hidden.device)
-        drafts = draft_block(drafter, target.embed, target.logits, last,
-                             [contexts[i] for i in active], size).tolist()
+        drafts = draft_block(
+            drafter, target.embed, target.logits, last, [contexts[i] for i in active], size
+        ).tolist()
         new_hidden = []
         for draft, i in zip(drafts, active, strict=True):
             seq, p = chunk[i].ids, pos[i]
             truth = seq[p + 1 : p + size]
-            accepted = next((k for k, (d, y) in enumerate(zip(draft, truth, strict=False))
-                             if d != y), len(truth))
+            accepted = next(
+                (k for k, (d, y) in enumerate(zip(draft, truth, strict=False)) if d != y),
+                len(truth),
+            )
             produced = min(accepted + 1, len(seq) - 1 - p)
             yield chunk[i].kind, produced
             new_hidden.append(hidden[i, p : p + produced])
@@ -304,18 +341,28 @@ def _simulate(drafter, target, chunk: list[Sample], hidden: torch.Tensor, size: 
 # --- the run ---------------------------------------------------------------------------------
 
 
-def drafter_config(target: Qwen3Model, cfg: DrafterTrainConfig,
-                   mask_token_id: int) -> DrafterConfig:
+def drafter_config(
+    target: Qwen3Model, cfg: DrafterTrainConfig, mask_token_id: int
+) -> DrafterConfig:
     """A drafter as wide as the target (it shares its embeddings and lm_head)."""
     t = target.cfg
     layer_ids = cfg.target_layer_ids or default_target_layer_ids(t.num_layers, cfg.num_layers)
     return DrafterConfig(
-        hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
-        num_layers=cfg.num_layers, num_heads=t.num_heads, num_kv_heads=t.num_kv_heads,
-        head_dim=t.head_dim, rope_theta=t.rope_theta, rms_norm_eps=t.rms_norm_eps,
-        block_size=cfg.block_size, mask_token_id=mask_token_id, target_layer_ids=layer_ids,
-        num_target_layers=t.num_layers, vocab_size=t.vocab_size,
-        max_position_embeddings=t.max_position_embeddings)
+        hidden_size=t.hidden_size,
+        intermediate_size=t.intermediate_size,
+        num_layers=cfg.num_layers,
+        num_heads=t.num_heads,
+        num_kv_heads=t.num_kv_heads,
+        head_dim=t.head_dim,
+        rope_theta=t.rope_theta,
+        rms_norm_eps=t.rms_norm_eps,
+        block_size=cfg.block_size,
+        mask_token_id=mask_token_id,
+        target_layer_ids=layer_ids,
+        num_target_layers=t.num_layers,
+        vocab_size=t.vocab_size,
+        max_position_embeddings=t.max_position_embeddings,
+    )
 
 
 def choose_mask_token(tokenizer, vocab_size: int, override: int | None) -> int:
@@ -328,8 +375,10 @@ def choose_mask_token(tokenizer, vocab_size: int, override: int | None) -> int:
         return mask
     if len(tokenizer) < vocab_size:
         return len(tokenizer)
-    raise UserError("the target's tokenizer has no <|mask|> token and no unused embedding row; "
-                    "set mask_token_id")
+    raise UserError(
+        "the target's tokenizer has no <|mask|> token and no unused embedding row; "
+        "set mask_token_id"
+    )
 
 
 def new_drafter(cfg: DrafterConfig, seed: int) -> DFlashDrafter:
@@ -360,8 +409,9 @@ def batch_indices(step: int, cfg: DrafterTrainConfig, num_samples: int) -> list[
     return out
 
 
-def train_drafter(target_dir: str | Path, out_dir: str | Path,
-                  cfg: DrafterTrainConfig = DrafterTrainConfig()) -> Path:
+def train_drafter(
+    target_dir: str | Path, out_dir: str | Path, cfg: DrafterTrainConfig = DrafterTrainConfig()
+) -> Path:
     """Train a drafter for the target in ``target_dir`` (or ``demo``) and save it in ``out_dir``.
 
     Resumes from ``out_dir/checkpoints/latest.pt`` when present. Returns ``out_dir``, which then
@@ -383,28 +433,45 @@ def train_drafter(target_dir: str | Path, out_dir: str | Path,
     if not train:
         raise UserError(f"{out_dir}: no training sequences (every answer had under 2 tokens)")
     drafter = new_drafter(dcfg, cfg.seed).to(cfg.device).train()
-    opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, betas=(0.9, 0.95),
-                            weight_decay=cfg.weight_decay)
+    opt = torch.optim.AdamW(
+        drafter.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay
+    )
     ckpt_dir = out_dir / "checkpoints"
     start = _resume(ckpt_dir, drafter, opt, dcfg)
     num_params = sum(p.numel() for p in drafter.parameters())
-    print(f"drafter: {num_params / 1e6:.2f}M parameters, {dcfg.num_layers} layers reading target "
-          f"layers {list(dcfg.target_layer_ids)}; {len(train)} train / {len(val)} val sequences; "
-          f"steps {start}..{cfg.steps}")
+    print(
+        f"drafter: {num_params / 1e6:.2f}M parameters, {dcfg.num_layers} layers reading target "
+        f"layers {list(dcfg.target_layer_ids)}; {len(train)} train / {len(val)} val sequences; "
+        f"steps {start}..{cfg.steps}"
+    )
     log = (out_dir / "train_log.jsonl").open("a", encoding="utf-8")
-    columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[info]}"),
-               TimeRemainingColumn())
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.fields[info]}"),
+        TimeRemainingColumn(),
+    )
     t0, taus = time.time(), {}
     with Progress(*columns) as progress:
         task = progress.add_task("drafter", total=cfg.steps, completed=start, info="")
         for step in range(start, cfg.steps):
             loss, acc = _train_step(drafter, target, opt, train, step, cfg)
             tok_s = (step + 1 - start) * cfg.batch_size / (time.time() - t0)
-            log.write(json.dumps({"step": step + 1, "loss": round(loss, 4), "acc1": round(acc, 4),
-                                  "lr": lr_at(step, cfg)}) + "\n")
+            log.write(
+                json.dumps(
+                    {
+                        "step": step + 1,
+                        "loss": round(loss, 4),
+                        "acc1": round(acc, 4),
+                        "lr": lr_at(step, cfg),
+                    }
+                )
+                + "\n"
+            )
             log.flush()
-            progress.update(task, advance=1, info=f"loss {loss:.3f}  acc@1 {acc:.2f}  "
-                                                  f"{tok_s:.1f} seq/s")
+            progress.update(
+                task, advance=1, info=f"loss {loss:.3f}  acc@1 {acc:.2f}  {tok_s:.1f} seq/s"
+            )
             if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
                 _save_checkpoint(ckpt_dir, step + 1, drafter, opt, dcfg)
             if val and ((step + 1) % cfg.val_every == 0 or step + 1 == cfg.steps):
@@ -416,14 +483,20 @@ def train_drafter(target_dir: str | Path, out_dir: str | Path,
         taus = validation_tau(drafter, target, val)
     log.close()
     save_drafter(drafter.eval(), out_dir)
-    summary = {"drafter": asdict(cfg), "params": num_params, "val_tau": _rounded(taus),
-               "train_seconds": round(time.time() - t0, 1), "mask_token_id": mask_id}
+    summary = {
+        "drafter": asdict(cfg),
+        "params": num_params,
+        "val_tau": _rounded(taus),
+        "train_seconds": round(time.time() - t0, 1),
+        "mask_token_id": mask_id,
+    }
     (out_dir / "train_drafter.json").write_text(json.dumps(summary, indent=2) + "\n")
     return out_dir
 
 
-def _train_step(drafter, target, opt, train: list[Sample], step: int,
-                cfg: DrafterTrainConfig) -> tuple[float, float]:
+def _train_step(
+    drafter, target, opt, train: list[Sample], step: int, cfg: DrafterTrainConfig
+) -> tuple[float, float]:
     samples = [train[i] for i in batch_indices(step, cfg, len(train))]
     rng = random.Random(cfg.seed * 1_000_003 + step)
     blocks = make_blocks(samples, cfg.block_size, cfg.num_anchors, drafter.cfg.mask_token_id, rng)
@@ -448,8 +521,12 @@ def _format_taus(taus: dict[str, float]) -> str:
 
 def _save_checkpoint(ckpt_dir: Path, step: int, drafter, opt, dcfg: DrafterConfig) -> None:
     ckpt_dir.mkdir(parents=True, exist_ok=True)
-    state = {"step": step, "drafter": drafter.state_dict(), "opt": opt.state_dict(),
-             "drafter_config": asdict(dcfg)}
+    state = {
+        "step": step,
+        "drafter": drafter.state_dict(),
+        "opt": opt.state_dict(),
+        "drafter_config": asdict(dcfg),
+    }
     tmp = ckpt_dir / "latest.pt.tmp"
     torch.save(state, tmp)
     tmp.replace(ckpt_dir / "latest.pt")
@@ -461,8 +538,10 @@ def _resume(ckpt_dir: Path, drafter, opt, dcfg: DrafterConfig) -> int:
         return 0
     state: dict[str, Any] = torch.load(path, weights_only=False)
     if state["drafter_config"] != asdict(dcfg):
-        raise UserError(f"{path}: checkpoint is of a different drafter "
-                        f"({state['drafter_config']}); use another --out or delete it")
+        raise UserError(
+            f"{path}: checkpoint is of a different drafter "
+            f"({state['drafter_config']}); use another --out or delete it"
+        )
     drafter.load_state_dict(state["drafter"])
     opt.load_state_dict(state["opt"])
     return int(state["step"])
