@@ -187,6 +187,32 @@ def test_a_rerun_resumes_without_regenerating(run, tiny_model_dir):
             train_drafter(tiny_model_dir, run, tiny_config(steps=40, num_layers=2))
 
 
+def test_cached_answers_of_another_target_are_regenerated(run, tiny_model_dir):
+    from agentflash.models.loading import load_tokenizer
+    from agentflash.models.qwen3 import Qwen3Model
+
+    target, _, _ = load_model(tiny_model_dir)
+    other = Qwen3Model(target.cfg).eval()  # same shape, other weights
+    calls = []
+
+    def fake_regenerate(engine, prompts, max_tokens, label):
+        calls.append(label)
+        return []
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(corpus_mod, "generate", lambda cfg: conversations(3))
+        mp.setattr(train_mod, "regenerate", fake_regenerate)
+        cache = run / "responses.json"
+        kept = cache.read_text()
+        try:
+            train_mod.build_samples(target, load_tokenizer(tiny_model_dir), tiny_config(), cache)
+            assert calls == []
+            train_mod.build_samples(other, load_tokenizer(tiny_model_dir), tiny_config(), cache)
+            assert calls == ["train", "val"]
+        finally:
+            cache.write_text(kept)
+
+
 def test_validation_tau_is_what_draft_and_verify_decoding_achieves(run, tiny_model_dir):
     # Decode with the target verifying every block (full forwards, no cache) and compare with
     # plain greedy decoding and with validation_tau's count of the same sequence.

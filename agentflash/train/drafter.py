@@ -142,11 +142,18 @@ def regenerate(
     return [Sample(ids + list(req.output_ids), len(ids), kind) for req, ids, kind in requests]
 
 
+def target_fingerprint(target: Qwen3Model) -> list[float]:
+    """A few sums of the target's weights: cached answers of another target are not reused."""
+    tensors = (target.model.embed_tokens.weight, target.model.norm.weight, target.lm_head.weight)
+    return [round(float(t.detach().double().sum()), 6) for t in tensors]
+
+
 def build_samples(
     target: Qwen3Model, tokenizer, cfg: DrafterTrainConfig, cache_path: Path
 ) -> tuple[list[Sample], list[Sample]]:
     """Train and validation sequences, regenerated once and cached in ``cache_path``."""
     settings = {
+        "target": target_fingerprint(target),
         "corpus": asdict(cfg.corpus),
         "max_response_tokens": cfg.max_response_tokens,
         "max_seq_len": cfg.max_seq_len,
