@@ -463,7 +463,7 @@ def train_drafter(
         task = progress.add_task("drafter", total=cfg.steps, completed=start, info="")
         for step in range(start, cfg.steps):
             loss, acc = _train_step(drafter, target, opt, train, step, cfg)
-            tok_s = (step + 1 - start) * cfg.batch_size / (time.time() - t0)
+            seq_s = (step + 1 - start) * cfg.batch_size / (time.time() - t0)
             log.write(
                 json.dumps(
                     {
@@ -477,7 +477,7 @@ def train_drafter(
             )
             log.flush()
             progress.update(
-                task, advance=1, info=f"loss {loss:.3f}  acc@1 {acc:.2f}  {tok_s:.1f} seq/s"
+                task, advance=1, info=f"loss {loss:.3f}  acc@1 {acc:.2f}  {seq_s:.1f} seq/s"
             )
             if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
                 _save_checkpoint(ckpt_dir, step + 1, drafter, opt, dcfg)
