@@ -154,6 +154,34 @@ def train_target(
     run(out, TargetTrainConfig(steps=steps))
 
 
+@train_app.command("drafter")
+def train_drafter(
+    target: Annotated[Path, typer.Option(help="the target's Hugging Face directory")],
+    out: Annotated[Path, typer.Option(help="output directory (resumes if it holds checkpoints)")],
+    steps: Annotated[int, typer.Option()] = 1000,
+    num_layers: Annotated[int, typer.Option("--num-layers")] = 2,
+    block_size: Annotated[int, typer.Option("--block-size")] = 16,
+    num_anchors: Annotated[int, typer.Option("--num-anchors", help="blocks per sequence")] = 64,
+    num_conversations: Annotated[int, typer.Option(
+        "--num-conversations", help="corpus prompts the target answers for training")] = 2500,
+) -> None:
+    """Train a DFlash drafter on the target's own answers (SpecForge recipe)."""
+    from agentflash.train.corpus import CorpusConfig
+    from agentflash.train.drafter import DrafterTrainConfig
+    from agentflash.train.drafter import train_drafter as run
+
+    n = num_conversations
+    corpus = CorpusConfig(seed=1, num_tool_call=n * 6 // 10, num_code=n * 12 // 100,
+                          num_math=n * 16 // 100, num_prose=n * 12 // 100)
+    try:
+        cfg = DrafterTrainConfig(num_layers=num_layers, block_size=block_size, steps=steps,
+                                 num_anchors=num_anchors, max_response_tokens=256,
+                                 num_val_per_kind=8, corpus=corpus)
+        run(target, out, cfg)
+    except (UserError, ValueError) as err:
+        fail(str(err))
+
+
 def main() -> None:
     try:
         app()
