@@ -1,0 +1,193 @@
+"""The one seam between the agent runtime and whatever writes the model's replies.
+
+A ``Backend`` takes a ``ModelRequest`` (OpenAI-format messages and tools, a tool choice, an
+optional output schema and decoding settings) and streams normalised ``ModelEvent``s: prose,
+tool-call argument deltas as they are written, each complete tool call the moment it closes, and
+one ``ModelFinish`` with the engine's stats. The runner never sees a backend's wire format.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from agentflash.errors import UserError
+
+
+class Speculation(str, enum.Enum):
+    """How a generation may use DFlash block speculation."""
+
+    AUTO = "auto"  # the router picks per segment
+    DFLASH = "dflash"  # speculate on every segment
+    OFF = "off"  # plain decoding
+
+
+@dataclass(frozen=True)
+class Decoding:
+    """How an agent's replies are decoded. Checked when built; a bad value names its field."""
+
+    speculation: Speculation = Speculation.AUTO
+    block_size: int = 16  # tokens per DFlash block (the last committed one plus B-1 drafts)
+    temperature: float = 0.0  # 0 means greedy
+    max_tokens: int = 512  # per model turn
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "speculation", Speculation(self.speculation))
+        except ValueError:
+            raise UserError(f"decoding.speculation must be auto, dflash or off, "
+                            f"got {self.speculation!r}") from None
+        if not _is_int(self.block_size) or not 2 <= self.block_size <= 64:
+            raise UserError(f"decoding.block_size must be an integer in [2, 64], "
+                            f"got {self.block_size!r}")
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
+                or not 0.0 <= self.temperature <= 10.0:
+            raise UserError(f"decoding.temperature must be in [0, 10], got {self.temperature!r}")
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise UserError(f"decoding.max_tokens must be a positive integer, "
+                            f"got {self.max_tokens!r}")
+        if self.seed is not None and not _is_int(self.seed):
+            raise UserError(f"decoding.seed must be an integer, got {self.seed!r}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+class ToolChoice(str, enum.Enum):
+    """Whether the model may, must or must not call tools on a turn."""
+
+    AUTO = "auto"
+    REQUIRED = "required"
+    NONE = "none"
+
+
+@dataclass(frozen=True)
+class ForceTool:
+    """The model must call this one tool."""
+
+    name: str
+
+
+ToolChoiceSpec = ToolChoice | ForceTool
+
+
+@dataclass(frozen=True)
+class ModelRequest:
+    """One model turn, as every backend receives it."""
+
+    messages: list[dict[str, Any]]  # OpenAI chat format, the system message first
+    tools: list[dict[str, Any]] = field(default_factory=list)  # OpenAI tools list
+    tool_choice: ToolChoiceSpec = ToolChoice.AUTO
+    output_schema: dict[str, Any] | None = None  # the final answer's JSON Schema, if structured
+    decoding: Decoding = field(default_factory=Decoding)
+
+
+# --- events -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    """Prose the model wrote outside tool calls."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class ToolCallDelta:
+    """Part of a tool call's ``arguments`` JSON, as written. The deltas of one call concatenate
+    to its arguments text; the first delta of a call may be empty (its name is then known)."""
+
+    index: int  # position of the call within this turn
+    name: str
+    arguments_delta: str
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """A complete, well-formed tool call."""
+
+    id: str
+    name: str
+    arguments: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class MalformedToolCall:
+    """A closed tool-call block that does not parse; the error goes back to the model."""
+
+    id: str
+    body: str
+    error: str
+
+
+@dataclass(frozen=True)
+class ToolCallReady:
+    """A tool call closed: the runner may dispatch it while the model keeps writing."""
+
+    index: int
+    call: ToolCall | MalformedToolCall
+
+
+@dataclass(frozen=True)
+class ModelFinish:
+    """The turn is over. ``stats`` is the engine's dict (mode, tau, target_forwards,
+    draft_forwards, segments, new_tokens, wall_s, tokens_per_s...)."""
+
+    finish_reason: str  # stop | length | cancelled
+    stats: dict[str, Any]
+
+
+ModelEvent = TextDelta | ToolCallDelta | ToolCallReady | ModelFinish
+
+
+# --- the seam -----------------------------------------------------------------------------------
+
+
+class Backend(abc.ABC):
+    """Writes model turns. Use as ``async with backend:``; one open backend serves any number of
+    concurrent agents and runs."""
+
+    model_name: str = "model"  # shown in traces (``gen_ai.request.model``)
+
+    @abc.abstractmethod
+    def stream(self, request: ModelRequest) -> AsyncIterator[ModelEvent]:
+        """The events of one turn, ending with exactly one ``ModelFinish``. Leaving the
+        iteration early (or being cancelled) stops the generation."""
+
+    async def __aenter__(self) -> Backend:
+        return self
+
+    async def __aexit__(self, *exc: object) -> bool | None:
+        return None
+
+
+class BackendKind(str, enum.Enum):
+    """Where a workflow's model runs; each kind is the module ``agentflash.backends.<kind>``."""
+
+    LOCAL = "local"
+    OPENAI = "openai"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The ``model:`` section of a workflow: which backend and which weights."""
+
+    backend: BackendKind = BackendKind.LOCAL
+    path: str = "demo"  # demo | a Hugging Face model directory
+    drafter: str = "demo"  # demo | a DFlash drafter directory | none
+    base_url: str | None = None  # remote backends
+    model: str | None = None  # remote backends: the served model's name
+    api_key_env: str | None = None  # remote backends: the variable that holds the key
+    base_dir: Path | None = None  # relative paths are resolved against it (the workflow's folder)
+
+    def resolve(self, path: str) -> str:
+        """``path`` made absolute against ``base_dir``, unless it is a name like ``demo``."""
+        if path in ("demo", "none") or self.base_dir is None or Path(path).is_absolute():
+            return path
+        return str(self.base_dir / path)

@@ -1,0 +1,301 @@
+"""The embedded engine as a backend: one shared ``AsyncEngine``, the Hermes text stream parsed
+into model events as it is decoded.
+
+Every agent and run that is handed the same open ``LocalBackend`` shares one engine, so their
+requests are batched together step by step. The weights of a model directory are loaded once per
+process; each open backend owns its own engine (KV cache and scheduler) around them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+import threading
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from agentflash.backends.base import (
+    Backend,
+    Decoding,
+    MalformedToolCall,
+    ModelEvent,
+    ModelFinish,
+    ModelRequest,
+    ModelSpec,
+    Speculation,
+    TextDelta,
+    ToolCall,
+    ToolCallDelta,
+    ToolCallReady,
+    ToolChoice,
+)
+from agentflash.errors import UserError
+from agentflash.tool_format import CLOSE, OPEN
+
+# ``{"name": "<name>", "arguments": `` at the start of a call body: from here on the arguments
+# can be streamed as they are written.
+_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of ``tag``."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
+
+
+class _OpenCall:
+    """The body of one ``<tool_call>`` being written, and how much of its arguments was sent."""
+
+    def __init__(self, index: int):
+        self.index = index
+        self.body = ""
+        self.name: str | None = None
+        self.args_start = 0  # where the arguments value begins in ``body``
+        self.args_end: int | None = None  # one past its end, once the value closed
+        self.sent = 0  # characters of the arguments handed out
+        self._pos = 0  # scanner position in ``body``
+        self._depth = 0
+        self._in_string = self._escaped = False
+
+    def extend(self, text: str) -> list[ModelEvent]:
+        self.body += text
+        events: list[ModelEvent] = []
+        if self.name is None:
+            if not self._read_head():
+                return events
+            events.append(ToolCallDelta(self.index, self.name, ""))
+        self._scan()
+        if self.args_end is not None:
+            limit = self.args_end
+        else:  # only the inside of an object or array is known to be arguments text
+            limit = self._pos if self._depth > 0 else self.args_start + self.sent
+        chunk = self.body[self.args_start + self.sent : limit]
+        if chunk:
+            self.sent += len(chunk)
+            events.append(ToolCallDelta(self.index, self.name, chunk))
+        return events
+
+    def _read_head(self) -> bool:
+        match = _HEAD.match(self.body)
+        if match is None or match.end() == len(self.body):  # wait for the value's first character
+            return False
+        try:
+            self.name = json.loads(f'"{match.group(1)}"')
+        except json.JSONDecodeError:
+            return False
+        self.args_start = self._pos = match.end()
+        return True
+
+    def _scan(self) -> None:
+        """Advance over the arguments value, noting where it ends (strings are skipped)."""
+        body = self.body
+        while self._pos < len(body) and self.args_end is None:
+            c = body[self._pos]
+            self._pos += 1
+            if self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif c == "\\":
+                    self._escaped = True
+                elif c == '"':
+                    self._in_string = False
+            elif c == '"':
+                self._in_string = True
+            elif c in "{[":
+                self._depth += 1
+            elif c in "}]":
+                self._depth -= 1
+                if self._depth == 0:
+                    self.args_end = self._pos
+
+    def finish(self, call_id: str) -> list[ModelEvent]:
+        """The call closed: its last argument delta and the parsed call (or why it is malformed)."""
+        events: list[ModelEvent] = []
+        body = self.body.strip()
+        try:
+            obj = json.loads(body)
+        except json.JSONDecodeError as err:
+            bad = MalformedToolCall(call_id, body, f"invalid JSON: {err.msg}")
+            return [ToolCallReady(self.index, bad)]
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            error = 'expected an object with a string "name"'
+            return [ToolCallReady(self.index, MalformedToolCall(call_id, body, error))]
+        args = obj.get("arguments", {})
+        if not isinstance(args, dict):
+            error = '"arguments" must be an object'
+            return [ToolCallReady(self.index, MalformedToolCall(call_id, body, error))]
+        if self.name is None:  # written in another key order: nothing was streamed
+            events.append(ToolCallDelta(self.index, obj["name"], json.dumps(args)))
+        elif self.args_end is not None and self.args_start + self.sent < self.args_end:
+            rest = self.body[self.args_start + self.sent : self.args_end]
+            events.append(ToolCallDelta(self.index, self.name, rest))
+        events.append(ToolCallReady(self.index, ToolCall(call_id, obj["name"], args)))
+        return events
+
+
+class HermesStreamParser:
+    """Turns a Hermes-format reply, fed in chunks of any size, into model events: prose outside
+    ``<tool_call>`` blocks, argument deltas inside them, and each call as its block closes."""
+
+    def __init__(self, id_prefix: str = "call"):
+        self._ids = (f"{id_prefix}_{n}" for n in itertools.count())
+        self._buf = ""  # text not yet handed out (a tag may be starting at its end)
+        self._call: _OpenCall | None = None
+        self._num_calls = 0
+
+    def feed(self, text: str) -> list[ModelEvent]:
+        self._buf += text
+        events: list[ModelEvent] = []
+        while True:
+            tag = CLOSE if self._call is not None else OPEN
+            at = self._buf.find(tag)
+            if at < 0:
+                cut = len(self._buf) - _partial_suffix(self._buf, tag)
+                events += self._take(self._buf[:cut])
+                self._buf = self._buf[cut:]
+                return events
+            events += self._take(self._buf[:at])
+            self._buf = self._buf[at + len(tag) :]
+            if self._call is None:
+                self._call = _OpenCall(self._num_calls)
+                self._num_calls += 1
+            else:
+                events += self._call.finish(next(self._ids))
+                self._call = None
+
+    def close(self, finish_reason: str) -> list[ModelEvent]:
+        """The reply ended: flush held text; a call still open is malformed."""
+        events = self._take(self._buf)
+        self._buf = ""
+        if self._call is not None:
+            call, self._call = self._call, None
+            error = f"the tool call was not closed with {CLOSE} (generation ended: {finish_reason})"
+            events.append(ToolCallReady(call.index, MalformedToolCall(next(self._ids),
+                                                                      call.body.strip(), error)))
+        return events
+
+    def _take(self, text: str) -> list[ModelEvent]:
+        if not text:
+            return []
+        if self._call is not None:
+            return self._call.extend(text)
+        return [TextDelta(text)]
+
+
+# --- the engine ---------------------------------------------------------------------------------
+
+_weights: dict[str, Any] = {}
+_weights_lock = threading.Lock()
+
+
+def load_weights(model: str) -> tuple[Any, Any, Path]:
+    """The decoder and tokenizer of ``model`` (``demo`` or a directory), loaded once per process."""
+    from agentflash.models.loading import load_model, load_tokenizer, resolve_model_dir
+
+    key = str(resolve_model_dir(model).resolve())
+    with _weights_lock:
+        if key not in _weights:
+            net, _, model_dir = load_model(key)
+            _weights[key] = (net, load_tokenizer(model_dir), model_dir)
+        return _weights[key]
+
+
+def check_drafter(drafter: str) -> str:
+    """``demo``, ``none`` or an existing drafter directory."""
+    if drafter not in ("demo", "none") and not Path(drafter).expanduser().is_dir():
+        raise UserError(f"{drafter}: drafter directory does not exist")
+    return drafter
+
+
+class LocalBackend(Backend):
+    """The embedded engine. ``async with LocalBackend("demo") as backend:`` then hand ``backend``
+    to every run that should share the engine.
+
+    ``model`` is ``demo`` or a Hugging Face model directory; ``drafter`` is ``demo``, ``none`` or
+    a DFlash drafter directory. ``engine`` serves an already built ``Engine`` instead.
+    """
+
+    def __init__(self, model: str | Path = "demo", *, drafter: str = "demo", engine: Any = None):
+        self.model = str(model)
+        self.drafter = check_drafter(drafter)
+        self.model_name = "demo" if self.model == "demo" else Path(self.model).name
+        self._engine = engine
+        self._aengine: Any = None
+
+    @classmethod
+    def from_spec(cls, spec: ModelSpec) -> LocalBackend:
+        return cls(spec.resolve(spec.path), drafter=spec.resolve(spec.drafter))
+
+    async def __aenter__(self) -> LocalBackend:
+        from agentflash.engine.async_engine import AsyncEngine
+        from agentflash.engine.engine import Engine
+
+        assert self._aengine is None, "this LocalBackend is already open"
+        if self._engine is None:
+            net, tokenizer, model_dir = await anyio.to_thread.run_sync(load_weights, self.model)
+            self._engine = Engine(net, tokenizer, model_dir=model_dir)
+        self._aengine = AsyncEngine(self._engine)
+        await self._aengine.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc: object) -> bool | None:
+        aengine, self._aengine = self._aengine, None
+        # The caller's exception, if any, propagates as it is rather than wrapped in a group.
+        await aengine.__aexit__(None, None, None)
+        return None
+
+    async def stream(self, request: ModelRequest) -> AsyncIterator[ModelEvent]:
+        from agentflash.engine.async_engine import FinishEvent
+
+        if self._aengine is None:
+            raise UserError("open the LocalBackend first: "
+                            "`async with LocalBackend(...) as backend:`")
+        parser = HermesStreamParser(f"call_{uuid.uuid4().hex[:8]}")
+        async with aclosing(self._engine_stream(request)) as tokens:
+            async for event in tokens:
+                if isinstance(event, FinishEvent):
+                    result = event.result
+                    for parsed in parser.close(result.finish_reason):
+                        yield parsed
+                    yield ModelFinish(result.finish_reason, result.stats)
+                    return
+                for parsed in parser.feed(event.text):
+                    yield parsed
+        raise AssertionError("the engine stream ended without a FinishEvent")
+
+    def _engine_stream(self, request: ModelRequest) -> AsyncIterator[Any]:
+        """The one place a turn reaches the engine.
+
+        The engine of this version decodes plainly and without a grammar, so this is where
+        ``decoding.speculation``/``block_size`` (for the router and the drafter) and the request's
+        ``tool_choice`` and ``output_schema`` (for the grammar layer) are to be handed over; until
+        then the runner checks every reply against the tool choice and the output schema and
+        reports a violation as an error. Under ``tool_choice: none`` the tools are not shown.
+        """
+        if request.decoding.speculation is Speculation.DFLASH:
+            raise UserError("decoding.speculation 'dflash' is not available: the embedded engine "
+                            "of this version decodes plainly (use auto or off)")
+        tools = [] if request.tool_choice is ToolChoice.NONE else request.tools
+        prompt_ids = self._engine.chat_prompt(request.messages, tools)
+        return self._aengine.stream(prompt_ids, sampling_params(request.decoding))
+
+
+def sampling_params(decoding: Decoding) -> Any:
+    """The engine's sampling parameters for an agent's decoding settings."""
+    from agentflash.engine.request import SamplingParams
+
+    return SamplingParams(max_tokens=decoding.max_tokens, temperature=decoding.temperature,
+                          seed=decoding.seed)
+
+
+def from_spec(spec: ModelSpec) -> Backend:
+    """The backend a workflow's ``model:`` section names (``backend: local``)."""
+    return LocalBackend.from_spec(spec)

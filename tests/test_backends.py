@@ -1,0 +1,189 @@
+"""The backend seam: the incremental Hermes parser, the scripted backend, the embedded engine."""
+
+import json
+
+import anyio
+import pytest
+
+from agentflash.backends import create_backend, is_available
+from agentflash.backends.base import (
+    BackendKind,
+    Decoding,
+    MalformedToolCall,
+    ModelFinish,
+    ModelRequest,
+    ModelSpec,
+    Speculation,
+    TextDelta,
+    ToolCall,
+    ToolCallDelta,
+    ToolCallReady,
+    ToolChoice,
+)
+from agentflash.backends.local import HermesStreamParser, LocalBackend
+from agentflash.backends.scripted import ScriptedBackend, ScriptedTurn, tool_call_text
+from agentflash.errors import UserError
+
+REPLY = ('Checking both.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", '
+         '"note": "a } and a \\" inside", "days": [1, {"x": 2}]}}\n</tool_call>\n'
+         '<tool_call>\n{"name": "book_hotel", "arguments": {"guests": 2}}\n</tool_call> Done.')
+
+
+def parse(text: str, chunk: int) -> list:
+    parser = HermesStreamParser("c")
+    events = []
+    for i in range(0, len(text), chunk):
+        events += parser.feed(text[i : i + chunk])
+    return events + parser.close("stop")
+
+
+def summary(events: list) -> tuple:
+    text = "".join(e.text for e in events if isinstance(e, TextDelta))
+    args: dict[int, str] = {}
+    for e in events:
+        if isinstance(e, ToolCallDelta):
+            args[e.index] = args.get(e.index, "") + e.arguments_delta
+    calls = [e.call for e in events if isinstance(e, ToolCallReady)]
+    return text, args, calls
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3, 5, 7, 11, 64, 1000])
+def test_parser_gives_the_same_events_whatever_the_chunking(chunk):
+    text, args, calls = summary(parse(REPLY, chunk))
+    assert text == "Checking both.\n\n Done."
+    assert args == {0: '{"city": "Oslo", "note": "a } and a \\" inside", "days": [1, {"x": 2}]}',
+                    1: '{"guests": 2}'}
+    assert [json.loads(a) for a in args.values()] == [c.arguments for c in calls]
+    assert calls == [ToolCall("c_0", "get_weather", {"city": "Oslo", "note": 'a } and a " inside',
+                                                     "days": [1, {"x": 2}]}),
+                     ToolCall("c_1", "book_hotel", {"guests": 2})]
+
+
+def test_parser_streams_arguments_before_the_call_closes():
+    parser = HermesStreamParser()
+    events = parser.feed('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Os')
+    assert [e for e in events if isinstance(e, ToolCallDelta)][-1].arguments_delta.endswith('"Os')
+    assert not any(isinstance(e, ToolCallReady) for e in events)
+    events = parser.feed('lo"}}\n</tool_call>')
+    assert isinstance(events[-1], ToolCallReady) and events[-1].call.arguments == {"city": "Oslo"}
+
+
+def test_parser_holds_back_a_partial_tag_and_never_leaks_it_as_text():
+    parser = HermesStreamParser()
+    assert parser.feed("Hello <tool_") == [TextDelta("Hello ")]
+    assert parser.feed("cal") == []
+    events = parser.feed('l>{"name": "f", "arguments": {}}</tool_call>')
+    assert [type(e) for e in events] == [ToolCallDelta, ToolCallDelta, ToolCallReady]
+    assert parser.feed("<tool") == [] and parser.close("stop") == [TextDelta("<tool")]
+
+
+def test_parser_reports_malformed_and_unclosed_calls():
+    events = parse('<tool_call>{"name": "f", "arguments": {"a": 1,}}</tool_call>'
+                   '<tool_call>["f"]</tool_call>'
+                   '<tool_call>{"name": "g", "arguments": 3}</tool_call>'
+                   '<tool_call>{"name": "h", "arguments": {"x"', 4)
+    bad = [e.call for e in events if isinstance(e, ToolCallReady)]
+    assert all(isinstance(c, MalformedToolCall) for c in bad) and len(bad) == 4
+    assert "invalid JSON" in bad[0].error
+    assert 'string "name"' in bad[1].error
+    assert '"arguments" must be an object' in bad[2].error
+    assert "not closed" in bad[3].error and "stop" in bad[3].error
+
+
+def test_parser_handles_arguments_written_before_the_name():
+    events = parse('<tool_call>{"arguments": {"a": 1}, "name": "f"}</tool_call>', 3)
+    _, args, calls = summary(events)
+    assert args == {0: '{"a": 1}'} and calls == [ToolCall("c_0", "f", {"a": 1})]
+
+
+async def collect(backend, request):
+    return [e async for e in backend.stream(request)]
+
+
+def test_scripted_backend_replays_turns_and_records_requests():
+    backend = ScriptedBackend([ScriptedTurn.calls(("f", {"a": 1}), text="Hi. "), "Bye."])
+    request = ModelRequest([{"role": "user", "content": "x"}])
+
+    async def main():
+        first = await collect(backend, request)
+        second = await collect(backend, request)
+        with pytest.raises(UserError, match="no reply left"):
+            await collect(backend, request)
+        return first, second
+
+    first, second = anyio.run(main)
+    assert summary(first)[2] == [ToolCall("call_0_0", "f", {"a": 1})]
+    assert isinstance(first[-1], ModelFinish) and first[-1].finish_reason == "stop"
+    assert summary(second)[0] == "Bye." and len(backend.requests) == 3
+    expected = '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'
+    assert tool_call_text("f", {"a": 1}) == expected
+
+
+def test_decoding_checks_each_field():
+    assert Decoding(speculation="off").speculation is Speculation.OFF
+    for bad, field in [(dict(speculation="fast"), "speculation"),
+                       (dict(block_size=1), "block_size"),
+                       (dict(temperature=-1), "temperature"), (dict(max_tokens=0), "max_tokens"),
+                       (dict(seed="x"), "seed"), (dict(max_tokens=True), "max_tokens")]:
+        with pytest.raises(UserError, match=f"decoding.{field}"):
+            Decoding(**bad)
+
+
+def test_backend_kinds_are_modules_of_the_package(tmp_path):
+    assert is_available(BackendKind.LOCAL)
+    assert isinstance(create_backend(ModelSpec(path=str(tmp_path))), LocalBackend)
+    if not is_available(BackendKind.OPENAI):
+        with pytest.raises(UserError, match="'openai' is not available in this version"):
+            create_backend(ModelSpec(backend=BackendKind.OPENAI))
+    with pytest.raises(UserError, match="drafter directory does not exist"):
+        LocalBackend(tmp_path, drafter=str(tmp_path / "nope"))
+
+
+def test_local_backend_streams_engine_output_as_events(tiny_model_dir):
+    request = ModelRequest([{"role": "system", "content": "You are a helpful assistant."},
+                            {"role": "user", "content": "Use get_weather with city Oslo."}],
+                           decoding=Decoding(max_tokens=6, temperature=0.7, seed=3))
+
+    async def main():
+        async with LocalBackend(tiny_model_dir) as backend:
+            a = await collect(backend, request)
+            b = await collect(backend, request)
+            with pytest.raises(UserError, match="'dflash' is not available"):
+                await collect(backend, ModelRequest(request.messages,
+                                                    decoding=Decoding(speculation="dflash")))
+        return a, b
+
+    a, b = anyio.run(main)
+    finish = a[-1]
+    assert isinstance(finish, ModelFinish) and sum(isinstance(e, ModelFinish) for e in a) == 1
+    assert finish.stats["new_tokens"] <= 6 and finish.stats["mode"] == "plain"
+    assert {"tau", "target_forwards", "draft_forwards", "segments"} <= set(finish.stats)
+    assert summary(a) == summary(b)  # seeded sampling is reproducible through the backend
+
+
+def test_local_backend_needs_opening(tiny_model_dir):
+    async def main():
+        request = ModelRequest([{"role": "user", "content": "x"}])
+        await collect(LocalBackend(tiny_model_dir), request)
+
+    with pytest.raises(UserError, match="open the LocalBackend first"):
+        anyio.run(main)
+
+
+def test_local_backend_hides_tools_under_tool_choice_none(tiny_model_dir):
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+    messages = [{"role": "user", "content": "hi"}]
+    backend = LocalBackend(tiny_model_dir)
+
+    async def prompts():
+        async with backend:
+            engine = backend._engine
+            seen = []
+            original = engine.chat_prompt
+            engine.chat_prompt = lambda m, t: seen.append(t) or original(m, t)
+            for choice in (ToolChoice.AUTO, ToolChoice.NONE):
+                await collect(backend, ModelRequest(messages, tools, choice,
+                                                    decoding=Decoding(max_tokens=2)))
+            return seen
+
+    assert anyio.run(prompts) == [tools, []]
