@@ -1,0 +1,81 @@
+"""Grammar-constrained decoding and verification: sources, compilation, per-request constraints.
+
+    source = json_schema(schema)            # or pydantic_model, regex, lark, assistant_turn(...)
+    grammar = compile_grammar(source, tokenizer, vocab_size=model_vocab)   # cached
+    constraint = grammar.new_constraint()   # one per request
+
+The engine then masks logits with ``constraint.fill_bitmask`` / ``masks_along_draft`` and
+``apply_bitmask_``, cuts drafts with ``validate_draft``, drafts with ``constrained_draft``, and
+commits with ``advance``. See ``constraint.py``.
+"""
+
+from agentflash.grammar.compiler import Backend, cache_info, clear_cache, compile_grammar
+from agentflash.grammar.constraint import (
+    CompiledGrammar,
+    Constraint,
+    Draft,
+    GrammarError,
+    GrammarViolation,
+    allocate_bitmask,
+    allowed_token_ids,
+    apply_bitmask_,
+    bitmask_width,
+    constrained_draft,
+    masks_along_drafts,
+    unpack_bitmask,
+)
+from agentflash.grammar.sources import (
+    GrammarKind,
+    GrammarSource,
+    JsonStyle,
+    ebnf,
+    json_schema,
+    json_schema_file,
+    lark,
+    pydantic_model,
+    regex,
+)
+from agentflash.grammar.tool_calls import (
+    ToolChoice,
+    ToolChoiceMode,
+    ToolSpec,
+    assistant_turn,
+    tool_call_body,
+    tool_call_schema,
+    tool_specs,
+)
+
+__all__ = [
+    "Backend",
+    "CompiledGrammar",
+    "Constraint",
+    "Draft",
+    "GrammarError",
+    "GrammarKind",
+    "GrammarSource",
+    "GrammarViolation",
+    "JsonStyle",
+    "ToolChoice",
+    "ToolChoiceMode",
+    "ToolSpec",
+    "allocate_bitmask",
+    "allowed_token_ids",
+    "apply_bitmask_",
+    "assistant_turn",
+    "bitmask_width",
+    "cache_info",
+    "clear_cache",
+    "compile_grammar",
+    "constrained_draft",
+    "ebnf",
+    "json_schema",
+    "json_schema_file",
+    "lark",
+    "masks_along_drafts",
+    "pydantic_model",
+    "regex",
+    "tool_call_body",
+    "tool_call_schema",
+    "tool_specs",
+    "unpack_bitmask",
+]

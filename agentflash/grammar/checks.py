@@ -1,0 +1,572 @@
+"""Compile-time checks that need no tokenizer: is the schema well formed, can the grammar finish,
+and where in a schema does a backend's error come from.
+
+"Can finish" is productivity: a JSON Schema whose required values recurse without a base case, or
+a Lark rule that only ever expands into itself, accepts no finite output, so constrained decoding
+would run until ``max_tokens``. Both are caught here, naming the field or rule.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from agentflash.grammar.constraint import GrammarError
+
+# --- JSON Schema -----------------------------------------------------------------------------
+
+
+def pointer(parts: list[str | int]) -> str:
+    """A JSON pointer ``#/a/b`` (RFC 6901 escaping) from path parts."""
+    escaped = (str(p).replace("~", "~0").replace("/", "~1") for p in parts)
+    return "#" + "".join("/" + p for p in escaped)
+
+
+def check_schema(schema: Any, origin: str) -> None:
+    """Raise ``GrammarError`` if ``schema`` breaks its meta-schema or can never be finished."""
+    import jsonschema
+
+    if isinstance(schema, dict):
+        cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+        meta = cls(cls.META_SCHEMA)
+        error = jsonschema.exceptions.best_match(meta.iter_errors(schema))
+        if error is not None:
+            where = pointer(list(error.absolute_path))
+            raise GrammarError(f"{origin}: {where}: not a valid JSON Schema: {error.message}")
+    contradiction = _contradictory_bounds(schema)
+    if contradiction is not None:
+        raise GrammarError(f"{origin}: {contradiction[0]}: {contradiction[1]}")
+    unfinished = _unfinishable(schema)
+    if unfinished is not None:
+        where, reason = unfinished
+        raise GrammarError(
+            f"{origin}: {where}: no finite JSON value satisfies this schema: {reason}"
+        )
+
+
+_BOUNDS = (
+    ("minimum", "maximum"),
+    ("exclusiveMinimum", "maximum"),
+    ("minimum", "exclusiveMaximum"),
+    ("exclusiveMinimum", "exclusiveMaximum"),
+    ("minLength", "maxLength"),
+    ("minItems", "maxItems"),
+    ("minProperties", "maxProperties"),
+    ("minContains", "maxContains"),
+)
+
+
+def _contradictory_bounds(schema: Any) -> tuple[str, str] | None:
+    """(pointer, message) of the first subschema whose lower bound exceeds its upper bound.
+
+    Even where the schema stays satisfiable (an optional property that can then never appear),
+    such a pair is a mistake worth reporting rather than silently dropping the field.
+    """
+    for path, node in _subschemas(schema, []):
+        if not isinstance(node, dict):
+            continue
+        for low_key, high_key in _BOUNDS:
+            low, high = node.get(low_key), node.get(high_key)
+            if not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) for v in (low, high)
+            ):
+                continue
+            strict = low_key.startswith("exclusive") or high_key.startswith("exclusive")
+            if low > high or (strict and low == high):
+                return pointer(path), f"{low_key} ({low}) leaves no value under {high_key} ({high})"
+    return None
+
+
+def _resolve(root: Any, ref: str) -> Any:
+    """The subschema a local ``$ref`` points at, or None if it is not a local pointer."""
+    if not ref.startswith("#"):
+        return None
+    node = root
+    for raw in ref[1:].split("/")[1:]:
+        part = raw.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
+
+
+class _Productivity:
+    """Which subschemas admit a finite instance (least fixpoint over ``$ref`` targets)."""
+
+    def __init__(self, root: Any):
+        self.root = root
+        self.known: set[str] = set()  # refs whose target admits a finite instance
+        refs = sorted(set(_local_refs(root)))
+        changed = True
+        while changed:
+            changed = False
+            for ref in refs:
+                target = _resolve(root, ref)
+                if ref not in self.known and (target is None or self.finite(target)):
+                    self.known.add(ref)
+                    changed = True
+
+    def finite(self, node: Any) -> bool:
+        return not list(self.blockers(node))
+
+    def blockers(self, node: Any) -> Iterator[tuple[list[str | int], Any]]:
+        """(relative path, subschema) of each part that keeps ``node`` from a finite instance;
+        a ``$ref`` part yields its ref string as the subschema."""
+        if node is False:
+            yield [], False
+            return
+        if not isinstance(node, dict) or "enum" in node or "const" in node:
+            return
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref not in self.known and _resolve(self.root, ref) is not None:
+            yield ["$ref"], ref
+        for i, sub in enumerate(node.get("allOf", [])):
+            if not self.finite(sub):
+                yield ["allOf", i], sub
+        for key in ("anyOf", "oneOf"):
+            subs = node.get(key)
+            if subs and not any(self.finite(s) for s in subs):
+                yield [key, 0], subs[0]
+        types = node.get("type")
+        types = [types] if isinstance(types, str) else types
+        if types is None or set(types) - {"object", "array"}:
+            return
+        options = []
+        if "object" in types:
+            options.append(list(self._object_blockers(node)))
+        if "array" in types:
+            options.append(list(self._array_blockers(node)))
+        if options and all(options):  # no listed type admits a finite instance
+            yield from options[0]
+
+    def _object_blockers(self, node: dict) -> Iterator[tuple[list[str | int], Any]]:
+        props = node.get("properties", {})
+        for name in node.get("required", []):
+            if name in props:
+                if not self.finite(props[name]):
+                    yield ["properties", name], props[name]
+            elif not self.finite(node.get("additionalProperties", True)):
+                yield ["additionalProperties"], node["additionalProperties"]
+
+    def _array_blockers(self, node: dict) -> Iterator[tuple[list[str | int], Any]]:
+        prefix = node.get("prefixItems", [])
+        for i in range(node.get("minItems", 0)):
+            if i < len(prefix):
+                if not self.finite(prefix[i]):
+                    yield ["prefixItems", i], prefix[i]
+            elif not self.finite(node.get("items", True)):
+                yield ["items"], node["items"]
+                return
+
+
+def _local_refs(node: Any) -> Iterator[str]:
+    if isinstance(node, dict):
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#"):
+            yield ref
+        for value in node.values():
+            yield from _local_refs(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from _local_refs(value)
+
+
+def _unfinishable(schema: Any) -> tuple[str, str] | None:
+    """(pointer of the culprit, why) if no finite instance exists."""
+    prod = _Productivity(schema)
+    if prod.finite(schema):
+        return None
+    path: list[str | int] = []
+    node, seen = schema, set()
+    while True:
+        path_part, sub = next(iter(prod.blockers(node)))
+        if path_part == ["$ref"]:
+            if sub in seen:
+                return pointer(path), (
+                    f"the required value there refers back to {sub} without "
+                    "an alternative that ends the recursion"
+                )
+            seen.add(sub)
+            node = _resolve(schema, sub)
+            path = _ref_path(sub)
+            continue
+        if path_part == []:
+            return pointer(path), "the schema there is false"
+        path, node = path + path_part, sub
+
+
+def _ref_path(ref: str) -> list[str | int]:
+    return [p.replace("~1", "/").replace("~0", "~") for p in ref[1:].split("/")[1:]]
+
+
+_CHILD_KEYS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_CHILD_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
+_CHILD_SINGLE = (
+    "items",
+    "additionalProperties",
+    "not",
+    "if",
+    "then",
+    "else",
+    "contains",
+    "propertyNames",
+    "unevaluatedProperties",
+    "unevaluatedItems",
+)
+
+
+def _children(node: Any) -> Iterator[tuple[list[str | int], Any]]:
+    if not isinstance(node, dict):
+        return
+    for key in _CHILD_KEYS:
+        for name, sub in (node.get(key) or {}).items():
+            yield [key, name], sub
+    for key in _CHILD_LISTS:
+        for i, sub in enumerate(node.get(key) or []):
+            yield [key, i], sub
+    for key in _CHILD_SINGLE:
+        sub = node.get(key)
+        if isinstance(sub, list):  # draft-04 style tuple ``items``
+            for i, item in enumerate(sub):
+                yield [key, i], item
+        elif isinstance(sub, (dict, bool)) and key in node:
+            yield [key], sub
+
+
+def _subschemas(node: Any, path: list[str | int]) -> Iterator[tuple[list[str | int], Any]]:
+    yield path, node
+    for part, sub in _children(node):
+        yield from _subschemas(sub, path + part)
+
+
+# Assertion keywords, with the values that assert nothing.
+_ASSERTIONS = {
+    "minimum": None,
+    "maximum": None,
+    "exclusiveMinimum": None,
+    "exclusiveMaximum": None,
+    "multipleOf": None,
+    "minLength": 0,
+    "maxLength": None,
+    "pattern": None,
+    "format": None,
+    "minItems": 0,
+    "maxItems": None,
+    "uniqueItems": False,
+    "minProperties": 0,
+    "maxProperties": None,
+    "dependentRequired": None,
+    "patternProperties": None,
+    "propertyNames": None,
+    "contains": None,
+}
+
+
+def ignored_keyword(schema: Any, output_of: Callable[[Any], str]) -> tuple[str, str] | None:
+    """(pointer, keyword) of an assertion a backend silently ignores, or None.
+
+    ``output_of`` compiles a standalone schema to the backend's own form (a regex for
+    outlines-core); an assertion whose removal leaves that form unchanged was ignored, and the
+    backend would let values through that the schema rejects.
+    """
+    roots = schema if isinstance(schema, dict) else {}
+    defs = {k: roots[k] for k in ("$defs", "definitions") if k in roots}
+    for path, node in _subschemas(schema, []):
+        if not isinstance(node, dict) or path[:1] in (["$defs"], ["definitions"]):
+            continue
+        standalone = {**node, **{k: v for k, v in defs.items() if k not in node}}
+        for keyword, no_op in _ASSERTIONS.items():
+            if keyword in node and node[keyword] != no_op:
+                without = {k: v for k, v in standalone.items() if k != keyword}
+                if output_of(standalone) == output_of(without):
+                    return pointer(path), keyword
+    return None
+
+
+def locate_schema_error(schema: Any, error_of: Callable[[Any], str | None]) -> str:
+    """The pointer of the deepest subschema that fails on its own (``error_of`` returns the
+    backend's error for a standalone schema, or None); ``#`` when only the whole one fails.
+
+    Each subschema is tried with the root's ``$defs``/``definitions`` so that local refs resolve.
+    """
+    roots = schema if isinstance(schema, dict) else {}
+    defs = {k: roots[k] for k in ("$defs", "definitions") if k in roots}
+    path: list[str | int] = []
+    node = schema
+    while True:
+        for part, sub in _children(node):
+            standalone = (
+                {**sub, **{k: v for k, v in defs.items() if k not in sub}}
+                if isinstance(sub, dict)
+                else sub
+            )
+            if error_of(standalone) is not None:
+                path, node = path + part, sub
+                break
+        else:
+            return pointer(path)
+
+
+# --- Lark ------------------------------------------------------------------------------------
+
+_LARK_TOKEN = re.compile(
+    r"""
+    (?P<ws>[ \t\r]+|\\\n)
+  | (?P<nl>\n)
+  | (?P<comment>(//|\#)[^\n]*)
+  | (?P<string>"(?:\\.|[^"\\\n])*"i?)
+  | (?P<regex>/(?:\\.|[^/\\\n])+/[imslux]*)
+  | (?P<special><[^<>\s]+>)
+  | (?P<directive>%[a-z_]+)
+  | (?P<name>@?[_a-zA-Z][_a-zA-Z0-9]*(?:-[_a-zA-Z0-9]+)*)
+  | (?P<number>\d+)
+  | (?P<op>\.\.|->|::|[:|()\[\]?*+{},~=&.!^])
+""",
+    re.VERBOSE,
+)
+
+
+class _Unparsed(Exception):
+    """The text uses syntax this checker does not follow; llguidance still checks it."""
+
+
+def _lark_tokens(text: str) -> list[tuple[str, str]]:
+    tokens, pos = [], 0
+    while pos < len(text):
+        match = _LARK_TOKEN.match(text, pos)
+        if match is None:
+            raise _Unparsed(text[pos : pos + 20])
+        kind = match.lastgroup
+        assert kind is not None
+        if kind == "directive" and text[match.end() :].lstrip(" \t").startswith("{"):
+            start = text.index("{", match.end())
+            end = _json_object_end(text, start)
+            tokens.append(("json", text[pos:end]))
+            pos = end
+            continue
+        if kind not in ("ws", "comment"):
+            tokens.append((kind, match.group()))
+        pos = match.end()
+    return tokens
+
+
+def _json_object_end(text: str, start: int) -> int:
+    try:
+        _, end = json.JSONDecoder().raw_decode(text, start)
+    except json.JSONDecodeError as err:
+        raise _Unparsed(str(err)) from None
+    return end
+
+
+def _is_terminal(name: str) -> bool:
+    stripped = name.lstrip("_@")
+    return not stripped or stripped[0].isupper()
+
+
+def _split_definitions(tokens: list[tuple[str, str]]) -> dict[str, list[tuple[str, str]]]:
+    """Rule name -> body tokens, for lowercase rules; terminals and statements are skipped."""
+    rules: dict[str, list[tuple[str, str]]] = {}
+    current: list[tuple[str, str]] | None = None
+    i = 0
+    while i < len(tokens):
+        header = _header_end(tokens, i)
+        if header is not None:
+            name = tokens[i][1]
+            current = None if _is_terminal(name) else rules.setdefault(name, [])
+            if current is not None and current:
+                current.append(("op", "|"))
+            i = header
+            continue
+        kind, value = tokens[i]
+        if kind == "directive" or kind == "json" and value.startswith("%llguidance"):
+            current = None  # %ignore / %import / %declare / %llguidance statements
+            while i < len(tokens) and tokens[i][0] != "nl":
+                i += 1
+            continue
+        if current is not None and kind != "nl":
+            current.append((kind, value))
+        i += 1
+    return rules
+
+
+def _header_end(tokens: list[tuple[str, str]], i: int) -> int | None:
+    """Index after ``name[.N][[options]] :`` if a definition starts at ``i``."""
+    if tokens[i][0] != "name" or (i > 0 and tokens[i - 1][0] != "nl"):
+        return None
+    j = i + 1
+    if j + 1 < len(tokens) and tokens[j] == ("op", ".") and tokens[j + 1][0] == "number":
+        j += 2
+    if j < len(tokens) and tokens[j] == ("op", "["):
+        depth = 0
+        while j < len(tokens):
+            depth += {"[": 1, "]": -1}.get(tokens[j][1], 0) if tokens[j][0] == "op" else 0
+            j += 1
+            if depth == 0:
+                break
+    if j < len(tokens) and tokens[j] == ("op", ":"):
+        return j + 1
+    return None
+
+
+class _RuleParser:
+    """Recursive descent over one rule body, building a small productivity expression:
+    ("any", [...]) one of, ("all", [...]) each of, ("ref", name), ("yes",)."""
+
+    def __init__(self, tokens: list[tuple[str, str]]):
+        self.tokens, self.i = tokens, 0
+
+    def peek(self) -> tuple[str, str] | None:
+        return self.tokens[self.i] if self.i < len(self.tokens) else None
+
+    def take(self) -> tuple[str, str]:
+        token = self.tokens[self.i]
+        self.i += 1
+        return token
+
+    def parse(self) -> tuple:
+        expr = self.alternatives()
+        if self.peek() is not None:
+            raise _Unparsed(str(self.peek()))
+        return expr
+
+    def alternatives(self) -> tuple:
+        alts = [self.sequence()]
+        while self.peek() == ("op", "|"):
+            self.take()
+            alts.append(self.sequence())
+        return ("any", alts)
+
+    def sequence(self) -> tuple:
+        items = []
+        while (tok := self.peek()) is not None and tok not in (
+            ("op", "|"),
+            ("op", ")"),
+            ("op", "]"),
+        ):
+            if tok == ("op", "->"):
+                self.take()
+                self.take()  # the alias name
+                continue
+            items.append(self.postfix(self.atom()))
+        return ("all", items)
+
+    def atom(self) -> tuple:
+        kind, value = self.take()
+        if kind in ("string", "regex", "special", "json"):
+            if self.peek() == ("op", ".."):  # "a".."z" character range
+                self.take()
+                self.take()
+            return ("yes",)
+        if kind == "name":
+            return ("yes",) if _is_terminal(value) else ("ref", value)
+        if (kind, value) == ("op", "("):
+            inner = self.alternatives()
+            self.expect(")")
+            return inner
+        if (kind, value) == ("op", "["):
+            self.alternatives()
+            self.expect("]")
+            return ("yes",)
+        raise _Unparsed(value)
+
+    def postfix(self, expr: tuple) -> tuple:
+        while (tok := self.peek()) is not None and tok[0] == "op" and tok[1] in "?*+{~":
+            op = self.take()[1]
+            if op in "?*":
+                expr = ("yes",)
+            elif op == "{":
+                low = self.take()[1] if self.peek() and self.peek()[0] == "number" else "0"
+                while self.peek() != ("op", "}"):
+                    self.take()
+                self.take()
+                expr = ("yes",) if int(low) == 0 else expr
+            elif op == "~":
+                low = self.take()[1]
+                if self.peek() == ("op", ".."):
+                    self.take()
+                    self.take()
+                expr = ("yes",) if int(low) == 0 else expr
+        return expr
+
+    def expect(self, op: str) -> None:
+        if self.take() != ("op", op):
+            raise _Unparsed(op)
+
+
+def _finite(expr: tuple, known: set[str], rules: dict[str, tuple]) -> bool:
+    tag = expr[0]
+    if tag == "yes":
+        return True
+    if tag == "ref":
+        return expr[1] in known or expr[1] not in rules  # unknown names: llguidance reports them
+    if tag == "all":
+        return all(_finite(e, known, rules) for e in expr[1])
+    return any(_finite(e, known, rules) for e in expr[1])
+
+
+def unproductive_rules(text: str) -> list[str] | None:
+    """Lowercase rules of a Lark grammar with no finite expansion, or None if not understood."""
+    try:
+        bodies = _split_definitions(_lark_tokens(text))
+        rules = {name: _RuleParser(body).parse() for name, body in bodies.items()}
+    except (_Unparsed, IndexError, ValueError):
+        return None
+    known: set[str] = set()
+    changed = True
+    while changed:
+        changed = False
+        for name, expr in rules.items():
+            if name not in known and _finite(expr, known, rules):
+                known.add(name)
+                changed = True
+    return sorted(set(rules) - known)
+
+
+def check_lark_finishes(text: str, origin: str) -> None:
+    """Raise ``GrammarError`` if the ``start`` rule of a Lark grammar has no finite expansion."""
+    stuck = unproductive_rules(text)
+    if stuck and "start" in stuck:
+        others = ", ".join(r for r in stuck if r != "start")
+        detail = f" (rules that only expand into themselves: {others})" if others else ""
+        raise GrammarError(
+            f"{origin}: the grammar can never finish: rule 'start' has no finite expansion{detail}"
+        )
+
+
+def recursive_ref(schema: Any) -> str | None:
+    """A local ``$ref`` whose expansion re-enters itself (the schema is recursive), or None."""
+    clean: set[str] = set()  # targets fully expanded without re-entering the chain
+
+    def within(location: str, ref: str) -> bool:
+        return ref == "#" or location == ref or location.startswith(ref + "/")
+
+    def walk(node: Any, location: str, chain: list[str]) -> str | None:
+        if isinstance(node, list):
+            items: Any = ((str(i), v) for i, v in enumerate(node))
+        elif isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#") and ref not in clean:
+                target = _resolve(schema, ref)
+                if target is not None:
+                    if any(within(loc, ref) for loc in (*chain, location)):
+                        return ref
+                    found = walk(target, ref, [*chain, location])
+                    if found is not None:
+                        return found
+                    clean.add(ref)
+            items = ((k, v) for k, v in node.items() if k != "$ref")
+        else:
+            return None
+        for key, value in items:
+            escaped = key.replace("~", "~0").replace("/", "~1")
+            found = walk(value, f"{location}/{escaped}", chain)
+            if found is not None:
+                return found
+        return None
+
+    return walk(schema, "#", [])

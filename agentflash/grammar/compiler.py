@@ -1,0 +1,115 @@
+"""Compiling a grammar source for a tokenizer, with a cache keyed by (source, tokenizer)."""
+
+from __future__ import annotations
+
+import enum
+import threading
+from collections import OrderedDict
+from typing import Any
+
+from agentflash.grammar.constraint import CompiledGrammar, GrammarError
+from agentflash.grammar.sources import GrammarSource
+from agentflash.grammar.tokenizers import TokenizerInfo, tokenizer_info
+
+
+class Backend(enum.Enum):
+    LLGUIDANCE = "llguidance"  # the default: every source kind, fast-forward tokens
+    OUTLINES = "outlines"  # outlines-core: JSON Schema and regex only
+
+
+class _LRU:
+    """A small thread-safe least-recently-used map."""
+
+    def __init__(self, capacity: int):
+        self.capacity, self._items, self._lock = capacity, OrderedDict(), threading.Lock()
+        self.hits = self.misses = 0
+
+    def get(self, key: Any) -> Any:
+        with self._lock:
+            value = self._items.get(key)
+            if value is None:
+                self.misses += 1
+            else:
+                self.hits += 1
+                self._items.move_to_end(key)
+            return value
+
+    def put(self, key: Any, value: Any) -> None:
+        with self._lock:
+            self._items[key] = value
+            self._items.move_to_end(key)
+            while len(self._items) > self.capacity:
+                self._items.popitem(last=False)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._items.clear()
+            self.hits = self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+_grammars = _LRU(256)
+_tokenizers = _LRU(8)  # converted tokenizers are large at 150k tokens
+
+
+def compile_grammar(
+    source: GrammarSource,
+    tokenizer: Any,
+    *,
+    backend: Backend = Backend.LLGUIDANCE,
+    vocab_size: int | None = None,
+    eos_token_id: int | None = None,
+    use_cache: bool = True,
+) -> CompiledGrammar:
+    """Compile ``source`` for a fast Hugging Face ``tokenizer`` and a model with ``vocab_size``
+    logits; cached, so a request calls it freely (``use_cache=False`` recompiles, for timing).
+    Raises ``GrammarError`` (a ``UserError``) for a bad source, an unsupported feature, or a
+    grammar that can never finish."""
+    info = tokenizer_info(tokenizer, vocab_size, eos_token_id)
+    key = (backend, source, info)
+    grammar = _grammars.get(key) if use_cache else None
+    if grammar is None:
+        grammar = _build(backend, source, info)
+        _check_can_start(grammar, source)
+        _grammars.put(key, grammar)
+    return grammar
+
+
+def _build(backend: Backend, source: GrammarSource, info: TokenizerInfo) -> CompiledGrammar:
+    converted = _tokenizers.get((backend, info))
+    if backend is Backend.LLGUIDANCE:
+        from agentflash.grammar import llguidance_backend as impl
+    elif backend is Backend.OUTLINES:
+        from agentflash.grammar import outlines_backend as impl  # type: ignore[no-redef]
+    else:
+        raise AssertionError(f"unknown backend {backend}")
+    if converted is None:
+        converted = impl.build_tokenizer(info)
+        _tokenizers.put((backend, info), converted)
+    return impl.compile_source(source, converted, info)
+
+
+def _check_can_start(grammar: CompiledGrammar, source: GrammarSource) -> None:
+    constraint = grammar.new_constraint()
+    if not constraint.is_accepting() and not constraint.bitmask().any():
+        raise GrammarError(
+            f"{source.origin}: no output matches this grammar (no token can start "
+            "it and the empty output is not a match)"
+        )
+
+
+def cache_info() -> dict[str, int]:
+    """Sizes and hit counts of the compile caches."""
+    return {
+        "grammars": len(_grammars),
+        "hits": _grammars.hits,
+        "misses": _grammars.misses,
+        "tokenizers": len(_tokenizers),
+    }
+
+
+def clear_cache() -> None:
+    _grammars.clear()
+    _tokenizers.clear()

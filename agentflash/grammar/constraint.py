@@ -1,0 +1,371 @@
+"""The one interface the engine uses to keep a request's output inside a grammar.
+
+A ``CompiledGrammar`` is immutable and shared (it lives in the compile cache); each request gets
+its own ``Constraint`` from ``grammar.new_constraint()``. Masks are packed bitmasks: int32 words
+``[..., ceil(V / 32)]`` over the model vocabulary V, bit ``t % 32`` of word ``t // 32`` set when
+token ``t`` is allowed (the layout llguidance, outlines-core and xgrammar share). Token ids the
+tokenizer does not have (model vocabularies are often padded) are never allowed.
+
+The end-of-turn token (``eos_token_id``) is handled here, the same way for every backend: it is
+legal exactly when the output so far is complete, committing it finishes the constraint, and once
+finished the only "allowed" token is the end token itself (so masked logits never become all
+``-inf``).
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from agentflash.errors import UserError
+
+
+class GrammarError(UserError):
+    """A grammar that cannot be used: bad syntax, an unsupported feature, or one that can never
+    finish. Raised when the grammar is compiled; the message names the source and the field."""
+
+
+class GrammarViolation(ValueError):
+    """A token the grammar forbids was committed (an engine bug: commit only legal tokens)."""
+
+
+def bitmask_width(vocab_size: int) -> int:
+    """Number of int32 words in one packed mask over ``vocab_size`` tokens."""
+    return (vocab_size + 31) // 32
+
+
+def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
+    """A zeroed (nothing allowed) bitmask ``[rows, W]`` on the CPU, where grammars fill it."""
+    return torch.zeros(rows, bitmask_width(vocab_size), dtype=torch.int32)
+
+
+_BIT_SHIFTS: dict[torch.device, torch.Tensor] = {}
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Bool mask ``[..., V]`` from a packed bitmask ``[..., W]``; True where allowed."""
+    if bitmask.device.type == "cpu":  # numpy's unpackbits is ~10x faster than tensor shifts
+        words = bitmask.contiguous().numpy().view(np.uint8)
+        bits = np.unpackbits(words, axis=-1, count=vocab_size, bitorder="little")
+        return torch.from_numpy(bits.view(np.bool_))
+    shifts = _BIT_SHIFTS.get(bitmask.device)
+    if shifts is None:
+        shifts = _BIT_SHIFTS.setdefault(
+            bitmask.device, torch.arange(32, dtype=torch.int32, device=bitmask.device)
+        )
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [..., W, 32]
+    return bits.flatten(-2)[..., :vocab_size].bool()  # [..., V]
+
+
+def apply_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Set the logits of disallowed tokens to -inf, in place; returns ``logits``.
+
+    ``logits`` is ``[..., V]``, ``bitmask`` is ``[..., W]`` with the same leading shape (or
+    broadcastable to it); it is moved to the logits' device.
+    """
+    vocab_size = logits.shape[-1]
+    assert bitmask.shape[-1] * 32 >= vocab_size, "bitmask narrower than the logits"
+    allowed = unpack_bitmask(bitmask.to(logits.device, non_blocking=True), vocab_size)
+    return logits.masked_fill_(allowed.logical_not_(), float("-inf"))
+
+
+def allowed_token_ids(bitmask: torch.Tensor, vocab_size: int) -> list[int]:
+    """The token ids a one-row bitmask ``[W]`` allows, ascending."""
+    return unpack_bitmask(bitmask, vocab_size).nonzero().flatten().tolist()
+
+
+class Constraint(abc.ABC):
+    """One request's position in a grammar, advanced over committed tokens only.
+
+    Per decode step (plain constrained decoding): ``fill_bitmask`` -> mask the logits -> sample ->
+    ``advance([token])``. Per speculation step: ``validate_draft`` cuts the draft,
+    ``masks_along_draft`` gives one mask per verify position, the engine accepts a prefix, then
+    ``advance(committed)``. ``constrained_draft`` walks the drafter's logits under the grammar.
+
+    Subclasses implement the ``_``-prefixed primitives over tokens other than the end token; this
+    class adds the end-token rules and the draft operations on top of them.
+    """
+
+    def __init__(self, vocab_size: int, eos_token_id: int):
+        self.vocab_size = vocab_size
+        self.eos_token_id = eos_token_id
+        self._num_fed = 0  # tokens the backend has consumed (the end token is never fed)
+        self._ended = False  # the end token was committed
+
+    # --- backend primitives ----------------------------------------------------------------
+
+    @abc.abstractmethod
+    def _validate(self, tokens: Sequence[int]) -> int:
+        """How many leading ``tokens`` (none of them the end token) are legal; no state change."""
+
+    @abc.abstractmethod
+    def _consume(self, tokens: Sequence[int]) -> None:
+        """Consume ``tokens``, which ``_validate`` has accepted."""
+
+    @abc.abstractmethod
+    def _rollback(self, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` consumed tokens."""
+
+    @abc.abstractmethod
+    def _is_accepting(self) -> bool:
+        """Whether the output so far is complete (the end token may follow)."""
+
+    @abc.abstractmethod
+    def _only_end_allowed(self) -> bool:
+        """Whether the output is complete and nothing but the end token may follow."""
+
+    @abc.abstractmethod
+    def _fill(self, out: torch.Tensor) -> None:
+        """Write the current mask into the zeroed int32 row ``out`` [W] (the end token's bit is
+        set or cleared afterwards by ``fill_bitmask``)."""
+
+    @abc.abstractmethod
+    def _forced(self) -> list[int]:
+        """Tokens (not the end token) that every legal continuation starts with."""
+
+    # --- state -----------------------------------------------------------------------------
+
+    @property
+    def num_tokens(self) -> int:
+        """Committed tokens, the end token included."""
+        return self._num_fed + int(self._ended)
+
+    def is_accepting(self) -> bool:
+        """Whether the output so far is a complete match (the end token is legal now)."""
+        return not self._ended and self._is_accepting()
+
+    def is_finished(self) -> bool:
+        """Whether the end token was committed; nothing may follow."""
+        return self._ended
+
+    def advance(self, tokens: Sequence[int]) -> None:
+        """Commit ``tokens``; raises ``GrammarViolation`` (state unchanged) if one is illegal."""
+        tokens = list(tokens)
+        legal = self.validate_draft(tokens)
+        if legal < len(tokens):
+            raise GrammarViolation(
+                f"token {tokens[legal]} at draft position {legal} is not allowed by the grammar "
+                f"after {self.num_tokens} committed tokens"
+            )
+        self._commit(tokens)
+
+    def _commit(self, tokens: list[int]) -> None:
+        # tokens are legal: only the last one may be the end token
+        if tokens and tokens[-1] == self.eos_token_id:
+            body = tokens[:-1]
+            self._consume(body)
+            self._num_fed += len(body)
+            self._ended = True
+        elif tokens:
+            self._consume(tokens)
+            self._num_fed += len(tokens)
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` committed tokens (the end token counts as one)."""
+        assert 0 <= num_tokens <= self.num_tokens, f"cannot roll back {num_tokens} tokens"
+        if num_tokens and self._ended:
+            self._ended = False
+            num_tokens -= 1
+        if num_tokens:
+            self._rollback(num_tokens)
+            self._num_fed -= num_tokens
+
+    def reset(self) -> None:
+        """Back to the start of the grammar."""
+        self.rollback(self.num_tokens)
+
+    # --- masks -----------------------------------------------------------------------------
+
+    def fill_bitmask(self, out: torch.Tensor) -> None:
+        """Write the mask of the current state into the CPU int32 row ``out`` [W]."""
+        assert out.dtype == torch.int32 and out.is_cpu and out.is_contiguous() and out.dim() == 1
+        assert out.numel() == bitmask_width(self.vocab_size), "mask row has the wrong width"
+        out.zero_()
+        word, bit = self.eos_token_id // 32, _bit(self.eos_token_id)
+        if self._ended:
+            out[word] = bit
+            return
+        self._fill(out)
+        # the end token's bit follows this class's rule, whatever the backend's own convention
+        value = int(out[word])
+        out[word] = value | bit if self._is_accepting() else value & ~bit
+
+    def bitmask(self) -> torch.Tensor:
+        """The current mask as a new int32 tensor [W]."""
+        out = allocate_bitmask(1, self.vocab_size)[0]
+        self.fill_bitmask(out)
+        return out
+
+    def allowed_mask(self) -> torch.Tensor:
+        """The current mask as a bool tensor [V]."""
+        return unpack_bitmask(self.bitmask(), self.vocab_size)
+
+    # --- drafts ----------------------------------------------------------------------------
+
+    def validate_draft(self, tokens: Sequence[int]) -> int:
+        """How many leading ``tokens`` the grammar allows from the current state (no change).
+
+        Nothing may follow the end token, so at most the tokens up to and including the first
+        end token count.
+        """
+        if self._ended:
+            return 0
+        tokens = list(tokens)
+        end = tokens.index(self.eos_token_id) if self.eos_token_id in tokens else len(tokens)
+        body = tokens[:end]
+        first_bad = next((i for i, t in enumerate(body) if not 0 <= t < self.vocab_size), end)
+        legal = self._validate(body[:first_bad]) if first_bad else 0
+        if legal < end or end == len(tokens):
+            return legal
+        self._consume(body)
+        accepting = self._is_accepting()
+        self._rollback(len(body))
+        return end + 1 if accepting else end
+
+    def masks_along_draft(self, tokens: Sequence[int]) -> torch.Tensor:
+        """One mask per verify position along a legal draft: ``[len(tokens) + 1, W]``.
+
+        Row 0 is the current mask; row i+1 is the mask after ``tokens[:i+1]``. The state is the
+        same afterwards. Cut the draft with ``validate_draft`` first: an illegal token raises
+        ``GrammarViolation``.
+        """
+        return masks_along_drafts([self], [tokens])[0]
+
+    @classmethod
+    def _masks_along_drafts(
+        cls, constraints: Sequence[Constraint], drafts: list[list[int]]
+    ) -> list[torch.Tensor]:
+        """``masks_along_draft`` for several constraints of this class, drafts already checked;
+        backends that can compute them in parallel override this."""
+        return [c._masks_one_by_one(d) for c, d in zip(constraints, drafts, strict=True)]
+
+    def _masks_one_by_one(self, tokens: list[int]) -> torch.Tensor:
+        out = allocate_bitmask(len(tokens) + 1, self.vocab_size)
+        self.fill_bitmask(out[0])
+        done = 0
+        try:
+            for i, token in enumerate(tokens):
+                self._commit([token])
+                done += 1
+                self.fill_bitmask(out[i + 1])
+        finally:
+            self.rollback(done)
+        return out
+
+    def forced_tokens(self) -> list[int]:
+        """Tokens every legal continuation starts with, free to commit or to draft.
+
+        Ends with the end token when the grammar allows nothing else after them; empty when the
+        next token is a real choice (or the constraint is finished).
+        """
+        if self._ended:
+            return []
+        if self._only_end_allowed():
+            return [self.eos_token_id]
+        forced = self._forced()
+        if forced:
+            self._consume(forced)
+            ends = self._only_end_allowed()
+            self._rollback(len(forced))
+            if ends:
+                forced.append(self.eos_token_id)
+        return forced
+
+
+def _bit(token: int) -> int:
+    # the int32 word value with only this token's bit set (bit 31 is the sign bit)
+    value = 1 << (token % 32)
+    return value - (1 << 32) if value >= 1 << 31 else value
+
+
+def masks_along_drafts(
+    constraints: Sequence[Constraint], drafts: Sequence[Sequence[int]]
+) -> list[torch.Tensor]:
+    """``masks_along_draft`` for a batch of requests: ``[len(draft) + 1, W]`` per request.
+
+    Backends that can (llguidance) compute the batch in parallel, off the GIL.
+    """
+    drafts = [list(d) for d in drafts]
+    for constraint, draft in zip(constraints, drafts, strict=True):
+        legal = constraint.validate_draft(draft)
+        if legal < len(draft):
+            raise GrammarViolation(
+                f"draft token {draft[legal]} at position {legal} is not "
+                "allowed by the grammar; cut drafts with validate_draft"
+            )
+    out: list[torch.Tensor | None] = [None] * len(drafts)
+    groups: dict[type, list[int]] = {}
+    for i, constraint in enumerate(constraints):
+        groups.setdefault(type(constraint), []).append(i)
+    for cls, index in groups.items():
+        masks = cls._masks_along_drafts([constraints[i] for i in index], [drafts[i] for i in index])
+        for i, mask in zip(index, masks, strict=True):
+            out[i] = mask
+    return out  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class Draft:
+    """Tokens drafted under a grammar and how many of them the grammar forced."""
+
+    tokens: list[int]
+    num_forced: int
+
+
+def constrained_draft(
+    constraint: Constraint,
+    draft_logits: torch.Tensor,
+    proposals: Sequence[int] | None = None,
+    use_forced: bool = True,
+) -> Draft:
+    """Walk a block of drafter logits ``[K, V]`` left to right under the grammar.
+
+    At each slot: if the grammar forces tokens, they fill the next slots at no model cost;
+    otherwise the slot takes the argmax of its masked logits (its plain argmax when that is
+    legal, which needs no mask). The constraint is advanced as the walk goes and rolled back at
+    the end (its state is unchanged). Every drafted token is legal; the walk stops after the end
+    token. Slot k's logits propose the k-th drafted token; forced tokens fill slots without
+    reading their logits. ``proposals`` is the per-slot argmax if the caller has it already.
+    """
+    num_slots = draft_logits.shape[0]
+    best = list(proposals) if proposals is not None else draft_logits.argmax(dim=-1).tolist()
+    tokens: list[int] = []
+    num_forced = 0
+    try:
+        while len(tokens) < num_slots and not constraint.is_finished():
+            forced = constraint.forced_tokens() if use_forced else []
+            if forced:
+                take = forced[: num_slots - len(tokens)]
+                num_forced += len(take)
+            elif constraint.validate_draft([best[len(tokens)]]) == 1:
+                take = [best[len(tokens)]]
+            else:
+                take = [_masked_argmax(constraint, draft_logits[len(tokens)])]
+            constraint._commit(take)
+            tokens += take
+    finally:
+        constraint.rollback(len(tokens))
+    return Draft(tokens, num_forced)
+
+
+def _masked_argmax(constraint: Constraint, logits: torch.Tensor) -> int:
+    # compare only the legal tokens' scores: cheaper than masking a whole row of a large vocab
+    allowed = np.flatnonzero(unpack_bitmask(constraint.bitmask(), constraint.vocab_size).numpy())
+    assert len(allowed), "no legal token: the grammar is stuck"
+    ids = torch.from_numpy(allowed)
+    return int(ids[int(logits.detach().cpu()[ids].argmax())])
+
+
+class CompiledGrammar(abc.ABC):
+    """A grammar compiled for one tokenizer and vocabulary; immutable and shared."""
+
+    vocab_size: int
+    eos_token_id: int
+
+    @abc.abstractmethod
+    def new_constraint(self) -> Constraint:
+        """A fresh per-request constraint at the start of the grammar."""

@@ -1,0 +1,182 @@
+"""The default backend: llguidance (an Earley parser over a lazily built lexer, with token-level
+draft validation, rollback and fast-forward tokens)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import llguidance
+import torch
+
+from agentflash.grammar.checks import locate_schema_error
+from agentflash.grammar.constraint import (
+    CompiledGrammar,
+    Constraint,
+    GrammarError,
+    _bit,
+    allocate_bitmask,
+)
+from agentflash.grammar.sources import GrammarKind, GrammarSource, JsonStyle
+from agentflash.grammar.tokenizers import TokenizerInfo
+
+# x-guidance options per layout; a schema's own "x-guidance" key overrides them.
+JSON_STYLE_OPTIONS: dict[JsonStyle, dict[str, Any]] = {
+    JsonStyle.DUMPS: {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "},
+    JsonStyle.COMPACT: {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"},
+    JsonStyle.FLEXIBLE: {},
+}
+
+
+_shared_executor: llguidance.LLExecutor | None = None
+
+
+def _executor() -> llguidance.LLExecutor:
+    """The thread pool that computes batches of masks (created on first use)."""
+    global _shared_executor
+    if _shared_executor is None:
+        _shared_executor = llguidance.LLExecutor()
+    return _shared_executor
+
+
+def build_tokenizer(info: TokenizerInfo) -> llguidance.LLTokenizer:
+    """llguidance's view of the tokenizer, over the model's vocabulary size (about 1 s at 150k)."""
+    import llguidance.hf
+
+    return llguidance.hf.from_tokenizer(
+        info.tokenizer, n_vocab=info.vocab_size, eos_token=info.eos_token_id
+    )
+
+
+def grammar_text(source: GrammarSource) -> str:
+    """The llguidance grammar definition of ``source``."""
+    if source.kind is GrammarKind.JSON_SCHEMA:
+        return llguidance.LLMatcher.grammar_from_json_schema(
+            source.text, defaults=JSON_STYLE_OPTIONS[source.json_style]
+        )
+    if source.kind is GrammarKind.REGEX:
+        return llguidance.LLMatcher.grammar_from_regex(source.text)
+    if source.kind is GrammarKind.LARK:
+        return llguidance.LLMatcher.grammar_from_lark(source.text)
+    raise AssertionError(f"unknown grammar kind {source.kind}")
+
+
+def _schema_error(source: GrammarSource, schema: Any) -> str | None:
+    text = llguidance.LLMatcher.grammar_from_json_schema(
+        json.dumps(schema), defaults=JSON_STYLE_OPTIONS[source.json_style]
+    )
+    return llguidance.LLMatcher.validate_grammar(text) or None
+
+
+def check_schema_supported(
+    schema: Any, origin: str, json_style: JsonStyle = JsonStyle.DUMPS
+) -> None:
+    """Raise ``GrammarError`` naming the field if llguidance cannot compile ``schema`` (no
+    tokenizer needed, so tools can be checked when they are declared)."""
+    source = GrammarSource(GrammarKind.JSON_SCHEMA, json.dumps(schema), json_style, origin)
+    message = _schema_error(source, schema)
+    if message is not None:
+        raise GrammarError(_describe_error(source, message))
+
+
+def _describe_error(source: GrammarSource, message: str) -> str:
+    message = message.strip()
+    if source.kind is GrammarKind.JSON_SCHEMA:
+        where = locate_schema_error(source.schema, lambda s: _schema_error(source, s))
+        return f"{source.origin}: {where}: {message}"
+    if source.kind is GrammarKind.REGEX:
+        return f"{source.origin}: invalid regex {source.text!r}: {message}"
+    return f"{source.origin}: {message}"
+
+
+class LLGuidanceGrammar(CompiledGrammar):
+    """A validated llguidance grammar and a pristine matcher that requests copy."""
+
+    def __init__(
+        self,
+        source: GrammarSource,
+        tokenizer: llguidance.LLTokenizer,
+        vocab_size: int,
+        eos_token_id: int,
+    ):
+        self.source, self.vocab_size, self.eos_token_id = source, vocab_size, eos_token_id
+        text = grammar_text(source)
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(text, tokenizer)
+        if is_error:
+            raise GrammarError(_describe_error(source, messages[0]))
+        self.warnings: list[str] = messages
+        self._matcher = llguidance.LLMatcher(tokenizer, text, log_level=0)
+        if self._matcher.is_error():
+            raise GrammarError(_describe_error(source, self._matcher.get_error()))
+
+    def new_constraint(self) -> LLGuidanceConstraint:
+        return LLGuidanceConstraint(self._matcher.deep_copy(), self.vocab_size, self.eos_token_id)
+
+
+class LLGuidanceConstraint(Constraint):
+    """A request's llguidance matcher behind the ``Constraint`` interface."""
+
+    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, eos_token_id: int):
+        super().__init__(vocab_size, eos_token_id)
+        self._m = matcher
+
+    def _validate(self, tokens: Sequence[int]) -> int:
+        return self._m.validate_tokens(list(tokens))
+
+    def _consume(self, tokens: Sequence[int]) -> None:
+        ok = self._m.consume_tokens(list(tokens))
+        assert ok, self._m.get_error()
+
+    def _rollback(self, num_tokens: int) -> None:
+        ok = self._m.rollback(num_tokens)
+        assert ok, self._m.get_error()
+
+    def _is_accepting(self) -> bool:
+        return self._m.is_accepting()
+
+    def _only_end_allowed(self) -> bool:
+        return self._m.is_stopped() and self._m.is_accepting()
+
+    def _fill(self, out: torch.Tensor) -> None:
+        self._m.unsafe_compute_mask_ptr(out.data_ptr(), out.numel() * out.element_size())
+
+    @classmethod
+    def _masks_along_drafts(
+        cls, constraints: Sequence[Constraint], drafts: list[list[int]]
+    ) -> list[torch.Tensor]:
+        # one call fills every request's rows, walking each draft and rolling it back in Rust
+        vocab_size = constraints[0].vocab_size
+        assert all(c.vocab_size == vocab_size for c in constraints)
+        sizes = [len(d) + 1 for d in drafts]
+        out = allocate_bitmask(sum(sizes), vocab_size)
+        jobs, offset = [], 0
+        for constraint, draft, size in zip(constraints, drafts, sizes, strict=True):
+            assert isinstance(constraint, LLGuidanceConstraint)
+            eos = constraint.eos_token_id
+            body = draft[:-1] if draft and draft[-1] == eos else draft
+            if constraint.is_finished() or not body:  # nothing to walk: the first row, then
+                constraint.fill_bitmask(out[offset])  # the end token's row if it was drafted
+                out[offset + 1 : offset + size, eos // 32] = _bit(eos)
+            else:
+                jobs.append((constraint._m, offset, body))
+                if body is not draft:
+                    out[offset + size - 1, eos // 32] = _bit(eos)
+            offset += size
+        if jobs:
+            _executor().unsafe_compute_mask_ptr_with_draft_token(
+                jobs, out.data_ptr(), out.shape[1] * out.element_size(), out.shape[0]
+            )
+        return list(out.split(sizes))
+
+    def _forced(self) -> list[int]:
+        forced = self._m.compute_ff_tokens()
+        if self.eos_token_id in forced:
+            forced = forced[: forced.index(self.eos_token_id)]
+        return forced
+
+
+def compile_source(
+    source: GrammarSource, tokenizer: llguidance.LLTokenizer, info: TokenizerInfo
+) -> LLGuidanceGrammar:
+    return LLGuidanceGrammar(source, tokenizer, info.vocab_size, info.eos_token_id)

@@ -1,0 +1,189 @@
+"""The outlines-core backend: JSON Schema and regex compiled to a token-level DFA index.
+
+Differences from llguidance, by construction: no Lark grammars (so no tool-choice turns, which need
+special tokens), no recursive schemas (outlines-core cuts recursion at a fixed depth and would
+silently emit values the schema rejects, so they are refused), JSON separators are whitespace
+patterns (``JsonStyle.DUMPS`` allows an optional space around ``,`` and ``:``, so json.dumps
+layout is allowed but not enforced), and forced tokens are only states with a single legal token.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from agentflash.grammar.checks import ignored_keyword, locate_schema_error, recursive_ref
+from agentflash.grammar.constraint import CompiledGrammar, Constraint, GrammarError
+from agentflash.grammar.sources import GrammarKind, GrammarSource, JsonStyle
+from agentflash.grammar.tokenizers import TokenizerInfo
+
+WHITESPACE_PATTERNS: dict[JsonStyle, str | None] = {
+    JsonStyle.DUMPS: "[ ]?",
+    JsonStyle.COMPACT: "",
+    JsonStyle.FLEXIBLE: None,  # outlines-core's default
+}
+MAX_ROLLBACK = 1024  # committed tokens a constraint can undo
+MAX_FORCED = 64  # forced tokens returned at once
+
+
+def _outlines() -> Any:
+    try:
+        import outlines_core
+    except ImportError:
+        raise GrammarError(
+            "the outlines backend needs the outlines-core package "
+            "(pip install 'outlines-core>=0.2.11')"
+        ) from None
+    return outlines_core
+
+
+def build_tokenizer(info: TokenizerInfo) -> Any:
+    """outlines-core's ``Vocabulary``: every ordinary token's bytes (special and added tokens are
+    left out: they never occur inside JSON or regex output), plus the end token."""
+    import llguidance.hf
+
+    lltok = llguidance.hf.from_tokenizer(info.tokenizer, eos_token=info.eos_token_id)
+    by_bytes: dict[bytes, list[int]] = {}
+    for token in range(lltok.vocab_size):
+        if token == info.eos_token_id or lltok.is_special_token(token):
+            continue
+        text = lltok.decode_bytes([token])
+        if text:
+            by_bytes.setdefault(text, []).append(token)
+    return _outlines().Vocabulary(info.eos_token_id, by_bytes)
+
+
+def _schema_regex(source: GrammarSource, schema: Any) -> str:
+    oc = _outlines()
+    return oc.json_schema.build_regex_from_schema(
+        json.dumps(schema), whitespace_pattern=WHITESPACE_PATTERNS[source.json_style]
+    )
+
+
+def _schema_error(source: GrammarSource, schema: Any) -> str | None:
+    try:
+        _schema_regex(source, schema)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def source_regex(source: GrammarSource) -> str:
+    """The regular expression outlines-core compiles for ``source``."""
+    if source.kind is GrammarKind.REGEX:
+        return source.text
+    if source.kind is GrammarKind.LARK:
+        raise GrammarError(
+            f"{source.origin}: the outlines backend supports JSON Schema and regex "
+            "only; use the llguidance backend for Lark grammars and tool_choice"
+        )
+    schema = source.schema
+    loop = recursive_ref(schema)
+    if loop is not None:
+        raise GrammarError(
+            f"{source.origin}: {loop}: recursive schemas are not supported by the "
+            "outlines backend (outlines-core cuts recursion at a fixed depth); "
+            "use the llguidance backend"
+        )
+    try:
+        pattern = _schema_regex(source, schema)
+    except ValueError as err:
+        where = locate_schema_error(schema, lambda s: _schema_error(source, s))
+        message = " ".join(str(err).split())
+        raise GrammarError(f"{source.origin}: {where}: {message}") from None
+    ignored = ignored_keyword(schema, lambda s: _schema_regex(source, s))
+    if ignored is not None:
+        where, keyword = ignored
+        raise GrammarError(
+            f"{source.origin}: {where}: outlines-core ignores {keyword!r}, so "
+            f"its output could break the schema; use the llguidance backend"
+        )
+    return pattern
+
+
+def _regex_syntax_error(pattern: str) -> str | None:
+    # outlines-core's own message ("error building NFA") does not say what is wrong
+    import llguidance
+
+    return (
+        llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_regex(pattern))
+        or None
+    )
+
+
+class OutlinesGrammar(CompiledGrammar):
+    """An outlines-core ``Index`` plus per-state facts shared by all requests."""
+
+    def __init__(self, source: GrammarSource, vocabulary: Any, vocab_size: int, eos_token_id: int):
+        self.source, self.vocab_size, self.eos_token_id = source, vocab_size, eos_token_id
+        pattern = source_regex(source)
+        try:
+            self.index = _outlines().Index(pattern, vocabulary)
+        except ValueError as err:
+            what = "regex" if source.kind is GrammarKind.REGEX else "schema"
+            message = " ".join((_regex_syntax_error(pattern) or str(err)).split())
+            raise GrammarError(
+                f"{source.origin}: outlines-core cannot compile this {what}: {message}"
+            ) from None
+        self._single: dict[int, int | None] = {}  # state -> its only legal token, if just one
+
+    def single_token(self, state: int) -> int | None:
+        """The only legal token in ``state`` (the end token included), or None."""
+        if state not in self._single:
+            allowed = self.index.get_allowed_tokens(state)
+            self._single[state] = allowed[0] if len(allowed) == 1 else None
+        return self._single[state]
+
+    def new_constraint(self) -> OutlinesConstraint:
+        guide = _outlines().Guide(self.index, max_rollback=MAX_ROLLBACK)
+        return OutlinesConstraint(self, guide)
+
+
+class OutlinesConstraint(Constraint):
+    """A request's outlines-core ``Guide`` behind the ``Constraint`` interface."""
+
+    def __init__(self, grammar: OutlinesGrammar, guide: Any):
+        super().__init__(grammar.vocab_size, grammar.eos_token_id)
+        self._grammar, self._index, self._guide = grammar, grammar.index, guide
+
+    def _validate(self, tokens: Sequence[int]) -> int:
+        state = self._guide.get_state()
+        for n, token in enumerate(tokens):
+            state = self._index.get_next_state(state, token)
+            if state is None:
+                return n
+        return len(tokens)
+
+    def _consume(self, tokens: Sequence[int]) -> None:
+        for token in tokens:
+            self._guide.advance(token, return_tokens=False)
+
+    def _rollback(self, num_tokens: int) -> None:
+        self._guide.rollback_state(num_tokens)
+
+    def _is_accepting(self) -> bool:
+        return self._index.is_final_state(self._guide.get_state())
+
+    def _only_end_allowed(self) -> bool:
+        return self._grammar.single_token(self._guide.get_state()) == self.eos_token_id
+
+    def _fill(self, out: torch.Tensor) -> None:
+        self._guide.write_mask_into(out.data_ptr(), out.numel(), out.element_size())
+
+    def _forced(self) -> list[int]:
+        forced: list[int] = []
+        state = self._guide.get_state()
+        while len(forced) < MAX_FORCED:
+            token = self._grammar.single_token(state)
+            if token is None or token == self.eos_token_id:
+                break
+            forced.append(token)
+            state = self._index.get_next_state(state, token)
+        return forced
+
+
+def compile_source(source: GrammarSource, vocabulary: Any, info: TokenizerInfo) -> OutlinesGrammar:
+    return OutlinesGrammar(source, vocabulary, info.vocab_size, info.eos_token_id)

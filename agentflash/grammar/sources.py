@@ -1,0 +1,119 @@
+"""Where grammars come from: JSON Schema (dict or file), pydantic models, regex, Lark/EBNF text.
+
+A ``GrammarSource`` is a small frozen value (kind, canonical text, JSON style); it is what the
+compile cache keys on, together with the tokenizer. Constructors check what they can without a
+tokenizer (JSON syntax, the JSON Schema meta-schema, schemas and Lark grammars that can never
+finish) and raise ``GrammarError`` naming the source and the field.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from agentflash.grammar.checks import check_lark_finishes, check_schema
+from agentflash.grammar.constraint import GrammarError
+
+
+class GrammarKind(enum.Enum):
+    JSON_SCHEMA = "json_schema"
+    REGEX = "regex"
+    LARK = "lark"
+
+
+class JsonStyle(enum.Enum):
+    """How generated JSON is laid out (a model writes best in the layout it was trained on)."""
+
+    DUMPS = "dumps"  # json.dumps defaults: ", " and ": ", no other whitespace (the chat format)
+    COMPACT = "compact"  # "," and ":", no whitespace
+    FLEXIBLE = "flexible"  # any JSON whitespace
+
+
+@dataclass(frozen=True)
+class GrammarSource:
+    """A grammar before compilation. ``text`` is canonical: JSON text for schemas."""
+
+    kind: GrammarKind
+    text: str
+    json_style: JsonStyle = JsonStyle.DUMPS
+    origin: str = field(default="grammar", compare=False)  # named in error messages
+
+    @property
+    def schema(self) -> Any:
+        assert self.kind is GrammarKind.JSON_SCHEMA
+        return json.loads(self.text)
+
+
+def json_schema(
+    schema: dict[str, Any] | bool,
+    *,
+    origin: str = "schema",
+    json_style: JsonStyle = JsonStyle.DUMPS,
+) -> GrammarSource:
+    """A JSON Schema given as a Python object."""
+    if not isinstance(schema, (dict, bool)):
+        raise GrammarError(
+            f"{origin}: a JSON Schema must be an object or a boolean, got {type(schema).__name__}"
+        )
+    try:
+        text = json.dumps(schema, ensure_ascii=False)
+    except (TypeError, ValueError) as err:
+        raise GrammarError(f"{origin}: the schema is not JSON-serialisable: {err}") from None
+    check_schema(schema, origin)
+    return GrammarSource(GrammarKind.JSON_SCHEMA, text, json_style, origin)
+
+
+def json_schema_file(path: str | Path, *, json_style: JsonStyle = JsonStyle.DUMPS) -> GrammarSource:
+    """A JSON Schema read from a ``.json`` file."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as err:
+        raise GrammarError(f"{path}: cannot read the schema: {err.strerror}") from None
+    try:
+        schema = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise GrammarError(f"{path}:{err.lineno}:{err.colno}: invalid JSON: {err.msg}") from None
+    return json_schema(schema, origin=str(path), json_style=json_style)
+
+
+def pydantic_model(model: type, *, json_style: JsonStyle = JsonStyle.DUMPS) -> GrammarSource:
+    """The JSON Schema of a pydantic model class (or any type pydantic can describe)."""
+    from pydantic import PydanticUserError, TypeAdapter
+
+    name = getattr(model, "__name__", repr(model))
+    try:
+        schema = TypeAdapter(model).json_schema()
+    except (PydanticUserError, TypeError, ValueError) as err:
+        raise GrammarError(f"{name}: pydantic cannot produce a JSON Schema: {err}") from None
+    return json_schema(schema, origin=name, json_style=json_style)
+
+
+def regex(pattern: str, *, origin: str = "regex") -> GrammarSource:
+    """A regular expression (Rust ``regex`` syntax) the whole output must match."""
+    if not isinstance(pattern, str):
+        raise GrammarError(f"{origin}: a regex must be a string, got {type(pattern).__name__}")
+    return GrammarSource(GrammarKind.REGEX, pattern, origin=origin)
+
+
+def lark(text: str, *, origin: str = "grammar") -> GrammarSource:
+    """A Lark grammar in llguidance's dialect (``start`` is the top rule; ``%json {...}`` and
+    special tokens such as ``<tool_call>`` may appear in rules)."""
+    if not isinstance(text, str) or not text.strip():
+        raise GrammarError(f"{origin}: the grammar is empty")
+    check_lark_finishes(text, origin)
+    return GrammarSource(GrammarKind.LARK, text, origin=origin)
+
+
+def ebnf(text: str, *, origin: str = "grammar") -> GrammarSource:
+    """A GBNF/EBNF grammar (llama.cpp syntax, ``root ::= ...``), converted to Lark."""
+    from llguidance.gbnf_to_lark import any_to_lark
+
+    try:
+        converted = any_to_lark(text)
+    except Exception as err:  # the converter raises its own error types and plain exceptions
+        raise GrammarError(f"{origin}: cannot read the EBNF grammar: {err}") from None
+    return lark(converted, origin=origin)

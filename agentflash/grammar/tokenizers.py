@@ -1,0 +1,67 @@
+"""The tokenizer as grammars see it: its identity (for the compile cache), the model's vocabulary
+size (often larger than the tokenizer's) and the end-of-turn token."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+from agentflash.grammar.constraint import GrammarError
+
+_fingerprints: weakref.WeakKeyDictionary[Any, tuple[int, str]] = weakref.WeakKeyDictionary()
+_lock = threading.Lock()
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """A content hash of a fast Hugging Face tokenizer (vocabulary, merges, added tokens).
+
+    Two tokenizer objects loaded from the same files share it; a retrained tokenizer does not.
+    Memoised per object (and re-computed if tokens were added since).
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        raise GrammarError(
+            f"{type(tokenizer).__name__}: grammars need a fast (Rust-backed) Hugging Face tokenizer"
+        )
+    size = len(tokenizer)
+    with _lock:
+        memo = _fingerprints.get(tokenizer)
+    if memo is not None and memo[0] == size:
+        return memo[1]
+    digest = hashlib.sha256(backend.to_str().encode()).hexdigest()[:32]
+    with _lock:
+        _fingerprints[tokenizer] = (size, digest)
+    return digest
+
+
+@dataclass(frozen=True)
+class TokenizerInfo:
+    """What a compiled grammar depends on besides its source. Equal infos share compilations."""
+
+    fingerprint: str
+    vocab_size: int  # rows of the model's embedding; masks cover this many tokens
+    eos_token_id: int  # ends the output; legal once the grammar is complete
+    tokenizer: Any = field(compare=False, repr=False)
+
+
+def tokenizer_info(
+    tokenizer: Any, vocab_size: int | None = None, eos_token_id: int | None = None
+) -> TokenizerInfo:
+    """Describe ``tokenizer`` for a model with ``vocab_size`` logits (default: the tokenizer's
+    size); the end token defaults to the tokenizer's eos (``<|im_end|>`` for chat models)."""
+    size = len(tokenizer)
+    vocab_size = size if vocab_size is None else vocab_size
+    if vocab_size < size:
+        raise GrammarError(
+            f"the model's vocabulary ({vocab_size} logits) is smaller than the "
+            f"tokenizer's ({size} tokens)"
+        )
+    eos = tokenizer.eos_token_id if eos_token_id is None else eos_token_id
+    if eos is None:
+        raise GrammarError("the tokenizer has no eos token; pass eos_token_id")
+    if not 0 <= eos < size:
+        raise GrammarError(f"eos_token_id {eos} is outside the tokenizer's {size} tokens")
+    return TokenizerInfo(tokenizer_fingerprint(tokenizer), vocab_size, eos, tokenizer)

@@ -1,0 +1,194 @@
+"""Grammars for tool calls in the chat format the model was trained on.
+
+A call is ``<tool_call>\\n{"name": "X", "arguments": {...}}\\n</tool_call>`` (``<tool_call>`` and
+``</tool_call>`` are single added tokens; the JSON uses ``json.dumps`` separators), calls are
+separated by ``\\n``, text before the calls ends with ``\\n``, and the turn ends with the end token
+(``<|im_end|>``), which every constraint adds by itself. See ``agentflash/train/tokenizer.py``.
+"""
+
+from __future__ import annotations
+
+import copy
+import enum
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from agentflash.grammar.checks import check_schema
+from agentflash.grammar.constraint import GrammarError
+from agentflash.grammar.llguidance_backend import JSON_STYLE_OPTIONS, check_schema_supported
+from agentflash.grammar.sources import GrammarSource, JsonStyle, json_schema, lark
+from agentflash.tool_format import CLOSE, OPEN
+
+_EMPTY_PARAMETERS = {"type": "object", "properties": {}}
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    """A tool as grammars need it: its name and the JSON Schema of its arguments."""
+
+    name: str
+    parameters: dict[str, Any]
+
+
+def tool_specs(tools: list[dict[str, Any]]) -> list[ToolSpec]:
+    """Read an OpenAI ``tools`` list (``{"type": "function", "function": {...}}`` entries, or
+    bare ``{"name", "parameters"}`` ones); each schema is checked, errors name the tool."""
+    if not isinstance(tools, list):
+        raise GrammarError(f"tools: expected a list, got {type(tools).__name__}")
+    specs: list[ToolSpec] = []
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        fn = tool.get("function", tool) if isinstance(tool, dict) else None
+        if not isinstance(fn, dict):
+            raise GrammarError(f"{where}: expected an object with a function")
+        name = fn.get("name")
+        if not isinstance(name, str) or not name:
+            raise GrammarError(f"{where}: the function needs a non-empty string name")
+        if any(s.name == name for s in specs):
+            raise GrammarError(f"{where}: two tools are named {name!r}")
+        params = fn.get("parameters", _EMPTY_PARAMETERS)
+        if not isinstance(params, dict) or params.get("type", "object") != "object":
+            raise GrammarError(f"{where} ({name}): parameters must be a JSON Schema of type object")
+        check_schema(params, f"{where} ({name}) parameters")
+        check_schema_supported(params, f"{where} ({name}) parameters")
+        specs.append(ToolSpec(name, params))
+    return specs
+
+
+def _rebase_refs(node: Any, base: str) -> Any:
+    """Point local ``$ref``s at where the schema is embedded (``#`` becomes ``base``)."""
+    if isinstance(node, dict):
+        out = {k: _rebase_refs(v, base) for k, v in node.items()}
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#"):
+            out["$ref"] = base + ref[1:]
+        return out
+    if isinstance(node, list):
+        return [_rebase_refs(v, base) for v in node]
+    return node
+
+
+def tool_call_schema(tools: list[dict[str, Any]] | list[ToolSpec]) -> dict[str, Any]:
+    """The JSON Schema of one call's body: ``{"name": <a tool>, "arguments": <its schema>}``,
+    an ``anyOf`` whose ``name`` const selects the tool's arguments schema."""
+    specs = _specs(tools)
+    if not specs:
+        raise GrammarError("tools: the list is empty")
+    branches = []
+    for i, spec in enumerate(specs):
+        base = f"#/anyOf/{i}/properties/arguments"
+        arguments = _rebase_refs(copy.deepcopy(spec.parameters), base)
+        branches.append(
+            {
+                "type": "object",
+                "properties": {"name": {"const": spec.name}, "arguments": arguments},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+        )
+    return {"anyOf": branches}
+
+
+def tool_call_body(
+    tools: list[dict[str, Any]] | list[ToolSpec], json_style: JsonStyle = JsonStyle.DUMPS
+) -> GrammarSource:
+    """The grammar of one call's JSON body (what goes between the tags)."""
+    return json_schema(tool_call_schema(tools), origin="tools", json_style=json_style)
+
+
+class ToolChoiceMode(enum.Enum):
+    AUTO = "auto"  # text, calls, or text then calls
+    NONE = "none"  # text only
+    REQUIRED = "required"  # one or more calls, nothing else
+    NAMED = "named"  # calls of one given tool
+
+
+@dataclass(frozen=True)
+class ToolChoice:
+    """OpenAI's ``tool_choice``; ``name`` is set for ``NAMED``."""
+
+    mode: ToolChoiceMode
+    name: str | None = None
+
+    @classmethod
+    def parse(cls, value: str | dict[str, Any] | ToolChoice | None) -> ToolChoice:
+        """``"auto"`` (also None), ``"none"``, ``"required"``, a tool name, or
+        ``{"type": "function", "function": {"name": ...}}``."""
+        if isinstance(value, ToolChoice):
+            return value
+        if value is None:
+            return cls(ToolChoiceMode.AUTO)
+        if isinstance(value, dict):
+            fn = value.get("function")
+            name = fn.get("name") if isinstance(fn, dict) else None
+            if value.get("type") != "function" or not isinstance(name, str) or not name:
+                raise GrammarError(
+                    f'tool_choice: expected {{"type": "function", '
+                    f'"function": {{"name": ...}}}}, got {value!r}'
+                )
+            return cls(ToolChoiceMode.NAMED, name)
+        if isinstance(value, str) and value:
+            modes = {m.value: m for m in ToolChoiceMode if m is not ToolChoiceMode.NAMED}
+            return cls(modes[value]) if value in modes else cls(ToolChoiceMode.NAMED, value)
+        raise GrammarError(
+            f"tool_choice: expected auto, none, required or a tool name, got {value!r}"
+        )
+
+
+# Free text may not contain the opening tag spelled out in ordinary tokens: the runtime parses
+# calls from text, so a spelled tag would be a call that escaped the grammar.
+_TEXT = f"/(?s:.*)/ & ~/(?s:.*){OPEN}(?s:.*)/"
+_TEXT_BEFORE_CALLS = f"/(?s:.+)\\n/ & ~/(?s:.*){OPEN}(?s:.*)/"
+
+
+def assistant_turn(
+    tools: list[dict[str, Any]] | list[ToolSpec],
+    tool_choice: str | dict[str, Any] | ToolChoice | None = "auto",
+    parallel_tool_calls: bool = True,
+) -> GrammarSource:
+    """The grammar of a whole assistant reply under ``tool_choice``.
+
+    ``required``: one or more calls (one if not ``parallel_tool_calls``), nothing else. A named
+    tool: the same, restricted to that tool. ``auto``: free text, or optional text then calls;
+    once ``<tool_call>`` is written, the body is constrained to the tools' union. ``none``: free
+    text without calls. The end token is legal wherever the reply may end.
+    """
+    choice = ToolChoice.parse(tool_choice)
+    specs = _specs(tools)
+    if choice.mode is ToolChoiceMode.NONE:
+        return lark(f"start: TEXT\nTEXT: {_TEXT}\n", origin="tool_choice=none")
+    if not specs:
+        if choice.mode is ToolChoiceMode.AUTO:
+            return lark(f"start: TEXT\nTEXT: {_TEXT}\n", origin="tool_choice=auto")
+        raise GrammarError(f"tool_choice={choice.mode.value}: no tools were given")
+    if choice.mode is ToolChoiceMode.NAMED:
+        chosen = [s for s in specs if s.name == choice.name]
+        if not chosen:
+            known = ", ".join(s.name for s in specs)
+            raise GrammarError(f"tool_choice: no tool is named {choice.name!r} (tools: {known})")
+        specs = chosen
+    body = {**tool_call_schema(specs), "x-guidance": JSON_STYLE_OPTIONS[JsonStyle.DUMPS]}
+    repeat = ' ("\\n" call)*' if parallel_tool_calls else ""
+    rules = [
+        f"calls: call{repeat}",
+        f'call: {OPEN} "\\n" body "\\n" {CLOSE}',
+        f"body: %json {json.dumps(body, ensure_ascii=False)}",
+    ]
+    if choice.mode is ToolChoiceMode.AUTO:
+        rules = [
+            "start: TEXT | TEXT_BEFORE_CALLS? calls",
+            *rules,
+            f"TEXT: {_TEXT}",
+            f"TEXT_BEFORE_CALLS: {_TEXT_BEFORE_CALLS}",
+        ]
+    else:
+        rules = ["start: calls", *rules]
+    origin = f"tool_choice={choice.name if choice.name else choice.mode.value}"
+    return lark("\n".join(rules) + "\n", origin=origin)
+
+
+def _specs(tools: list[dict[str, Any]] | list[ToolSpec]) -> list[ToolSpec]:
+    if all(isinstance(t, ToolSpec) for t in tools):
+        return list(tools)  # type: ignore[arg-type]
+    return tool_specs(tools)  # type: ignore[arg-type]
