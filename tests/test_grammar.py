@@ -1,0 +1,698 @@
+"""Grammar layer: outputs valid under generated schemas, draft masks, rollback, forced tokens,
+errors, the compile cache. Outputs come from a random "model" (random legal tokens, biased to
+close structures) on the demo tokenizer, so no trained model is needed."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import jsonschema
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from agentflash.grammar import (
+    Backend,
+    GrammarError,
+    GrammarViolation,
+    JsonStyle,
+    allocate_bitmask,
+    allowed_token_ids,
+    apply_bitmask_,
+    cache_info,
+    compile_grammar,
+    constrained_draft,
+    ebnf,
+    json_schema,
+    json_schema_file,
+    lark,
+    masks_along_drafts,
+    pydantic_model,
+    regex,
+    unpack_bitmask,
+)
+from agentflash.grammar.bench import allowed_array, closing_tokens, measure, random_output
+
+BACKENDS = [Backend.LLGUIDANCE, Backend.OUTLINES]
+KINDS = [
+    "object",
+    "array",
+    "string",
+    "integer",
+    "number",
+    "boolean",
+    "null",
+    "enum",
+    "const",
+    "anyOf",
+]
+WORDS = ["id", "name", "city", "tags", "count", "price", "ok", "note", "items", "meta", "kind"]
+
+
+@pytest.fixture(scope="module")
+def tok(demo_tokenizer_dir):
+    return AutoTokenizer.from_pretrained(demo_tokenizer_dir)
+
+
+@pytest.fixture(scope="module")
+def closers(tok):
+    return closing_tokens(tok, len(tok) + 40)
+
+
+def random_schema(
+    rng: random.Random, depth: int = 0, kind: str | None = None, number_bounds: bool = True
+) -> dict:
+    """A satisfiable schema over every JSON type, with nesting, enums, bounds, required sets
+    (``number_bounds=False`` leaves out minimum/maximum, which outlines-core ignores)."""
+    if kind is None:
+        kinds = KINDS if depth < 3 else KINDS[2:-1]
+        kind = rng.choice(kinds)
+    if kind == "string":
+        schema: dict = {"type": "string"}
+        roll = rng.random()
+        if roll < 0.3:
+            low = rng.randint(0, 3)
+            schema.update(minLength=low, maxLength=low + rng.randint(0, 6))
+        elif roll < 0.45:
+            schema["pattern"] = "^[a-z]{1,6}$"
+        elif roll < 0.55:
+            schema["format"] = "date"
+        return schema
+    if kind in ("integer", "number"):
+        schema = {"type": kind}
+        if number_bounds and rng.random() < 0.6:
+            low = rng.randint(-50, 50)
+            schema.update(minimum=low, maximum=low + rng.randint(0, 200))
+        return schema
+    if kind in ("boolean", "null"):
+        return {"type": kind}
+    if kind == "enum":
+        return {"enum": rng.sample(["red", "green", "a b", 3, -7, None, True], rng.randint(1, 4))}
+    if kind == "const":
+        return {"const": rng.choice(["fixed", 42, False, None])}
+    if kind == "array":
+        schema = {"type": "array", "items": random_schema(rng, depth + 1, None, number_bounds)}
+        low = rng.randint(0, 2)
+        schema["minItems"] = low
+        if rng.random() < 0.7:
+            schema["maxItems"] = low + rng.randint(0, 3)
+        return schema
+    if kind == "object":
+        names = rng.sample(WORDS, rng.randint(1, 4))
+        properties = {n: random_schema(rng, depth + 1, None, number_bounds) for n in names}
+        schema = {
+            "type": "object",
+            "properties": properties,
+            "required": [n for n in names if rng.random() < 0.6],
+        }
+        if rng.random() < 0.8:
+            schema["additionalProperties"] = False
+        return schema
+    assert kind == "anyOf"
+    first, second = rng.sample(["string", "integer", "null", "boolean", "array"], 2)
+    return {
+        "anyOf": [
+            random_schema(rng, depth + 1, first, number_bounds),
+            random_schema(rng, depth + 1, second, number_bounds),
+        ]
+    }
+
+
+def dumps_layout_ok(text: str) -> bool:
+    """json.dumps layout: outside strings, ", " and ": " and no other whitespace."""
+    in_string = escaped = False
+    for i, ch in enumerate(text):
+        if in_string:
+            escaped = not escaped and ch == "\\"
+            in_string = escaped or ch != '"'
+            continue
+        if ch == '"':
+            in_string = True
+        elif ch in ",:" and text[i + 1 : i + 2] != " ":
+            return False
+        elif ch.isspace() and text[i - 1 : i] not in (",", ":"):
+            return False
+    return True
+
+
+def decoded(tok, tokens: list[int]) -> str:
+    assert tokens and tokens[-1] == tok.eos_token_id, "the output did not finish"
+    return tok.decode(tokens[:-1])
+
+
+# --- every output is valid ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_outputs_validate_against_generated_schemas(tok, closers, seed):
+    rng = random.Random(seed)
+    schema = random_schema(rng, kind=KINDS[seed % len(KINDS)])
+    grammar = compile_grammar(json_schema(schema), tok, vocab_size=len(tok) + 40)
+    validator = jsonschema.Draft202012Validator(
+        schema, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER
+    )
+    for _ in range(2):
+        text = decoded(tok, random_output(grammar.new_constraint(), closers, rng))
+        validator.validate(json.loads(text))
+        assert dumps_layout_ok(text), text
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_outlines_outputs_validate_against_generated_schemas(tok, closers, seed):
+    pytest.importorskip("outlines_core")
+    rng = random.Random(100 + seed)
+    schema = random_schema(rng, kind=KINDS[seed % len(KINDS)], number_bounds=False)
+    grammar = compile_grammar(
+        json_schema(schema), tok, backend=Backend.OUTLINES, vocab_size=len(tok) + 40
+    )
+    validator = jsonschema.Draft202012Validator(
+        schema, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER
+    )
+    text = decoded(tok, random_output(grammar.new_constraint(), closers, rng))
+    validator.validate(json.loads(text))
+
+
+@pytest.mark.parametrize("style", list(JsonStyle))
+def test_json_style_sets_the_layout(tok, closers, style):
+    schema = {
+        "type": "object",
+        "properties": {
+            "a": {"type": "array", "items": {"type": "integer"}, "minItems": 2, "maxItems": 2},
+            "b": {"type": "boolean"},
+        },
+        "required": ["a", "b"],
+        "additionalProperties": False,
+    }
+    grammar = compile_grammar(json_schema(schema, json_style=style), tok)
+    compact = tok.encode('{"a":[1,2],"b":true}', add_special_tokens=False) + [tok.eos_token_id]
+    spaced = tok.encode('{"a": [1, 2], "b": true}', add_special_tokens=False) + [tok.eos_token_id]
+    loose = tok.encode('{ "a" : [1 ,2], "b":true }', add_special_tokens=False) + [tok.eos_token_id]
+    legal = {
+        name: grammar.new_constraint().validate_draft(ids) == len(ids)
+        for name, ids in (("compact", compact), ("spaced", spaced), ("loose", loose))
+    }
+    expected = {
+        JsonStyle.COMPACT: {"compact"},
+        JsonStyle.DUMPS: {"spaced"},
+        JsonStyle.FLEXIBLE: {"compact", "spaced", "loose"},
+    }[style]
+    assert {name for name, ok in legal.items() if ok} == expected
+
+
+def test_pydantic_model_outputs_parse_as_the_model(tok, closers):
+    from typing import Literal
+
+    from pydantic import BaseModel, Field
+
+    class Address(BaseModel):
+        street: str = Field(max_length=12)
+        zip: int = Field(ge=10000, le=99999)
+
+    class Person(BaseModel):
+        name: str = Field(max_length=10)
+        role: Literal["admin", "user"]
+        addresses: list[Address] = Field(max_length=2)
+
+    grammar = compile_grammar(pydantic_model(Person), tok)
+    for seed in range(3):
+        text = decoded(tok, random_output(grammar.new_constraint(), closers, random.Random(seed)))
+        Person.model_validate_json(text)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_regex_outputs_match(tok, closers, backend):
+    import re
+
+    pytest.importorskip("outlines_core")
+    pattern = r"(yes|no), [0-9]{2,4}( items)?"
+    grammar = compile_grammar(regex(pattern), tok, backend=backend)
+    for seed in range(4):
+        text = decoded(tok, random_output(grammar.new_constraint(), closers, random.Random(seed)))
+        assert re.fullmatch(pattern, text), text
+
+
+def test_lark_and_ebnf_outputs_match(tok, closers):
+    nested = 'start: "[" item ("," item)* "]"\nitem: "a" | "bb" | start'
+    grammar = compile_grammar(lark(nested), tok)
+    gbnf = compile_grammar(ebnf('root ::= "say " ("yes" | "no")'), tok)
+    for seed in range(4):
+        text = decoded(tok, random_output(grammar.new_constraint(), closers, random.Random(seed)))
+        assert text.startswith("[") and text.endswith("]") and set(text) <= set("[],abb"), text
+        said = decoded(tok, random_output(gbnf.new_constraint(), closers, random.Random(seed)))
+        assert said in ("say yes", "say no")
+
+
+# --- masks along a draft, rollback, the end token ----------------------------------------------
+
+
+def walk(tok, closers, grammar, seed: int) -> list[int]:
+    return random_output(grammar.new_constraint(), closers, random.Random(seed))
+
+
+def snapshot(constraint) -> tuple:
+    return (
+        constraint.num_tokens,
+        constraint.is_accepting(),
+        constraint.is_finished(),
+        constraint.bitmask().tolist(),
+        constraint.forced_tokens(),
+    )
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("seed", range(4))
+def test_masks_along_draft_equal_token_by_token_masks(tok, closers, backend, seed):
+    pytest.importorskip("outlines_core")
+    schema = random_schema(
+        random.Random(seed), kind="object", number_bounds=backend is Backend.LLGUIDANCE
+    )
+    grammar = compile_grammar(json_schema(schema), tok, backend=backend, vocab_size=len(tok) + 40)
+    output = walk(tok, closers, grammar, seed)
+    constraint = grammar.new_constraint()
+    for pos in range(0, len(output), 3):
+        draft = output[pos : pos + 16]
+        before = snapshot(constraint)
+        masks = constraint.masks_along_draft(draft)
+        assert snapshot(constraint) == before
+        for i, token in enumerate(draft):
+            assert torch.equal(masks[i], constraint.bitmask()), f"row {i} at {pos}"
+            constraint.advance([token])
+        assert torch.equal(masks[len(draft)], constraint.bitmask())
+        constraint.rollback(len(draft))
+        assert snapshot(constraint) == before
+        constraint.advance(output[pos : pos + 3])
+
+
+def test_batched_masks_equal_single_masks(tok, closers):
+    grammars = [
+        compile_grammar(json_schema(random_schema(random.Random(s), kind="object")), tok)
+        for s in range(3)
+    ]
+    outputs = [walk(tok, closers, g, s) for s, g in enumerate(grammars)]
+    constraints = [g.new_constraint() for g in grammars]
+    for c, out in zip(constraints, outputs, strict=True):
+        c.advance(out[:2])
+    drafts = [out[2:18] for out in outputs]
+    batched = masks_along_drafts(constraints, drafts)
+    for c, draft, masks in zip(constraints, drafts, batched, strict=True):
+        assert torch.equal(masks, c._masks_one_by_one(draft))
+        assert c.num_tokens == 2
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rollback_restores_the_exact_state(tok, closers, backend):
+    pytest.importorskip("outlines_core")
+    schema = random_schema(
+        random.Random(7), kind="object", number_bounds=backend is Backend.LLGUIDANCE
+    )
+    grammar = compile_grammar(json_schema(schema), tok, backend=backend)
+    output = walk(tok, closers, grammar, 7)
+    constraint = grammar.new_constraint()
+    states = [snapshot(constraint)]
+    for token in output:
+        constraint.advance([token])
+        states.append(snapshot(constraint))
+    assert constraint.is_finished()
+    rng = random.Random(0)
+    while constraint.num_tokens:
+        back = rng.randint(1, min(5, constraint.num_tokens))
+        constraint.rollback(back)
+        assert snapshot(constraint) == states[constraint.num_tokens]
+    constraint.advance(output)
+    assert snapshot(constraint) == states[-1]
+    constraint.reset()
+    assert snapshot(constraint) == states[0]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_validate_draft_cuts_at_the_first_illegal_token(tok, closers, backend):
+    pytest.importorskip("outlines_core")
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer"}},
+        "required": ["n"],
+        "additionalProperties": False,
+    }
+    grammar = compile_grammar(json_schema(schema), tok, backend=backend, vocab_size=len(tok) + 40)
+    good = tok.encode('{"n": 12}', add_special_tokens=False)
+    eos = tok.eos_token_id
+    constraint = grammar.new_constraint()
+    assert constraint.validate_draft(good + [eos]) == len(good) + 1
+    assert constraint.validate_draft(good + [eos, eos]) == len(good) + 1  # nothing after the end
+    assert constraint.validate_draft(good[:-1] + [eos]) == len(good) - 1  # not complete yet
+    bad = tok.encode('{"n": "x"}', add_special_tokens=False)
+    first_bad = next(i for i, (a, b) in enumerate(zip(good, bad, strict=False)) if a != b)
+    assert constraint.validate_draft(bad) == first_bad
+    assert constraint.validate_draft([len(tok) + 5]) == 0  # a padding row of the model vocab
+    assert constraint.validate_draft([10**9]) == 0
+    before = snapshot(constraint)
+    with pytest.raises(GrammarViolation):
+        constraint.advance(bad)
+    assert snapshot(constraint) == before
+    with pytest.raises(GrammarViolation):
+        constraint.masks_along_draft(bad)
+
+
+def test_mask_agrees_with_validate(tok, closers):
+    grammar = compile_grammar(json_schema(random_schema(random.Random(3), kind="object")), tok)
+    output = walk(tok, closers, grammar, 3)
+    constraint = grammar.new_constraint()
+    rng = random.Random(1)
+    for token in output[:-1]:
+        allowed = set(allowed_token_ids(constraint.bitmask(), constraint.vocab_size))
+        for candidate in rng.sample(range(len(tok)), 60) + list(allowed)[:20]:
+            assert constraint.validate_draft([candidate]) == (candidate in allowed), candidate
+        constraint.advance([token])
+
+
+def test_end_token_rules(tok):
+    eos = tok.eos_token_id
+    grammar = compile_grammar(regex("ab?"), tok, vocab_size=len(tok) + 40)
+    constraint = grammar.new_constraint()
+    assert not constraint.is_accepting() and eos not in allowed_token_ids(
+        constraint.bitmask(), len(tok)
+    )
+    constraint.advance(tok.encode("a", add_special_tokens=False))
+    assert constraint.is_accepting()
+    allowed = allowed_token_ids(constraint.bitmask(), len(tok) + 40)
+    assert eos in allowed and max(allowed) < len(tok)
+    constraint.advance([eos])
+    assert constraint.is_finished() and not constraint.is_accepting()
+    assert allowed_token_ids(constraint.bitmask(), len(tok) + 40) == [eos]
+    assert constraint.forced_tokens() == [] and constraint.validate_draft([eos]) == 0
+    constraint.rollback(1)
+    assert constraint.is_accepting() and not constraint.is_finished()
+
+
+# --- forced tokens and constrained drafting ----------------------------------------------------
+
+
+def test_forced_tokens_fill_keys_and_literals(tok):
+    schema = {
+        "type": "object",
+        "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}, "n": {"type": "integer"}},
+        "required": ["unit", "n"],
+        "additionalProperties": False,
+    }
+    constraint = compile_grammar(json_schema(schema), tok).new_constraint()
+    forced = constraint.forced_tokens()
+    assert '{"unit": "'.startswith(tok.decode(forced)) and len(tok.decode(forced)) >= 8
+    constraint.advance(forced)
+    typed = '{"unit": "fa'[len(tok.decode(forced)) :]
+    constraint.advance(tok.encode(typed, add_special_tokens=False))
+    rest = tok.decode(constraint.forced_tokens())
+    assert len(rest) >= len("hrenheit") and 'hrenheit", "n":'.startswith(rest), rest
+    constraint.advance(tok.encode('hrenheit", "n": 5}', add_special_tokens=False))
+    assert constraint.forced_tokens() == [tok.eos_token_id]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_every_continuation_starts_with_the_forced_tokens(tok, closers, backend):
+    pytest.importorskip("outlines_core")
+    schema = random_schema(
+        random.Random(11), kind="object", number_bounds=backend is Backend.LLGUIDANCE
+    )
+    grammar = compile_grammar(json_schema(schema), tok, backend=backend)
+    output = walk(tok, closers, grammar, 11)
+    constraint = grammar.new_constraint()
+    num_forced = 0
+    for pos, token in enumerate(output):
+        forced = constraint.forced_tokens()
+        num_forced += bool(forced)
+        assert constraint.validate_draft(forced) == len(forced)
+        if forced and forced[-1] == tok.eos_token_id:  # only the end may follow
+            assert allowed_token_ids(constraint.bitmask(), len(tok)) == [tok.eos_token_id]
+        for seed in range(2 if pos % 3 == 0 else 0):  # other continuations agree with them too
+            probe = grammar.new_constraint()
+            probe.advance(output[:pos])
+            rest = random_output(probe, closers, random.Random(seed), max_tokens=120)
+            body = [t for t in forced if t != tok.eos_token_id]
+            assert tok.decode(rest).startswith(tok.decode(body))
+        constraint.advance([token])
+    assert num_forced > 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_constrained_draft_is_legal_and_leaves_the_state(tok, closers, backend):
+    pytest.importorskip("outlines_core")
+    schema = random_schema(
+        random.Random(5), kind="object", number_bounds=backend is Backend.LLGUIDANCE
+    )
+    grammar = compile_grammar(json_schema(schema), tok, backend=backend, vocab_size=len(tok) + 40)
+    output = walk(tok, closers, grammar, 5)
+    constraint = grammar.new_constraint()
+    generator = torch.Generator().manual_seed(0)
+    for pos in range(0, len(output) - 1, 4):
+        constraint.reset()
+        constraint.advance(output[:pos])
+        logits = torch.randn(16, len(tok) + 40, generator=generator)
+        logits[:, len(tok) :] = 100.0  # padding rows would win an unmasked argmax
+        before = snapshot(constraint)
+        draft = constrained_draft(constraint, logits)
+        assert snapshot(constraint) == before
+        assert constraint.validate_draft(draft.tokens) == len(draft.tokens) > 0
+        plain = constrained_draft(constraint, logits, use_forced=False)
+        assert plain.num_forced == 0
+        # without forcing, each slot is the argmax of its masked logits
+        for slot, token in enumerate(plain.tokens):
+            masked = apply_bitmask_(logits[slot].clone(), constraint.bitmask())
+            assert token == int(masked.argmax())
+            constraint.advance([token])
+        constraint.rollback(len(plain.tokens))
+
+
+def test_constrained_draft_follows_the_drafter_where_it_is_legal(tok):
+    text = '{"city": "Paris", "days": 3}'
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+        "required": ["city", "days"],
+        "additionalProperties": False,
+    }
+    constraint = compile_grammar(json_schema(schema), tok).new_constraint()
+    target = tok.encode(text, add_special_tokens=False) + [tok.eos_token_id]
+    logits = torch.zeros(len(target) + 3, len(tok))
+    for slot, token in enumerate(target):
+        logits[slot, token] = 5.0
+    draft = constrained_draft(constraint, logits)
+    assert draft.tokens == target and draft.num_forced >= 3
+
+
+# --- bitmask helpers ---------------------------------------------------------------------------
+
+
+def test_apply_bitmask_masks_exactly_the_disallowed_tokens():
+    vocab = 100
+    allowed = [0, 5, 31, 32, 63, 64, 99]
+    bitmask = allocate_bitmask(2, vocab)
+    for token in allowed:
+        value = int(bitmask[1, token // 32]) | (1 << token % 32)
+        bitmask[1, token // 32] = value - (1 << 32) if value >= 1 << 31 else value
+    assert allowed_token_ids(bitmask[1], vocab) == allowed
+    assert unpack_bitmask(bitmask, vocab).shape == (2, vocab)
+    logits = torch.randn(2, vocab)
+    masked = apply_bitmask_(logits.clone(), bitmask)
+    assert torch.isinf(masked[0]).all()
+    assert torch.equal(masked[1, allowed], logits[1, allowed])
+    assert torch.isinf(masked[1]).sum() == vocab - len(allowed)
+
+
+# --- errors ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("schema", "where", "what"),
+    [
+        (
+            {
+                "type": "object",
+                "properties": {
+                    "a": {"type": "object", "properties": {"b": {"not": {"type": "string"}}}}
+                },
+            },
+            "#/properties/a/properties/b",
+            "not",
+        ),
+        (
+            {"type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}},
+            "#/properties/tags",
+            "uniqueItems",
+        ),
+        (
+            {"type": "object", "properties": {"x": {"type": "strin"}}},
+            "#/properties/x/type",
+            "strin",
+        ),
+        (
+            {
+                "type": "object",
+                "properties": {"x": {"type": "integer", "minimum": 5, "maximum": 1}},
+            },
+            "#/properties/x",
+            "minimum",
+        ),
+        (
+            {"type": "object", "properties": {"x": {"type": "string", "format": "colour"}}},
+            "#/properties/x",
+            "colour",
+        ),
+        (
+            {"type": "object", "properties": {"x": {"$ref": "#/$defs/missing"}}},
+            "#/properties/x",
+            "missing",
+        ),
+        (
+            {"type": "object", "properties": {"x": {"type": "string", "pattern": "(?=a)b"}}},
+            "#/properties/x",
+            "look-around",
+        ),
+        (
+            {"type": "object", "properties": {"next": {"$ref": "#"}}, "required": ["next"]},
+            "#/properties/next",
+            "no finite JSON value",
+        ),
+        (
+            {
+                "$defs": {
+                    "node": {
+                        "type": "object",
+                        "properties": {
+                            "kids": {
+                                "type": "array",
+                                "items": {"$ref": "#/$defs/node"},
+                                "minItems": 1,
+                            }
+                        },
+                        "required": ["kids"],
+                    }
+                },
+                "$ref": "#/$defs/node",
+            },
+            "#/$defs/node/properties/kids/items",
+            "no finite JSON value",
+        ),
+    ],
+)
+def test_bad_schemas_name_the_field(tok, schema, where, what):
+    with pytest.raises(GrammarError) as err:
+        compile_grammar(json_schema(schema, origin="answer.json"), tok)
+    message = str(err.value)
+    assert message.startswith(f"answer.json: {where}:") and what in message, message
+
+
+def test_recursive_schemas_that_can_end_compile(tok, closers):
+    tree = {
+        "type": "object",
+        "properties": {
+            "v": {"type": "integer"},
+            "kids": {"type": "array", "items": {"$ref": "#"}, "maxItems": 2},
+        },
+        "required": ["v"],
+        "additionalProperties": False,
+    }
+    grammar = compile_grammar(json_schema(tree), tok)
+    text = decoded(tok, random_output(grammar.new_constraint(), closers, random.Random(0)))
+    jsonschema.validate(json.loads(text), tree)
+
+
+def test_schema_files_name_the_file_and_line(tok, tmp_path: Path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{\n  "type": "object",\n  "properties": {,}\n}\n')
+    with pytest.raises(GrammarError, match=r"bad\.json:3:\d+: invalid JSON"):
+        json_schema_file(bad)
+    with pytest.raises(GrammarError, match="missing.json: cannot read"):
+        json_schema_file(tmp_path / "missing.json")
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps({"type": "array", "items": {"type": "boolean"}, "maxItems": 2}))
+    assert compile_grammar(json_schema_file(good), tok).new_constraint().forced_tokens()
+
+
+@pytest.mark.parametrize(
+    ("source", "what"),
+    [
+        (lambda: lark('start: "a" b\nb: "x" b'), "can never finish: rule 'start'"),
+        (lambda: lark('start: item+\nitem: "(" item ")"'), "can never finish"),
+        (lambda: lark("start: foo"), "unknown name"),
+        (lambda: lark("start: /[/"), "unclosed character class"),
+        (lambda: regex("a[b"), "invalid regex"),
+        (lambda: regex("[a&&b]"), "no output matches"),
+        (lambda: json_schema({"anyOf": []}), "anyOf"),
+        (lambda: json_schema(False), "false"),
+        (lambda: json_schema("not a schema"), "must be an object"),
+        (lambda: pydantic_model(type("Opaque", (), {})), "Opaque: pydantic cannot"),
+    ],
+)
+def test_bad_grammars_raise_clear_errors(tok, source, what):
+    with pytest.raises(GrammarError) as err:
+        compile_grammar(source(), tok)
+    assert what in str(err.value), str(err.value)
+
+
+def test_productive_lark_grammars_pass_the_finish_check(tok):
+    ok = 'start: expr\nexpr: term ("+" term)*\nterm: NUM | "(" expr ")"\nNUM: /[0-9]+/\n'
+    constraint = compile_grammar(lark(ok), tok).new_constraint()
+    ids = tok.encode("(1+2)+3", add_special_tokens=False) + [tok.eos_token_id]
+    assert constraint.validate_draft(ids) == len(ids)
+
+
+def test_outlines_refuses_what_it_cannot_do(tok):
+    pytest.importorskip("outlines_core")
+    cases = [
+        (lark('start: "a"'), "JSON Schema and regex only"),
+        (
+            json_schema(
+                {
+                    "type": "object",
+                    "properties": {"kids": {"type": "array", "items": {"$ref": "#"}}},
+                }
+            ),
+            "recursive schemas are not supported",
+        ),
+        (
+            json_schema({"type": "object", "properties": {"a": {"not": {"type": "null"}}}}),
+            "#/properties/a",
+        ),
+        (regex("a[b"), "unclosed character class"),
+    ]
+    for source, what in cases:
+        with pytest.raises(GrammarError) as err:
+            compile_grammar(source, tok, backend=Backend.OUTLINES)
+        assert what in str(err.value), str(err.value)
+
+
+def test_model_vocab_smaller_than_the_tokenizer_is_an_error(tok):
+    with pytest.raises(GrammarError, match="smaller than the tokenizer"):
+        compile_grammar(regex("a"), tok, vocab_size=len(tok) - 1)
+
+
+# --- the compile cache -------------------------------------------------------------------------
+
+
+def test_compile_cache_keys_on_source_and_tokenizer(tok, demo_tokenizer_dir):
+    schema = {"type": "object", "properties": {"cached": {"type": "boolean"}}}
+    first = compile_grammar(json_schema(schema), tok)
+    hits = cache_info()["hits"]
+    assert compile_grammar(json_schema(dict(schema)), tok) is first
+    assert cache_info()["hits"] == hits + 1
+    same_files = AutoTokenizer.from_pretrained(demo_tokenizer_dir)
+    assert compile_grammar(json_schema(schema), same_files) is first
+    assert compile_grammar(json_schema(schema), tok, vocab_size=len(tok) + 8) is not first
+    assert compile_grammar(json_schema(schema, json_style=JsonStyle.COMPACT), tok) is not first
+    other = AutoTokenizer.from_pretrained(demo_tokenizer_dir)
+    other.add_tokens(["<extra_token>"])
+    assert compile_grammar(json_schema(schema), other) is not first
+    assert compile_grammar(json_schema(schema), tok, use_cache=False) is not first
+
+
+def test_measure_reports_compile_and_draft_times(tok):
+    report = measure(
+        tok,
+        {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+        draft_len=4,
+    )
+    assert report["vocab_size"] == len(tok) and report["output_tokens"] >= 4
+    for key in ("compile_ms", "draft_step_ms", "mask_ms", "constrained_draft_ms"):
+        assert report[key]["mean"] > 0, key
+    assert allowed_array(compile_grammar(regex("x"), tok).new_constraint()).sum() >= 1

@@ -1,0 +1,327 @@
+"""Tool-call grammars: the union of an agent's tools, and whole assistant turns under tool_choice,
+in the exact chat format of the demo template."""
+
+from __future__ import annotations
+
+import random
+
+import jsonschema
+import pytest
+from transformers import AutoTokenizer
+
+from agentflash.grammar import (
+    GrammarError,
+    ToolChoice,
+    ToolChoiceMode,
+    allowed_token_ids,
+    assistant_turn,
+    compile_grammar,
+    tool_call_body,
+    tool_call_schema,
+)
+from agentflash.grammar.bench import closing_tokens, random_output
+from agentflash.tool_format import parse_tool_calls, text_outside_calls
+from agentflash.train.tokenizer import render
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather for a city.",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string", "maxLength": 12},
+                    "unit": {"enum": ["celsius", "fahrenheit"]},
+                },
+                "required": ["city"],
+                "additionalProperties": False,
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "parameters": {
+                "type": "object",
+                "$defs": {"num": {"type": "integer", "minimum": -99, "maximum": 99}},
+                "properties": {"a": {"$ref": "#/$defs/num"}, "b": {"$ref": "#/$defs/num"}},
+                "required": ["a", "b"],
+                "additionalProperties": False,
+            },
+        },
+    },
+    {
+        "name": "search",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "query": {"type": "string", "maxLength": 10},
+                "filters": {
+                    "type": "array",
+                    "maxItems": 2,
+                    "items": {
+                        "type": "object",
+                        "properties": {
+                            "field": {"type": "string", "maxLength": 6},
+                            "value": {"type": ["string", "integer", "null"]},
+                        },
+                        "required": ["field", "value"],
+                        "additionalProperties": False,
+                    },
+                },
+            },
+            "required": ["query"],
+            "additionalProperties": False,
+        },
+    },
+]
+CALLS = {
+    "get_weather": {"city": "Paris", "unit": "celsius"},
+    "add": {"a": 2, "b": -40},
+    "search": {"query": "llamas", "filters": [{"field": "year", "value": 2024}]},
+}
+
+
+@pytest.fixture(scope="module")
+def tok(demo_tokenizer_dir):
+    return AutoTokenizer.from_pretrained(demo_tokenizer_dir)
+
+
+@pytest.fixture(scope="module")
+def closers(tok):
+    return closing_tokens(tok, len(tok))
+
+
+def reply_ids(tok, content: str, calls: list[tuple[str, dict]]) -> list[int]:
+    """The token ids the chat template gives an assistant reply (after the generation prompt),
+    ending with the end token."""
+    message = {
+        "role": "assistant",
+        "content": content,
+        "tool_calls": [{"function": {"name": n, "arguments": a}} for n, a in calls],
+    }
+    text = render([{"role": "user", "content": "hi"}, message], tools=TOOLS)
+    reply = text.split("<|im_start|>assistant\n", 1)[1]
+    assert reply.endswith("<|im_end|>\n")
+    return tok(reply[: -len("\n")], add_special_tokens=False)["input_ids"]
+
+
+def is_legal(grammar, ids: list[int]) -> bool:
+    return grammar.new_constraint().validate_draft(ids) == len(ids)
+
+
+def schema_of(name: str) -> dict:
+    tool = next(t for t in TOOLS if t.get("function", t)["name"] == name)
+    return tool.get("function", tool)["parameters"]
+
+
+# --- the union of the tools --------------------------------------------------------------------
+
+
+def test_union_accepts_each_tools_call_and_rejects_unknown_names(tok):
+    grammar = compile_grammar(tool_call_body(TOOLS), tok)
+    eos = tok.eos_token_id
+    for name, arguments in CALLS.items():
+        body = f'{{"name": "{name}", "arguments": {render_json(arguments)}}}'
+        assert is_legal(grammar, tok.encode(body, add_special_tokens=False) + [eos]), body
+    unknown = tok.encode('{"name": "delete_everything", "arguments": {}}', add_special_tokens=False)
+    cut = grammar.new_constraint().validate_draft(unknown)
+    assert tok.decode(unknown[:cut]) in '{"name": "delete_everything"'
+    assert len(tok.decode(unknown[:cut])) < len('{"name": "delete_everything"')
+
+
+def test_union_rejects_arguments_of_the_wrong_shape(tok):
+    grammar = compile_grammar(tool_call_body(TOOLS), tok)
+    for body in (
+        '{"name": "add", "arguments": {"a": "2", "b": 3}}',  # wrong type
+        '{"name": "add", "arguments": {"a": 2}}',  # missing required
+        '{"name": "add", "arguments": {"a": 200, "b": 3}}',  # out of bounds via $ref
+        '{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "kelvin"}}',
+        '{"name": "get_weather", "arguments": {"a": 2, "b": 3}}',
+    ):  # another tool's args
+        ids = tok.encode(body, add_special_tokens=False) + [tok.eos_token_id]
+        assert not is_legal(grammar, ids), body
+
+
+def test_union_schema_validates_like_each_tool(tok):
+    union = tool_call_schema(TOOLS)
+    for name, arguments in CALLS.items():
+        jsonschema.validate({"name": name, "arguments": arguments}, union)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"name": "add", "arguments": {"a": 1000, "b": 1}}, union)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"name": "nope", "arguments": {}}, union)
+
+
+def test_random_bodies_are_valid_calls(tok, closers):
+    grammar = compile_grammar(tool_call_body(TOOLS), tok)
+    union = tool_call_schema(TOOLS)
+    names = set()
+    for seed in range(12):
+        tokens = random_output(grammar.new_constraint(), closers, random.Random(seed))
+        assert tokens[-1] == tok.eos_token_id
+        text = tok.decode(tokens[:-1])
+        calls, bad = parse_tool_calls(f"<tool_call>\n{text}\n</tool_call>")
+        assert not bad and len(calls) == 1, text
+        jsonschema.validate(calls[0].to_dict(), union)
+        assert (
+            text == f'{{"name": "{calls[0].name}", "arguments": {render_json(calls[0].arguments)}}}'
+        )  # the template's own layout
+        names.add(calls[0].name)
+    assert len(names) >= 2
+
+
+def render_json(value) -> str:
+    import json
+
+    return json.dumps(value, ensure_ascii=False)
+
+
+def test_bad_tools_are_named(tok):
+    cases = [
+        ([{"type": "function", "function": {"parameters": {}}}], "tools[0]: the function needs"),
+        ([TOOLS[0], TOOLS[0]], "tools[1]: two tools are named 'get_weather'"),
+        ([{"name": "f", "parameters": {"type": "array"}}], "tools[0] (f): parameters must be"),
+        (
+            [
+                {
+                    "name": "f",
+                    "parameters": {
+                        "type": "object",
+                        "properties": {"x": {"type": "object", "properties": {"y": {"not": {}}}}},
+                    },
+                }
+            ],
+            "tools[0] (f) parameters: #/properties/x/properties/y: Unimplemented keys",
+        ),
+        (
+            [
+                {
+                    "name": "f",
+                    "parameters": {
+                        "type": "object",
+                        "properties": {"n": {"type": "integer", "minimum": 3, "maximum": 2}},
+                    },
+                }
+            ],
+            "tools[0] (f) parameters: #/properties/n: minimum (3)",
+        ),
+    ]
+    for tools, what in cases:
+        with pytest.raises(GrammarError) as err:
+            compile_grammar(tool_call_body(tools), tok)
+        assert what in str(err.value), str(err.value)
+
+
+# --- whole turns under tool_choice -------------------------------------------------------------
+
+
+def test_required_forces_calls_in_the_template_format(tok, closers):
+    grammar = compile_grammar(assistant_turn(TOOLS, "required"), tok)
+    assert is_legal(grammar, reply_ids(tok, "", [("add", CALLS["add"])]))
+    assert is_legal(grammar, reply_ids(tok, "", list(CALLS.items())))
+    assert not is_legal(grammar, reply_ids(tok, "Let me add.", [("add", CALLS["add"])]))
+    constraint = grammar.new_constraint()
+    assert not constraint.is_accepting()
+    forced = tok.decode(constraint.forced_tokens())
+    assert forced.startswith('<tool_call>\n{"name": "'), forced
+    for seed in range(6):
+        tokens = random_output(grammar.new_constraint(), closers, random.Random(seed))
+        assert tokens[-1] == tok.eos_token_id
+        text = tok.decode(tokens[:-1])
+        calls, bad = parse_tool_calls(text)
+        assert calls and not bad and text_outside_calls(text) == "", text
+        for call in calls:
+            jsonschema.validate(call.arguments, schema_of(call.name))
+
+
+def test_named_choice_calls_only_that_tool(tok, closers):
+    grammar = compile_grammar(
+        assistant_turn(TOOLS, {"type": "function", "function": {"name": "search"}}), tok
+    )
+    assert is_legal(grammar, reply_ids(tok, "", [("search", CALLS["search"])]))
+    assert not is_legal(grammar, reply_ids(tok, "", [("add", CALLS["add"])]))
+    forced = tok.decode(grammar.new_constraint().forced_tokens())
+    assert forced.startswith('<tool_call>\n{"name": "search", "arguments": {"query":'), forced
+    for seed in range(3):
+        text = tok.decode(
+            random_output(grammar.new_constraint(), closers, random.Random(seed))[:-1]
+        )
+        calls, bad = parse_tool_calls(text)
+        assert [c.name for c in calls] == ["search"] * len(calls) and calls and not bad
+
+
+def test_parallel_tool_calls_false_allows_one_call(tok):
+    single = compile_grammar(assistant_turn(TOOLS, "required", parallel_tool_calls=False), tok)
+    one = reply_ids(tok, "", [("add", CALLS["add"])])
+    two = reply_ids(tok, "", [("add", CALLS["add"]), ("add", CALLS["add"])])
+    assert is_legal(single, one) and not is_legal(single, two)
+    constraint = single.new_constraint()
+    constraint.advance(one[:-1])
+    assert constraint.forced_tokens() == [tok.eos_token_id]
+
+
+def test_auto_allows_text_or_calls_and_constrains_opened_calls(tok, closers):
+    grammar = compile_grammar(assistant_turn(TOOLS, "auto"), tok)
+    assert is_legal(grammar, reply_ids(tok, "It is sunny.", []))
+    assert is_legal(grammar, reply_ids(tok, "", [("get_weather", CALLS["get_weather"])]))
+    assert is_legal(grammar, reply_ids(tok, "Checking both.\nOne moment.", list(CALLS.items())))
+    opened = tok.encode(
+        'Sure.\n<tool_call>\n{"name": "launch", "arguments": {}}', add_special_tokens=False
+    )
+    assert not is_legal(grammar, opened)
+    # text after the calls is not the template's format
+    after = (
+        reply_ids(tok, "", [("add", CALLS["add"])])[:-1]
+        + tok.encode("done", add_special_tokens=False)
+        + [tok.eos_token_id]
+    )
+    assert not is_legal(grammar, after)
+    # the opening tag spelled out in ordinary tokens would be a call that escaped the grammar
+    spelled = tok.encode("See <", add_special_tokens=False) + tok.encode(
+        "tool_call>", add_special_tokens=False
+    )
+    assert grammar.new_constraint().validate_draft(spelled) < len(spelled)
+    constraint = grammar.new_constraint()
+    tool_call = tok.convert_tokens_to_ids("<tool_call>")
+    assert tool_call in allowed_token_ids(constraint.bitmask(), len(tok))
+    constraint.advance([tool_call])
+    assert tok.decode(constraint.forced_tokens()).startswith('\n{"name": "')
+    for seed in range(8):
+        text = tok.decode(
+            random_output(grammar.new_constraint(), closers, random.Random(seed))[:-1]
+        )
+        calls, bad = parse_tool_calls(text)
+        assert not bad, text
+        for call in calls:
+            jsonschema.validate(call.arguments, schema_of(call.name))
+
+
+def test_none_and_no_tools_forbid_calls(tok):
+    for grammar in (
+        compile_grammar(assistant_turn(TOOLS, "none"), tok),
+        compile_grammar(assistant_turn([], "auto"), tok),
+    ):
+        assert is_legal(grammar, reply_ids(tok, "Just text, no tools.", []))
+        constraint = grammar.new_constraint()
+        allowed = allowed_token_ids(constraint.bitmask(), len(tok))
+        for tag in ("<tool_call>", "</tool_call>", "<|im_start|>"):
+            assert tok.convert_tokens_to_ids(tag) not in allowed
+        assert tok.eos_token_id in allowed  # an empty reply is a reply
+
+
+def test_tool_choice_parsing_and_errors():
+    assert ToolChoice.parse(None).mode is ToolChoiceMode.AUTO
+    assert ToolChoice.parse("required").mode is ToolChoiceMode.REQUIRED
+    assert ToolChoice.parse("add") == ToolChoice(ToolChoiceMode.NAMED, "add")
+    with pytest.raises(GrammarError, match="no tool is named 'sub'"):
+        assistant_turn(TOOLS, "sub")
+    with pytest.raises(GrammarError, match="no tools were given"):
+        assistant_turn([], "required")
+    with pytest.raises(GrammarError, match="tool_choice: expected"):
+        assistant_turn(TOOLS, {"type": "function"})
+    with pytest.raises(GrammarError, match="tool_choice: expected"):
+        assistant_turn(TOOLS, 3)  # type: ignore[arg-type]
