@@ -7,10 +7,11 @@ between chunks so that a test can watch tool calls being dispatched while the re
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import json
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,13 +46,14 @@ class ScriptedTurn:
         return cls(text + "\n".join(tool_call_text(n, a) for n, a in calls), **options)
 
 
-Script = Sequence[ScriptedTurn | str] | Callable[[ModelRequest], ScriptedTurn | str]
+Reply = ScriptedTurn | str
+Script = Sequence[Reply] | Callable[[ModelRequest], Reply | Awaitable[Reply]]
 
 
 class ScriptedBackend(Backend):
-    """Replays ``script``: a list of replies taken in order, or a function from the request to the
-    reply (for concurrent runs, where the order of requests is not fixed). Every request received
-    is kept in ``requests``."""
+    """Replays ``script``: a list of replies taken in order, or a function (sync or async) from the
+    request to the reply, for concurrent runs where the order of requests is not fixed. Every
+    request received is kept in ``requests``."""
 
     model_name = "scripted"
 
@@ -61,9 +63,11 @@ class ScriptedBackend(Backend):
         self.requests: list[ModelRequest] = []
         self._turns = itertools.count()
 
-    def _reply(self, request: ModelRequest) -> ScriptedTurn:
+    async def _reply(self, request: ModelRequest) -> ScriptedTurn:
         if self._next is None:
             reply = self._script(request)  # type: ignore[operator]
+            if inspect.isawaitable(reply):
+                reply = await reply
         else:
             reply = next(self._next, None)
             if reply is None:
@@ -73,7 +77,7 @@ class ScriptedBackend(Backend):
 
     async def stream(self, request: ModelRequest) -> AsyncIterator[ModelEvent]:
         self.requests.append(request)
-        turn = self._reply(request)
+        turn = await self._reply(request)
         parser = HermesStreamParser(f"call_{next(self._turns)}")
         started = time.perf_counter()
         chunks = [turn.text[i : i + turn.chunk_size]

@@ -1,0 +1,228 @@
+"""An agent: instructions, tools, the agents it may hand over to, and what its answer must be."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import re
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from agentflash.backends.base import Decoding, ForceTool, ToolChoice, ToolChoiceSpec
+from agentflash.errors import UserError
+from agentflash.runtime.tools import FunctionTool, HttpTool, Tool, function_tool, strict_schema
+
+GuardrailCheck = Callable[[Any], str | None | Awaitable[str | None]]
+
+
+@dataclass(frozen=True)
+class Guardrail:
+    """A check on a run's input (before the first turn) or on its final output.
+
+    ``check`` (sync or async) receives the input (a string or a list of messages) or the final
+    output, and returns ``None`` to let the run go on, or the reason to stop it.
+    """
+
+    check: GuardrailCheck
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if not callable(self.check):
+            raise UserError(f"a guardrail needs a function, got {type(self.check).__name__}")
+        if not self.name:
+            object.__setattr__(self, "name", getattr(self.check, "__name__", "guardrail"))
+
+    async def __call__(self, value: Any) -> str | None:
+        verdict = self.check(value)
+        if inspect.isawaitable(verdict):
+            verdict = await verdict
+        if verdict is not None and not isinstance(verdict, str):
+            raise UserError(f"guardrail {self.name!r} must return None or a reason (str), "
+                            f"got {type(verdict).__name__}")
+        return verdict
+
+
+class OutputValidationError(ValueError):
+    """A reply that is not the agent's output type."""
+
+
+@dataclass(frozen=True)
+class OutputSpec:
+    """The final answer's JSON Schema and the function that parses a reply into it."""
+
+    name: str
+    schema: dict[str, Any]
+    parse: Callable[[str], Any]  # raises OutputValidationError
+
+
+def output_spec(output_type: type | dict[str, Any] | None) -> OutputSpec | None:
+    """The spec of a pydantic-describable type, or of a JSON Schema given as a dict."""
+    if output_type is None:
+        return None
+    if isinstance(output_type, dict):
+        return _schema_spec(output_type)
+    import pydantic
+
+    name = getattr(output_type, "__name__", repr(output_type))
+    try:
+        adapter = pydantic.TypeAdapter(output_type)
+        schema = strict_schema(adapter.json_schema())
+    except (pydantic.PydanticUserError, pydantic.PydanticSchemaGenerationError, TypeError) as err:
+        raise UserError(f"output_type {name}: pydantic cannot describe it: {err}") from None
+
+    def parse(text: str) -> Any:
+        try:
+            return adapter.validate_json(text)
+        except pydantic.ValidationError as err:
+            problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'reply'}: {e['msg']}"
+                                 for e in err.errors(include_url=False))
+            raise OutputValidationError(problems) from None
+
+    return OutputSpec(name, schema, parse)
+
+
+def _schema_spec(schema: dict[str, Any]) -> OutputSpec:
+    from jsonschema import Draft202012Validator, SchemaError
+
+    try:
+        Draft202012Validator.check_schema(schema)
+    except SchemaError as err:
+        raise UserError(f"output schema is not a valid JSON Schema: {err.message}") from None
+    validator = Draft202012Validator(schema)
+
+    def parse(text: str) -> Any:
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise OutputValidationError(f"reply: not JSON ({err.msg})") from None
+        errors = sorted(validator.iter_errors(value), key=str)
+        if errors:
+            raise OutputValidationError("; ".join(
+                f"{'.'.join(map(str, e.absolute_path)) or 'reply'}: {e.message}" for e in errors))
+        return value
+
+    return OutputSpec(schema.get("title", "output schema"), schema, parse)
+
+
+def handoff_tool_name(agent: Agent) -> str:
+    return "transfer_to_" + re.sub(r"[^A-Za-z0-9_-]", "_", agent.name).lower()[:52]
+
+
+def handoff_tool_spec(agent: Agent) -> dict[str, Any]:
+    about = f" {agent.handoff_description}" if agent.handoff_description else ""
+    return {"type": "function", "function": {
+        "name": handoff_tool_name(agent),
+        "description": f"Hand the conversation over to the {agent.name} agent.{about}",
+        "parameters": {"type": "object", "additionalProperties": False, "properties": {
+            "reason": {"type": "string", "description": "Why the conversation is handed over."}}},
+    }}
+
+
+@dataclass
+class Agent:
+    """A model with instructions, tools and handoffs. Checked when built; mistakes raise
+    ``UserError`` naming the field."""
+
+    name: str
+    """Names the agent in events, traces and its handoff tool (``transfer_to_<name>``)."""
+
+    instructions: str = "You are a helpful assistant."
+    """The system prompt."""
+
+    tools: list[Tool] = field(default_factory=list)
+    """Tools the model may call: ``@tool`` functions (plain functions are wrapped) and HTTP
+    tools. Calls are dispatched as each one closes, concurrently."""
+
+    handoffs: list[Agent] = field(default_factory=list)
+    """Agents this one may hand the conversation to; each appears to the model as a
+    ``transfer_to_<name>`` tool. The target continues with the whole conversation."""
+
+    handoff_description: str = ""
+    """What this agent is for, shown to agents that may hand over to it."""
+
+    output_type: type | dict[str, Any] | None = None
+    """The final answer's type: a pydantic model (or any type pydantic can describe), or a JSON
+    Schema dict. ``None`` means free text. A reply that does not match stops the run with
+    ``ModelBehaviorError``; it is never retried silently."""
+
+    tool_choice: ToolChoiceSpec | str = ToolChoice.AUTO
+    """``auto``, ``required``, ``none`` or ``ForceTool(name)``. ``required`` and a forced tool
+    apply until the agent has called a tool in the run, then ``auto`` (so that it can answer)."""
+
+    decoding: Decoding = field(default_factory=Decoding)
+    """Speculation, block size, temperature, max_tokens per turn and seed."""
+
+    max_turns: int = 10
+    """The run stops with ``MaxTurnsExceeded`` once it has taken more model turns than this,
+    while this agent holds the conversation."""
+
+    input_guardrails: list[Guardrail | GuardrailCheck] = field(default_factory=list)
+    """Checks on the run's input, before the first turn (when this agent starts the run)."""
+
+    output_guardrails: list[Guardrail | GuardrailCheck] = field(default_factory=list)
+    """Checks on the final output (when this agent gives it)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name.strip():
+            raise UserError(f"Agent.name must be a non-empty string, got {self.name!r}")
+        where = f"agent {self.name!r}"
+        if not isinstance(self.instructions, str):
+            raise UserError(f"{where}: instructions must be a string")
+        self.tools = [t if isinstance(t, (FunctionTool, HttpTool)) else function_tool(t)
+                      for t in self.tools]
+        names = [t.name for t in self.tools]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise UserError(f"{where}: tool {twice[0]!r} is listed twice")
+        self.tool_choice = self._check_tool_choice(self.tool_choice, set(names))
+        if not isinstance(self.decoding, Decoding):
+            raise UserError(f"{where}: decoding must be a Decoding, "
+                            f"got {type(self.decoding).__name__}")
+        if isinstance(self.max_turns, bool) or not isinstance(self.max_turns, int) \
+                or self.max_turns < 1:
+            raise UserError(f"{where}: max_turns must be a positive integer, "
+                            f"got {self.max_turns!r}")
+        self.output = output_spec(self.output_type)
+        self.input_guardrails = [g if isinstance(g, Guardrail) else Guardrail(g)
+                                 for g in self.input_guardrails]
+        self.output_guardrails = [g if isinstance(g, Guardrail) else Guardrail(g)
+                                  for g in self.output_guardrails]
+
+    def _check_tool_choice(self, choice: Any, names: set[str]) -> ToolChoiceSpec:
+        where = f"agent {self.name!r}"
+        if isinstance(choice, str) and not isinstance(choice, ToolChoice):
+            try:
+                choice = ToolChoice(choice)
+            except ValueError:
+                raise UserError(f"{where}: tool_choice must be auto, required, none or "
+                                f"ForceTool(name), got {choice!r}") from None
+        if isinstance(choice, ForceTool) and choice.name not in names:
+            raise UserError(f"{where}: tool_choice names {choice.name!r}, which is not one of "
+                            f"its tools ({', '.join(sorted(names)) or 'none'})")
+        if choice is ToolChoice.REQUIRED and not names:
+            raise UserError(f"{where}: tool_choice is required but the agent has no tools")
+        if not isinstance(choice, (ToolChoice, ForceTool)):
+            raise UserError(f"{where}: tool_choice must be auto, required, none or ForceTool(name)")
+        return choice
+
+    def turn_tools(self) -> tuple[dict[str, Tool], dict[str, Agent]]:
+        """The tools and handoff targets of a turn, by the name the model calls them."""
+        tools = {t.name: t for t in self.tools}
+        handoffs: dict[str, Agent] = {}
+        for target in self.handoffs:
+            if not isinstance(target, Agent):
+                raise UserError(f"agent {self.name!r}: handoffs must be Agents, "
+                                f"got {type(target).__name__}")
+            name = handoff_tool_name(target)
+            if name in tools or name in handoffs:
+                raise UserError(f"agent {self.name!r}: the handoff tool {name!r} clashes with "
+                                f"another tool or handoff of the same name")
+            handoffs[name] = target
+        return tools, handoffs
+
+    def system_prompt(self) -> str:
+        if self.output is None:
+            return self.instructions
+        return (f"{self.instructions}\n\nAnswer with only a JSON object that matches this JSON "
+                f"Schema:\n{json.dumps(self.output.schema)}")

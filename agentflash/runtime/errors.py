@@ -1,0 +1,43 @@
+"""Why a run stopped without its final output.
+
+The three kinds of failure stay apart: the model's mistakes that it can correct (a bad tool call,
+a tool that raised) go back to the model as tool results and never reach these classes; the
+developer's mistakes are ``agentflash.errors.UserError``, raised when the agent or workflow is
+built; the errors here end a run that was set up correctly.
+"""
+
+from __future__ import annotations
+
+
+class RunError(Exception):
+    """A run stopped before its final output; the message says why."""
+
+
+class ModelBehaviorError(RunError):
+    """The model wrote something that breaks the agent's contract and cannot be sent back: a reply
+    that does not match the output type, or one that ignores the tool choice. (The grammar layer
+    makes these impossible on the embedded engine once it constrains decoding.)"""
+
+
+class MaxTurnsExceeded(RunError):
+    """The agent used its model turns without reaching a final output."""
+
+
+class GuardrailTripped(RunError):
+    """A guardrail stopped the run."""
+
+    def __init__(self, kind: str, guardrail: str, reason: str):
+        super().__init__(f"{kind} guardrail {guardrail!r} stopped the run: {reason}")
+        self.kind, self.guardrail, self.reason = kind, guardrail, reason
+
+
+class RunCancelled(RunError):
+    """The run was cancelled before it finished."""
+
+
+class StepFailed(RunError):
+    """A workflow step's run failed; the other steps were cancelled."""
+
+    def __init__(self, step_id: str, agent: str, cause: BaseException):
+        super().__init__(f"step {step_id!r} (agent {agent!r}) failed: {cause}")
+        self.step_id, self.agent, self.cause = step_id, agent, cause

@@ -1,0 +1,507 @@
+"""The one agent loop. ``Runner.run_streamed`` drives it and hands out its events as they happen;
+``Runner.run`` collects the same events and returns the result.
+
+Per turn: the backend streams the model's reply; each tool call is dispatched the moment it closes
+(concurrently with the rest of the reply and with the other calls); when the reply and its calls
+are done, the turn ends in one of three ways: tools ran (another turn), a handoff (another agent
+takes over), or the final output.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import AsyncExitStack, aclosing, asynccontextmanager, contextmanager
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, Generic, TypeVar
+
+import anyio
+
+from agentflash.backends import base as model
+from agentflash.backends.base import Backend, ForceTool, ModelRequest, ToolChoice
+from agentflash.errors import UserError
+from agentflash.runtime import events as ev
+from agentflash.runtime.agent import Agent, Guardrail, OutputValidationError, handoff_tool_spec
+from agentflash.runtime.errors import (
+    GuardrailTripped,
+    MaxTurnsExceeded,
+    ModelBehaviorError,
+    RunCancelled,
+)
+from agentflash.runtime.tools import Tool, ToolOutcome, error_result, run_tool, tool_spec
+from agentflash.runtime.tracing import Span, SpanKind, Tracer, generation_attributes
+
+if sys.version_info < (3, 11):
+    from exceptiongroup import BaseExceptionGroup
+
+
+@dataclass(frozen=True)
+class ToolCallRecord:
+    """A tool call of the run and what the model got back."""
+
+    agent: str
+    call_id: str
+    name: str
+    arguments: dict[str, Any]
+    result: str
+    is_error: bool
+    duration_s: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "arguments": self.arguments, "result": self.result}
+
+
+@dataclass
+class RunResult:
+    """A finished run."""
+
+    final_output: Any  # text, or an instance of the last agent's output type
+    last_agent: str
+    messages: list[dict[str, Any]]  # the conversation, without system messages (OpenAI format)
+    tool_calls: list[ToolCallRecord]
+    generations: list[ev.GenerationStats]
+    tracer: Tracer
+
+    def stats(self) -> dict[str, Any]:
+        """Totals over the run's generations, and each generation's own stats."""
+        gens = [g.stats for g in self.generations]
+        new = sum(s.get("new_tokens", 0) for s in gens)
+        forwards = sum(s.get("target_forwards", 0) for s in gens)
+        wall = sum(s.get("wall_s", 0.0) for s in gens)
+        return {
+            "turns": len(gens),
+            "modes": sorted({s.get("mode", "?") for s in gens}),
+            "prompt_tokens": sum(s.get("prompt_tokens", 0) for s in gens),
+            "new_tokens": new,
+            "target_forwards": forwards,
+            "draft_forwards": sum(s.get("draft_forwards", 0) for s in gens),
+            "tau": round(new / forwards, 3) if forwards else 0.0,
+            "wall_s": round(wall, 4),
+            "tokens_per_s": round(new / wall, 2) if wall > 0 else 0.0,
+            "generations": gens,
+        }
+
+
+# --- how a turn ends: a small tagged union ------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ToolsRan:
+    """The model called tools; their results are in the conversation. Another turn follows."""
+
+
+@dataclass(frozen=True)
+class HandoffTo:
+    target: Agent
+    reason: str
+
+
+@dataclass(frozen=True)
+class Final:
+    output: Any
+
+
+TurnEnd = ToolsRan | HandoffTo | Final
+
+
+@dataclass
+class _Turn:
+    """What one turn produced, in the order the model wrote it."""
+
+    text: list[str] = field(default_factory=list)
+    calls: list[model.ToolCall | model.MalformedToolCall] = field(default_factory=list)
+    outcomes: dict[str, ToolOutcome] = field(default_factory=dict)  # by call id
+    finish: model.ModelFinish | None = None
+
+
+class _Loop:
+    """The state of one run: the current agent, the conversation, and what happened so far."""
+
+    def __init__(self, agent: Agent, input: str | list[dict[str, Any]], backend: Backend,
+                 tracer: Tracer, trace_parent: Span | None, emit: Callable[[ev.RunEvent], None]):
+        self.agent, self.input, self.backend, self.tracer = agent, input, backend, tracer
+        self.trace_parent, self.emit = trace_parent, emit
+        self.messages = _input_messages(input)
+        self.tool_calls: list[ToolCallRecord] = []
+        self.generations: list[ev.GenerationStats] = []
+        self.called_tools = False  # whether the current agent called a tool (resets tool_choice)
+
+    async def run(self) -> RunResult:
+        attrs = {"gen_ai.operation.name": "invoke_workflow", "gen_ai.agent.name": self.agent.name}
+        with self.tracer.span(SpanKind.RUN, f"run {self.agent.name}", self.trace_parent,
+                              attrs) as span:
+            await _guard("input", self.agent.input_guardrails, self.input)
+            for turn in range(1, 1 << 30):
+                if turn > self.agent.max_turns:
+                    raise MaxTurnsExceeded(f"agent {self.agent.name!r} reached max_turns "
+                                           f"({self.agent.max_turns}) without a final output")
+                end = await self.turn(turn, span)
+                if isinstance(end, ToolsRan):
+                    self.called_tools = True
+                elif isinstance(end, HandoffTo):
+                    self.emit(ev.HandoffOccurred(self.agent.name, end.target.name, end.reason))
+                    self.agent, self.called_tools = end.target, False
+                elif isinstance(end, Final):
+                    await _guard("output", self.agent.output_guardrails, end.output)
+                    self.emit(ev.FinalOutput(self.agent.name, end.output))
+                    return RunResult(end.output, self.agent.name, self.messages, self.tool_calls,
+                                     self.generations, self.tracer)
+                else:
+                    raise AssertionError(f"unknown turn end {end!r}")
+        raise AssertionError("unreachable")
+
+    def request(self, tools: dict[str, Tool], handoffs: dict[str, Agent]) -> ModelRequest:
+        agent = self.agent
+        choice = ToolChoice.AUTO if self.called_tools else agent.tool_choice
+        specs = [tool_spec(t) for t in tools.values()]
+        specs += [handoff_tool_spec(target) for target in handoffs.values()]
+        system = {"role": "system", "content": agent.system_prompt()}
+        return ModelRequest([system, *self.messages], specs, choice,
+                            agent.output.schema if agent.output else None, agent.decoding)
+
+    async def turn(self, number: int, run_span: Span) -> TurnEnd:
+        agent = self.agent
+        tools, handoffs = agent.turn_tools()
+        request = self.request(tools, handoffs)
+        self.emit(ev.AgentTurnStarted(agent.name, number))
+        turn = _Turn()
+        attrs = {"gen_ai.operation.name": "invoke_agent", "gen_ai.agent.name": agent.name,
+                 "agentflash.turn": number}
+        with self.tracer.span(SpanKind.TURN, f"invoke_agent {agent.name}", run_span, attrs) as span:
+            with single_errors():
+                async with anyio.create_task_group() as tools_running:
+                    start_tool = partial(tools_running.start_soon, self.call_tool)
+                    await self.generate(request, turn, span, number, tools,
+                                        lambda t, call: start_tool(t, call, turn, span))
+            return self.end_turn(request, turn, tools, handoffs)
+
+    async def generate(self, request: ModelRequest, turn: _Turn, span: Span, number: int,
+                       tools: dict[str, Tool], dispatch: Any) -> None:
+        """Stream the model's reply, dispatching each tool call as it closes."""
+        agent = self.agent
+        attrs = {"gen_ai.operation.name": "chat", "gen_ai.request.model": self.backend.model_name,
+                 "gen_ai.request.temperature": request.decoding.temperature,
+                 "gen_ai.request.max_tokens": request.decoding.max_tokens,
+                 "gen_ai.request.seed": request.decoding.seed}
+        with self.tracer.span(SpanKind.GENERATION, f"chat {self.backend.model_name}", span,
+                              attrs) as gen_span:
+            async with aclosing(self.backend.stream(request)) as stream:
+                async for event in stream:
+                    if isinstance(event, model.TextDelta):
+                        turn.text.append(event.text)
+                        self.emit(ev.TextDelta(agent.name, event.text))
+                    elif isinstance(event, model.ToolCallDelta):
+                        self.emit(ev.ToolCallDelta(agent.name, event.index, event.name,
+                                                   event.arguments_delta))
+                    elif isinstance(event, model.ToolCallReady):
+                        call = event.call
+                        turn.calls.append(call)
+                        _check_call_allowed(agent, request, call)
+                        if isinstance(call, model.ToolCall) and call.name in tools:
+                            dispatch(tools[call.name], call)
+                    elif isinstance(event, model.ModelFinish):
+                        turn.finish = event
+                    else:
+                        raise AssertionError(f"unknown model event {event!r}")
+            assert turn.finish is not None, "the backend's stream ended without a ModelFinish"
+            gen_span.attributes.update(generation_attributes(turn.finish.stats,
+                                                             turn.finish.finish_reason))
+        stats = ev.GenerationStats(agent.name, number, turn.finish.finish_reason, turn.finish.stats)
+        self.generations.append(stats)
+        self.emit(stats)
+
+    async def call_tool(self, t: Tool, call: model.ToolCall, turn: _Turn, span: Span) -> None:
+        agent = self.agent.name
+        self.emit(ev.ToolStarted(agent, call.id, call.name, call.arguments))
+        attrs = {"gen_ai.operation.name": "execute_tool", "gen_ai.tool.name": call.name,
+                 "gen_ai.tool.call.id": call.id, "gen_ai.tool.type": "function"}
+        with self.tracer.span(SpanKind.TOOL, f"execute_tool {call.name}", span, attrs) as tool_span:
+            outcome = await run_tool(t, call.arguments)
+            tool_span.attributes["agentflash.tool.is_error"] = outcome.is_error
+            if outcome.is_error:
+                tool_span.error = outcome.output
+        turn.outcomes[call.id] = outcome
+        self.emit(ev.ToolResult(agent, call.id, call.name, call.arguments, outcome.output,
+                                outcome.is_error, outcome.duration_s))
+
+    def end_turn(self, request: ModelRequest, turn: _Turn, tools: dict[str, Tool],
+                 handoffs: dict[str, Agent]) -> TurnEnd:
+        agent, text = self.agent, "".join(turn.text).strip()
+        if not turn.calls:
+            if request.tool_choice is ToolChoice.REQUIRED or isinstance(request.tool_choice,
+                                                                        ForceTool):
+                raise ModelBehaviorError(f"agent {agent.name!r} must call a tool on this turn "
+                                         f"(tool_choice {_choice_name(request.tool_choice)}) but "
+                                         f"answered with text: {_clip(text)}")
+            self.messages.append({"role": "assistant", "content": text})
+            return Final(self.parse_output(text))
+        handoff: HandoffTo | None = None
+        results: list[dict[str, Any]] = []
+        for call in turn.calls:
+            output, is_error = self.call_result(call, turn, tools, handoffs, handoff)
+            if isinstance(call, model.ToolCall) and call.name in handoffs and not is_error:
+                handoff = HandoffTo(handoffs[call.name], str(call.arguments.get("reason", "")))
+            results.append({"role": "tool", "tool_call_id": call.id,
+                            "name": _call_name(call), "content": output})
+        self.messages.append({"role": "assistant", "content": text,
+                              "tool_calls": [_message_call(c) for c in turn.calls]})
+        self.messages += results
+        return handoff if handoff is not None else ToolsRan()
+
+    def call_result(self, call: model.ToolCall | model.MalformedToolCall, turn: _Turn,
+                    tools: dict[str, Tool], handoffs: dict[str, Agent],
+                    handoff: HandoffTo | None) -> tuple[str, bool]:
+        """The result the model reads for ``call``, and whether it is an error."""
+        if isinstance(call, model.ToolCall) and call.name in tools:
+            outcome = turn.outcomes[call.id]  # the tool ran while the model was writing
+            self._record(call.id, call.name, call.arguments, outcome.output, outcome.is_error,
+                         outcome.duration_s)
+            return outcome.output, outcome.is_error
+        if isinstance(call, model.MalformedToolCall):
+            output, is_error = error_result(f"malformed tool call: {call.error}"), True
+        elif call.name in handoffs:
+            if handoff is None:
+                target = handoffs[call.name].name
+                output, is_error = json.dumps({"status": "ok", "assistant": target}), False
+            else:
+                output, is_error = error_result(f"only one handoff per turn; the conversation "
+                                                f"goes to {handoff.target.name}"), True
+        else:
+            known = ", ".join(sorted([*tools, *handoffs])) or "none"
+            output, is_error = error_result(f"unknown tool {call.name!r} (tools: {known})"), True
+        self._record(call.id, _call_name(call), _call_args(call), output, is_error, 0.0)
+        self.emit(ev.ToolResult(self.agent.name, call.id, _call_name(call), _call_args(call),
+                                output, is_error, 0.0))
+        return output, is_error
+
+    def _record(self, call_id: str, name: str, arguments: dict[str, Any], result: str,
+                is_error: bool, duration_s: float) -> None:
+        self.tool_calls.append(ToolCallRecord(self.agent.name, call_id, name, arguments, result,
+                                              is_error, duration_s))
+
+    def parse_output(self, text: str) -> Any:
+        spec = self.agent.output
+        if spec is None:
+            return text
+        try:
+            return spec.parse(text)
+        except OutputValidationError as err:
+            raise ModelBehaviorError(
+                f"agent {self.agent.name!r} must answer with {spec.name} but its reply does not "
+                f"match ({err}): {_clip(text)}") from None
+
+
+def _check_call_allowed(agent: Agent, request: ModelRequest,
+                        call: model.ToolCall | model.MalformedToolCall) -> None:
+    """A call the tool choice forbids stops the run before anything is dispatched."""
+    choice = request.tool_choice
+    if choice is ToolChoice.NONE:
+        raise ModelBehaviorError(f"agent {agent.name!r} called {_call_name(call)!r} although "
+                                 f"tool_choice is none")
+    if isinstance(choice, ForceTool) and _call_name(call) != choice.name:
+        raise ModelBehaviorError(f"agent {agent.name!r} called {_call_name(call)!r} although "
+                                 f"tool_choice forces {choice.name!r}")
+
+
+def _choice_name(choice: Any) -> str:
+    return choice.name if isinstance(choice, ForceTool) else choice.value
+
+
+def _call_name(call: model.ToolCall | model.MalformedToolCall) -> str:
+    if isinstance(call, model.ToolCall):
+        return call.name
+    try:
+        name = json.loads(call.body).get("name")
+    except (json.JSONDecodeError, AttributeError):
+        name = None
+    return name if isinstance(name, str) else "invalid"
+
+
+def _call_args(call: model.ToolCall | model.MalformedToolCall) -> dict[str, Any]:
+    return call.arguments if isinstance(call, model.ToolCall) else {}
+
+
+def _message_call(call: model.ToolCall | model.MalformedToolCall) -> dict[str, Any]:
+    """A call as an OpenAI assistant message lists it (arguments as JSON text; a malformed call
+    keeps the text the model wrote)."""
+    arguments = json.dumps(call.arguments) if isinstance(call, model.ToolCall) else call.body
+    return {"id": call.id, "type": "function",
+            "function": {"name": _call_name(call), "arguments": arguments}}
+
+
+def _clip(text: str, limit: int = 200) -> str:
+    text = text.replace("\n", " ")
+    return repr(text if len(text) <= limit else text[:limit] + "...")
+
+
+def _input_messages(input: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    if isinstance(input, str):
+        if not input.strip():
+            raise UserError("the run's input is empty")
+        return [{"role": "user", "content": input}]
+    if isinstance(input, list) and input and all(isinstance(m, dict) and "role" in m
+                                                 for m in input):
+        if any(m["role"] == "system" for m in input):
+            raise UserError("the run's input must not hold system messages (the agent's "
+                            "instructions are the system prompt)")
+        return list(input)
+    raise UserError("the run's input must be a string or a non-empty list of chat messages")
+
+
+async def _guard(kind: str, guardrails: list[Guardrail], value: Any) -> None:
+    for guardrail in guardrails:
+        reason = await guardrail(value)
+        if reason is not None:
+            raise GuardrailTripped(kind, guardrail.name, reason)
+
+
+# --- errors out of task groups ------------------------------------------------------------------
+
+
+def sole_error(group: BaseExceptionGroup) -> BaseException | None:
+    """The one exception inside (nested) groups, or None when there are several."""
+    leaves: list[BaseException] = []
+
+    def walk(exc: BaseException) -> None:
+        if isinstance(exc, BaseExceptionGroup):
+            for inner in exc.exceptions:
+                walk(inner)
+        else:
+            leaves.append(exc)
+
+    walk(group)
+    return leaves[0] if len(leaves) == 1 else None
+
+
+@contextmanager
+def single_errors() -> Iterator[None]:
+    """Let a task group's single error out as itself rather than wrapped in a group."""
+    try:
+        yield
+    except BaseExceptionGroup as group:
+        leaf = sole_error(group)
+        if leaf is None:
+            raise
+        raise leaf from leaf.__cause__
+
+
+# --- the public API -----------------------------------------------------------------------------
+
+
+E = TypeVar("E")
+R = TypeVar("R")
+
+
+class Streamed(Generic[E, R]):
+    """Work in progress: ``async for event in it`` gives its events as they happen (and raises
+    its error, if it failed, once they are out); ``result`` is there once it finished."""
+
+    def __init__(self) -> None:
+        self._send, self._receive = anyio.create_memory_object_stream[E](math.inf)
+        self._scope = anyio.CancelScope()
+        self._result: R | None = None
+        self._error: BaseException | None = None
+        self._finished = False
+
+    def cancel(self) -> None:
+        """Stop the work: generations are cancelled in the engine, running tools are cancelled."""
+        self._scope.cancel()
+
+    @property
+    def is_finished(self) -> bool:
+        return self._finished
+
+    @property
+    def result(self) -> R:
+        """The result; raises the work's error if it failed (``RunCancelled`` if cancelled)."""
+        if self._error is not None:
+            raise self._error
+        if not self._finished:
+            raise UserError("not finished yet: read the events first")
+        return self._result  # type: ignore[return-value]
+
+    async def __aiter__(self) -> AsyncIterator[E]:
+        """The events; a failure is raised after them (a ``cancel()`` just ends them)."""
+        async with self._receive:
+            async for event in self._receive:
+                yield event
+        if self._error is not None and not isinstance(self._error, RunCancelled):
+            raise self._error
+
+    async def _drive(self, work: Callable[[Callable[[E], None]], Awaitable[R]]) -> None:
+        with self._scope:
+            try:
+                self._result = await work(self._send.send_nowait)
+                self._finished = True
+            except Exception as err:
+                self._error = err
+        if self._scope.cancelled_caught and not self._finished and self._error is None:
+            self._error = RunCancelled("the run was cancelled")
+        self._finished = True
+        self._send.close()
+
+
+@asynccontextmanager
+async def streaming(work: Callable[[Callable[[E], None]], Awaitable[R]]
+                    ) -> AsyncIterator[Streamed[E, R]]:
+    """Run ``work(emit)`` in a task, handing out what it emits; leaving the block cancels it."""
+    run: Streamed[E, R] = Streamed()
+    with single_errors():
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run._drive, work)
+            try:
+                yield run
+            finally:
+                run.cancel()
+
+
+StreamedRun = Streamed[ev.RunEvent, RunResult]
+
+
+class Runner:
+    """Runs agents. ``backend`` defaults to the embedded engine with the bundled demo model,
+    opened for the run; pass one open backend to share the engine across runs."""
+
+    @staticmethod
+    async def run(agent: Agent, input: str | list[dict[str, Any]], *,
+                  backend: Backend | None = None, tracer: Tracer | None = None,
+                  trace_parent: Span | None = None) -> RunResult:
+        """Run ``agent`` on ``input`` to its final output (the streamed run's events, collected)."""
+        async with Runner.run_streamed(agent, input, backend=backend, tracer=tracer,
+                                       trace_parent=trace_parent) as run:
+            async for _ in run:
+                pass
+        return run.result
+
+    @staticmethod
+    def run_sync(agent: Agent, input: str | list[dict[str, Any]], **options: Any) -> RunResult:
+        """``Runner.run`` from synchronous code."""
+        return anyio.run(partial(Runner.run, agent, input, **options))
+
+    @staticmethod
+    @asynccontextmanager
+    async def run_streamed(agent: Agent, input: str | list[dict[str, Any]], *,
+                           backend: Backend | None = None, tracer: Tracer | None = None,
+                           trace_parent: Span | None = None) -> AsyncIterator[StreamedRun]:
+        """``async with Runner.run_streamed(agent, input) as run: async for event in run: ...``
+
+        Leaving the block while the run is still going cancels it.
+        """
+        if not isinstance(agent, Agent):
+            raise UserError(f"Runner needs an Agent, got {type(agent).__name__}")
+        with single_errors():
+            async with AsyncExitStack() as stack:
+                if backend is None:
+                    from agentflash.backends.local import LocalBackend
+
+                    backend = await stack.enter_async_context(LocalBackend())
+                chosen, trace = backend, tracer or Tracer()
+
+                async def work(emit: Callable[[ev.RunEvent], None]) -> RunResult:
+                    return await _Loop(agent, input, chosen, trace, trace_parent, emit).run()
+
+                async with streaming(work) as run:
+                    yield run

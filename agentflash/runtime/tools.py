@@ -1,0 +1,340 @@
+"""Tools: ``@tool`` on a Python function, and HTTP tools that call one declared URL.
+
+A function's signature, type hints and docstring give a pydantic model of its arguments; the
+strict JSON Schema the model sees is that model's schema, so the schema and the validation that
+runs before every call cannot disagree.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import json
+import re
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, overload
+from urllib.parse import urlsplit
+
+import anyio
+import pydantic
+import pydantic_core
+
+from agentflash.errors import UserError
+
+TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+class ToolArgumentsError(ValueError):
+    """The model's arguments do not fit the tool's schema (reported back to the model)."""
+
+
+# --- docstrings ---------------------------------------------------------------------------------
+
+PARAM_SECTIONS = {"args", "arguments", "parameters", "params", "keyword args",
+                  "keyword arguments", "other parameters"}
+OTHER_SECTIONS = {"returns", "return", "yields", "raises", "examples", "example", "notes",
+                  "note", "see also", "references", "attributes", "warnings", "todo"}
+_ENTRY = re.compile(r"^\*{0,2}(\w+)\s*(?:\(([^)]*)\))?\s*(?::\s*(.*))?$")
+_SPHINX = re.compile(r"^:param\s+(?:[^:]*\s)?(\w+)\s*:\s*(.*)$")
+
+
+def parse_docstring(doc: str | None) -> tuple[str, dict[str, str]]:
+    """A docstring's summary and its parameter descriptions (Google, NumPy or Sphinx style)."""
+    lines = inspect.cleandoc(doc or "").splitlines()
+    summary: list[str] = []
+    params: dict[str, str] = {}
+    section: str | None = None
+    numpy = False
+    body: list[str] = []
+    i = 0
+    while i < len(lines):
+        line, text = lines[i], lines[i].strip()
+        is_underline = i + 1 < len(lines) and re.fullmatch(r"-{3,}", lines[i + 1].strip() or "x")
+        header = text.rstrip(":").lower()
+        if not line.startswith(" ") and (is_underline or (text.endswith(":") and header in
+                                                          PARAM_SECTIONS | OTHER_SECTIONS)):
+            _flush_section(section, numpy, body, params)
+            section, numpy, body = header, bool(is_underline), []
+            i += 2 if is_underline else 1
+            continue
+        sphinx = _SPHINX.match(text)
+        if sphinx:
+            _flush_section(section, numpy, body, params)
+            section, body = None, []
+            params[sphinx.group(1)] = sphinx.group(2).strip()
+        elif text.startswith(":"):
+            section = "sphinx-other"
+        elif section is None:
+            summary.append(text)
+        else:
+            body.append(line)
+        i += 1
+    _flush_section(section, numpy, body, params)
+    return " ".join(s for s in summary if s), params
+
+
+def _flush_section(section: str | None, numpy: bool, body: list[str], out: dict[str, str]) -> None:
+    if section not in PARAM_SECTIONS:
+        return
+    indents = [len(b) - len(b.lstrip()) for b in body if b.strip()]
+    if not indents:
+        return
+    base = min(indents)
+    name: str | None = None
+    for line in body:
+        if not line.strip():
+            continue
+        if len(line) - len(line.lstrip()) == base and (m := _ENTRY.match(line.strip())):
+            name = m.group(1)
+            out[name] = "" if numpy else (m.group(3) or "").strip()
+        elif name is not None:
+            out[name] = (out[name] + " " + line.strip()).strip()
+
+
+# --- schemas ------------------------------------------------------------------------------------
+
+
+def strict_schema(schema: dict[str, Any]) -> dict[str, Any]:
+    """A JSON Schema without pydantic's titles, every object closed to unknown keys."""
+    out = {k: v for k, v in schema.items() if k != "title"}
+    if "properties" in out:
+        out["properties"] = {k: strict_schema(v) for k, v in out["properties"].items()}
+        out.setdefault("additionalProperties", False)
+    for key in ("$defs", "definitions"):
+        if key in out:
+            out[key] = {k: strict_schema(v) for k, v in out[key].items()}
+    for key in ("anyOf", "allOf", "oneOf", "prefixItems"):
+        if key in out:
+            out[key] = [strict_schema(s) for s in out[key]]
+    for key in ("items", "additionalProperties", "not"):
+        if isinstance(out.get(key), dict):
+            out[key] = strict_schema(out[key])
+    return out
+
+
+def _check_name(name: str, where: str) -> str:
+    if not isinstance(name, str) or not TOOL_NAME.match(name):
+        raise UserError(f"{where}: tool name {name!r} must be 1-64 letters, digits, '_' or '-'")
+    return name
+
+
+def format_result(value: Any) -> str:
+    """A tool's return value as the text the model reads."""
+    if isinstance(value, str):
+        return value
+    # json.dumps layout: the one chat-format models are trained to read
+    return json.dumps(pydantic_core.to_jsonable_python(value, fallback=str), ensure_ascii=False)
+
+
+def error_result(message: str) -> str:
+    return json.dumps({"status": "error", "error": message})
+
+
+# --- function tools -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FunctionTool:
+    """A Python function (sync or async) the model can call."""
+
+    name: str
+    description: str
+    params_model: type[pydantic.BaseModel]  # validates the arguments before every call
+    parameters: dict[str, Any]  # the strict JSON Schema of ``params_model``
+    fn: Callable[..., Any]
+    timeout_s: float | None = None
+    positional: tuple[str, ...] = field(default=(), repr=False)  # positional-only parameters
+
+    async def call(self, arguments: dict[str, Any]) -> Any:
+        """Validate ``arguments`` and call the function (sync ones in a worker thread)."""
+        try:
+            validated = self.params_model.model_validate(arguments)
+        except pydantic.ValidationError as err:
+            raise ToolArgumentsError(_validation_message(self.name, err)) from None
+        values = {name: getattr(validated, name) for name in type(validated).model_fields}
+        args = [values.pop(name) for name in self.positional]
+        if inspect.iscoroutinefunction(self.fn):
+            return await self.fn(*args, **values)
+        # A sync tool that outlives its timeout keeps its thread until it returns.
+        return await anyio.to_thread.run_sync(functools.partial(self.fn, *args, **values),
+                                              abandon_on_cancel=True)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Call the underlying function directly (no validation)."""
+        return self.fn(*args, **kwargs)
+
+
+def _validation_message(name: str, err: pydantic.ValidationError) -> str:
+    problems = []
+    for e in err.errors(include_url=False):
+        where = ".".join(str(p) for p in e["loc"]) or "arguments"
+        problems.append(f"{where}: {e['msg']}")
+    return f"invalid arguments for {name}: " + "; ".join(problems)
+
+
+def function_tool(fn: Callable[..., Any], *, name: str | None = None,
+                  description: str | None = None, timeout_s: float | None = None) -> FunctionTool:
+    """A ``FunctionTool`` from ``fn``'s signature, type hints and docstring."""
+    if not callable(fn):
+        raise UserError(f"@tool needs a function, got {type(fn).__name__}")
+    where = getattr(fn, "__qualname__", repr(fn))
+    name = _check_name(name or fn.__name__, where)
+    if timeout_s is not None and (not isinstance(timeout_s, (int, float)) or timeout_s <= 0):
+        raise UserError(f"{where}: timeout_s must be a positive number, got {timeout_s!r}")
+    summary, param_docs = parse_docstring(inspect.getdoc(fn))
+    try:
+        hints = typing.get_type_hints(fn, include_extras=True)
+    except Exception as err:  # unresolvable forward references and the like
+        raise UserError(f"{where}: cannot read the type hints: {err}") from None
+    fields: dict[str, Any] = {}
+    positional = []
+    for param in inspect.signature(fn).parameters.values():
+        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            raise UserError(f"{where}: a tool cannot take *{param.name} or **{param.name}; "
+                            f"list its parameters")
+        if param.name not in hints:
+            raise UserError(f"{where}: parameter {param.name!r} has no type hint (the tool's "
+                            f"schema is made from the hints)")
+        if param.kind is param.POSITIONAL_ONLY:
+            positional.append(param.name)
+        default = ... if param.default is param.empty else param.default
+        fields[param.name] = (hints[param.name],
+                              pydantic.Field(default, description=param_docs.get(param.name)))
+    try:
+        model = pydantic.create_model(f"{name}_arguments",
+                                      __config__=pydantic.ConfigDict(extra="forbid"), **fields)
+        schema = strict_schema(model.model_json_schema())
+    except (pydantic.PydanticUserError, pydantic.PydanticSchemaGenerationError, TypeError) as err:
+        raise UserError(f"{where}: pydantic cannot describe the parameters: {err}") from None
+    return FunctionTool(name, description if description is not None else summary, model, schema,
+                        fn, timeout_s, tuple(positional))
+
+
+@overload
+def tool(fn: Callable[..., Any], /) -> FunctionTool: ...
+@overload
+def tool(*, name: str | None = None, description: str | None = None,
+         timeout_s: float | None = None) -> Callable[[Callable[..., Any]], FunctionTool]: ...
+
+
+def tool(fn: Callable[..., Any] | None = None, /, *, name: str | None = None,
+         description: str | None = None, timeout_s: float | None = None):
+    """Make a function (sync or async) a tool: ``@tool`` or ``@tool(name=..., timeout_s=...)``.
+
+    Every parameter needs a type hint; parameter descriptions come from the docstring's ``Args:``
+    (Google), ``Parameters`` (NumPy) or ``:param x:`` (Sphinx) entries, the tool's description
+    from the docstring's summary.
+    """
+    if fn is not None:
+        return function_tool(fn, name=name, description=description, timeout_s=timeout_s)
+    return functools.partial(function_tool, name=name, description=description,
+                             timeout_s=timeout_s)
+
+
+# --- HTTP tools ---------------------------------------------------------------------------------
+
+HTTP_METHODS = ("GET", "POST", "PUT", "PATCH", "DELETE")
+
+
+def no_parameters() -> dict[str, Any]:
+    """The schema of a tool that takes no arguments."""
+    return {"type": "object", "properties": {}, "additionalProperties": False}
+
+
+@dataclass(frozen=True)
+class HttpTool:
+    """Calls one declared URL with the model's arguments (query string for GET and DELETE, JSON
+    body otherwise). The URL is fixed: arguments never change it, and redirects are not followed."""
+
+    name: str
+    description: str
+    method: str
+    url: str
+    parameters: dict[str, Any] = field(default_factory=no_parameters)
+    timeout_s: float | None = 10.0
+
+    def __post_init__(self) -> None:
+        _check_name(self.name, f"http tool {self.name!r}")
+        if self.method not in HTTP_METHODS:
+            raise UserError(f"http tool {self.name!r}: method must be one of "
+                            f"{', '.join(HTTP_METHODS)}, got {self.method!r}")
+        parts = urlsplit(self.url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise UserError(f"http tool {self.name!r}: url must be an absolute http(s) URL, "
+                            f"got {self.url!r}")
+        import httpx  # noqa: F401  (imported now, so that the first call does not stall the loop)
+        from jsonschema import Draft202012Validator, SchemaError
+
+        try:
+            Draft202012Validator.check_schema(self.parameters)
+        except SchemaError as err:
+            raise UserError(f"http tool {self.name!r}: parameters is not a valid JSON Schema: "
+                            f"{err.message}") from None
+
+    async def call(self, arguments: dict[str, Any]) -> Any:
+        import httpx
+        from jsonschema import Draft202012Validator
+
+        errors = sorted(Draft202012Validator(self.parameters).iter_errors(arguments), key=str)
+        if errors:
+            problems = "; ".join(f"{'.'.join(map(str, e.absolute_path)) or 'arguments'}: "
+                                 f"{e.message}" for e in errors)
+            raise ToolArgumentsError(f"invalid arguments for {self.name}: {problems}")
+        query = self.method in ("GET", "DELETE")
+        async with httpx.AsyncClient(timeout=self.timeout_s, follow_redirects=False) as client:
+            response = await client.request(
+                self.method, self.url, params=_query(arguments) if query else None,
+                json=None if query else arguments)
+        if not response.is_success:
+            raise RuntimeError(f"HTTP {response.status_code} from {self.url}: "
+                               f"{response.text[:300]}")
+        if response.headers.get("content-type", "").startswith("application/json"):
+            return response.json()
+        return response.text
+
+
+def _query(arguments: dict[str, Any]) -> dict[str, Any]:
+    """Query parameters: scalars and lists of scalars as they are, anything else as JSON."""
+    def encode(v: Any) -> Any:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        return v if isinstance(v, (str, int, float)) else json.dumps(v)
+    return {k: [encode(x) for x in v] if isinstance(v, list) else encode(v)
+            for k, v in arguments.items() if v is not None}
+
+
+Tool = FunctionTool | HttpTool
+
+
+def tool_spec(t: Tool) -> dict[str, Any]:
+    """The tool in the OpenAI tools-list format."""
+    return {"type": "function", "function": {"name": t.name, "description": t.description,
+                                             "parameters": t.parameters}}
+
+
+@dataclass(frozen=True)
+class ToolOutcome:
+    """What a tool call gave the model: its result text, or the error it reported."""
+
+    output: str
+    is_error: bool
+    duration_s: float
+
+
+async def run_tool(t: Tool, arguments: dict[str, Any]) -> ToolOutcome:
+    """Call ``t``; an exception or a timeout becomes an error result for the model."""
+    started = anyio.current_time()
+    try:
+        with anyio.move_on_after(t.timeout_s) as scope:
+            value = await t.call(arguments)
+        if scope.cancelled_caught:
+            return ToolOutcome(error_result(f"{t.name} timed out after {t.timeout_s:g} s"), True,
+                               anyio.current_time() - started)
+    except ToolArgumentsError as err:
+        return ToolOutcome(error_result(str(err)), True, anyio.current_time() - started)
+    except Exception as err:  # the tool's own failure is the model's to handle
+        return ToolOutcome(error_result(f"{type(err).__name__}: {err}"), True,
+                           anyio.current_time() - started)
+    return ToolOutcome(format_result(value), False, anyio.current_time() - started)

@@ -1,0 +1,188 @@
+"""Spans for runs, agent turns, generations and tool calls, with their timings and speed stats.
+
+Span attributes follow the OpenTelemetry GenAI semantic conventions (``gen_ai.operation.name``,
+``gen_ai.agent.name``, ``gen_ai.request.model``, ``gen_ai.usage.output_tokens``,
+``gen_ai.tool.name``...), with the engine's speed figures under ``agentflash.*``. Every trace can be
+printed as a plain-text timeline; when the ``opentelemetry`` packages are importable, spans are
+also exported live to the global OpenTelemetry tracer provider (configure its exporter as usual).
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import json
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+class SpanKind(str, enum.Enum):
+    RUN = "run"  # a run (or a whole workflow)
+    TURN = "turn"  # one agent turn: a generation and the tool calls it made
+    GENERATION = "generation"
+    TOOL = "tool"
+
+
+_span_ids = itertools.count(1)
+
+
+@dataclass
+class Span:
+    kind: SpanKind
+    name: str
+    parent: Span | None
+    attributes: dict[str, Any] = field(default_factory=dict)
+    start: float = field(default_factory=time.perf_counter)
+    start_ns: int = field(default_factory=time.time_ns)
+    end: float | None = None
+    error: str | None = None
+    id: int = field(default_factory=lambda: next(_span_ids))
+
+    @property
+    def duration_s(self) -> float:
+        return (self.end if self.end is not None else time.perf_counter()) - self.start
+
+    @property
+    def depth(self) -> int:
+        return 0 if self.parent is None else self.parent.depth + 1
+
+
+class SpanSink(Protocol):
+    def on_start(self, span: Span) -> None: ...
+    def on_end(self, span: Span) -> None: ...
+
+
+class Tracer:
+    """Collects the spans of one run or workflow; ``sinks`` see every span start and end
+    (by default an OpenTelemetry exporter when opentelemetry is importable)."""
+
+    def __init__(self, sinks: list[SpanSink] | None = None):
+        self.spans: list[Span] = []
+        self.sinks = default_sinks() if sinks is None else sinks
+
+    @contextmanager
+    def span(self, kind: SpanKind, name: str, parent: Span | None,
+             attributes: dict[str, Any] | None = None) -> Iterator[Span]:
+        """A span around the block; an exception leaving the block marks it failed."""
+        span = Span(kind, name, parent, dict(attributes or {}))
+        self.spans.append(span)
+        for sink in self.sinks:
+            sink.on_start(span)
+        try:
+            yield span
+        except BaseException as err:
+            span.error = span.error or f"{type(err).__name__}: {err}"
+            raise
+        finally:
+            span.end = time.perf_counter()
+            for sink in self.sinks:
+                sink.on_end(span)
+
+    def timeline(self) -> str:
+        """The spans as an indented plain-text timeline: offset, duration, name, key figures."""
+        if not self.spans:
+            return "(no spans)"
+        origin = min(s.start for s in self.spans)
+        lines = []
+        for span in _tree_order(self.spans):
+            figures = _figures(span)
+            status = f"  FAILED {span.error}" if span.error else ""
+            lines.append(f"{span.start - origin:8.3f}s {span.duration_s * 1000:9.1f} ms  "
+                         f"{'  ' * span.depth}{span.name}{figures}{status}")
+        return "\n".join(lines)
+
+
+def _tree_order(spans: list[Span]) -> list[Span]:
+    children: dict[int | None, list[Span]] = {}
+    for s in spans:
+        children.setdefault(s.parent.id if s.parent else None, []).append(s)
+    known = {s.id for s in spans}
+    roots = [s for s in spans if s.parent is None or s.parent.id not in known]
+    out: list[Span] = []
+
+    def walk(span: Span) -> None:
+        out.append(span)
+        for child in sorted(children.get(span.id, []), key=lambda c: c.start):
+            walk(child)
+
+    for root in sorted(roots, key=lambda r: r.start):
+        walk(root)
+    return out
+
+
+_SHOWN = {"agentflash.mode": "mode", "gen_ai.usage.output_tokens": "tokens",
+          "agentflash.tau": "tau", "agentflash.tokens_per_s": "tok/s",
+          "agentflash.finish_reason": "finish", "agentflash.tool.is_error": "error"}
+
+
+def _figures(span: Span) -> str:
+    parts = [f"{label}={span.attributes[key]}" for key, label in _SHOWN.items()
+             if key in span.attributes]
+    return "  [" + " ".join(parts) + "]" if parts else ""
+
+
+def default_sinks() -> list[SpanSink]:
+    try:
+        import opentelemetry.trace  # noqa: F401
+    except ImportError:
+        return []
+    return [OtelSink()]
+
+
+def _otel_value(value: Any) -> Any:
+    if isinstance(value, (str, bool, int, float)):
+        return value
+    if isinstance(value, (list, tuple)) and all(isinstance(v, (str, bool, int, float))
+                                                for v in value):
+        return list(value)
+    return json.dumps(value, default=str)
+
+
+class OtelSink:
+    """Mirrors spans into OpenTelemetry as they start and end (imported lazily)."""
+
+    def __init__(self, tracer_provider: Any = None):
+        from opentelemetry import trace
+
+        self._trace = trace
+        self._tracer = trace.get_tracer("agentflash", tracer_provider=tracer_provider)
+        self._live: dict[int, Any] = {}
+
+    def on_start(self, span: Span) -> None:
+        parent = self._live.get(span.parent.id) if span.parent else None
+        context = self._trace.set_span_in_context(parent) if parent is not None else None
+        kind = (self._trace.SpanKind.CLIENT if span.kind is SpanKind.GENERATION
+                else self._trace.SpanKind.INTERNAL)
+        self._live[span.id] = self._tracer.start_span(span.name, context=context, kind=kind,
+                                                      start_time=span.start_ns)
+
+    def on_end(self, span: Span) -> None:
+        otel = self._live.pop(span.id)
+        for key, value in span.attributes.items():
+            if value is not None:
+                otel.set_attribute(key, _otel_value(value))
+        if span.error:
+            from opentelemetry.trace import Status, StatusCode
+
+            otel.set_attribute("error.type", span.error.split(":", 1)[0])
+            otel.set_status(Status(StatusCode.ERROR, span.error))
+        otel.end(end_time=span.start_ns + int(span.duration_s * 1e9))
+
+
+def generation_attributes(stats: dict[str, Any], finish_reason: str) -> dict[str, Any]:
+    """A generation span's attributes from the engine's stats."""
+    return {
+        "gen_ai.usage.input_tokens": stats.get("prompt_tokens"),
+        "gen_ai.usage.output_tokens": stats.get("new_tokens"),
+        "gen_ai.response.finish_reasons": [finish_reason],
+        "agentflash.finish_reason": finish_reason,
+        "agentflash.mode": stats.get("mode"),
+        "agentflash.tau": stats.get("tau"),
+        "agentflash.target_forwards": stats.get("target_forwards"),
+        "agentflash.draft_forwards": stats.get("draft_forwards"),
+        "agentflash.tokens_per_s": stats.get("tokens_per_s"),
+        "agentflash.segments": json.dumps(stats.get("segments", [])),  # a list of objects
+    }

@@ -1,0 +1,366 @@
+"""The run loop on the scripted backend: tool dispatch, concurrency, errors, handoffs, structured
+output, guardrails, max turns, tool choice and cancellation."""
+
+import json
+
+import anyio
+import pytest
+from pydantic import BaseModel
+
+from agentflash.backends.base import Decoding, ForceTool, ToolChoice
+from agentflash.backends.scripted import ScriptedBackend, ScriptedTurn, tool_call_text
+from agentflash.errors import UserError
+from agentflash.runtime import (
+    Agent,
+    AgentTurnStarted,
+    FinalOutput,
+    GenerationStats,
+    GuardrailTripped,
+    HandoffOccurred,
+    MaxTurnsExceeded,
+    ModelBehaviorError,
+    RunCancelled,
+    Runner,
+    TextDelta,
+    ToolCallDelta,
+    ToolResult,
+    ToolStarted,
+    tool,
+)
+
+
+@tool
+def get_weather(city: str, days: int = 1) -> dict:
+    """Get the weather forecast for a city."""
+    return {"status": "ok", "city": city, "days": days}
+
+
+def run(agent, script, input="Use get_weather with city Oslo.", **options):
+    """The run's result and every event it streamed."""
+    backend = ScriptedBackend(script)
+
+    async def main():
+        events = []
+        async with Runner.run_streamed(agent, input, backend=backend, **options) as streamed:
+            async for event in streamed:
+                events.append(event)
+        return streamed.result, events
+
+    result, events = anyio.run(main)
+    return result, events, backend
+
+
+def test_text_reply_is_the_final_output():
+    result, events, backend = run(Agent("a"), ["Hello there."])
+    assert result.final_output == "Hello there." and result.last_agent == "a"
+    assert isinstance(events[0], AgentTurnStarted) and isinstance(events[-1], FinalOutput)
+    assert "".join(e.text for e in events if isinstance(e, TextDelta)) == "Hello there."
+    request = backend.requests[0]
+    assert request.messages[0] == {"role": "system", "content": "You are a helpful assistant."}
+    assert request.messages[1:] == [{"role": "user", "content": "Use get_weather with city Oslo."}]
+    assert result.messages[-1] == {"role": "assistant", "content": "Hello there."}
+
+
+def test_tool_call_round_trip_and_the_messages_the_model_sees_next():
+    agent = Agent("a", tools=[get_weather])
+    result, events, backend = run(agent, [
+        ScriptedTurn.calls(("get_weather", {"city": "Oslo", "days": 3})),
+        "get_weather returned status ok."])
+    assert result.final_output == "get_weather returned status ok."
+    assert [r.to_dict() for r in result.tool_calls] == [{
+        "name": "get_weather", "arguments": {"city": "Oslo", "days": 3},
+        "result": '{"status": "ok", "city": "Oslo", "days": 3}'}]
+    second = backend.requests[1].messages
+    assert second[2]["role"] == "assistant" and second[2]["tool_calls"][0]["function"] == {
+        "name": "get_weather", "arguments": '{"city": "Oslo", "days": 3}'}
+    assert second[3] == {"role": "tool", "tool_call_id": second[2]["tool_calls"][0]["id"],
+                         "name": "get_weather",
+                         "content": '{"status": "ok", "city": "Oslo", "days": 3}'}
+    assert backend.requests[0].tools[0]["function"]["name"] == "get_weather"
+    deltas = "".join(e.arguments_delta for e in events if isinstance(e, ToolCallDelta))
+    assert json.loads(deltas) == {"city": "Oslo", "days": 3}
+    assert sum(isinstance(e, GenerationStats) for e in events) == 2
+
+
+def test_a_call_is_dispatched_while_the_model_is_still_writing():
+    started = []
+
+    @tool
+    async def lookup(key: str) -> str:
+        started.append(key)
+        return key.upper()
+
+    agent = Agent("a", tools=[lookup])
+    reply = ScriptedTurn(tool_call_text("lookup", {"key": "x"}) + " and now a long tail " * 4,
+                         delay_s=0.02)
+    _, events, _ = run(agent, [reply, "done"])
+    kinds = [type(e).__name__ for e in events]
+    first_result = kinds.index("ToolResult")
+    assert "TextDelta" in kinds[first_result + 1:]  # the result came before the prose ended
+    assert kinds.index("ToolStarted") < kinds.index("GenerationStats")
+
+
+def test_parallel_calls_run_concurrently():
+    both_running = anyio.Event()
+    running = []
+
+    @tool(timeout_s=3)
+    async def wait_for_partner(name: str) -> str:
+        running.append(name)
+        if len(running) == 2:
+            both_running.set()
+        await both_running.wait()  # returns only if the other call runs at the same time
+        return f"{name} ok"
+
+    agent = Agent("a", tools=[wait_for_partner])
+    result, _, _ = run(agent, [ScriptedTurn.calls(("wait_for_partner", {"name": "x"}),
+                                                  ("wait_for_partner", {"name": "y"})), "done"])
+    assert [(c.result, c.is_error) for c in result.tool_calls] == [("x ok", False),
+                                                                   ("y ok", False)]
+
+
+def test_tool_errors_timeouts_bad_calls_go_back_to_the_model():
+    @tool(timeout_s=0.1)
+    async def hang() -> str:
+        await anyio.sleep(10)
+        return "never"
+
+    @tool
+    def explode(x: int) -> int:
+        raise RuntimeError("the service is down")
+
+    agent = Agent("a", tools=[hang, explode])
+    script = [ScriptedTurn(tool_call_text("hang") + tool_call_text("explode", {"x": 1})
+                           + tool_call_text("explode", {"x": "one"}) + tool_call_text("nope")
+                           + '<tool_call>{"name": "explode", "arguments": {"x": </tool_call>'),
+              "Sorry, the tools failed."]
+    result, events, backend = run(agent, script)
+    assert result.final_output == "Sorry, the tools failed."
+    errors = [json.loads(c.result)["error"] for c in result.tool_calls]
+    assert all(c.is_error for c in result.tool_calls) and len(errors) == 5
+    assert "hang timed out after 0.1 s" in errors[0]
+    assert "RuntimeError: the service is down" in errors[1]
+    assert "invalid arguments for explode: x:" in errors[2]
+    assert "unknown tool 'nope' (tools: explode, hang)" in errors[3]
+    assert "malformed tool call: invalid JSON" in errors[4]
+    tool_messages = [m for m in backend.requests[1].messages if m["role"] == "tool"]
+    assert [json.loads(m["content"])["error"] for m in tool_messages] == errors
+    assert sum(isinstance(e, ToolResult) for e in events) == 5
+    assert sum(isinstance(e, ToolStarted) for e in events) == 3  # only valid calls are started
+
+
+def test_handoff_passes_the_conversation_to_the_target():
+    writer = Agent("writer", instructions="You write summaries.", handoff_description="Writes.")
+    other = Agent("other")
+    triage = Agent("triage", handoffs=[writer, other])
+    result, events, backend = run(triage, [
+        ScriptedTurn(tool_call_text("transfer_to_writer", {"reason": "needs prose"})
+                     + tool_call_text("transfer_to_other")),
+        "A short summary."])
+    assert result.final_output == "A short summary." and result.last_agent == "writer"
+    assert [e for e in events if isinstance(e, HandoffOccurred)] == [
+        HandoffOccurred("triage", "writer", "needs prose")]
+    names = [t["function"]["name"] for t in backend.requests[0].tools]
+    assert names == ["transfer_to_writer", "transfer_to_other"]
+    assert "Writes." in backend.requests[0].tools[0]["function"]["description"]
+    second = backend.requests[1]
+    assert second.messages[0] == {"role": "system", "content": "You write summaries."}
+    assert second.messages[1]["content"] == "Use get_weather with city Oslo."
+    results = [json.loads(c.result) for c in result.tool_calls]
+    assert results[0] == {"status": "ok", "assistant": "writer"}
+    assert "only one handoff per turn" in results[1]["error"]
+
+
+class Trip(BaseModel):
+    city: str
+    days: int
+
+
+def test_structured_output_is_parsed_into_the_output_type():
+    agent = Agent("planner", output_type=Trip)
+    result, events, backend = run(agent, ['{"city": "Oslo", "days": 3}'])
+    assert result.final_output == Trip(city="Oslo", days=3)
+    assert events[-1] == FinalOutput("planner", Trip(city="Oslo", days=3))
+    request = backend.requests[0]
+    assert request.output_schema == {"type": "object", "additionalProperties": False,
+                                     "properties": {"city": {"type": "string"},
+                                                    "days": {"type": "integer"}},
+                                     "required": ["city", "days"]}
+    assert '"days"' in request.messages[0]["content"]  # the schema is shown to the model
+
+
+@pytest.mark.parametrize("reply, problem", [
+    ("Oslo for three days.", "Invalid JSON"),
+    ('{"city": "Oslo", "days": "three"}', "days:"),
+])
+def test_a_reply_that_is_not_the_output_type_stops_the_run_without_retrying(reply, problem):
+    agent = Agent("planner", output_type=Trip)
+    with pytest.raises(ModelBehaviorError, match="must answer with Trip") as err:
+        run(agent, [reply, '{"city": "Oslo", "days": 3}'])
+    assert problem in str(err.value)
+
+
+def test_json_schema_output_type():
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    result, _, _ = run(Agent("a", output_type=schema), ['{"n": 4}'])
+    assert result.final_output == {"n": 4}
+    with pytest.raises(ModelBehaviorError, match="'n' is a required property"):
+        run(Agent("a", output_type=schema), ['{"m": 4}'])
+
+
+def test_input_guardrail_stops_the_run_before_any_model_turn():
+    def no_passwords(text):
+        return "the input mentions a password" if "password" in text else None
+
+    agent = Agent("a", input_guardrails=[no_passwords])
+    backend = ScriptedBackend(["never"])
+    with pytest.raises(GuardrailTripped, match="input guardrail 'no_passwords' stopped the run: "
+                                               "the input mentions a password"):
+        Runner.run_sync(agent, "my password is x", backend=backend)
+    assert backend.requests == []
+    assert Runner.run_sync(agent, "hello", backend=backend).final_output == "never"
+
+
+def test_output_guardrail_sees_the_final_output():
+    async def short_trips(trip):
+        return f"{trip.days} days is too long" if trip.days > 7 else None
+
+    agent = Agent("planner", output_type=Trip, output_guardrails=[short_trips])
+    assert run(agent, ['{"city": "Oslo", "days": 3}'])[0].final_output.days == 3
+    with pytest.raises(GuardrailTripped, match="output guardrail 'short_trips'.*30 days"):
+        run(agent, ['{"city": "Oslo", "days": 30}'])
+
+
+def test_max_turns_stops_a_model_that_keeps_calling_tools():
+    agent = Agent("a", tools=[get_weather], max_turns=3)
+    loop = [ScriptedTurn.calls(("get_weather", {"city": "Oslo"}))] * 5
+    backend = ScriptedBackend(loop)
+    with pytest.raises(MaxTurnsExceeded, match=r"agent 'a' reached max_turns \(3\)"):
+        Runner.run_sync(agent, "go", backend=backend)
+    assert len(backend.requests) == 3
+
+
+def test_tool_choice_is_checked_and_resets_after_a_call():
+    agent = Agent("a", tools=[get_weather], tool_choice="required")
+    result, _, backend = run(agent, [ScriptedTurn.calls(("get_weather", {"city": "Oslo"})), "ok"])
+    assert [r.tool_choice for r in backend.requests] == [ToolChoice.REQUIRED, ToolChoice.AUTO]
+    with pytest.raises(ModelBehaviorError, match="must call a tool on this turn"):
+        run(agent, ["I will not."])
+    forced = Agent("a", tools=[get_weather], tool_choice=ForceTool("get_weather"))
+    with pytest.raises(ModelBehaviorError, match="although tool_choice forces 'get_weather'"):
+        run(forced, [ScriptedTurn.calls(("transfer_to_x", {}))])
+    called = []
+
+    @tool
+    def record(x: int) -> int:
+        called.append(x)
+        return x
+
+    silent = Agent("a", tools=[record], tool_choice=ToolChoice.NONE)
+    with pytest.raises(ModelBehaviorError, match="although tool_choice is none"):
+        run(silent, [ScriptedTurn.calls(("record", {"x": 1}))])
+    assert called == []  # a forbidden call is never dispatched
+
+
+def test_cancelling_a_run_stops_the_generation_and_running_tools():
+    cancelled = []
+
+    @tool
+    async def forever() -> str:
+        try:
+            await anyio.sleep(30)
+        finally:
+            cancelled.append(True)
+        return "never"
+
+    agent = Agent("a", tools=[forever])
+    slow_reply = ScriptedTurn(tool_call_text("forever") + " still writing" * 50, delay_s=0.01)
+    backend = ScriptedBackend([slow_reply])
+
+    async def main():
+        with anyio.fail_after(10):
+            async with Runner.run_streamed(agent, "go", backend=backend) as streamed:
+                async for event in streamed:
+                    if isinstance(event, ToolStarted):
+                        streamed.cancel()
+        assert streamed.is_finished
+        with pytest.raises(RunCancelled):
+            _ = streamed.result
+
+    anyio.run(main)
+    assert cancelled == [True]
+
+
+def test_leaving_the_block_early_cancels_the_run():
+    backend = ScriptedBackend([ScriptedTurn("word " * 200, delay_s=0.01)])
+
+    async def main():
+        with anyio.fail_after(5):
+            async with Runner.run_streamed(Agent("a"), "go", backend=backend) as streamed:
+                async for event in streamed:
+                    if isinstance(event, TextDelta):
+                        break
+        return streamed
+
+    streamed = anyio.run(main)
+    with pytest.raises(RunCancelled):
+        _ = streamed.result
+
+
+def test_run_collects_the_same_events_as_the_streamed_run():
+    agent = Agent("a", tools=[get_weather])
+    script = [ScriptedTurn.calls(("get_weather", {"city": "Oslo"})), "Sunny."]
+    streamed_result, events, _ = run(agent, script)
+    result = anyio.run(lambda: Runner.run(agent, "x", backend=ScriptedBackend(script)))
+    assert result.final_output == streamed_result.final_output == events[-1].output
+    assert [c.to_dict() for c in result.tool_calls] == [c.to_dict() for c in
+                                                        streamed_result.tool_calls]
+    assert result.stats()["turns"] == 2 and result.stats()["new_tokens"] > 0
+
+
+def test_runs_share_one_backend_concurrently():
+    agents = [Agent(f"agent{i}") for i in range(4)]
+    backend = ScriptedBackend(lambda request: ScriptedTurn(
+        f"I am {request.messages[0]['content']}", delay_s=0.01))
+    outputs = {}
+
+    async def main():
+        async def one(agent):
+            outputs[agent.name] = (await Runner.run(agent, "who?", backend=backend)).final_output
+
+        async with anyio.create_task_group() as tg:
+            for agent in agents:
+                tg.start_soon(one, agent)
+
+    anyio.run(main)
+    assert outputs == {f"agent{i}": "I am You are a helpful assistant." for i in range(4)}
+
+
+def test_agent_definition_errors():
+    with pytest.raises(UserError, match="name must be a non-empty string"):
+        Agent("")
+    with pytest.raises(UserError, match="tool 'get_weather' is listed twice"):
+        Agent("a", tools=[get_weather, get_weather])
+    with pytest.raises(UserError, match="tool_choice names 'nope'"):
+        Agent("a", tools=[get_weather], tool_choice=ForceTool("nope"))
+    with pytest.raises(UserError, match="tool_choice must be auto, required, none"):
+        Agent("a", tool_choice="sometimes")
+    with pytest.raises(UserError, match="required but the agent has no tools"):
+        Agent("a", tool_choice="required")
+    with pytest.raises(UserError, match="max_turns must be a positive integer"):
+        Agent("a", max_turns=0)
+    with pytest.raises(UserError, match="decoding.temperature"):
+        Agent("a", decoding=Decoding(temperature=-1))
+
+    @tool(name="transfer_to_b")
+    def impostor(reason: str) -> str:
+        return reason
+
+    with pytest.raises(UserError, match="'transfer_to_b' clashes"):
+        Runner.run_sync(Agent("a", tools=[impostor], handoffs=[Agent("b")]), "x",
+                        backend=ScriptedBackend([]))
+    with pytest.raises(UserError, match="input must be a string or a non-empty list"):
+        Runner.run_sync(Agent("a"), [], backend=ScriptedBackend([]))
+    with pytest.raises(UserError, match="must not hold system messages"):
+        Runner.run_sync(Agent("a"), [{"role": "system", "content": "x"}],
+                        backend=ScriptedBackend([]))

@@ -1,0 +1,260 @@
+"""``@tool`` schemas from signatures and docstrings, validation before the call, HTTP tools."""
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Literal
+
+import anyio
+import pytest
+from jsonschema import Draft202012Validator
+from pydantic import BaseModel
+
+from agentflash.errors import UserError
+from agentflash.runtime.tools import (
+    HttpTool,
+    ToolArgumentsError,
+    parse_docstring,
+    run_tool,
+    tool,
+    tool_spec,
+)
+
+
+class Stay(BaseModel):
+    nights: int
+    breakfast: bool = False
+
+
+calls: list[dict] = []
+
+
+@tool
+def book(city: str, guests: int, stay: Stay, kind: Literal["room", "suite"] = "room",
+         note: str | None = None) -> dict:
+    """Book a hotel.
+
+    Args:
+        city: Where to book.
+        guests (int): How many people
+            share the room.
+        stay: Nights and breakfast.
+
+    Returns:
+        The booking.
+    """
+    calls.append({"city": city, "guests": guests, "stay": stay})
+    return {"status": "ok", "city": city, "nights": stay.nights, "kind": kind}
+
+
+def test_schema_comes_from_signature_hints_and_docstring():
+    schema = book.parameters
+    Draft202012Validator.check_schema(schema)
+    assert book.description == "Book a hotel."
+    assert schema["required"] == ["city", "guests", "stay"]
+    assert schema["additionalProperties"] is False
+    assert schema["$defs"]["Stay"]["additionalProperties"] is False
+    assert "title" not in _schema_keywords(schema)
+    props = schema["properties"]
+    assert props["city"] == {"type": "string", "description": "Where to book."}
+    assert props["guests"]["description"] == "How many people share the room."
+    assert props["kind"]["enum"] == ["room", "suite"] and props["kind"]["default"] == "room"
+    assert tool_spec(book) == {"type": "function", "function": {
+        "name": "book", "description": "Book a hotel.", "parameters": schema}}
+
+
+def _schema_keywords(schema) -> set[str]:
+    """Every keyword used anywhere in a schema (property names are not keywords)."""
+    if isinstance(schema, list):
+        return set().union(*map(_schema_keywords, schema)) if schema else set()
+    if not isinstance(schema, dict):
+        return set()
+    found = set(schema)
+    for key, value in schema.items():
+        if key in ("properties", "$defs"):
+            found |= set().union(*map(_schema_keywords, value.values())) if value else set()
+        else:
+            found |= _schema_keywords(value)
+    return found
+
+
+def test_docstring_styles():
+    numpy = """Sum two numbers.
+
+    Parameters
+    ----------
+    a : int
+        The first
+        number.
+    b : int
+        The second.
+
+    Returns
+    -------
+    int
+    """
+    assert parse_docstring(numpy) == ("Sum two numbers.", {"a": "The first number.",
+                                                           "b": "The second."})
+    sphinx = "Send a note.\n\n:param to: Recipient.\n:param str body: The text.\n:returns: id"
+    assert parse_docstring(sphinx) == ("Send a note.", {"to": "Recipient.", "body": "The text."})
+    google = "Find.\n\nArgs:\n    *names: Names.\n    limit (int, optional): At most this many.\n"
+    assert parse_docstring(google)[1] == {"names": "Names.", "limit": "At most this many."}
+    assert parse_docstring(None) == ("", {})
+
+
+def test_arguments_are_validated_before_the_call():
+    calls.clear()
+
+    async def main():
+        good = await run_tool(book, {"city": "Oslo", "guests": "2", "stay": {"nights": 3}})
+        bad = await run_tool(book, {"city": "Oslo", "guests": "many", "stay": {}, "pets": 1})
+        return good, bad
+
+    good, bad = anyio.run(main)
+    assert not good.is_error and json.loads(good.output) == {"status": "ok", "city": "Oslo",
+                                                             "nights": 3, "kind": "room"}
+    assert bad.is_error and len(calls) == 1  # the bad call never reached the function
+    error = json.loads(bad.output)
+    assert error["status"] == "error"
+    for part in ("invalid arguments for book", "guests:", "stay.nights: Field required",
+                 "pets: Extra inputs are not permitted"):
+        assert part in error["error"]
+
+
+def test_sync_and_async_tools_errors_and_timeouts():
+    @tool(timeout_s=0.2)
+    async def slow(seconds: float) -> str:
+        await anyio.sleep(seconds)
+        return "done"
+
+    @tool(name="blocking", timeout_s=0.2)
+    def sleepy(seconds: float) -> str:
+        time.sleep(seconds)
+        return "done"
+
+    @tool
+    def broken(x: int) -> int:
+        raise ValueError(f"cannot handle {x}")
+
+    async def main():
+        return [await run_tool(slow, {"seconds": 0}), await run_tool(slow, {"seconds": 5}),
+                await run_tool(sleepy, {"seconds": 0}), await run_tool(sleepy, {"seconds": 1}),
+                await run_tool(broken, {"x": 3})]
+
+    fast, late, fast_sync, late_sync, failed = anyio.run(main)
+    assert (fast.output, fast.is_error) == ("done", False)
+    assert late.is_error and "slow timed out after 0.2 s" in late.output and late.duration_s < 1
+    assert (fast_sync.output, fast_sync.is_error) == ("done", False)
+    assert late_sync.is_error and "blocking timed out" in late_sync.output
+    assert failed.is_error and "ValueError: cannot handle 3" in failed.output
+    assert sleepy.name == "blocking" and sleepy(0) == "done"  # still callable directly
+
+
+def test_bad_tool_definitions_are_user_errors():
+    def untyped(city):
+        return city
+
+    def star(*cities: str):
+        return cities
+
+    with pytest.raises(UserError, match="parameter 'city' has no type hint"):
+        tool(untyped)
+    with pytest.raises(UserError, match=r"cannot take \*cities"):
+        tool(star)
+    with pytest.raises(UserError, match="tool name 'two words'"):
+        tool(name="two words")(lambda x: x)
+    with pytest.raises(UserError, match="timeout_s must be a positive number"):
+        tool(timeout_s=0)(star)
+
+
+# --- HTTP tools against a real server on loopback -----------------------------------------------
+
+
+class Recorder(BaseHTTPRequestHandler):
+    seen: list = []
+
+    def do_GET(self):
+        Recorder.seen.append(("GET", self.path, None))
+        if self.path.startswith("/redirect"):
+            self.send_response(302)
+            self.send_header("Location", "http://127.0.0.1:1/elsewhere")
+            self.end_headers()
+            return
+        if self.path.startswith("/missing"):
+            return self._reply(404, "text/plain", b"no such thing")
+        if self.path.startswith("/slow"):
+            time.sleep(1)
+        self._reply(200, "application/json", json.dumps({"path": self.path}).encode())
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        Recorder.seen.append(("POST", self.path, body))
+        self._reply(200, "text/plain", f"got {sorted(body)}".encode())
+
+    def _reply(self, status, kind, data):
+        self.send_response(status)
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture(scope="module")
+def server_url():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Recorder)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+PARAMS = {"type": "object", "properties": {"to": {"type": "string"},
+                                           "tags": {"type": "array", "items": {"type": "string"}},
+                                           "direct": {"type": "boolean"}},
+          "required": ["to"], "additionalProperties": False}
+
+
+def test_http_tool_calls_only_its_declared_url(server_url):
+    Recorder.seen.clear()
+    get = HttpTool("search", "Find flights.", "GET", f"{server_url}/flights", PARAMS)
+    post = HttpTool("order", "Order.", "POST", f"{server_url}/orders", PARAMS)
+    redirect = HttpTool("hop", "", "GET", f"{server_url}/redirect", PARAMS)
+    missing = HttpTool("gone", "", "GET", f"{server_url}/missing", PARAMS)
+    slow = HttpTool("slow", "", "GET", f"{server_url}/slow", PARAMS, timeout_s=0.3)
+
+    async def main():
+        tricky = {"to": "Oslo/../admin?x=1", "tags": ["a", "b"], "direct": True}
+        return [await run_tool(get, tricky),
+                await run_tool(post, {"to": "Rome", "direct": False}),
+                await run_tool(get, {"to": 3}),
+                await run_tool(redirect, {"to": "x"}),
+                await run_tool(missing, {"to": "x"}),
+                await run_tool(slow, {"to": "x"})]
+
+    ok, posted, invalid, hopped, gone, late = anyio.run(main)
+    assert not ok.is_error
+    path = json.loads(ok.output)["path"]
+    assert path.startswith("/flights?") and "to=Oslo%2F..%2Fadmin%3Fx%3D1" in path
+    assert "tags=a&tags=b" in path and "direct=true" in path
+    assert posted.output == "got ['direct', 'to']"
+    assert invalid.is_error and "to: 3 is not of type 'string'" in invalid.output
+    assert hopped.is_error and "HTTP 302" in hopped.output
+    assert gone.is_error and "HTTP 404" in gone.output and "no such thing" in gone.output
+    assert late.is_error and "timed out" in late.output.lower()
+    paths = [p.split("?")[0] for _, p, _ in Recorder.seen]
+    assert "/elsewhere" not in paths and len([p for p in paths if p == "/flights"]) == 1
+
+
+def test_http_tool_definition_errors():
+    with pytest.raises(UserError, match="url must be an absolute http"):
+        HttpTool("t", "", "GET", "file:///etc/passwd")
+    with pytest.raises(UserError, match="method must be one of"):
+        HttpTool("t", "", "FETCH", "http://127.0.0.1/x")
+    with pytest.raises(UserError, match="not a valid JSON Schema"):
+        HttpTool("t", "", "GET", "http://127.0.0.1/x", {"type": "objekt"})
+    with pytest.raises(ToolArgumentsError):
+        anyio.run(HttpTool("t", "", "GET", "http://127.0.0.1:9/x").call, {"extra": 1})

@@ -1,0 +1,97 @@
+"""Spans of a run: their tree, timings, speed stats, the plain timeline and OpenTelemetry export."""
+
+import anyio
+import pytest
+
+from agentflash.backends.scripted import ScriptedBackend, ScriptedTurn
+from agentflash.runtime import Agent, Runner, tool
+from agentflash.runtime.tracing import SpanKind, Tracer
+
+
+@tool
+async def get_weather(city: str) -> dict:
+    """Get the weather."""
+    await anyio.sleep(0.05)
+    return {"status": "ok", "city": city}
+
+
+@tool
+def broken(city: str) -> dict:
+    """Always fails."""
+    raise RuntimeError("down")
+
+
+SCRIPT = [ScriptedTurn.calls(("get_weather", {"city": "Oslo"}), ("broken", {"city": "Oslo"})),
+          "Sunny in Oslo."]
+
+
+def traced_run(tracer: Tracer):
+    agent = Agent("forecaster", tools=[get_weather, broken])
+    return Runner.run_sync(agent, "weather?", backend=ScriptedBackend(SCRIPT), tracer=tracer)
+
+
+def test_spans_form_a_tree_with_timings_and_stats():
+    tracer = Tracer(sinks=[])
+    result = traced_run(tracer)
+    assert result.tracer is tracer
+    kinds = [(s.kind, s.name) for s in tracer.spans]
+    assert kinds == [(SpanKind.RUN, "run forecaster"),
+                     (SpanKind.TURN, "invoke_agent forecaster"),
+                     (SpanKind.GENERATION, "chat scripted"),
+                     (SpanKind.TOOL, "execute_tool get_weather"),
+                     (SpanKind.TOOL, "execute_tool broken"),
+                     (SpanKind.TURN, "invoke_agent forecaster"),
+                     (SpanKind.GENERATION, "chat scripted")]
+    run, turn, gen, ok_tool, bad_tool = tracer.spans[:5]
+    assert turn.parent is run and gen.parent is turn and ok_tool.parent is turn
+    assert all(s.end is not None and s.end >= s.start for s in tracer.spans)
+    assert ok_tool.duration_s >= 0.05 and run.duration_s >= ok_tool.duration_s
+    assert gen.attributes["gen_ai.operation.name"] == "chat"
+    assert gen.attributes["agentflash.mode"] == "scripted"
+    assert gen.attributes["gen_ai.usage.output_tokens"] > 0
+    assert ok_tool.attributes["gen_ai.tool.name"] == "get_weather" and ok_tool.error is None
+    assert bad_tool.error is not None and "RuntimeError: down" in bad_tool.error
+    timeline = tracer.timeline()
+    assert timeline.splitlines()[0].endswith("run forecaster")
+    assert "      execute_tool broken  [error=True]  FAILED" in timeline
+    assert "chat scripted  [mode=scripted tokens=" in timeline
+
+
+def test_opentelemetry_export_follows_the_genai_conventions():
+    pytest.importorskip("opentelemetry.sdk")
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from agentflash.runtime.tracing import OtelSink
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    traced_run(Tracer(sinks=[OtelSink(provider)]))
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    assert set(spans) == {"run forecaster", "invoke_agent forecaster", "chat scripted",
+                          "execute_tool get_weather", "execute_tool broken"}
+    chat, tool_span = spans["chat scripted"], spans["execute_tool get_weather"]
+    assert chat.attributes["gen_ai.operation.name"] == "chat"
+    assert chat.attributes["gen_ai.request.model"] == "scripted"
+    assert tuple(chat.attributes["gen_ai.response.finish_reasons"]) == ("stop",)
+    assert chat.attributes["agentflash.segments"] == "[]"
+    assert tool_span.attributes["gen_ai.tool.name"] == "get_weather"
+    turns = [s for s in exporter.get_finished_spans() if s.name.startswith("invoke_agent")]
+    first_turn = min(turns, key=lambda s: s.start_time)
+    assert tool_span.parent.span_id == first_turn.context.span_id
+    assert first_turn.parent.span_id == spans["run forecaster"].context.span_id
+    assert spans["execute_tool broken"].status.status_code.name == "ERROR"
+    assert tool_span.end_time - tool_span.start_time >= 50_000_000  # ns
+
+
+def test_default_sinks_follow_what_is_importable():
+    from agentflash.runtime.tracing import OtelSink, default_sinks
+
+    try:
+        import opentelemetry.trace  # noqa: F401
+    except ImportError:
+        assert default_sinks() == []
+    else:
+        assert [type(s) for s in default_sinks()] == [OtelSink]
