@@ -1,0 +1,89 @@
+"""Workflow templates: sandboxed Jinja2 over ``inputs`` and ``steps.<id>.output``.
+
+Templates are checked when the workflow loads: every name they use must be an input or a step
+(one the template's step waits for), so a typo fails ``agentflash validate`` rather than a run.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from jinja2 import StrictUndefined, TemplateError, Undefined, nodes
+from jinja2.meta import find_undeclared_variables
+from jinja2.sandbox import SandboxedEnvironment
+
+
+def _finalize(value: Any) -> Any:
+    """Structured values are written as JSON, not as Python reprs."""
+    return json.dumps(value) if isinstance(value, (dict, list)) else value
+
+
+ENV = SandboxedEnvironment(undefined=StrictUndefined, autoescape=False, finalize=_finalize,
+                           keep_trailing_newline=True)
+_ONE_EXPRESSION = re.compile(r"^\s*\{\{(?P<expr>(?:(?!\}\}|\{\{|\{%|\{#).)*)\}\}\s*$", re.DOTALL)
+
+
+@dataclass(frozen=True)
+class Reference:
+    """A name a template uses: ``inputs.<name>`` or ``steps.<name>.<field>``."""
+
+    scope: str  # inputs | steps
+    name: str
+    field: str | None = None  # for steps: the attribute after the step (``output``)
+
+
+def references(text: str) -> tuple[list[Reference], list[str]]:
+    """What ``text`` refers to, and its problems (syntax, unknown variables, dynamic access)."""
+    try:
+        ast = ENV.parse(text)
+    except TemplateError as err:
+        line = getattr(err, "lineno", None)
+        return [], [f"template syntax error{f' (template line {line})' if line else ''}: "
+                    f"{err.message}"]
+    problems = [f"unknown variable {name!r} (templates see inputs and steps)"
+                for name in sorted(find_undeclared_variables(ast) - {"inputs", "steps"})]
+    refs: list[Reference] = []
+    for node in ast.find_all((nodes.Getattr, nodes.Getitem)):
+        scope = node.node.name if isinstance(node.node, nodes.Name) else None
+        if scope not in ("inputs", "steps"):
+            continue
+        key = _static_key(node)
+        if key is None:
+            problems.append(f"{scope}[...] must name its key literally")
+            continue
+        refs.append(Reference(scope, key))
+    for node in ast.find_all((nodes.Getattr, nodes.Getitem)):
+        inner = node.node
+        if not isinstance(inner, (nodes.Getattr, nodes.Getitem)):
+            continue
+        step = _static_key(inner)
+        if isinstance(inner.node, nodes.Name) and inner.node.name == "steps" and step is not None:
+            refs.append(Reference("steps", step, _static_key(node) or "?"))
+    return refs, problems
+
+
+def _static_key(node: nodes.Getattr | nodes.Getitem) -> str | None:
+    if isinstance(node, nodes.Getattr):
+        return node.attr
+    return node.arg.value if isinstance(node.arg, nodes.Const) and isinstance(node.arg.value,
+                                                                               str) else None
+
+
+def render_text(text: str, context: dict[str, Any]) -> str:
+    """The template rendered as text (structured values as JSON). Raises jinja2's errors."""
+    return ENV.from_string(text).render(**context)
+
+
+def render_value(text: str, context: dict[str, Any]) -> Any:
+    """Like ``render_text``, but a template that is one ``{{ expression }}`` keeps the value's
+    type, so that a workflow output can be a step's structured output rather than its JSON."""
+    match = _ONE_EXPRESSION.match(text)
+    if match is None:
+        return render_text(text, context)
+    value = ENV.compile_expression(match.group("expr"), undefined_to_none=False)(**context)
+    if isinstance(value, Undefined):
+        str(value)  # raises the UndefinedError that names what is missing
+    return value

@@ -1,0 +1,624 @@
+"""YAML workflows: agents, their tools and a DAG of steps, checked when loaded and run on one
+shared backend.
+
+Loading validates the file against ``schemas/workflow.schema.json`` and then checks what a schema
+cannot: names that must exist (agents, tools, steps, inputs), cycles in ``needs``, templates, and
+python tools that must import. Every problem is reported as ``file:line: key: message``.
+
+A ``python:`` tool imports ``module:function`` from the workflow's folder or the Python path, so
+loading a workflow runs code its author named: load only workflows you trust. An ``http:`` tool
+calls only the URL it declares.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import sys
+from collections.abc import AsyncIterator, Callable
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import anyio
+from jinja2 import TemplateError
+
+from agentflash.backends import create_backend, is_available
+from agentflash.backends.base import Backend, BackendKind, Decoding, ForceTool, ModelSpec
+from agentflash.errors import UserError
+from agentflash.runtime import events as ev
+from agentflash.runtime.agent import Agent, output_spec
+from agentflash.runtime.errors import RunError, StepFailed
+from agentflash.runtime.runner import Runner, Streamed, ToolCallRecord, single_errors, streaming
+from agentflash.runtime.templates import references, render_text, render_value
+from agentflash.runtime.tools import FunctionTool, HttpTool, Tool, function_tool, no_parameters
+from agentflash.runtime.tracing import Span, SpanKind, Tracer
+from agentflash.runtime.yaml_source import Keys, YamlDoc, load_yaml
+
+SCHEMA_PATH = Path(__file__).resolve().parents[2] / "schemas" / "workflow.schema.json"
+
+
+@lru_cache(maxsize=1)
+def workflow_schema() -> dict[str, Any]:
+    """The published JSON Schema of the workflow format."""
+    return json.loads(SCHEMA_PATH.read_text(encoding="utf-8"))
+
+
+@dataclass(frozen=True)
+class Step:
+    """One node of the DAG: an agent run on a templated input, after the steps it needs."""
+
+    id: str
+    agent: str
+    input: str  # a template over inputs and steps.<id>.output
+    needs: tuple[str, ...] = ()
+    index: int = 0  # position in the file's steps list (for error locations)
+
+
+@dataclass
+class Workflow:
+    """A loaded, checked workflow."""
+
+    path: Path
+    name: str
+    model: ModelSpec
+    decoding: Decoding
+    inputs: dict[str, dict[str, Any]]  # input name -> its JSON Schema
+    tools: dict[str, Tool]
+    agents: dict[str, Agent]
+    steps: list[Step]
+    outputs: dict[str, str]  # output name -> template
+    doc: YamlDoc = field(repr=False)
+
+    def resolve_inputs(self, given: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Inputs from ``given`` (strings from the command line are converted to the declared
+        type), defaults for the rest, each checked against its schema."""
+        from jsonschema import Draft202012Validator
+
+        given = dict(given or {})
+        unknown = sorted(set(given) - set(self.inputs))
+        if unknown:
+            declared = ", ".join(self.inputs) or "none"
+            raise UserError(f"{self.path}: unknown input {unknown[0]!r} (declared: {declared})")
+        values = {}
+        for name, schema in self.inputs.items():
+            if name in given:
+                value = given[name]
+                if isinstance(value, str):
+                    value = _convert(name, value, schema)
+            elif "default" in schema:
+                value = schema["default"]
+            else:
+                raise UserError(f"{self.path}: input {name!r} is required: give "
+                                f"--input {name}=VALUE")
+            errors = list(Draft202012Validator(schema).iter_errors(value))
+            if errors:
+                raise UserError(f"{self.path}: input {name!r}: {errors[0].message}")
+            values[name] = value
+        return values
+
+    async def run(self, inputs: dict[str, Any] | None = None, *,
+                  backend: Backend | None = None) -> WorkflowResult:
+        """Run every step (concurrently where ``needs`` allow) and render the outputs: the
+        streamed run's events, collected."""
+        async with self.run_streamed(inputs, backend=backend) as run:
+            async for _ in run:
+                pass
+        return run.result
+
+    @asynccontextmanager
+    async def run_streamed(self, inputs: dict[str, Any] | None = None, *,
+                           backend: Backend | None = None
+                           ) -> AsyncIterator[Streamed[WorkflowEvent, WorkflowResult]]:
+        """``async with wf.run_streamed(inputs) as run: async for event in run: ...``
+
+        ``backend`` defaults to the one the ``model:`` section names, opened for the run.
+        """
+        values = self.resolve_inputs(inputs)
+        with single_errors():
+            async with AsyncExitStack() as stack:
+                if backend is None:
+                    backend = await stack.enter_async_context(create_backend(self.model))
+                chosen = backend
+
+                async def work(emit: Callable[[WorkflowEvent], None]) -> WorkflowResult:
+                    return await _WorkflowRun(self, values, chosen, emit).run()
+
+                async with streaming(work) as run:
+                    yield run
+
+
+# --- events and results -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StepStarted:
+    step: str
+    agent: str
+    input: str
+
+
+@dataclass(frozen=True)
+class StepEvent:
+    """An event of a step's run."""
+
+    step: str
+    event: ev.RunEvent
+
+
+@dataclass(frozen=True)
+class StepFinished:
+    step: str
+    result: StepResult
+
+
+WorkflowEvent = StepStarted | StepEvent | StepFinished
+
+
+@dataclass
+class StepResult:
+    output: Any  # text, or the structured answer as JSON-ready data
+    agent: str  # the agent that gave the output (after any handoffs)
+    tool_calls: list[ToolCallRecord]
+    stats: dict[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"output": self.output, "tool_calls": [c.to_dict() for c in self.tool_calls],
+                "stats": self.stats}
+
+
+@dataclass
+class WorkflowResult:
+    outputs: dict[str, Any]
+    steps: dict[str, StepResult]
+    stats: dict[str, Any]
+    tracer: Tracer
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``agentflash run --json`` document."""
+        return {"outputs": self.outputs,
+                "steps": {sid: r.to_dict() for sid, r in self.steps.items()},
+                "stats": self.stats}
+
+
+class _WorkflowRun:
+    def __init__(self, wf: Workflow, inputs: dict[str, Any], backend: Backend,
+                 emit: Callable[[WorkflowEvent], None]):
+        self.wf, self.inputs, self.backend, self.emit = wf, inputs, backend, emit
+        self.tracer = Tracer()
+        self.results: dict[str, StepResult] = {}
+        self.failure: StepFailed | None = None
+
+    def context(self) -> dict[str, Any]:
+        return {"inputs": self.inputs,
+                "steps": {sid: {"output": r.output} for sid, r in self.results.items()}}
+
+    async def run(self) -> WorkflowResult:
+        attrs = {"gen_ai.operation.name": "invoke_workflow", "gen_ai.workflow.name": self.wf.name}
+        with self.tracer.span(SpanKind.RUN, f"invoke_workflow {self.wf.name}", None,
+                              attrs) as span:
+            done = {step.id: anyio.Event() for step in self.wf.steps}
+            async with anyio.create_task_group() as tg:
+                for step in self.wf.steps:
+                    tg.start_soon(self.run_step, step, done, span, tg.cancel_scope)
+            if self.failure is not None:
+                raise self.failure from self.failure.cause
+            outputs = {name: self.render(("outputs", name), text, render_value)
+                       for name, text in self.wf.outputs.items()}
+        return WorkflowResult(outputs, self.results, self.stats(span), self.tracer)
+
+    async def run_step(self, step: Step, done: dict[str, anyio.Event], span: Span,
+                       group: anyio.CancelScope) -> None:
+        for need in step.needs:
+            await done[need].wait()
+        try:
+            self.results[step.id] = await self.step(step, span)
+        except (RunError, UserError) as err:
+            if self.failure is None:
+                self.failure = StepFailed(step.id, step.agent, err)
+                group.cancel()
+            return
+        done[step.id].set()
+
+    async def step(self, step: Step, span: Span) -> StepResult:
+        agent = self.wf.agents[step.agent]
+        text = self.render(("steps", step.index, "input"), step.input, render_text)
+        self.emit(StepStarted(step.id, agent.name, text))
+        async with Runner.run_streamed(agent, text, backend=self.backend, tracer=self.tracer,
+                                       trace_parent=span) as run:
+            async for event in run:
+                self.emit(StepEvent(step.id, event))
+        result = run.result
+        step_result = StepResult(_jsonable(result.final_output), result.last_agent,
+                                 result.tool_calls, result.stats())
+        self.emit(StepFinished(step.id, step_result))
+        return step_result
+
+    def render(self, keys: Keys, text: str, how: Callable[[str, dict[str, Any]], Any]) -> Any:
+        try:
+            return how(text, self.context())
+        except TemplateError as err:
+            raise UserError(f"{self.wf.doc.where(keys)}: template error: {err}") from None
+
+    def stats(self, span: Span) -> dict[str, Any]:
+        wall = span.duration_s
+        new = sum(r.stats["new_tokens"] for r in self.results.values())
+        return {"steps": len(self.results),
+                "turns": sum(r.stats["turns"] for r in self.results.values()),
+                "tool_calls": sum(len(r.tool_calls) for r in self.results.values()),
+                "new_tokens": new, "wall_s": round(wall, 4),
+                "tokens_per_s": round(new / wall, 2) if wall > 0 else 0.0}
+
+
+def _jsonable(value: Any) -> Any:
+    import pydantic_core
+
+    return value if isinstance(value, str) else pydantic_core.to_jsonable_python(value)
+
+
+def _convert(name: str, text: str, schema: dict[str, Any]) -> Any:
+    """A command-line string as the input's declared type."""
+    kind = schema.get("type")
+    try:
+        if kind == "integer":
+            return int(text)
+        if kind == "number":
+            return float(text)
+        if kind == "boolean":
+            lowered = text.lower()
+            if lowered in ("true", "yes", "1", "on"):
+                return True
+            if lowered in ("false", "no", "0", "off"):
+                return False
+            raise ValueError
+        if kind in ("array", "object"):
+            return json.loads(text)
+    except (ValueError, json.JSONDecodeError):
+        raise UserError(f"input {name!r} must be of type {kind}, got {text!r}") from None
+    return text
+
+
+def parse_input_pairs(pairs: list[str]) -> dict[str, str]:
+    """``["city=Oslo", "days=3"]`` from ``--input`` flags."""
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise UserError(f"--input expects KEY=VALUE, got {pair!r}")
+        out[key.strip()] = value
+    return out
+
+
+# --- loading ------------------------------------------------------------------------------------
+
+
+class _Problems:
+    """Problems found in a file, reported together, in line order."""
+
+    def __init__(self, doc: YamlDoc):
+        self.doc = doc
+        self.items: list[tuple[int, str]] = []
+
+    def add(self, keys: Keys, message: str) -> None:
+        self.items.append((self.doc.line(keys), f"{self.doc.where(keys)}: {message}"))
+
+    def raise_if_any(self) -> None:
+        if self.items:
+            lines = dict.fromkeys(m for _, m in sorted(self.items, key=lambda item: item[0]))
+            raise UserError("\n".join(lines))
+
+
+def load_workflow(path: str | Path) -> Workflow:
+    """Read, validate and build a workflow; every problem is a ``UserError`` naming the file,
+    line and key. Python tools are imported here (see the module's note)."""
+    doc = load_yaml(path)
+    problems = _Problems(doc)
+    _schema_problems(doc, problems)
+    problems.raise_if_any()
+    return _Builder(doc, problems).build()
+
+
+def _schema_problems(doc: YamlDoc, problems: _Problems) -> None:
+    from jsonschema import Draft202012Validator
+
+    for err in Draft202012Validator(workflow_schema()).iter_errors(doc.data):
+        keys: Keys = tuple(err.absolute_path)
+        kind, value, instance = err.validator, err.validator_value, err.instance
+        if kind == "additionalProperties":
+            allowed = sorted(err.schema.get("properties", {}))
+            for key in sorted(set(instance) - set(allowed)):
+                hint = f" (allowed: {', '.join(allowed)})" if allowed else ""
+                problems.add((*keys, key), f"unknown key {key!r}{hint}")
+        elif kind == "required":
+            for key in value:
+                if key not in instance:
+                    problems.add(keys, f"missing required key {key!r}")
+        elif kind == "oneOf" and keys[:1] == ("tools",):
+            problems.add(keys, "a tool needs exactly one of 'python' or 'http'")
+        elif kind == "enum":
+            problems.add(keys, f"must be one of {', '.join(map(str, value))}, got {instance!r}")
+        elif kind == "const":
+            problems.add(keys, f"must be {value!r}, got {instance!r}")
+        elif kind == "type":
+            problems.add(keys, f"must be of type {value}, got {_type_name(instance)}")
+        elif kind == "pattern" and isinstance(instance, str) and _is_key(doc.data, keys, instance):
+            problems.add((*keys, instance), f"the name {instance!r} is not allowed "
+                                            f"(it must match {value})")
+        else:
+            problems.add(keys, err.message)
+
+
+def _type_name(value: Any) -> str:
+    names = {dict: "a mapping", list: "a list", str: "a string", bool: "a boolean",
+             int: "an integer", float: "a number", type(None): "nothing (null)"}
+    return names.get(type(value), type(value).__name__)
+
+
+def _is_key(data: Any, keys: Keys, name: str) -> bool:
+    for key in keys:
+        data = data[key]
+    return isinstance(data, dict) and name in data
+
+
+class _Builder:
+    """Turns a schema-valid document into a ``Workflow``, collecting every semantic problem."""
+
+    def __init__(self, doc: YamlDoc, problems: _Problems):
+        self.doc, self.problems, self.data = doc, problems, doc.data
+        self.base_dir = doc.path.resolve().parent
+
+    def build(self) -> Workflow:
+        model = self.model()
+        decoding = self.decoding(("decoding",), self.data.get("decoding", {}), {})
+        inputs = self.inputs()
+        tools = self.tools()
+        agents = self.agents(tools, self.data.get("decoding", {}))
+        steps = self.steps(agents, inputs)
+        outputs = self.outputs(steps, inputs)
+        self.problems.raise_if_any()
+        assert decoding is not None
+        return Workflow(self.doc.path, self.data["name"], model, decoding, inputs, tools, agents,
+                        steps, outputs, self.doc)
+
+    def model(self) -> ModelSpec:
+        raw = self.data.get("model", {})
+        spec = ModelSpec(BackendKind(raw.get("backend", "local")), raw.get("path", "demo"),
+                         raw.get("drafter", "demo"), raw.get("base_url"), raw.get("model"),
+                         raw.get("api_key_env"), self.base_dir)
+        if not is_available(spec.backend):
+            self.problems.add(("model", "backend"), f"backend {spec.backend.value!r} is not "
+                                                    f"available in this version of agentflash")
+        if spec.backend is BackendKind.LOCAL:
+            for key in ("path", "drafter"):
+                value = getattr(spec, key)
+                if value not in ("demo", "none") and not Path(spec.resolve(value)).is_dir():
+                    self.problems.add(("model", key), f"directory {spec.resolve(value)!r} "
+                                                      f"does not exist")
+        return spec
+
+    def decoding(self, keys: Keys, raw: dict[str, Any], defaults: dict[str, Any]
+                 ) -> Decoding | None:
+        try:
+            return Decoding(**{**defaults, **raw})
+        except UserError as err:
+            self.problems.add(keys, str(err).removeprefix("decoding."))
+            return None
+
+    def inputs(self) -> dict[str, dict[str, Any]]:
+        from jsonschema import Draft202012Validator, SchemaError
+
+        inputs = self.data.get("inputs", {})
+        for name, schema in inputs.items():
+            try:
+                Draft202012Validator.check_schema(schema)
+            except SchemaError as err:
+                self.problems.add(("inputs", name), f"not a valid JSON Schema: {err.message}")
+                continue
+            if "default" in schema:
+                for err in Draft202012Validator(schema).iter_errors(schema["default"]):
+                    self.problems.add(("inputs", name, "default"), err.message)
+        return inputs
+
+    def tools(self) -> dict[str, Tool]:
+        tools: dict[str, Tool] = {}
+        for i, raw in enumerate(self.data.get("tools", [])):
+            name = raw["name"]
+            if name in tools:
+                self.problems.add(("tools", i, "name"), f"tool {name!r} is declared twice")
+                continue
+            built = self.python_tool(i, raw) if "python" in raw else self.http_tool(i, raw)
+            if built is not None:
+                tools[name] = built
+        return tools
+
+    def python_tool(self, i: int, raw: dict[str, Any]) -> Tool | None:
+        if "parameters" in raw:
+            self.problems.add(("tools", i, "parameters"), "only http tools take parameters; a "
+                                                         "python tool's schema comes from its "
+                                                         "signature")
+            return None
+        fn = self.import_function(("tools", i, "python"), raw["python"])
+        if fn is None:
+            return None
+        try:
+            if isinstance(fn, FunctionTool):
+                return dataclasses.replace(
+                    fn, name=raw["name"], description=raw.get("description", fn.description),
+                    timeout_s=raw.get("timeout_s", fn.timeout_s))
+            return function_tool(fn, name=raw["name"], description=raw.get("description"),
+                                 timeout_s=raw.get("timeout_s"))
+        except UserError as err:
+            self.problems.add(("tools", i, "python"), str(err))
+            return None
+
+    def import_function(self, keys: Keys, target: str) -> Any:
+        module_name, _, attr = target.partition(":")
+        added = str(self.base_dir) not in sys.path
+        if added:
+            sys.path.insert(0, str(self.base_dir))
+        try:
+            module = importlib.import_module(module_name)
+        except Exception as err:  # whatever the module raises while importing
+            self.problems.add(keys, f"cannot import {module_name!r}: {type(err).__name__}: {err}")
+            return None
+        finally:
+            if added:
+                sys.path.remove(str(self.base_dir))
+        fn = getattr(module, attr, None)
+        if fn is None or not callable(fn):
+            self.problems.add(keys, f"module {module_name!r} has no function {attr!r}")
+            return None
+        return fn
+
+    def http_tool(self, i: int, raw: dict[str, Any]) -> Tool | None:
+        http = raw["http"]
+        try:
+            return HttpTool(raw["name"], raw.get("description", ""), http.get("method", "GET"),
+                            http["url"], raw.get("parameters", no_parameters()),
+                            raw.get("timeout_s", 10.0))
+        except UserError as err:
+            self.problems.add(("tools", i), str(err))
+            return None
+
+    def agents(self, tools: dict[str, Tool], defaults: dict[str, Any]) -> dict[str, Agent]:
+        agents: dict[str, Agent] = {}
+        declared = {t["name"] for t in self.data.get("tools", [])}
+        for name, raw in self.data["agents"].items():
+            keys: Keys = ("agents", name)
+            own = []
+            for j, tool_name in enumerate(raw.get("tools", [])):
+                if tool_name in tools:
+                    own.append(tools[tool_name])
+                elif tool_name not in declared:  # a declared tool that failed is reported
+                    known = ", ".join(tools) or "none declared"
+                    self.problems.add((*keys, "tools", j), f"unknown tool {tool_name!r} "
+                                                           f"(tools: {known})")
+            decoding = self.decoding((*keys, "decoding"), raw.get("decoding", {}), defaults)
+            choice = raw.get("tool_choice", "auto")
+            if choice not in ("auto", "required", "none"):
+                if choice not in [t.name for t in own]:
+                    self.problems.add((*keys, "tool_choice"), f"must be auto, required, none or "
+                                                              f"one of the agent's tools, got "
+                                                              f"{choice!r}")
+                    continue
+                choice = ForceTool(choice)
+            try:
+                output_spec(raw.get("output_schema"))
+            except UserError as err:
+                self.problems.add((*keys, "output_schema"), str(err))
+                continue
+            try:
+                agents[name] = Agent(name, raw["instructions"], own, [],
+                                     raw.get("description", ""), raw.get("output_schema"),
+                                     choice, decoding or Decoding(), raw.get("max_turns", 10))
+            except UserError as err:
+                self.problems.add(keys, str(err))
+        for name, raw in self.data["agents"].items():
+            for j, target in enumerate(raw.get("handoffs", [])):
+                if target == name:
+                    self.problems.add(("agents", name, "handoffs", j), "an agent cannot hand "
+                                                                       "over to itself")
+                elif target not in self.data["agents"]:
+                    self.problems.add(("agents", name, "handoffs", j),
+                                      f"unknown agent {target!r} (agents: "
+                                      f"{', '.join(self.data['agents'])})")
+                elif name in agents and target in agents:
+                    agents[name].handoffs.append(agents[target])
+            if name in agents:
+                try:
+                    agents[name].turn_tools()
+                except UserError as err:
+                    self.problems.add(("agents", name, "handoffs"), str(err))
+        return agents
+
+    def steps(self, agents: dict[str, Agent], inputs: dict[str, Any]) -> list[Step]:
+        steps: list[Step] = []
+        ids: set[str] = set()
+        for i, raw in enumerate(self.data["steps"]):
+            if raw["id"] in ids:
+                self.problems.add(("steps", i, "id"), f"step {raw['id']!r} is declared twice")
+                continue
+            ids.add(raw["id"])
+            if raw["agent"] not in self.data["agents"]:
+                known = ", ".join(self.data["agents"])
+                self.problems.add(("steps", i, "agent"), f"unknown agent {raw['agent']!r} "
+                                                         f"(agents: {known})")
+            needs = tuple(raw.get("needs", []))
+            steps.append(Step(raw["id"], raw["agent"], raw["input"], needs, i))
+        by_id = {s.id: s for s in steps}
+        for step in steps:
+            for j, need in enumerate(step.needs):
+                if need not in by_id:
+                    self.problems.add(("steps", step.index, "needs", j),
+                                      f"unknown step {need!r} (steps: {', '.join(by_id)})")
+        self.check_cycles(steps, by_id)
+        for step in steps:
+            before = _ancestors(step, by_id)
+            self.check_template(("steps", step.index, "input"), step.input, inputs, by_id,
+                                allowed=before, owner=step.id)
+        return steps
+
+    def check_cycles(self, steps: list[Step], by_id: dict[str, Step]) -> None:
+        state: dict[str, int] = {}  # 1: on the current path, 2: done
+        reported: set[frozenset[str]] = set()
+
+        def visit(step: Step, path: list[str]) -> None:
+            state[step.id] = 1
+            for j, need in enumerate(step.needs):
+                if need not in by_id:
+                    continue
+                if state.get(need) == 1:
+                    cycle = path[path.index(need):] + [need]
+                    if frozenset(cycle) not in reported:
+                        reported.add(frozenset(cycle))
+                        self.problems.add(("steps", step.index, "needs", j),
+                                          f"cycle in needs: {' -> '.join(reversed(cycle))}")
+                elif need not in state:
+                    visit(by_id[need], [*path, need])
+            state[step.id] = 2
+
+        for step in steps:
+            if step.id not in state:
+                visit(step, [step.id])
+
+    def check_template(self, keys: Keys, text: str, inputs: dict[str, Any],
+                       by_id: dict[str, Step], allowed: set[str] | None, owner: str | None) -> None:
+        refs, template_problems = references(text)
+        for problem in template_problems:
+            self.problems.add(keys, problem)
+        for ref in refs:
+            if ref.scope == "inputs" and ref.name not in inputs:
+                self.problems.add(keys, f"the template uses inputs.{ref.name}, which is not "
+                                        f"declared (inputs: {', '.join(inputs) or 'none'})")
+            elif ref.scope == "steps" and ref.field is None and ref.name not in by_id:
+                self.problems.add(keys, f"the template uses steps.{ref.name}, which is not a "
+                                        f"step (steps: {', '.join(by_id)})")
+            elif ref.scope == "steps" and ref.field is None and allowed is not None \
+                    and ref.name not in allowed:
+                self.problems.add(keys, f"the template uses steps.{ref.name}, but step "
+                                        f"{owner!r} does not wait for it (add it to needs)")
+            elif ref.scope == "steps" and ref.field is not None and ref.field != "output":
+                self.problems.add(keys, f"steps.{ref.name}.{ref.field}: a step has only .output")
+
+    def outputs(self, steps: list[Step], inputs: dict[str, Any]) -> dict[str, str]:
+        outputs = self.data.get("outputs", {})
+        by_id = {s.id: s for s in steps}
+        for name, text in outputs.items():
+            self.check_template(("outputs", name), text, inputs, by_id, allowed=None, owner=None)
+        return outputs
+
+
+def _ancestors(step: Step, by_id: dict[str, Step]) -> set[str]:
+    """Every step that ``step`` waits for, directly or not."""
+    seen: set[str] = set()
+    todo = list(step.needs)
+    while todo:
+        sid = todo.pop()
+        if sid in seen or sid not in by_id:
+            continue
+        seen.add(sid)
+        todo.extend(by_id[sid].needs)
+    return seen

@@ -1,0 +1,94 @@
+"""YAML read with the line of every key, so that every error names its file, line and key."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from agentflash.errors import UserError
+
+Keys = tuple[Any, ...]  # a path into the document: mapping keys and list indexes
+
+
+def dotted(keys: Keys) -> str:
+    """``agents.planner.tools[1]``"""
+    out = ""
+    for key in keys:
+        out += f"[{key}]" if isinstance(key, int) else (f".{key}" if out else str(key))
+    return out or "(top level)"
+
+
+@dataclass
+class YamlDoc:
+    """A YAML file's data and the line where each key (or list item) starts."""
+
+    path: Path
+    data: Any
+    lines: dict[Keys, int] = field(default_factory=dict)
+
+    def line(self, keys: Keys) -> int:
+        """The line of ``keys``, or of its nearest ancestor that is in the file."""
+        keys = tuple(keys)
+        while keys not in self.lines and keys:
+            keys = keys[:-1]
+        return self.lines.get(keys, 1)
+
+    def where(self, keys: Keys) -> str:
+        """``file:line: key.path``"""
+        return f"{self.path}:{self.line(keys)}: {dotted(keys)}"
+
+
+def load_yaml(path: str | Path) -> YamlDoc:
+    """Parse ``path`` (safe YAML: no Python objects), keeping the line of every key."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise UserError(f"{path}: file does not exist") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise UserError(f"{path}: cannot read the file: {err}") from None
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            raise UserError(f"{path}:1: the file is empty")
+        doc = YamlDoc(path, None, {(): node.start_mark.line + 1})
+        doc.data = _build(loader, node, (), doc)
+        return doc
+    except yaml.MarkedYAMLError as err:
+        mark = err.problem_mark or err.context_mark
+        line = mark.line + 1 if mark is not None else 1
+        problem = err.problem or err.context or "malformed YAML"
+        raise UserError(f"{path}:{line}: invalid YAML: {problem}") from None
+    except yaml.YAMLError as err:
+        raise UserError(f"{path}: invalid YAML: {err}") from None
+    finally:
+        loader.dispose()
+
+
+def _build(loader: yaml.SafeLoader, node: yaml.Node, keys: Keys, doc: YamlDoc) -> Any:
+    if isinstance(node, yaml.MappingNode):
+        loader.flatten_mapping(node)  # YAML merge keys (<<)
+        out: dict[str, Any] = {}
+        for key_node, value_node in node.value:
+            key = loader.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if not isinstance(key, str):
+                raise UserError(f"{doc.path}:{line}: {dotted(keys)}: keys must be strings, "
+                                f"got {key!r}")
+            if key in out:
+                raise UserError(f"{doc.path}:{line}: {dotted((*keys, key))}: the key appears "
+                                f"twice (first on line {doc.lines[(*keys, key)]})")
+            doc.lines[(*keys, key)] = line
+            out[key] = _build(loader, value_node, (*keys, key), doc)
+        return out
+    if isinstance(node, yaml.SequenceNode):
+        items = []
+        for i, item in enumerate(node.value):
+            doc.lines[(*keys, i)] = item.start_mark.line + 1
+            items.append(_build(loader, item, (*keys, i), doc))
+        return items
+    return loader.construct_object(node, deep=True)

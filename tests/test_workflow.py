@@ -1,0 +1,286 @@
+"""YAML workflows: the schema, the bad-file corpus, inputs, the DAG's concurrency and failures."""
+
+import re
+import textwrap
+from pathlib import Path
+
+import anyio
+import pytest
+import yaml
+from jsonschema import Draft202012Validator
+from typer.testing import CliRunner
+
+from agentflash.backends import is_available
+from agentflash.backends.base import BackendKind, ForceTool
+from agentflash.backends.scripted import ScriptedBackend
+from agentflash.cli import app
+from agentflash.errors import UserError
+from agentflash.runtime import StepFailed, load_workflow
+from agentflash.runtime.workflow import (
+    SCHEMA_PATH,
+    StepFinished,
+    StepStarted,
+    parse_input_pairs,
+    workflow_schema,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+BAD = sorted((Path(__file__).parent / "data" / "bad_workflows").glob("*.yaml"))
+
+
+def expectation(path: Path) -> tuple[int, str]:
+    match = re.match(r"# expect: (\d+): (.*)", path.read_text().splitlines()[0])
+    assert match, f"{path} must start with '# expect: LINE: message'"
+    return int(match.group(1)), match.group(2)
+
+
+@pytest.mark.parametrize("path", BAD, ids=[p.stem for p in BAD])
+def test_each_bad_workflow_names_file_line_and_key(path):
+    line, message = expectation(path)
+    with pytest.raises(UserError) as err:
+        load_workflow(path)
+    lines = str(err.value).splitlines()
+    assert any(text.startswith(f"{path}:{line}: {message}") for text in lines), str(err.value)
+    result = CliRunner().invoke(app, ["validate", str(path)])
+    assert result.exit_code == 2 and result.stdout == ""
+    assert result.stderr.startswith(f"error: {path}:") and "Traceback" not in result.stderr
+
+
+def test_the_corpus_covers_the_promised_mistakes():
+    names = {p.stem for p in BAD}
+    assert {"unknown_agent_key", "unknown_top_key", "unknown_agent", "unknown_tool", "cycle",
+            "template_missing_step", "template_missing_input", "python_import"} <= names
+
+
+def test_schema_is_valid_and_describes_the_examples():
+    schema = workflow_schema()
+    Draft202012Validator.check_schema(schema)
+    assert SCHEMA_PATH == ROOT / "schemas" / "workflow.schema.json"
+    for example in sorted((ROOT / "examples").glob("*.yaml")):
+        data = yaml.safe_load(example.read_text())
+        assert list(Draft202012Validator(schema).iter_errors(data)) == [], example
+
+
+def write(tmp_path: Path, text: str, name: str = "wf.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+BASIC = """\
+    version: 1
+    name: basic
+    inputs:
+      city: {type: string, default: Oslo}
+      days: {type: integer, minimum: 1}
+      direct: {type: boolean, default: false}
+      tags: {type: array, items: {type: string}, default: []}
+    agents:
+      a: {instructions: You help.}
+    steps:
+      - {id: one, agent: a, input: "{{ inputs.city }} {{ inputs.days }}"}
+    outputs:
+      result: "{{ steps.one.output }}"
+    """
+
+
+def test_inputs_are_converted_defaulted_and_checked(tmp_path):
+    wf = load_workflow(write(tmp_path, BASIC))
+    given = parse_input_pairs(["days=3", "direct=yes", 'tags=["a"]'])
+    assert wf.resolve_inputs(given) == {"city": "Oslo", "days": 3, "direct": True, "tags": ["a"]}
+    problems = [({"days": "3", "country": "x"}, "unknown input 'country' (declared: city, days"),
+                ({}, "input 'days' is required: give --input days=VALUE"),
+                ({"days": "three"}, "input 'days' must be of type integer, got 'three'"),
+                ({"days": "0"}, "input 'days': 0 is less than the minimum of 1"),
+                ({"days": "1", "direct": "maybe"}, "input 'direct' must be of type boolean")]
+    for values, message in problems:
+        with pytest.raises(UserError, match=re.escape(message)):
+            wf.resolve_inputs(values)
+    with pytest.raises(UserError, match="--input expects KEY=VALUE, got 'days'"):
+        parse_input_pairs(["days"])
+
+
+def test_agents_tools_and_decoding_are_built_from_the_file(tmp_path):
+    (tmp_path / "mytools.py").write_text(textwrap.dedent('''
+        def lookup(key: str, limit: int = 3) -> dict:
+            """Look a key up.
+
+            Args:
+                key: What to look up.
+            """
+            return {"key": key}
+    '''))
+    wf = load_workflow(write(tmp_path, """\
+        version: 1
+        name: built
+        decoding: {temperature: 0.5, max_tokens: 40, seed: 7}
+        tools:
+          - {name: find, python: "mytools:lookup", timeout_s: 2}
+          - name: remote
+            http: {method: POST, url: "http://127.0.0.1:9/x"}
+            parameters: {type: object, properties: {q: {type: string}}}
+        agents:
+          a:
+            instructions: You help.
+            tools: [find, remote]
+            tool_choice: find
+            handoffs: [b]
+            decoding: {max_tokens: 10}
+          b: {instructions: You write., description: Writes things., max_turns: 2}
+        steps:
+          - {id: one, agent: a, input: go}
+        """))
+    a, b = wf.agents["a"], wf.agents["b"]
+    assert [t.name for t in a.tools] == ["find", "remote"] and a.handoffs == [b]
+    assert a.tools[0].timeout_s == 2 and a.tools[0].parameters["required"] == ["key"]
+    assert a.tools[0].parameters["properties"]["key"]["description"] == "What to look up."
+    assert a.tools[1].method == "POST" and a.tools[1].timeout_s == 10.0
+    assert a.tool_choice == ForceTool("find")
+    assert (a.decoding.temperature, a.decoding.max_tokens, a.decoding.seed) == (0.5, 10, 7)
+    assert b.decoding.max_tokens == 40 and b.max_turns == 2
+    assert b.handoff_description == "Writes things."
+
+
+DAG = """\
+    version: 1
+    name: dag
+    agents:
+      a: {instructions: You help.}
+      planner:
+        instructions: You plan.
+        output_schema:
+          type: object
+          properties: {days: {type: integer}}
+          required: [days]
+    steps:
+      - {id: left, agent: a, input: left}
+      - {id: right, agent: planner, input: right}
+      - id: join
+        agent: a
+        needs: [left, right]
+        input: "{{ steps.left.output }} + {{ steps.right.output.days }}"
+    outputs:
+      text: "{{ steps.join.output }}"
+      plan: "{{ steps.right.output }}"
+      days: "{{ steps.right.output.days * 2 }}"
+      sentence: "{{ steps.right.output.days }} days"
+    """
+
+
+def test_steps_whose_needs_are_met_run_concurrently(tmp_path):
+    wf = load_workflow(write(tmp_path, DAG))
+    arrived = []
+    both = anyio.Event()
+
+    async def reply(request):
+        text = request.messages[-1]["content"]
+        arrived.append(text)
+        if text in ("left", "right"):
+            if len(arrived) == 2:
+                both.set()
+            with anyio.fail_after(5):  # only returns if the other step runs at the same time
+                await both.wait()
+        return '{"days": 4}' if text == "right" else f"<{text}>"
+
+    async def main():
+        events = []
+        async with wf.run_streamed(backend=ScriptedBackend(reply)) as run:
+            async for event in run:
+                events.append(event)
+        return run.result, events
+
+    result, events = anyio.run(main)
+    assert sorted(arrived[:2]) == ["left", "right"] and arrived[2] == "<left> + 4"
+    order = [(type(e).__name__, e.step) for e in events
+             if isinstance(e, (StepStarted, StepFinished))]
+    assert order.index(("StepStarted", "join")) > max(order.index(("StepFinished", "left")),
+                                                       order.index(("StepFinished", "right")))
+    assert result.outputs == {"text": "<<left> + 4>", "plan": {"days": 4}, "days": 8,
+                              "sentence": "4 days"}
+    assert result.steps["right"].output == {"days": 4}
+    doc = result.to_dict()
+    assert set(doc) == {"outputs", "steps", "stats"}
+    assert set(doc["steps"]) == {"left", "right", "join"}
+    assert set(doc["steps"]["join"]) == {"output", "tool_calls", "stats"}
+    assert doc["stats"]["steps"] == 3 and doc["stats"]["turns"] == 3
+    spans = [s.name for s in result.tracer.spans]
+    assert spans[0] == "invoke_workflow dag" and spans.count("run a") == 2
+
+
+def test_a_failing_step_stops_the_workflow_and_names_itself(tmp_path):
+    wf = load_workflow(write(tmp_path, DAG))
+    cancelled = []
+
+    async def reply(request):
+        if request.messages[-1]["content"] == "left":
+            try:
+                await anyio.sleep(30)
+            finally:
+                cancelled.append("left")
+        return "no JSON here"
+
+    async def main():
+        with anyio.fail_after(10):
+            await wf.run(backend=ScriptedBackend(reply))
+
+    with pytest.raises(StepFailed) as err:
+        anyio.run(main)
+    assert err.value.step_id == "right"
+    message = "step 'right' (agent 'planner') failed: agent 'planner' must answer with"
+    assert message in str(err.value)
+    assert cancelled == ["left"]
+
+
+def test_template_errors_at_run_time_name_the_key(tmp_path):
+    path = write(tmp_path, """\
+        version: 1
+        name: late
+        agents:
+          a: {instructions: You help.}
+        steps:
+          - {id: one, agent: a, input: go}
+        outputs:
+          days: "{{ steps.one.output.days }}"
+        """)
+    wf = load_workflow(path)
+    with pytest.raises(UserError, match=re.escape(f"{path}:8: outputs.days: template error: ")):
+        anyio.run(lambda: wf.run(backend=ScriptedBackend(["plain text"])))
+
+
+def test_python_tools_run_code_the_author_named_and_http_tools_their_url(tmp_path):
+    wf = load_workflow(ROOT / "examples" / "travel.yaml")
+    assert wf.tools["get_weather"].fn.__module__ == "weather_tools"
+    assert wf.tools["search_flights"].url == "http://127.0.0.1:8765/flights"
+
+
+def test_openai_backend_is_a_clear_error_until_its_module_exists(tmp_path):
+    path = write(tmp_path, """\
+        version: 1
+        name: remote
+        model: {backend: openai, base_url: "http://127.0.0.1:8000/v1", model: m}
+        agents:
+          a: {instructions: You help.}
+        steps:
+          - {id: one, agent: a, input: go}
+        """)
+    if is_available(BackendKind.OPENAI):
+        assert load_workflow(path).model.backend is BackendKind.OPENAI
+    else:
+        with pytest.raises(UserError, match=re.escape(
+                f"{path}:3: model.backend: backend 'openai' is not available in this version")):
+            load_workflow(path)
+
+
+def test_all_problems_of_a_file_are_reported_in_line_order(tmp_path):
+    path = write(tmp_path, """\
+        version: 1
+        name: many
+        agents:
+          a: {instructions: You help., tools: [nope]}
+        steps:
+          - {id: one, agent: b, input: "{{ inputs.x }}"}
+        """)
+    with pytest.raises(UserError) as err:
+        load_workflow(path)
+    lines = str(err.value).splitlines()
+    assert [line.split(": ")[0] for line in lines] == [f"{path}:4", f"{path}:6", f"{path}:6"]
