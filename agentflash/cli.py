@@ -143,6 +143,66 @@ def eval_tool_calls(
     typer.echo(json.dumps(report, indent=None if as_json else 2))
 
 
+@app.command()
+def validate(
+    file: Annotated[Path, typer.Argument(help="workflow YAML file")],
+) -> None:
+    """Check a workflow file: its schema, names, needs, templates and python tools."""
+    from agentflash.runtime.workflow import load_workflow
+
+    try:
+        wf = load_workflow(file)
+    except UserError as err:
+        fail(str(err))
+    typer.echo(f"{file}: ok (workflow {wf.name!r}: {len(wf.agents)} agents, {len(wf.tools)} "
+               f"tools, {len(wf.steps)} steps)")
+
+
+@app.command("run")
+def run_workflow(
+    file: Annotated[Path, typer.Argument(help="workflow YAML file")],
+    inputs: Annotated[Optional[list[str]], typer.Option("--input", "-i",
+                                                        help="KEY=VALUE (repeatable)")] = None,
+    as_json: Annotated[bool, typer.Option(
+        "--json", help="print outputs, steps and stats as JSON")] = False,
+    model: Annotated[Optional[str], typer.Option(
+        "--model", help="run on the embedded engine with this model ('demo' or a directory) "
+                        "instead of the file's model section")] = None,
+) -> None:
+    """Run a workflow, with a live view of its steps (on stderr) unless --json."""
+    import dataclasses
+
+    import anyio
+    from rich.console import Console
+
+    from agentflash.backends.base import BackendKind
+    from agentflash.runtime.errors import RunError
+    from agentflash.runtime.live_view import run_with_view
+    from agentflash.runtime.workflow import load_workflow, parse_input_pairs
+
+    try:
+        wf = load_workflow(file)
+        if model is not None:
+            wf.model = dataclasses.replace(wf.model, backend=BackendKind.LOCAL, path=model,
+                                           base_dir=None)
+        values = wf.resolve_inputs(parse_input_pairs(inputs or []))
+        if as_json:
+            result = anyio.run(wf.run, values)
+        else:
+            result = anyio.run(run_with_view, wf, values, Console(stderr=True))
+    except UserError as err:
+        fail(str(err))
+    except RunError as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(1) from None
+    if as_json:
+        typer.echo(json.dumps(result.to_dict(), indent=2, default=str))
+    else:
+        for name, value in result.outputs.items():
+            shown = value if isinstance(value, str) else json.dumps(value)
+            typer.echo(f"{name}: {shown}")
+
+
 @train_app.command("target")
 def train_target(
     out: Annotated[Path, typer.Option(help="output directory (resumes if it holds checkpoints)")],
