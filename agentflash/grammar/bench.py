@@ -24,7 +24,8 @@ import torch
 
 from agentflash.grammar.compiler import Backend, compile_grammar
 from agentflash.grammar.constraint import Constraint, apply_bitmask_, constrained_draft
-from agentflash.grammar.sources import json_schema
+from agentflash.grammar.sources import GrammarSource, json_schema
+from agentflash.grammar.tool_calls import assistant_turn
 
 QWEN_MODEL_VOCAB = 151_936  # embedding rows of Qwen2.5/Qwen3 models
 # Qwen3's added tokens, in id order from 151643 (the same names ship with the package).
@@ -41,6 +42,50 @@ WEATHER_TOOL_ARGS = {
     "required": ["city", "unit", "days"],
     "additionalProperties": False,
 }
+
+
+FOUR_TOOLS = [
+    {"name": "get_weather", "parameters": WEATHER_TOOL_ARGS},
+    {
+        "name": "add",
+        "parameters": {
+            "type": "object",
+            "properties": {"a": {"type": "number"}, "b": {"type": "number"}},
+            "required": ["a", "b"],
+        },
+    },
+    {
+        "name": "search_flights",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "origin": {"type": "string", "pattern": "^[A-Z]{3}$"},
+                "destination": {"type": "string", "pattern": "^[A-Z]{3}$"},
+                "date": {"type": "string", "format": "date"},
+                "passengers": {"type": "integer", "minimum": 1, "maximum": 9},
+            },
+            "required": ["origin", "destination", "date"],
+            "additionalProperties": False,
+        },
+    },
+    {
+        "name": "send_email",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "to": {
+                    "type": "array",
+                    "items": {"type": "string", "format": "email"},
+                    "minItems": 1,
+                },
+                "subject": {"type": "string", "maxLength": 80},
+                "body": {"type": "string"},
+            },
+            "required": ["to", "subject", "body"],
+            "additionalProperties": False,
+        },
+    },
+]
 
 
 def closing_tokens(tokenizer: Any, vocab_size: int) -> np.ndarray:
@@ -104,14 +149,15 @@ def _ms(samples: list[float]) -> dict[str, float]:
 
 def measure(
     tokenizer: Any,
-    schema: dict[str, Any] | None = None,
+    schema: dict[str, Any] | GrammarSource | None = None,
     *,
     backend: Backend = Backend.LLGUIDANCE,
     vocab_size: int | None = None,
     draft_len: int = 16,
     seed: int = 0,
 ) -> dict[str, Any]:
-    """Compile and per-step grammar costs of ``schema`` (default: a weather tool's arguments).
+    """Compile and per-step grammar costs of ``schema`` (default: a weather tool's arguments;
+    any ``GrammarSource``, such as an ``assistant_turn``, may be given instead).
 
     Times are milliseconds (mean, p50, p90 over the positions of a random valid output):
     ``tokenizer_ms`` converting the tokenizer (once per tokenizer), ``compile_ms`` compiling the
@@ -125,7 +171,7 @@ def measure(
     from agentflash.grammar.compiler import clear_cache
 
     schema = WEATHER_TOOL_ARGS if schema is None else schema
-    source = json_schema(schema, origin="bench")
+    source = schema if isinstance(schema, GrammarSource) else json_schema(schema, origin="bench")
     vocab = len(tokenizer) if vocab_size is None else vocab_size
     clear_cache()
     start = time.perf_counter()
@@ -218,6 +264,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--qwen", action="store_true", help="Qwen3's 151k vocabulary")
     parser.add_argument("--backend", choices=[b.value for b in Backend], default="llguidance")
     parser.add_argument("--schema", type=Path, help="a JSON Schema file (default: a tool's args)")
+    parser.add_argument(
+        "--turn",
+        choices=["auto", "required"],
+        help="a whole assistant turn under this tool_choice, over four tools, instead of a schema",
+    )
     args = parser.parse_args(argv)
     # grammar work runs on one thread; one torch thread keeps the mask application comparable
     # on a machine whose other cores are busy
@@ -231,7 +282,11 @@ def main(argv: list[str] | None = None) -> None:
 
         tokenizer = AutoTokenizer.from_pretrained(DEMO_DIR / "target")
         vocab = len(tokenizer)
-    schema = json.loads(args.schema.read_text()) if args.schema else None
+    schema: dict[str, Any] | GrammarSource | None = None
+    if args.schema:
+        schema = json.loads(args.schema.read_text())
+    elif args.turn:
+        schema = assistant_turn(FOUR_TOOLS, args.turn)
     print(
         json.dumps(
             measure(tokenizer, schema, backend=Backend(args.backend), vocab_size=vocab), indent=1
