@@ -357,7 +357,7 @@ def _masked_argmax(constraint: Constraint, logits: torch.Tensor) -> int:
     allowed = np.flatnonzero(unpack_bitmask(constraint.bitmask(), constraint.vocab_size).numpy())
     assert len(allowed), "no legal token: the grammar is stuck"
     ids = torch.from_numpy(allowed)
-    return int(ids[int(logits.detach().cpu()[ids].argmax())])
+    return int(ids[int(logits.detach()[ids.to(logits.device)].argmax())])
 
 
 class CompiledGrammar(abc.ABC):

@@ -140,6 +140,8 @@ class LLGuidanceConstraint(Constraint):
 
     def _fill(self, out: torch.Tensor) -> None:
         self._m.unsafe_compute_mask_ptr(out.data_ptr(), out.numel() * out.element_size())
+        if self._m.is_error():  # a parser resource limit, not a user error
+            raise RuntimeError(f"llguidance could not compute the mask: {self._m.get_error()}")
 
     @classmethod
     def _masks_along_drafts(

@@ -101,7 +101,8 @@ def regex(pattern: str, *, origin: str = "regex") -> GrammarSource:
 
 def lark(text: str, *, origin: str = "grammar") -> GrammarSource:
     """A Lark grammar in llguidance's dialect (``start`` is the top rule; ``%json {...}`` and
-    special tokens such as ``<tool_call>`` may appear in rules)."""
+    special tokens such as ``<tool_call>`` may appear in rules). The end token is implicit: it
+    becomes legal wherever ``start`` is complete, so the grammar does not mention it."""
     if not isinstance(text, str) or not text.strip():
         raise GrammarError(f"{origin}: the grammar is empty")
     check_lark_finishes(text, origin)
