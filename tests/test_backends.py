@@ -148,7 +148,7 @@ def test_local_backend_streams_engine_output_as_events(tiny_model_dir):
         async with LocalBackend(tiny_model_dir) as backend:
             a = await collect(backend, request)
             b = await collect(backend, request)
-            with pytest.raises(UserError, match="'dflash' is not available"):
+            with pytest.raises(UserError, match="'dflash' needs a drafter"):
                 await collect(backend, ModelRequest(request.messages,
                                                     decoding=Decoding(speculation="dflash")))
         return a, b
@@ -187,3 +187,35 @@ def test_local_backend_hides_tools_under_tool_choice_none(tiny_model_dir):
             return seen
 
     assert anyio.run(prompts) == [tools, []]
+
+
+@pytest.fixture(scope="module")
+def tiny_drafter_dir(tmp_path_factory):
+    import torch
+
+    from agentflash.dflash.checkpoint import save_drafter
+    from agentflash.dflash.drafter import DFlashDrafter, DrafterConfig
+
+    torch.manual_seed(0)
+    cfg = DrafterConfig(hidden_size=64, intermediate_size=128, num_layers=1, num_heads=4,
+                        num_kv_heads=2, head_dim=16, rope_theta=1e4, rms_norm_eps=1e-6,
+                        block_size=8, mask_token_id=3, target_layer_ids=(1, 2),
+                        num_target_layers=4, vocab_size=4096)
+    return save_drafter(DFlashDrafter(cfg), tmp_path_factory.mktemp("tiny-drafter") / "drafter")
+
+
+def test_local_backend_speculates_with_a_drafter_losslessly(tiny_model_dir, tiny_drafter_dir):
+    messages = [{"role": "user", "content": "Use get_weather with city Oslo, days 3."}]
+
+    async def main():
+        async with LocalBackend(tiny_model_dir, drafter=str(tiny_drafter_dir)) as backend:
+            replies = {}
+            for mode in ("dflash", "off"):
+                decoding = Decoding(speculation=mode, max_tokens=12, block_size=4)
+                replies[mode] = await collect(backend, ModelRequest(messages, decoding=decoding))
+            return replies
+
+    replies = anyio.run(main)
+    dflash, plain = replies["dflash"][-1].stats, replies["off"][-1].stats
+    assert dflash["draft_forwards"] > 0 and plain["draft_forwards"] == 0
+    assert summary(replies["dflash"]) == summary(replies["off"])  # same text, fewer forwards

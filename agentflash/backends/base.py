@@ -31,7 +31,7 @@ class Decoding:
     """How an agent's replies are decoded. Checked when built; a bad value names its field."""
 
     speculation: Speculation = Speculation.AUTO
-    block_size: int = 16  # tokens per DFlash block (the last committed one plus B-1 drafts)
+    block_size: int | None = None  # DFlash block: committed token + drafts; None: the drafter's
     temperature: float = 0.0  # 0 means greedy
     max_tokens: int = 512  # per model turn
     seed: int | None = None
@@ -42,7 +42,8 @@ class Decoding:
         except ValueError:
             raise UserError(f"decoding.speculation must be auto, dflash or off, "
                             f"got {self.speculation!r}") from None
-        if not _is_int(self.block_size) or not 2 <= self.block_size <= 64:
+        if self.block_size is not None and (not _is_int(self.block_size)
+                                            or not 2 <= self.block_size <= 64):
             raise UserError(f"decoding.block_size must be an integer in [2, 64], "
                             f"got {self.block_size!r}")
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
@@ -180,7 +181,7 @@ class ModelSpec:
 
     backend: BackendKind = BackendKind.LOCAL
     path: str = "demo"  # demo | a Hugging Face model directory
-    drafter: str = "demo"  # demo | a DFlash drafter directory | none
+    drafter: str = "auto"  # auto | demo | none | a DFlash drafter directory
     base_url: str | None = None  # remote backends
     model: str | None = None  # remote backends: the served model's name
     api_key_env: str | None = None  # remote backends: the variable that holds the key
@@ -188,6 +189,6 @@ class ModelSpec:
 
     def resolve(self, path: str) -> str:
         """``path`` made absolute against ``base_dir``, unless it is a name like ``demo``."""
-        if path in ("demo", "none") or self.base_dir is None or Path(path).is_absolute():
+        if path in ("auto", "demo", "none") or self.base_dir is None or Path(path).is_absolute():
             return path
         return str(self.base_dir / path)

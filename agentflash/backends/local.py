@@ -192,25 +192,40 @@ class HermesStreamParser:
 
 # --- the engine ---------------------------------------------------------------------------------
 
-_weights: dict[str, Any] = {}
+_weights: dict[tuple[str, str], Any] = {}
 _weights_lock = threading.Lock()
 
 
-def load_weights(model: str) -> tuple[Any, Any, Path]:
-    """The decoder and tokenizer of ``model`` (``demo`` or a directory), loaded once per process."""
-    from agentflash.models.loading import load_model, load_tokenizer, resolve_model_dir
+def load_weights(model: str, drafter: str = "auto") -> tuple[Any, Any, Path, Any]:
+    """The decoder, tokenizer, model directory and DFlash drafter (or None) of ``model``
+    (``demo`` or a directory), loaded once per process.
 
-    key = str(resolve_model_dir(model).resolve())
+    ``drafter``: ``auto`` (the demo drafter with the demo model when it is shipped, none
+    otherwise), ``demo``, ``none`` or a drafter directory.
+    """
+    from agentflash.models.loading import (
+        DEMO_DIR,
+        load_drafter_for,
+        load_model,
+        load_tokenizer,
+        resolve_model_dir,
+    )
+
+    if drafter == "auto":
+        shipped = model == "demo" and (DEMO_DIR / "drafter" / "config.json").exists()
+        drafter = "demo" if shipped else "none"
+    key = (str(resolve_model_dir(model).resolve()), drafter)
     with _weights_lock:
         if key not in _weights:
-            net, _, model_dir = load_model(key)
-            _weights[key] = (net, load_tokenizer(model_dir), model_dir)
+            net, _, model_dir = load_model(key[0])
+            draft = load_drafter_for(net, drafter) if drafter != "none" else None
+            _weights[key] = (net, load_tokenizer(model_dir), model_dir, draft)
         return _weights[key]
 
 
 def check_drafter(drafter: str) -> str:
-    """``demo``, ``none`` or an existing drafter directory."""
-    if drafter not in ("demo", "none") and not Path(drafter).expanduser().is_dir():
+    """``auto``, ``demo``, ``none`` or an existing drafter directory."""
+    if drafter not in ("auto", "demo", "none") and not Path(drafter).expanduser().is_dir():
         raise UserError(f"{drafter}: drafter directory does not exist")
     return drafter
 
@@ -219,11 +234,12 @@ class LocalBackend(Backend):
     """The embedded engine. ``async with LocalBackend("demo") as backend:`` then hand ``backend``
     to every run that should share the engine.
 
-    ``model`` is ``demo`` or a Hugging Face model directory; ``drafter`` is ``demo``, ``none`` or
-    a DFlash drafter directory. ``engine`` serves an already built ``Engine`` instead.
+    ``model`` is ``demo`` or a Hugging Face model directory; ``drafter`` is ``auto`` (the demo
+    drafter with the demo model when it is shipped), ``demo``, ``none`` or a DFlash drafter
+    directory. ``engine`` serves an already built ``Engine`` instead.
     """
 
-    def __init__(self, model: str | Path = "demo", *, drafter: str = "demo", engine: Any = None):
+    def __init__(self, model: str | Path = "demo", *, drafter: str = "auto", engine: Any = None):
         self.model = str(model)
         self.drafter = check_drafter(drafter)
         self.model_name = "demo" if self.model == "demo" else Path(self.model).name
@@ -240,8 +256,9 @@ class LocalBackend(Backend):
 
         assert self._aengine is None, "this LocalBackend is already open"
         if self._engine is None:
-            net, tokenizer, model_dir = await anyio.to_thread.run_sync(load_weights, self.model)
-            self._engine = Engine(net, tokenizer, model_dir=model_dir)
+            net, tokenizer, model_dir, draft = await anyio.to_thread.run_sync(
+                load_weights, self.model, self.drafter)
+            self._engine = Engine(net, tokenizer, model_dir=model_dir, drafter=draft)
         self._aengine = AsyncEngine(self._engine)
         await self._aengine.__aenter__()
         return self
@@ -274,15 +291,14 @@ class LocalBackend(Backend):
     def _engine_stream(self, request: ModelRequest) -> AsyncIterator[Any]:
         """The one place a turn reaches the engine.
 
-        The engine of this version decodes plainly and without a grammar, so this is where
-        ``decoding.speculation``/``block_size`` (for the router and the drafter) and the request's
-        ``tool_choice`` and ``output_schema`` (for the grammar layer) are to be handed over; until
-        then the runner checks every reply against the tool choice and the output schema and
+        Decoding settings go to the engine's router and drafter. The request's ``tool_choice``
+        and ``output_schema`` are for the grammar layer, which constrains decoding once the engine
+        takes a grammar per request; until then the runner checks every reply against them and
         reports a violation as an error. Under ``tool_choice: none`` the tools are not shown.
         """
-        if request.decoding.speculation is Speculation.DFLASH:
-            raise UserError("decoding.speculation 'dflash' is not available: the embedded engine "
-                            "of this version decodes plainly (use auto or off)")
+        if request.decoding.speculation is Speculation.DFLASH and self._engine.drafter is None:
+            raise UserError("decoding.speculation 'dflash' needs a drafter: set model.drafter to "
+                            "demo or a drafter directory (or use speculation auto or off)")
         tools = [] if request.tool_choice is ToolChoice.NONE else request.tools
         prompt_ids = self._engine.chat_prompt(request.messages, tools)
         return self._aengine.stream(prompt_ids, sampling_params(request.decoding))
@@ -293,7 +309,8 @@ def sampling_params(decoding: Decoding) -> Any:
     from agentflash.engine.request import SamplingParams
 
     return SamplingParams(max_tokens=decoding.max_tokens, temperature=decoding.temperature,
-                          seed=decoding.seed)
+                          seed=decoding.seed, speculation=decoding.speculation.value,
+                          block_size=decoding.block_size)
 
 
 def from_spec(spec: ModelSpec) -> Backend:

@@ -96,9 +96,15 @@ def _flush_section(section: str | None, numpy: bool, body: list[str], out: dict[
 # --- schemas ------------------------------------------------------------------------------------
 
 
+# Models read schemas best in the layout of their training data (``type`` first, then
+# ``properties`` and ``required``), so schemas keep these keys in this order.
+_KEY_ORDER = ("type", "description", "enum", "items", "properties", "required")
+
+
 def strict_schema(schema: dict[str, Any]) -> dict[str, Any]:
     """A JSON Schema without pydantic's titles, every object closed to unknown keys."""
-    out = {k: v for k, v in schema.items() if k != "title"}
+    first = [k for k in _KEY_ORDER if k in schema]
+    out = {k: schema[k] for k in [*first, *schema] if k != "title"}
     if "properties" in out:
         out["properties"] = {k: strict_schema(v) for k, v in out["properties"].items()}
         out.setdefault("additionalProperties", False)

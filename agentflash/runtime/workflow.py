@@ -386,7 +386,7 @@ class _Builder:
     def model(self) -> ModelSpec:
         raw = self.data.get("model", {})
         spec = ModelSpec(BackendKind(raw.get("backend", "local")), raw.get("path", "demo"),
-                         raw.get("drafter", "demo"), raw.get("base_url"), raw.get("model"),
+                         raw.get("drafter", "auto"), raw.get("base_url"), raw.get("model"),
                          raw.get("api_key_env"), self.base_dir)
         if not is_available(spec.backend):
             self.problems.add(("model", "backend"), f"backend {spec.backend.value!r} is not "
@@ -394,7 +394,7 @@ class _Builder:
         if spec.backend is BackendKind.LOCAL:
             for key in ("path", "drafter"):
                 value = getattr(spec, key)
-                if value not in ("demo", "none") and not Path(spec.resolve(value)).is_dir():
+                if value not in ("auto", "demo", "none") and not Path(spec.resolve(value)).is_dir():
                     self.problems.add(("model", key), f"directory {spec.resolve(value)!r} "
                                                       f"does not exist")
         return spec
