@@ -1,0 +1,178 @@
+"""Every example runs here: the workflows and SDK scripts, on a scripted model that writes the
+way the demo model was trained to (their logic), and on a tiny random model through the real
+engine and the command line (their mechanics)."""
+
+import importlib.util
+import json
+import re
+import sys
+from pathlib import Path
+
+import anyio
+import pytest
+from typer.testing import CliRunner
+
+from agentflash.backends.local import LocalBackend
+from agentflash.backends.scripted import ScriptedBackend, ScriptedTurn
+from agentflash.cli import app
+from agentflash.runtime import GuardrailTripped, load_workflow
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+WORKFLOWS = sorted(EXAMPLES.glob("*.yaml"))
+
+
+def load_example(name: str):
+    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+sys.path.insert(0, str(EXAMPLES))
+flights_server = load_example("flights_server")
+weather_tools = load_example("weather_tools")
+
+
+@pytest.fixture(scope="module")
+def flights():
+    with flights_server.serving():
+        yield
+
+
+def _value(text: str):
+    return int(text) if text.isdigit() else text
+
+
+def demo_like(request) -> ScriptedTurn | str:
+    """Replies in the demo model's trained format: "Use NAME with k v, k v." becomes a call, a
+    tool result becomes "NAME returned status S with id N.", a structured answer is JSON."""
+    last = request.messages[-1]
+    if last["role"] == "tool":
+        result = json.loads(last["content"])
+        if request.output_schema:
+            keys = request.output_schema["properties"]
+            return json.dumps({k: v for k, v in result.items() if k in keys})
+        return f"{last['name']} returned status {result['status']} with id {result.get('id')}."
+    use = re.match(r"Use (\w+) with (.*)\.$", last["content"])
+    if use:
+        pairs = (part.split(" ", 1) for part in use.group(2).split(", "))
+        return ScriptedTurn.calls((use.group(1), {k: _value(v) for k, v in pairs}))
+    trip = re.match(r"Plan a trip to (\w+) for (\d+) days\.", last["content"])
+    if trip and request.output_schema:
+        return json.dumps({"city": trip.group(1), "days": int(trip.group(2))})
+    return "A short summary."
+
+
+def run_workflow(name: str, inputs=None):
+    wf = load_workflow(EXAMPLES / f"{name}.yaml")
+    return anyio.run(lambda: wf.run(inputs, backend=ScriptedBackend(demo_like)))
+
+
+def test_every_example_workflow_validates():
+    assert {p.stem for p in WORKFLOWS} == {"travel", "handoff", "structured"}
+    for path in WORKFLOWS:
+        result = CliRunner().invoke(app, ["validate", str(path)])
+        assert result.exit_code == 0 and ": ok (workflow" in result.stdout
+
+
+def test_travel_calls_a_python_and_an_http_tool_concurrently(flights):
+    result = run_workflow("travel", {"city": "Oslo", "days": "3"})
+    weather = weather_tools.get_weather("Oslo", 3)
+    flight = result.steps["flights"].tool_calls[0]
+    assert result.steps["weather"].tool_calls[0].to_dict() == {
+        "name": "get_weather", "arguments": {"city": "Oslo", "days": 3},
+        "result": json.dumps(weather)}
+    assert flight.name == "search_flights" and flight.arguments == {"to": "Oslo"}
+    assert json.loads(flight.result)["flights"][0].startswith("AF")  # from the real server
+    assert result.outputs["weather"] == f"get_weather returned status ok with id {weather['id']}."
+    assert result.outputs["flights"].startswith("search_flights returned status ok with id ")
+    assert result.outputs["summary"] == "A short summary."
+    spans = {s.name: s for s in result.tracer.spans}
+    weather_run, flights_run = spans["run forecaster"], spans["run booker"]
+    assert weather_run.start < flights_run.end and flights_run.start < weather_run.end
+
+
+def test_handoff_passes_the_question_to_the_forecaster():
+    result = run_workflow("handoff", {"city": "Lima"})
+    step = result.steps["ask"]
+    assert step.agent == "forecaster"
+    assert step.tool_calls[0].to_dict() == {
+        "name": "transfer_to_forecaster", "arguments": {"reason": "weather in Lima"},
+        "result": '{"status": "ok", "assistant": "forecaster"}'}
+    assert result.outputs == {"answer": "transfer_to_forecaster returned status ok with id None."}
+
+
+def test_structured_outputs_keep_their_structure():
+    result = run_workflow("structured", {"city": "Rome"})
+    booking = weather_tools.book_hotel("Rome", 2)
+    assert result.outputs == {"plan": {"city": "Rome", "days": 3},
+                              "booking": {"status": "ok", "id": booking["id"]}}
+    assert result.steps["hotel"].tool_calls[0].arguments == {"city": "Rome", "guests": 2}
+
+
+def cli(*args):
+    result = CliRunner().invoke(app, list(args))
+    return result.exit_code, result.stdout, result.stderr
+
+
+def test_travel_runs_on_the_engine_with_the_json_contract(tiny_model_dir, flights):
+    code, out, err = cli("run", str(EXAMPLES / "travel.yaml"), "--model", str(tiny_model_dir),
+                         "--input", "city=Paris", "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert set(doc) == {"outputs", "steps", "stats"}
+    assert set(doc["outputs"]) == {"weather", "flights", "summary"}
+    for step in ("weather", "flights", "summary"):
+        assert set(doc["steps"][step]) == {"output", "tool_calls", "stats"}
+        stats = doc["steps"][step]["stats"]
+        assert stats["modes"] == ["plain"] and 0 < stats["new_tokens"] <= 64 * stats["turns"]
+        assert all("kind" in seg for seg in stats["generations"][0]["segments"])
+    assert doc["stats"]["steps"] == 3 and doc["stats"]["new_tokens"] > 0
+
+
+def test_handoff_runs_on_the_engine_with_a_live_view(tiny_model_dir):
+    code, out, err = cli("run", str(EXAMPLES / "handoff.yaml"), "--model", str(tiny_model_dir))
+    assert code == 0, err
+    assert out.startswith("answer: ")
+    assert "workflow handoff" in err and "ask" in err and "tok/s" in err
+
+
+def test_structured_without_the_grammar_fails_clearly_on_a_random_model(tiny_model_dir):
+    # A random model neither calls the forced tool nor writes the schema's JSON; until the
+    # grammar layer constrains the engine, the runner stops the run and says why.
+    code, out, err = cli("run", str(EXAMPLES / "structured.yaml"), "--model", str(tiny_model_dir),
+                         "--json")
+    assert code == 1 and out == ""
+    assert re.match(r"error: step '(plan|hotel)' \(agent '(planner|concierge)'\) failed: ", err)
+    assert "Traceback" not in err
+
+
+def test_bad_cli_inputs_exit_2(tmp_path):
+    code, _, err = cli("run", str(EXAMPLES / "travel.yaml"), "--input", "days=many")
+    assert code == 2 and "input 'days' must be of type integer, got 'many'" in err
+    code, _, err = cli("run", str(tmp_path / "missing.yaml"))
+    assert code == 2 and "file does not exist" in err
+
+
+def test_sdk_tools_script(tiny_model_dir, capsys):
+    sdk = load_example("sdk_tools")
+    script = ScriptedBackend([ScriptedTurn.calls(("get_weather", {"city": "Oslo", "days": 3})),
+                              "get_weather returned status ok with id 403."])
+    result = anyio.run(sdk.main, script)
+    assert result.final_output == "get_weather returned status ok with id 403."
+    assert result.tool_calls[0].result == json.dumps(sdk.get_weather("Oslo", 3))
+    printed = capsys.readouterr().out
+    assert "get_weather({'city': 'Oslo', 'days': 3}) -> " in printed and "run assistant" in printed
+    result = anyio.run(sdk.main, LocalBackend(tiny_model_dir))
+    assert result.stats()["new_tokens"] > 0 and "final output:" in capsys.readouterr().out
+
+
+def test_sdk_handoff_script(tiny_model_dir, capsys):
+    sdk = load_example("sdk_handoff")
+    results = anyio.run(sdk.main, ScriptedBackend(demo_like))
+    assert isinstance(results["secret"], GuardrailTripped)
+    assert results["Oslo"].last_agent == results["Lima"].last_agent == "forecaster"
+    assert "secret: input guardrail 'no_secrets' stopped the run" in capsys.readouterr().out
+    results = anyio.run(sdk.main, LocalBackend(tiny_model_dir))
+    assert {k for k, r in results.items() if not isinstance(r, GuardrailTripped)} == {"Oslo",
+                                                                                     "Lima"}
