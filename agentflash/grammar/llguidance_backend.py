@@ -140,8 +140,13 @@ class LLGuidanceConstraint(Constraint):
 
     def _fill(self, out: torch.Tensor) -> None:
         self._m.unsafe_compute_mask_ptr(out.data_ptr(), out.numel() * out.element_size())
-        if self._m.is_error():  # a parser resource limit, not a user error
-            raise RuntimeError(f"llguidance could not compute the mask: {self._m.get_error()}")
+        if self._m.is_error():
+            error = self._m.get_error()
+            if error.startswith("NoExtension"):
+                out.zero_()  # a dead end: no token can follow (compile rejects such grammars)
+                return
+            # a parser resource limit, not the user's fault
+            raise RuntimeError(f"llguidance could not compute the mask: {error}")
 
     @classmethod
     def _masks_along_drafts(
