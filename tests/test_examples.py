@@ -5,7 +5,6 @@ engine and the command line (their mechanics)."""
 import importlib.util
 import json
 import re
-import sys
 from pathlib import Path
 
 import anyio
@@ -28,7 +27,6 @@ def load_example(name: str):
     return module
 
 
-sys.path.insert(0, str(EXAMPLES))
 flights_server = load_example("flights_server")
 weather_tools = load_example("weather_tools")
 

@@ -102,7 +102,7 @@ def _schema_spec(schema: dict[str, Any]) -> OutputSpec:
                 f"{'.'.join(map(str, e.absolute_path)) or 'reply'}: {e.message}" for e in errors))
         return value
 
-    return OutputSpec(schema.get("title", "output schema"), schema, parse)
+    return OutputSpec(schema.get("title", "its output schema"), schema, parse)
 
 
 def handoff_tool_name(agent: Agent) -> str:

@@ -9,6 +9,7 @@ takes over), or the final output.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import sys
@@ -134,7 +135,7 @@ class _Loop:
         with self.tracer.span(SpanKind.RUN, f"run {self.agent.name}", self.trace_parent,
                               attrs) as span:
             await _guard("input", self.agent.input_guardrails, self.input)
-            for turn in range(1, 1 << 30):
+            for turn in itertools.count(1):
                 if turn > self.agent.max_turns:
                     raise MaxTurnsExceeded(f"agent {self.agent.name!r} reached max_turns "
                                            f"({self.agent.max_turns}) without a final output")
@@ -151,7 +152,7 @@ class _Loop:
                                      self.generations, self.tracer)
                 else:
                     raise AssertionError(f"unknown turn end {end!r}")
-        raise AssertionError("unreachable")
+        raise AssertionError("the turn loop ended without a result")
 
     def request(self, tools: dict[str, Tool], handoffs: dict[str, Agent]) -> ModelRequest:
         agent = self.agent
