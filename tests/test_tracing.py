@@ -95,3 +95,20 @@ def test_default_sinks_follow_what_is_importable():
         assert default_sinks() == []
     else:
         assert [type(s) for s in default_sinks()] == [OtelSink]
+
+
+def test_speculation_figures_of_the_segments_reach_the_spans():
+    segments = [{"kind": "tool_call", "mode": "dflash", "tokens": 30, "drafted": 40,
+                 "accepted": 25, "forced": 9},
+                {"kind": "prose", "mode": "plain", "tokens": 5, "drafted": 0, "accepted": 0,
+                 "forced": 0}]
+    reply = ScriptedTurn("Done.", stats={"mode": "auto", "tau": 5.2, "segments": segments})
+    tracer = Tracer(sinks=[])
+    Runner.run_sync(Agent("a"), "go", backend=ScriptedBackend([reply]), tracer=tracer)
+    gen = next(s for s in tracer.spans if s.kind is SpanKind.GENERATION)
+    assert gen.attributes["agentflash.tokens.drafted"] == 40
+    assert gen.attributes["agentflash.tokens.accepted"] == 25
+    assert gen.attributes["agentflash.tokens.forced"] == 9
+    assert gen.attributes["agentflash.tau"] == 5.2
+    timeline = tracer.timeline()
+    assert "mode=auto" in timeline and "drafted=40 accepted=25 forced=9" in timeline

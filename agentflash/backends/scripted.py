@@ -38,6 +38,7 @@ class ScriptedTurn:
     finish_reason: str = "stop"
     chunk_size: int = 4  # characters per streamed chunk
     delay_s: float = 0.0  # pause after each chunk
+    stats: dict[str, Any] | None = None  # figures to report in place of the replay's own
 
     @classmethod
     def calls(cls, *calls: tuple[str, dict[str, Any]], text: str = "",
@@ -92,8 +93,9 @@ class ScriptedBackend(Backend):
         for event in parser.close(turn.finish_reason):
             yield event
         wall = time.perf_counter() - started
-        yield ModelFinish(turn.finish_reason, {
-            "mode": "scripted", "prompt_tokens": 0, "new_tokens": len(chunks),
-            "target_forwards": len(chunks), "draft_forwards": 0, "tau": 1.0,
-            "wall_s": round(wall, 4),
-            "tokens_per_s": round(len(chunks) / wall, 2) if wall > 0 else 0.0, "segments": []})
+        stats = {"mode": "scripted", "prompt_tokens": 0, "new_tokens": len(chunks),
+                 "target_forwards": len(chunks), "draft_forwards": 0, "tau": 1.0,
+                 "wall_s": round(wall, 4),
+                 "tokens_per_s": round(len(chunks) / wall, 2) if wall > 0 else 0.0,
+                 "segments": []}
+        yield ModelFinish(turn.finish_reason, {**stats, **(turn.stats or {})})

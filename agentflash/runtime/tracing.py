@@ -115,6 +115,8 @@ def _tree_order(spans: list[Span]) -> list[Span]:
 
 _SHOWN = {"agentflash.mode": "mode", "gen_ai.usage.output_tokens": "tokens",
           "agentflash.tau": "tau", "agentflash.tokens_per_s": "tok/s",
+          "agentflash.tokens.drafted": "drafted", "agentflash.tokens.accepted": "accepted",
+          "agentflash.tokens.forced": "forced",
           "agentflash.finish_reason": "finish", "agentflash.tool.is_error": "error"}
 
 
@@ -172,9 +174,16 @@ class OtelSink:
         otel.end(end_time=span.start_ns + int(span.duration_s * 1e9))
 
 
+# Per-segment token counts the engine may report, summed over a generation's segments.
+SEGMENT_COUNTS = ("drafted", "accepted", "forced")
+
+
 def generation_attributes(stats: dict[str, Any], finish_reason: str) -> dict[str, Any]:
     """A generation span's attributes from the engine's stats."""
-    return {
+    segments = stats.get("segments") or []
+    totals = {f"agentflash.tokens.{key}": sum(seg.get(key, 0) for seg in segments)
+              for key in SEGMENT_COUNTS if any(key in seg for seg in segments)}
+    return {**totals,
         "gen_ai.usage.input_tokens": stats.get("prompt_tokens"),
         "gen_ai.usage.output_tokens": stats.get("new_tokens"),
         "gen_ai.response.finish_reasons": [finish_reason],
