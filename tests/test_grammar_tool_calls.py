@@ -146,6 +146,33 @@ def test_union_rejects_arguments_of_the_wrong_shape(tok):
         assert not is_legal(grammar, ids), body
 
 
+def test_strict_unions_take_no_invented_arguments(tok):
+    loose = [
+        {
+            "name": "f",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "a": {"type": "integer"},
+                    "opts": {"type": "object", "properties": {"x": {"type": "boolean"}}},
+                    "extra": {"type": "object", "additionalProperties": {"type": "integer"}},
+                },
+            },
+        }
+    ]
+    invented = '{"name": "f", "arguments": {"a": 1, "b": 2}}'
+    nested = '{"name": "f", "arguments": {"opts": {"x": true, "y": 1}}}'
+    open_map = '{"name": "f", "arguments": {"extra": {"k": 1}}}'
+    strict = compile_grammar(tool_call_body(loose), tok)
+    lenient = compile_grammar(tool_call_body(loose, strict=False), tok)
+    eos = [tok.eos_token_id]
+    for body, strict_ok in ((invented, False), (nested, False), (open_map, True)):
+        ids = tok.encode(body, add_special_tokens=False) + eos
+        assert is_legal(strict, ids) is strict_ok, body
+        assert is_legal(lenient, ids), body
+    assert "additionalProperties" not in loose[0]["parameters"]  # the caller's schema is kept
+
+
 def test_union_schema_validates_like_each_tool(tok):
     union = tool_call_schema(TOOLS)
     for name, arguments in CALLS.items():

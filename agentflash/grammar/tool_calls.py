@@ -69,16 +69,66 @@ def _rebase_refs(node: Any, base: str) -> Any:
     return node
 
 
-def tool_call_schema(tools: list[dict[str, Any]] | list[ToolSpec]) -> dict[str, Any]:
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
+_SCHEMA_SINGLES = (
+    "items",
+    "additionalProperties",
+    "not",
+    "if",
+    "then",
+    "else",
+    "contains",
+    "propertyNames",
+)
+_OPEN_ENDED = (
+    "additionalProperties",
+    "patternProperties",
+    "unevaluatedProperties",
+    "allOf",
+    "anyOf",
+    "oneOf",
+    "$ref",
+)
+
+
+def close_objects(node: Any) -> Any:
+    """A copy of ``node`` where every object schema that lists its properties, and says nothing
+    else about other keys, takes no other keys (OpenAI's strict mode): without this a model may
+    invent arguments the tool does not take, and JSON Schema would still call the call valid."""
+    if not isinstance(node, dict):
+        return node
+    out = dict(node)
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: close_objects(sub) for name, sub in out[key].items()}
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [close_objects(sub) for sub in out[key]]
+    for key in _SCHEMA_SINGLES:
+        if isinstance(out.get(key), list):  # draft-04 tuple ``items``
+            out[key] = [close_objects(sub) for sub in out[key]]
+        elif key in out:
+            out[key] = close_objects(out[key])
+    if "properties" in out and not any(key in node for key in _OPEN_ENDED):
+        out["additionalProperties"] = False
+    return out
+
+
+def tool_call_schema(
+    tools: list[dict[str, Any]] | list[ToolSpec], strict: bool = True
+) -> dict[str, Any]:
     """The JSON Schema of one call's body: ``{"name": <a tool>, "arguments": <its schema>}``,
-    an ``anyOf`` whose ``name`` const selects the tool's arguments schema."""
+    an ``anyOf`` whose ``name`` const selects the tool's arguments schema. ``strict`` closes
+    the argument objects (see ``close_objects``)."""
     specs = _specs(tools)
     if not specs:
         raise GrammarError("tools: the list is empty")
     branches = []
     for i, spec in enumerate(specs):
         base = f"#/anyOf/{i}/properties/arguments"
-        arguments = _rebase_refs(copy.deepcopy(spec.parameters), base)
+        parameters = close_objects(spec.parameters) if strict else spec.parameters
+        arguments = _rebase_refs(copy.deepcopy(parameters), base)
         branches.append(
             {
                 "type": "object",
@@ -91,10 +141,12 @@ def tool_call_schema(tools: list[dict[str, Any]] | list[ToolSpec]) -> dict[str, 
 
 
 def tool_call_body(
-    tools: list[dict[str, Any]] | list[ToolSpec], json_style: JsonStyle = JsonStyle.DUMPS
+    tools: list[dict[str, Any]] | list[ToolSpec],
+    json_style: JsonStyle = JsonStyle.DUMPS,
+    strict: bool = True,
 ) -> GrammarSource:
     """The grammar of one call's JSON body (what goes between the tags)."""
-    return json_schema(tool_call_schema(tools), origin="tools", json_style=json_style)
+    return json_schema(tool_call_schema(tools, strict), origin="tools", json_style=json_style)
 
 
 class ToolChoiceMode(enum.Enum):
@@ -146,13 +198,15 @@ def assistant_turn(
     tools: list[dict[str, Any]] | list[ToolSpec],
     tool_choice: str | dict[str, Any] | ToolChoice | None = "auto",
     parallel_tool_calls: bool = True,
+    strict: bool = True,
 ) -> GrammarSource:
     """The grammar of a whole assistant reply under ``tool_choice``.
 
     ``required``: one or more calls (one if not ``parallel_tool_calls``), nothing else. A named
     tool: the same, restricted to that tool. ``auto``: free text, or optional text then calls;
     once ``<tool_call>`` is written, the body is constrained to the tools' union. ``none``: free
-    text without calls. The end token is legal wherever the reply may end.
+    text without calls. The end token is legal wherever the reply may end. ``strict`` closes the
+    argument objects (see ``close_objects``).
     """
     choice = ToolChoice.parse(tool_choice)
     specs = _specs(tools)
@@ -168,7 +222,7 @@ def assistant_turn(
             known = ", ".join(s.name for s in specs)
             raise GrammarError(f"tool_choice: no tool is named {choice.name!r} (tools: {known})")
         specs = chosen
-    body = {**tool_call_schema(specs), "x-guidance": JSON_STYLE_OPTIONS[JsonStyle.DUMPS]}
+    body = {**tool_call_schema(specs, strict), "x-guidance": JSON_STYLE_OPTIONS[JsonStyle.DUMPS]}
     repeat = ' ("\\n" call)*' if parallel_tool_calls else ""
     rules = [
         f"calls: call{repeat}",
