@@ -22,7 +22,6 @@ import anyio
 
 from agentflash.backends.base import (
     Backend,
-    Decoding,
     MalformedToolCall,
     ModelEvent,
     ModelFinish,
@@ -301,13 +300,15 @@ class LocalBackend(Backend):
                             "demo or a drafter directory (or use speculation auto or off)")
         tools = [] if request.tool_choice is ToolChoice.NONE else request.tools
         prompt_ids = self._engine.chat_prompt(request.messages, tools)
-        return self._aengine.stream(prompt_ids, sampling_params(request.decoding))
+        return self._aengine.stream(prompt_ids, sampling_params(request))
 
 
-def sampling_params(decoding: Decoding) -> Any:
-    """The engine's sampling parameters for an agent's decoding settings."""
+def sampling_params(request: ModelRequest) -> Any:
+    """The engine's parameters for one turn: its decoding settings now; the grammar of its tool
+    choice and output schema belongs here too once the engine takes one per request."""
     from agentflash.engine.request import SamplingParams
 
+    decoding = request.decoding
     return SamplingParams(max_tokens=decoding.max_tokens, temperature=decoding.temperature,
                           seed=decoding.seed, speculation=decoding.speculation.value,
                           block_size=decoding.block_size)
