@@ -37,6 +37,10 @@ def generate(
     top_p: Annotated[Optional[float], typer.Option("--top-p")] = None,
     seed: Annotated[Optional[int], typer.Option()] = None,
     stop: Annotated[Optional[list[str]], typer.Option(help="stop string (repeatable)")] = None,
+    schema: Annotated[Optional[Path], typer.Option(help="JSON Schema file the reply must match")] = None,
+    regex: Annotated[Optional[str], typer.Option(help="regular expression the reply must match")] = None,
+    tool_choice: Annotated[Optional[str], typer.Option(
+        "--tool-choice", help="auto | required | none | a tool name (with --tools)")] = None,
     mode: Annotated[str, typer.Option(help="plain | dflash | auto (dflash when a drafter is loaded)")] = "auto",
     drafter: Annotated[str, typer.Option(help="auto | demo | none | a DFlash drafter directory")] = "auto",
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object per request")] = False,
@@ -50,7 +54,8 @@ def generate(
             raise UserError(f"--mode must be plain, dflash or auto, got {mode!r}")
         defaults = {"max_tokens": max_tokens if max_tokens is not None else 256,
                     "temperature": temperature, "top_p": top_p, "seed": seed, "stop": stop,
-                    "speculation": speculation}
+                    "speculation": speculation, "schema": schema, "regex": regex,
+                    "tool_choice": _tool_choice(tool_choice)}
         if tools is not None:
             defaults["tools"] = inputs.load_tools(tools)
         if requests is not None:
@@ -76,6 +81,12 @@ def generate(
                 typer.echo(result.text)
     except UserError as err:
         fail(str(err))
+
+
+def _tool_choice(value: str | None) -> str | dict | None:
+    if value is None or value in ("auto", "required", "none"):
+        return value
+    return {"type": "function", "function": {"name": value}}
 
 
 def _load_engine(model: str, drafter: str = "auto"):
@@ -184,7 +195,7 @@ def run_workflow(
         wf = load_workflow(file)
         if model is not None:
             wf.model = dataclasses.replace(wf.model, backend=BackendKind.LOCAL, path=model,
-                                           base_dir=None)
+                                           drafter="auto", base_dir=None)
         values = wf.resolve_inputs(parse_input_pairs(inputs or []))
         if as_json:
             result = anyio.run(wf.run, values)

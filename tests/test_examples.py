@@ -174,3 +174,25 @@ def test_sdk_handoff_script(tiny_model_dir, capsys):
     results = anyio.run(sdk.main, LocalBackend(tiny_model_dir))
     assert {k for k, r in results.items() if not isinstance(r, GuardrailTripped)} == {"Oslo",
                                                                                      "Lima"}
+
+
+def test_live_view_follows_the_run():
+    from agentflash.runtime.live_view import WorkflowView
+    from agentflash.runtime.workflow import StepEvent
+
+    wf = load_workflow(EXAMPLES / "handoff.yaml")
+    view = WorkflowView(wf)
+    seen = []
+
+    async def main():
+        async with wf.run_streamed(backend=ScriptedBackend(demo_like)) as run:
+            async for event in run:
+                view.update(event)
+                if isinstance(event, StepEvent) and type(event.event).__name__ == "ToolCallDelta":
+                    seen.append(view.rows["ask"].writing)
+
+    anyio.run(main)
+    assert seen[-1] == 'transfer_to_forecaster({"reason": "weather in Lima"}'
+    row = view.rows["ask"]
+    assert row.status == "done" and row.agent == "forecaster"
+    assert row.tools == ["transfer_to_forecaster ok"] and row.new_tokens > 0

@@ -24,6 +24,7 @@ class _Row:
     new_tokens: int = 0
     wall_s: float = 0.0
     writing: str = ""  # the tail of what the model is writing now
+    call: tuple[int, str] | None = None  # the tool call being written (index, arguments so far)
 
     @property
     def tokens_per_s(self) -> str:
@@ -56,11 +57,13 @@ class WorkflowView:
 
     def _run_event(self, row: _Row, event: ev.RunEvent) -> None:
         if isinstance(event, ev.AgentTurnStarted):
-            row.agent, row.writing = event.agent, ""
+            row.agent, row.writing, row.call = event.agent, "", None
         elif isinstance(event, ev.TextDelta):
             row.writing = (row.writing + event.text).replace("\n", " ")[-40:]
         elif isinstance(event, ev.ToolCallDelta):
-            row.writing = f"{event.name}(" + (row.writing + event.arguments_delta)[-30:]
+            so_far = row.call[1] if row.call and row.call[0] == event.index else ""
+            row.call = (event.index, so_far + event.arguments_delta)
+            row.writing = f"{event.name}({row.call[1][-30:]}"
         elif isinstance(event, ev.ToolStarted):
             row.tools.append(f"{event.name} ...")
         elif isinstance(event, ev.ToolResult):
