@@ -3,6 +3,7 @@ the file, line and field."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -87,7 +88,8 @@ def load_tools(path: Path) -> list[dict[str, Any]]:
 
 
 PARAM_FIELDS = ("max_tokens", "temperature", "top_p", "seed", "stop", "speculation", "block_size")
-REQUEST_FIELDS = ("prompt", "messages", "tools") + PARAM_FIELDS
+GRAMMAR_FIELDS = ("tool_choice", "schema", "regex")
+REQUEST_FIELDS = ("prompt", "messages", "tools") + PARAM_FIELDS + GRAMMAR_FIELDS
 
 
 def make_params(values: dict[str, Any], where: str) -> SamplingParams:
@@ -118,7 +120,39 @@ def make_input(values: dict[str, Any], where: str) -> GenerateInput:
         messages = [{"role": "user", "content": prompt}]
     messages = check_messages(messages, where)
     tools = check_tools(values.get("tools") or [], where)
-    return GenerateInput(messages, tools, make_params(values, where))
+    params = make_params(values, where)
+    grammar = make_grammar(values, tools, where)
+    if grammar is not None:
+        params = dataclasses.replace(params, grammar=grammar)
+    return GenerateInput(messages, tools, params)
+
+
+def make_grammar(values: dict[str, Any], tools: list[dict[str, Any]], where: str):
+    """The grammar a request asks for: a JSON schema, a regex, or its tools under tool_choice.
+
+    With tools and no other grammar, ``tool_choice`` defaults to ``auto``: free text, but a
+    ``<tool_call>`` body is bound to the tools' schemas.
+    """
+    from agentflash import grammar
+
+    asked = [k for k in GRAMMAR_FIELDS if values.get(k) is not None]
+    if len([k for k in asked if k != "tool_choice"]) > 1 or (
+        "tool_choice" in asked and len(asked) > 1
+    ):
+        raise UserError(f"{where}: give one of {', '.join(GRAMMAR_FIELDS)}, not {asked}")
+    if "schema" in asked:
+        schema = values["schema"]
+        if isinstance(schema, (str, Path)):
+            return grammar.json_schema_file(schema)
+        return grammar.json_schema(schema, origin=f"{where}: schema")
+    if "regex" in asked:
+        return grammar.regex(values["regex"], origin=f"{where}: regex")
+    choice = values.get("tool_choice")
+    if choice is None and not tools:
+        return None
+    if not tools and choice not in ("none", "auto"):
+        raise UserError(f"{where}: tool_choice {choice!r} needs tools")
+    return grammar.assistant_turn(tools, choice or "auto")
 
 
 def load_requests(path: Path, defaults: dict[str, Any]) -> list[GenerateInput]:

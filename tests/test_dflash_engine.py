@@ -63,7 +63,7 @@ class Oracle:
         out = out[: block_size - 1].clone()
         if self.wrong_at < block_size - 1:
             out[self.wrong_at] = (out[self.wrong_at] + 1) % 4000
-        return out[None]
+        return torch.nn.functional.one_hot(out, 4096).float()[None]  # logits [1, T, V]
 
 
 prompt_ids = st.lists(st.integers(10, 4000), min_size=1, max_size=40)
@@ -107,7 +107,7 @@ def test_accepted_blocks_stop_where_plain_decoding_stops(
     else:
         kw["stop_token_ids"] = (stop_token,)
     expected = plain(engine, ids, **kw)
-    monkeypatch.setattr(engine_mod, "draft_block", Oracle(len(ids), free.token_ids, wrong_at))
+    monkeypatch.setattr(engine_mod, "draft_logits", Oracle(len(ids), free.token_ids, wrong_at))
     got = dflash(engine, ids, block_size=block, **kw)
     monkeypatch.undo()
     assert got.token_ids == expected.token_ids

@@ -54,10 +54,12 @@ def test_recorded_segments_merge_same_kind_and_mode():
     tracker.record(SegmentKind.PROSE, "plain", 1, 0)
     tracker.record(SegmentKind.PROSE, "plain", 1, 1)
     tracker.record(SegmentKind.TOOL_CALL, "dflash", 9, 1)
-    tracker.record(SegmentKind.TOOL_CALL, "dflash", 7, 1)
+    tracker.record(SegmentKind.TOOL_CALL, "dflash", 7, 1, drafted=15, accepted=6, forced=4)
     assert [s.to_dict() for s in tracker.segments] == [
-        {"kind": "prose", "mode": "plain", "tokens": 2, "target_forwards": 1, "tau": 2.0},
-        {"kind": "tool_call", "mode": "dflash", "tokens": 16, "target_forwards": 2, "tau": 8.0},
+        {"kind": "prose", "mode": "plain", "tokens": 2, "target_forwards": 1, "tau": 2.0,
+         "drafted": 0, "accepted": 0, "forced": 0},
+        {"kind": "tool_call", "mode": "dflash", "tokens": 16, "target_forwards": 2, "tau": 8.0,
+         "drafted": 15, "accepted": 6, "forced": 4},
     ]
 
 

@@ -77,7 +77,7 @@ def sample_accept(
     raise AssertionError("unreachable: the last position always returns")
 
 
-def draft_block(
+def draft_logits(
     drafter: DFlashDrafter,
     embed: Callable[[torch.Tensor], torch.Tensor],
     logits: Callable[[torch.Tensor], torch.Tensor],
@@ -85,7 +85,7 @@ def draft_block(
     contexts: list[DraftContext],
     block_size: int | None = None,
 ) -> torch.Tensor:
-    """Greedy draft tokens [B, block_size-1] for one block per request.
+    """The drafter's logits [B, block_size-1, V] for slots 1..B-1 of one block per request.
 
     ``embed`` and ``logits`` are the target's (``Qwen3Model.embed`` and ``Qwen3Model.logits``);
     ``last_tokens`` [B] are the requests' last committed tokens, whose positions are the lengths
@@ -101,4 +101,16 @@ def draft_block(
     positions = starts[:, None] + torch.arange(size, device=device)  # [B, size]
     with torch.no_grad():
         hidden = drafter.draft_forward(embed(ids), positions, contexts)  # [B, size, H]
-        return logits(hidden[:, 1:]).argmax(-1)  # [B, size-1]
+        return logits(hidden[:, 1:])  # [B, size-1, V]
+
+
+def draft_block(
+    drafter: DFlashDrafter,
+    embed: Callable[[torch.Tensor], torch.Tensor],
+    logits: Callable[[torch.Tensor], torch.Tensor],
+    last_tokens: torch.Tensor,
+    contexts: list[DraftContext],
+    block_size: int | None = None,
+) -> torch.Tensor:
+    """Greedy draft tokens [B, block_size-1] for one block per request (see ``draft_logits``)."""
+    return draft_logits(drafter, embed, logits, last_tokens, contexts, block_size).argmax(-1)

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from agentflash.dflash.speculate import draft_block
+from agentflash.dflash.speculate import draft_logits
 from agentflash.engine.detokenizer import Detokenizer
 from agentflash.engine.kv_cache import KVCache
 from agentflash.engine.model_runner import ModelRunner, Row
@@ -18,6 +18,8 @@ from agentflash.engine.request import FinishReason, Request, SamplingParams, Spe
 from agentflash.engine.sampling import accept, sample
 from agentflash.engine.scheduler import Scheduler, SchedulerConfig
 from agentflash.errors import UserError
+from agentflash.grammar.constraint import apply_bitmask_
+from agentflash.grammar.sources import GrammarKind
 from agentflash.router.policy import CostModel
 from agentflash.router.segments import SegmentKind
 from agentflash.tool_format import parse_tool_calls
@@ -39,6 +41,15 @@ class EngineConfig:
             raise ValueError(f"max_running must be at least 1, got {self.max_running}")
         if self.max_len < 2:
             raise ValueError(f"max_len must be at least 2, got {self.max_len}")
+
+
+@dataclass(frozen=True)
+class BlockDraft:
+    """What one row feeds the verify forward after its last token."""
+
+    tokens: list[int]
+    forced: int  # how many of them the grammar forced (free: no model proposed them)
+    drafted: bool  # whether the drafter ran for this row this step
 
 
 @dataclass
@@ -144,8 +155,18 @@ class Engine:
                 f"the prompt has {len(prompt_ids)} tokens; this engine holds {limit} per request"
             )
         req = Request(prompt_ids, params)
+        if params.grammar is not None:
+            req.constraint = self.compile(params.grammar).new_constraint()
+            req.segments.schema_bound = params.grammar.kind is GrammarKind.JSON_SCHEMA
         self._inbox.append(req)
         return req
+
+    def compile(self, source):  # -> agentflash.grammar.CompiledGrammar
+        """A grammar source compiled for this engine's tokenizer and vocabulary (cached)."""
+        from agentflash.grammar import compile_grammar
+
+        return compile_grammar(source, self.tokenizer, vocab_size=self.model.cfg.vocab_size,
+                               eos_token_id=self.tokenizer.eos_token_id)
 
     def cancel(self, req: Request) -> None:
         """Stop a request at the next step and free its cache slot; safe from any thread."""
@@ -155,6 +176,7 @@ class Engine:
     def has_work(self) -> bool:
         return bool(self._inbox or self._cancels or self.scheduler.has_work)
 
+    @torch.inference_mode()
     def step(self) -> list[StepOutput]:
         """One scheduling decision and one target forward; returns the tokens it produced."""
         self._drain_inbox()
@@ -174,10 +196,19 @@ class Engine:
             req.stats.mode = req.params.speculation.value
             req.draft_context = self.drafter.new_context()
             self.drafter.extend([req.draft_context], [out.hidden[0]])
-        token = sample(out.logits[0, -1], req.params.temperature, req.params.top_p, req.generator)
-        committed = self.append_tokens(req, [token])
+        logits = out.logits[0, -1]
+        if req.constraint is not None:
+            apply_bitmask_(logits, req.constraint.bitmask())
+        token = sample(logits, req.params.temperature, req.params.top_p, req.generator)
+        committed = self._commit(req, [token])
         self._track(req, req.segments.kind, "dflash" if speculative else "plain", committed, 0)
         return StepOutput(req, committed)
+
+    def _commit(self, req: Request, tokens: list[int]) -> list[int]:
+        committed = self.append_tokens(req, tokens)
+        if req.constraint is not None:
+            req.constraint.advance(committed)
+        return committed
 
     def _decode(self, batch: list[Request]) -> list[StepOutput]:
         """One verify forward for every running request: drafted blocks and single tokens together."""  # noqa: E501
@@ -185,33 +216,47 @@ class Engine:
         kinds = {r.id: r.segments.kind for r in batch}
         speculating = [r for r in batch if self._wants_dflash(r, kinds[r.id], len(batch))]
         drafts = self._draft(speculating)
-        rows = [Row(r.slot, r.num_cached, r.uncached_ids() + drafts.get(r.id, [])) for r in batch]
+        drafts.update(self._forced_runs([r for r in batch if r.id not in drafts]))
+        rows = [Row(r.slot, r.num_cached, r.uncached_ids() + drafts[r.id].tokens) for r in batch]
         tracked = any(r.draft_context is not None for r in batch)
         out = self.runner.forward(rows, capture_layers=self._capture(tracked))
+        self._mask_verify_logits(batch, drafts, out.logits)
         outputs, contexts, hidden = [], [], []
         for i, req in enumerate(batch):
-            draft = drafts.get(req.id, [])
-            logits = out.logits[i, : len(draft) + 1]  # [T+1, V]: row j predicts after slot j
+            draft = drafts[req.id]
+            logits = out.logits[i, : len(draft.tokens) + 1]  # [T+1, V]: row j predicts after slot j
             num_accepted, bonus = accept(
-                torch.tensor(draft, dtype=torch.long), logits, req.params, req.generator
+                torch.tensor(draft.tokens, dtype=torch.long), logits, req.params, req.generator
             )
             req.stats.target_forwards += 1
             req.num_cached += 1 + num_accepted
-            committed = self.append_tokens(req, draft[:num_accepted] + [bonus])
+            committed = self._commit(req, draft.tokens[:num_accepted] + [bonus])
             outputs.append(StepOutput(req, committed))
-            mode = "dflash" if req.id in drafts else "plain"
-            if mode == "dflash":
+            if draft.drafted:
                 self.cost.observe_tau(req.routing, kinds[req.id], num_accepted + 1)
-            self._track(req, kinds[req.id], mode, committed, 1)
+            mode = "dflash" if draft.drafted else "plain"
+            self._track(req, kinds[req.id], mode, committed, 1, draft, num_accepted)
             if req.draft_context is not None and not req.is_finished:
                 contexts.append(req.draft_context)
                 hidden.append(out.hidden[i, : 1 + num_accepted])
         if contexts:
             self.drafter.extend(contexts, hidden)
-        self.cost.observe_step(
-            "dflash" if drafts else "plain", len(batch), time.perf_counter() - t0
-        )
+        drafted = any(d.drafted for d in drafts.values())
+        self.cost.observe_step("dflash" if drafted else "plain", len(batch), time.perf_counter() - t0)
         return outputs
+
+    def _mask_verify_logits(self, batch: list[Request], drafts: dict[int, BlockDraft],
+                            logits: torch.Tensor) -> None:
+        """Mask every verify position of constrained rows along their draft path, in place."""
+        from agentflash.grammar import masks_along_drafts
+
+        rows = [i for i, r in enumerate(batch) if r.constraint is not None]
+        if not rows:
+            return
+        masks = masks_along_drafts([batch[i].constraint for i in rows],
+                                   [drafts[batch[i].id].tokens for i in rows])
+        for i, mask in zip(rows, masks):
+            apply_bitmask_(logits[i, : mask.shape[0]], mask)
 
     def _wants_dflash(self, req: Request, kind: SegmentKind, batch_size: int) -> bool:
         if req.draft_context is None:
@@ -220,38 +265,62 @@ class Engine:
             return True
         return self.cost.choose_dflash(req.routing, kind, batch_size)
 
-    def _track(
-        self, req: Request, kind: SegmentKind, mode: str, committed: list[int], forwards: int
-    ) -> None:
-        req.segments.record(kind, mode, len(committed), forwards)
+    def _track(self, req: Request, kind: SegmentKind, mode: str, committed: list[int],
+               forwards: int, draft: BlockDraft | None = None, accepted: int = 0) -> None:
+        drafted = len(draft.tokens) - draft.forced if draft else 0
+        forced = draft.forced if draft else 0
+        req.segments.record(kind, mode, len(committed), forwards, drafted=drafted,
+                            forced=forced, accepted=min(accepted, len(committed)))
         req.segments.feed(self.tokenizer.decode(committed, skip_special_tokens=True))
 
-    def _draft(self, reqs: list[Request]) -> dict[int, list[int]]:
-        """Draft tokens per request id, as many as the request can still use (maybe none)."""
+    def _draft(self, reqs: list[Request]) -> dict[int, BlockDraft]:
+        """One drafter forward for the requests that speculate this step.
+
+        Unconstrained rows take the drafter's argmax per slot; constrained rows walk the slots
+        under their grammar (every drafted token legal, forced tokens filled in for free).
+        """
         sizes = {r.id: self._draft_len(r) for r in reqs}
         reqs = [r for r in reqs if sizes[r.id] > 0]
         if not reqs:
             return {}
         block = max(sizes[r.id] for r in reqs) + 1
         last = torch.tensor([r.output_ids[-1] for r in reqs])
-        tokens = draft_block(
-            self.drafter,
-            self.model.embed,
-            self.model.logits,
-            last,
-            [r.draft_context for r in reqs],
-            block,
-        )  # [B, block-1]
-        for r in reqs:
+        contexts = [r.draft_context for r in reqs]
+        logits = draft_logits(self.drafter, self.model.embed, self.model.logits, last, contexts,
+                              block)  # [B, block-1, V]
+        best = logits.argmax(-1)  # [B, block-1]
+        drafts = {}
+        for i, r in enumerate(reqs):
             r.stats.draft_forwards += 1
-        return {r.id: tokens[i, : sizes[r.id]].tolist() for i, r in enumerate(reqs)}
+            n = sizes[r.id]
+            if r.constraint is None:
+                drafts[r.id] = BlockDraft(best[i, :n].tolist(), 0, True)
+                continue
+            from agentflash.grammar import constrained_draft
+
+            walk = constrained_draft(r.constraint, logits[i, :n], best[i, :n].tolist())
+            drafts[r.id] = BlockDraft(walk.tokens, walk.num_forced, True)
+        return drafts
+
+    def _forced_runs(self, reqs: list[Request]) -> dict[int, BlockDraft]:
+        """For rows that do not draft: the tokens their grammar forces, verified for free."""
+        runs = {}
+        for r in reqs:
+            forced = r.constraint.forced_tokens() if r.constraint is not None else []
+            room = self._room(r)
+            runs[r.id] = BlockDraft(forced[: max(0, room - 1)], min(len(forced), max(0, room - 1)),
+                                    False)
+        return runs
 
     def _draft_len(self, req: Request) -> int:
         block = req.params.block_size or self.drafter.cfg.block_size
-        room = min(
+        return max(0, min(block - 1, self._room(req) - 1))
+
+    def _room(self, req: Request) -> int:
+        """Tokens this request may still commit."""
+        return min(
             req.params.max_tokens - len(req.output_ids), self.scheduler.cfg.max_len - req.num_tokens
         )
-        return max(0, min(block - 1, room - 1))
 
     def _capture(self, speculative: bool) -> tuple[int, ...]:
         return self.drafter.cfg.target_layer_ids if speculative else ()

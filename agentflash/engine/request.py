@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from agentflash.grammar.sources import GrammarSource
 from agentflash.router.policy import RequestRouting
 from agentflash.router.segments import SegmentTracker
 
@@ -34,6 +35,7 @@ class SamplingParams:
     ignore_eos: bool = False
     speculation: Speculation = Speculation.AUTO
     block_size: int | None = None  # DFlash block (the committed token + drafts); None: drafter's
+    grammar: GrammarSource | None = None  # output constrained to it (agentflash.grammar sources)
 
     def __post_init__(self) -> None:
         if isinstance(self.speculation, str):
@@ -103,6 +105,7 @@ class Request:
         self.stop_text_len: int | None = None  # where a stop string cut the text
         self.stats = RequestStats()
         self.draft_context = None  # a DraftContext while the request decodes with DFlash
+        self.constraint = None  # a grammar Constraint, advanced over committed tokens
         self.segments = SegmentTracker()
         self.routing = RequestRouting()
         self.generator: torch.Generator | None = None

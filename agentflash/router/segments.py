@@ -28,6 +28,9 @@ class Segment:
     mode: str  # "dflash" | "plain"
     tokens: int = 0
     target_forwards: int = 0
+    drafted: int = 0  # tokens the drafter proposed
+    accepted: int = 0  # drafted or forced tokens the target accepted
+    forced: int = 0  # tokens the grammar forced (no model proposed them)
 
     def to_dict(self) -> dict:
         tau = self.tokens / self.target_forwards if self.target_forwards else float(self.tokens)
@@ -37,6 +40,9 @@ class Segment:
             "tokens": self.tokens,
             "target_forwards": self.target_forwards,
             "tau": round(tau, 3),
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "forced": self.forced,
         }
 
 
@@ -69,7 +75,8 @@ class SegmentTracker:
             return SegmentKind.MATH
         return SegmentKind.PROSE
 
-    def record(self, kind: SegmentKind, mode: str, tokens: int, forwards: int) -> None:
+    def record(self, kind: SegmentKind, mode: str, tokens: int, forwards: int,
+               drafted: int = 0, accepted: int = 0, forced: int = 0) -> None:
         """Count a step's committed tokens in the segment the step was decided in."""
         last = self.segments[-1] if self.segments else None
         if last is None or last.kind is not kind or last.mode != mode:
@@ -77,6 +84,9 @@ class SegmentTracker:
             self.segments.append(last)
         last.tokens += tokens
         last.target_forwards += forwards
+        last.drafted += drafted
+        last.accepted += accepted
+        last.forced += forced
 
     def feed(self, text: str) -> None:
         """Advance over newly committed text."""

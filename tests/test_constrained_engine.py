@@ -1,0 +1,120 @@
+"""Grammar-constrained decoding in the engine: every finished output is valid, and constrained
+DFlash gives exactly the tokens of constrained plain decoding."""
+
+import random
+
+import jsonschema
+import pytest
+import torch
+
+from agentflash.dflash.drafter import DFlashDrafter, DrafterConfig
+from agentflash.engine.engine import Engine, EngineConfig
+from agentflash.engine.request import SamplingParams
+from agentflash.grammar import assistant_turn, json_schema, regex
+from agentflash.models.loading import load_model, load_tokenizer
+from agentflash.tool_format import parse_tool_calls
+from agentflash.train import corpus
+
+
+@pytest.fixture(scope="module")
+def demo():
+    return Engine.from_pretrained("demo", drafter=None)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir):
+    model, _, _ = load_model(tiny_model_dir)
+    tok = load_tokenizer(tiny_model_dir)
+    torch.manual_seed(0)
+    cfg = DrafterConfig(hidden_size=64, intermediate_size=128, num_layers=1, num_heads=4,
+                        num_kv_heads=2, head_dim=16, rope_theta=10000.0, rms_norm_eps=1e-6,
+                        block_size=8, mask_token_id=tok.convert_tokens_to_ids("<|mask|>"),
+                        target_layer_ids=(1, 2), num_target_layers=4, vocab_size=len(tok))
+    return Engine(model, tok, EngineConfig(max_len=768), tiny_model_dir, DFlashDrafter(cfg).eval())
+
+
+def random_tools(seed, n=3):
+    rng = random.Random(seed)
+    tools = []
+    while len(tools) < n:
+        tool = corpus.random_tool(rng)
+        if tool["function"]["name"] not in {t["function"]["name"] for t in tools}:
+            tools.append(tool)
+    return tools
+
+
+def check_calls(text, tools):
+    calls, bad = parse_tool_calls(text)
+    assert calls and not bad, text
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    for call in calls:
+        jsonschema.validate(call.arguments, schemas[call.name])
+    return calls
+
+
+def test_required_tool_calls_are_valid_for_generated_schemas(demo):
+    finished = 0
+    for seed in range(8):
+        tools = random_tools(seed)
+        msgs = [{"role": "user", "content": "Please help with this."}]
+        res = demo.generate(demo.chat_prompt(msgs, tools),
+                            SamplingParams(max_tokens=160, grammar=assistant_turn(tools, "required")))
+        if res.finish_reason == "stop":
+            finished += 1
+            check_calls(res.text, tools)
+            assert res.text.startswith("<tool_call>")
+    assert finished >= 6
+
+
+def test_named_tool_choice_forces_that_tool(demo):
+    tools = random_tools(11)
+    name = tools[2]["function"]["name"]
+    msgs = [{"role": "user", "content": "Go."}]
+    res = demo.generate(demo.chat_prompt(msgs, tools),
+                        SamplingParams(max_tokens=160, grammar=assistant_turn(tools, name)))
+    assert [c.name for c in check_calls(res.text, tools)] == [name]
+    assert sum(s["forced"] for s in res.stats["segments"]) >= len(name)  # the name was forced
+
+
+def test_schema_answers_validate_and_are_one_schema_segment(demo):
+    for seed in range(6):
+        schema = corpus.random_object(random.Random(seed), 1)
+        msgs = [{"role": "user", "content": "Answer with JSON."}]
+        res = demo.generate(demo.chat_prompt(msgs),
+                            SamplingParams(max_tokens=160, grammar=json_schema(schema)))
+        if res.finish_reason == "stop":
+            import json
+
+            jsonschema.validate(json.loads(res.text), schema)
+        assert {s["kind"] for s in res.stats["segments"]} == {"schema"}
+
+
+def test_regex_constrains_the_reply(demo):
+    res = demo.generate(demo.chat_prompt([{"role": "user", "content": "A date?"}]),
+                        SamplingParams(max_tokens=30, grammar=regex(r"20[0-9]{2}-[01][0-9]-[0-3][0-9]")))
+    import re
+
+    assert re.fullmatch(r"20[0-9]{2}-[01][0-9]-[0-3][0-9]", res.text) and res.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_constrained_dflash_equals_constrained_plain(tiny, seed):
+    tools = random_tools(100 + seed, n=2)
+    ids = tiny.chat_prompt([{"role": "user", "content": "x"}], tools)
+    for source in (assistant_turn(tools, "required"), json_schema(corpus.random_object(random.Random(seed), 1))):
+        plain = tiny.generate(ids, SamplingParams(max_tokens=80, grammar=source, speculation="off"))
+        spec = tiny.generate(ids, SamplingParams(max_tokens=80, grammar=source, speculation="dflash",
+                                                 block_size=2 + 2 * seed))
+        assert spec.token_ids == plain.token_ids
+        assert spec.stats["draft_forwards"] > 0
+
+
+def test_forced_tokens_cost_no_forward(tiny):
+    tools = random_tools(7, n=1)
+    ids = tiny.chat_prompt([{"role": "user", "content": "x"}], tools)
+    name = tools[0]["function"]["name"]
+    res = tiny.generate(ids, SamplingParams(max_tokens=60, speculation="off",
+                                            grammar=assistant_turn(tools, name)))
+    forced = sum(s["forced"] for s in res.stats["segments"])
+    assert forced > 5
+    assert res.stats["target_forwards"] <= res.stats["new_tokens"] - forced
