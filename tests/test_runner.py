@@ -364,3 +364,14 @@ def test_agent_definition_errors():
     with pytest.raises(UserError, match="must not hold system messages"):
         Runner.run_sync(Agent("a"), [{"role": "system", "content": "x"}],
                         backend=ScriptedBackend([]))
+
+
+def test_a_conversation_continues_from_a_result_s_messages():
+    agent = Agent("a", tools=[get_weather])
+    first, _, _ = run(agent, [ScriptedTurn.calls(("get_weather", {"city": "Oslo"})), "Sunny."])
+    follow_up = [*first.messages, {"role": "user", "content": "And tomorrow?"}]
+    second, _, backend = run(agent, ["Rain."], input=follow_up)
+    assert second.final_output == "Rain."
+    assert backend.requests[0].messages[1:] == follow_up
+    assert [m["role"] for m in second.messages] == ["user", "assistant", "tool", "assistant",
+                                                    "user", "assistant"]
