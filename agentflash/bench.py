@@ -19,7 +19,7 @@ from agentflash.engine.request import SamplingParams
 from agentflash.errors import UserError
 from agentflash.train import corpus
 
-SUITES = ("tool_call", "code", "math", "prose")
+SUITES = ("tool_call", "code", "math", "prose")  # "json" and "mixed" are extra suites
 HELD_OUT_SEED = 1_000_003  # the training corpus uses seed 0
 
 
@@ -29,10 +29,21 @@ class Prompt:
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]]
     expected: list[dict[str, Any]] | None = None  # the corpus' tool calls, for tool_call prompts
+    schema: dict[str, Any] | None = None  # the answer's JSON schema, for json prompts
 
 
 def held_out_prompts(kind: str, num: int, seed: int = HELD_OUT_SEED) -> list[Prompt]:
     """``num`` conversations of ``kind`` cut before their first assistant turn."""
+    if kind == "json":
+        rng = random.Random(seed + 17)
+        out = []
+        for _ in range(num):
+            convo = corpus.tool_call_conversation(rng)
+            schema = corpus.random_object(rng, 1)
+            msgs = [m for m in convo["messages"] if m["role"] in ("system", "user")][:2]
+            msgs[-1] = {"role": "user", "content": msgs[-1]["content"] + " Answer in JSON."}
+            out.append(Prompt("json", msgs, [], schema=schema))
+        return out
     if kind == "mixed":
         per_kind = [held_out_prompts(k, num, seed) for k in SUITES]
         return [p for group in zip(*per_kind) for p in group][:num]
@@ -52,10 +63,13 @@ def held_out_prompts(kind: str, num: int, seed: int = HELD_OUT_SEED) -> list[Pro
 
 
 def _time_engine(
-    engine: Engine, ids: list[int], max_tokens: int, speculation: str = "off"
+    engine: Engine, ids: list[int], max_tokens: int, speculation: str = "off", grammar=None
 ) -> tuple[list[int], float, int]:
+    params = SamplingParams(max_tokens=max_tokens, speculation=speculation, grammar=grammar)
+    if grammar is not None:
+        engine.compile(grammar)  # compiled once and cached, as for a running agent's tools
     t0 = time.perf_counter()
-    result = engine.generate(ids, SamplingParams(max_tokens=max_tokens, speculation=speculation))
+    result = engine.generate(ids, params)
     return result.token_ids, time.perf_counter() - t0, result.stats["target_forwards"]
 
 
@@ -80,7 +94,11 @@ def _time_hf(
 def run(
     model: str, suites: list[str], num_prompts: int, max_tokens: int, drafter: str | None = "auto"
 ) -> dict[str, Any]:
-    """Every row on every suite; returns ``{"rows": [...], "config": {...}}``."""
+    """Every row on every suite; returns ``{"rows": [...], "config": {...}}``.
+
+    Suites ``tool_call`` and ``json`` also get grammar-constrained rows (``tool_choice=required``
+    over the prompt's tools; the prompt's JSON schema), compared with constrained plain decoding.
+    """
     from transformers import AutoModelForCausalLM
 
     engine = Engine.from_pretrained(model, drafter=drafter)
@@ -88,35 +106,23 @@ def run(
     eos = sorted(engine.eos_ids)
     rows = []
     for suite in suites:
-        prompts = [
-            engine.chat_prompt(p.messages, p.tools) for p in held_out_prompts(suite, num_prompts)
-        ]
-        _time_engine(engine, prompts[0], 8)  # warm-up: first-call allocations
-        plain = [_time_engine(engine, ids, max_tokens) for ids in prompts]
-        ref = [tokens for tokens, _, _ in plain]
-        rows.append(
-            _row(suite, "plain", ref, ref, [t for _, t, _ in plain], [f for _, _, f in plain])
-        )
-        if engine.drafter is not None:
-            _time_engine(engine, prompts[0], 8, "dflash")
-            spec = [_time_engine(engine, ids, max_tokens, "dflash") for ids in prompts]
-            rows.append(
-                _row(
-                    suite,
-                    "dflash",
-                    [o for o, _, _ in spec],
-                    ref,
-                    [t for _, t, _ in spec],
-                    [f for _, _, f in spec],
-                )
-            )
-        peers = {"transformers": {}, "prompt_lookup": {"prompt_lookup_num_tokens": 10}}
-        for name, kwargs in peers.items():
-            outs = [_time_hf(hf_model, ids, max_tokens, eos, **kwargs) for ids in prompts]
-            rows.append(_row(suite, name, [o for o, _ in outs], ref, [t for _, t in outs], None))
+        items = held_out_prompts(suite, num_prompts)
+        prompts = [engine.chat_prompt(p.messages, p.tools) for p in items]
+        if suite != "json":
+            rows += _engine_rows(engine, suite, prompts, max_tokens, [None] * len(prompts), "")
+            peers = {"transformers": {}, "prompt_lookup": {"prompt_lookup_num_tokens": 10}}
+            ref = rows[-1 - (engine.drafter is not None)]["outputs"]
+            for name, kwargs in peers.items():
+                outs = [_time_hf(hf_model, ids, max_tokens, eos, **kwargs) for ids in prompts]
+                rows.append(_row(suite, name, [o for o, _ in outs], ref, [t for _, t in outs], None))
+        grammars = _grammars(suite, items)
+        if grammars:
+            rows += _engine_rows(engine, suite, prompts, max_tokens, grammars, "+grammar")
     for row in rows:
-        base = next(r for r in rows if r["suite"] == row["suite"] and r["mode"] == "plain")
+        base = next(r for r in rows if r["suite"] == row["suite"]
+                    and r["mode"] == ("plain" if r["suite"] != "json" else "plain+grammar"))
         row["ratio_to_plain"] = round(row["tokens_per_s"] / base["tokens_per_s"], 3)
+        row.pop("outputs")
     return {
         "config": {
             "model": model,
@@ -127,6 +133,32 @@ def run(
         },
         "rows": rows,
     }
+
+
+def _grammars(suite: str, items: list[Prompt]) -> list:
+    from agentflash.grammar import assistant_turn, json_schema
+
+    if suite == "tool_call":
+        return [assistant_turn(p.tools, "required") for p in items]
+    if suite == "json":
+        return [json_schema(p.schema) for p in items]
+    return []
+
+
+def _engine_rows(engine: Engine, suite: str, prompts: list[list[int]], max_tokens: int,
+                 grammars: list, suffix: str) -> list[dict[str, Any]]:
+    """The engine's plain row and, with a drafter, its dflash row (identity against plain)."""
+    modes = ["off"] + (["dflash"] if engine.drafter is not None else [])
+    rows = []
+    for speculation in modes:
+        _time_engine(engine, prompts[0], 8, speculation, grammars[0])  # warm-up
+        runs = [_time_engine(engine, ids, max_tokens, speculation, g)
+                for ids, g in zip(prompts, grammars)]
+        outs = [o for o, _, _ in runs]
+        ref = rows[0]["outputs"] if rows else outs
+        name = ("plain" if speculation == "off" else "dflash") + suffix
+        rows.append(_row(suite, name, outs, ref, [t for _, t, _ in runs], [f for _, _, f in runs]))
+    return rows
 
 
 def _row(
@@ -145,6 +177,7 @@ def _row(
         "tokens_per_s": round(tokens / sum(seconds), 2),
         "tau": round(tokens / sum(forwards), 3) if forwards and sum(forwards) else None,
         "identical_to_plain": all(_same(o, r) for o, r in zip(outputs, reference)),
+        "outputs": outputs,
     }
 
 

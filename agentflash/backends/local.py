@@ -21,6 +21,7 @@ from typing import Any
 import anyio
 
 from agentflash.backends.base import (
+    ForceTool,
     Backend,
     MalformedToolCall,
     ModelEvent,
@@ -304,14 +305,25 @@ class LocalBackend(Backend):
 
 
 def sampling_params(request: ModelRequest) -> Any:
-    """The engine's parameters for one turn: its decoding settings now; the grammar of its tool
-    choice and output schema belongs here too once the engine takes one per request."""
+    """The engine's parameters for one turn: its decoding settings and the grammar of its tool
+    choice and output schema, so that calls and structured answers are valid by construction."""
     from agentflash.engine.request import SamplingParams
 
     decoding = request.decoding
     return SamplingParams(max_tokens=decoding.max_tokens, temperature=decoding.temperature,
                           seed=decoding.seed, speculation=decoding.speculation.value,
-                          block_size=decoding.block_size)
+                          block_size=decoding.block_size, grammar=turn_grammar(request))
+
+
+def turn_grammar(request: ModelRequest) -> Any:
+    """``assistant_turn`` over the request's tools, tool choice and output schema (or None)."""
+    from agentflash.grammar import assistant_turn
+
+    if not request.tools and request.output_schema is None:
+        return None
+    choice = request.tool_choice
+    value = choice.name if isinstance(choice, ForceTool) else choice.value
+    return assistant_turn(request.tools, value, output_schema=request.output_schema)
 
 
 def from_spec(spec: ModelSpec) -> Backend:

@@ -199,8 +199,12 @@ def assistant_turn(
     tool_choice: str | dict[str, Any] | ToolChoice | None = "auto",
     parallel_tool_calls: bool = True,
     strict: bool = True,
+    output_schema: dict[str, Any] | None = None,
 ) -> GrammarSource:
     """The grammar of a whole assistant reply under ``tool_choice``.
+
+    With ``output_schema``, the reply's text (where ``auto`` or ``none`` allow text) is the final
+    answer: one JSON value matching that schema, written as ``json.dumps`` writes it.
 
     ``required``: one or more calls (one if not ``parallel_tool_calls``), nothing else. A named
     tool: the same, restricted to that tool. ``auto``: free text, or optional text then calls;
@@ -210,6 +214,8 @@ def assistant_turn(
     """
     choice = ToolChoice.parse(tool_choice)
     specs = _specs(tools)
+    if output_schema is not None:
+        return _answer_turn(specs, choice, parallel_tool_calls, strict, output_schema)
     if choice.mode is ToolChoiceMode.NONE:
         return lark(f"start: TEXT\nTEXT: {_TEXT}\n", origin="tool_choice=none")
     if not specs:
@@ -240,6 +246,28 @@ def assistant_turn(
         rules = ["start: calls", *rules]
     origin = f"tool_choice={choice.name if choice.name else choice.mode.value}"
     return lark("\n".join(rules) + "\n", origin=origin)
+
+
+def _answer_turn(specs: list[ToolSpec], choice: ToolChoice, parallel: bool, strict: bool,
+                 output_schema: dict[str, Any]) -> GrammarSource:
+    schema = close_objects(output_schema) if strict else output_schema
+    answer = {**schema, "x-guidance": JSON_STYLE_OPTIONS[JsonStyle.DUMPS]}
+    answer_rule = f"answer: %json {json.dumps(answer, ensure_ascii=False)}"
+    if choice.mode is ToolChoiceMode.NONE or not specs:
+        return lark(f"start: answer\n{answer_rule}\n", origin="output schema")
+    calls = assistant_turn(specs, choice, parallel, strict)
+    if choice.mode is not ToolChoiceMode.AUTO:
+        return calls
+    body = {**tool_call_schema(specs, strict), "x-guidance": JSON_STYLE_OPTIONS[JsonStyle.DUMPS]}
+    repeat = ' ("\\n" call)*' if parallel else ""
+    rules = [
+        "start: answer | calls",
+        answer_rule,
+        f"calls: call{repeat}",
+        f'call: {OPEN} "\\n" body "\\n" {CLOSE}',
+        f"body: %json {json.dumps(body, ensure_ascii=False)}",
+    ]
+    return lark("\n".join(rules) + "\n", origin="tool_choice=auto with an output schema")
 
 
 def _specs(tools: list[dict[str, Any]] | list[ToolSpec]) -> list[ToolSpec]:
