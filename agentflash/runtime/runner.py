@@ -156,7 +156,10 @@ class _Loop:
 
     def request(self, tools: dict[str, Tool], handoffs: dict[str, Agent]) -> ModelRequest:
         agent = self.agent
-        choice = ToolChoice.AUTO if self.called_tools else agent.tool_choice
+        choice = agent.tool_choice
+        if self.called_tools and choice is not ToolChoice.AUTO:
+            # a forced or required call was made: now answer (in the output schema, if any)
+            choice = ToolChoice.NONE if agent.output else ToolChoice.AUTO
         specs = [tool_spec(t) for t in tools.values()]
         specs += [handoff_tool_spec(target) for target in handoffs.values()]
         system = {"role": "system", "content": agent.system_prompt()}
