@@ -19,8 +19,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/agentflash generate --tools examples/tools/travel.json \
-		--prompt "Use get_weather with city Oslo, days 3." --json
+	$(BIN)/agentflash run examples/structured.yaml
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
