@@ -114,13 +114,19 @@ def run(
             ref = rows[-1 - (engine.drafter is not None)]["outputs"]
             for name, kwargs in peers.items():
                 outs = [_time_hf(hf_model, ids, max_tokens, eos, **kwargs) for ids in prompts]
-                rows.append(_row(suite, name, [o for o, _ in outs], ref, [t for _, t in outs], None))
+                rows.append(
+                    _row(suite, name, [o for o, _ in outs], ref, [t for _, t in outs], None)
+                )
         grammars = _grammars(suite, items)
         if grammars:
             rows += _engine_rows(engine, suite, prompts, max_tokens, grammars, "+grammar")
     for row in rows:
-        base = next(r for r in rows if r["suite"] == row["suite"]
-                    and r["mode"] == ("plain" if r["suite"] != "json" else "plain+grammar"))
+        base = next(
+            r
+            for r in rows
+            if r["suite"] == row["suite"]
+            and r["mode"] == ("plain" if r["suite"] != "json" else "plain+grammar")
+        )
         row["ratio_to_plain"] = round(row["tokens_per_s"] / base["tokens_per_s"], 3)
         row.pop("outputs")
     return {
@@ -145,15 +151,23 @@ def _grammars(suite: str, items: list[Prompt]) -> list:
     return []
 
 
-def _engine_rows(engine: Engine, suite: str, prompts: list[list[int]], max_tokens: int,
-                 grammars: list, suffix: str) -> list[dict[str, Any]]:
+def _engine_rows(
+    engine: Engine,
+    suite: str,
+    prompts: list[list[int]],
+    max_tokens: int,
+    grammars: list,
+    suffix: str,
+) -> list[dict[str, Any]]:
     """The engine's plain row and, with a drafter, its dflash row (identity against plain)."""
     modes = ["off"] + (["dflash"] if engine.drafter is not None else [])
     rows = []
     for speculation in modes:
         _time_engine(engine, prompts[0], 8, speculation, grammars[0])  # warm-up
-        runs = [_time_engine(engine, ids, max_tokens, speculation, g)
-                for ids, g in zip(prompts, grammars)]
+        runs = [
+            _time_engine(engine, ids, max_tokens, speculation, g)
+            for ids, g in zip(prompts, grammars)
+        ]
         outs = [o for o, _, _ in runs]
         ref = rows[0]["outputs"] if rows else outs
         name = ("plain" if speculation == "off" else "dflash") + suffix

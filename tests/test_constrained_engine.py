@@ -26,10 +26,21 @@ def tiny(tiny_model_dir):
     model, _, _ = load_model(tiny_model_dir)
     tok = load_tokenizer(tiny_model_dir)
     torch.manual_seed(0)
-    cfg = DrafterConfig(hidden_size=64, intermediate_size=128, num_layers=1, num_heads=4,
-                        num_kv_heads=2, head_dim=16, rope_theta=10000.0, rms_norm_eps=1e-6,
-                        block_size=8, mask_token_id=tok.convert_tokens_to_ids("<|mask|>"),
-                        target_layer_ids=(1, 2), num_target_layers=4, vocab_size=len(tok))
+    cfg = DrafterConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=1,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        block_size=8,
+        mask_token_id=tok.convert_tokens_to_ids("<|mask|>"),
+        target_layer_ids=(1, 2),
+        num_target_layers=4,
+        vocab_size=len(tok),
+    )
     return Engine(model, tok, EngineConfig(max_len=768), tiny_model_dir, DFlashDrafter(cfg).eval())
 
 
@@ -57,8 +68,10 @@ def test_required_tool_calls_are_valid_for_generated_schemas(demo):
     for seed in range(8):
         tools = random_tools(seed)
         msgs = [{"role": "user", "content": "Please help with this."}]
-        res = demo.generate(demo.chat_prompt(msgs, tools),
-                            SamplingParams(max_tokens=160, grammar=assistant_turn(tools, "required")))
+        res = demo.generate(
+            demo.chat_prompt(msgs, tools),
+            SamplingParams(max_tokens=160, grammar=assistant_turn(tools, "required")),
+        )
         if res.finish_reason == "stop":
             finished += 1
             check_calls(res.text, tools)
@@ -70,8 +83,10 @@ def test_named_tool_choice_forces_that_tool(demo):
     tools = random_tools(11)
     name = tools[2]["function"]["name"]
     msgs = [{"role": "user", "content": "Go."}]
-    res = demo.generate(demo.chat_prompt(msgs, tools),
-                        SamplingParams(max_tokens=160, grammar=assistant_turn(tools, name)))
+    res = demo.generate(
+        demo.chat_prompt(msgs, tools),
+        SamplingParams(max_tokens=160, grammar=assistant_turn(tools, name)),
+    )
     assert [c.name for c in check_calls(res.text, tools)] == [name]
     assert sum(s["forced"] for s in res.stats["segments"]) >= len(name)  # the name was forced
 
@@ -80,8 +95,9 @@ def test_schema_answers_validate_and_are_one_schema_segment(demo):
     for seed in range(6):
         schema = corpus.random_object(random.Random(seed), 1)
         msgs = [{"role": "user", "content": "Answer with JSON."}]
-        res = demo.generate(demo.chat_prompt(msgs),
-                            SamplingParams(max_tokens=160, grammar=json_schema(schema)))
+        res = demo.generate(
+            demo.chat_prompt(msgs), SamplingParams(max_tokens=160, grammar=json_schema(schema))
+        )
         if res.finish_reason == "stop":
             import json
 
@@ -90,21 +106,32 @@ def test_schema_answers_validate_and_are_one_schema_segment(demo):
 
 
 def test_regex_constrains_the_reply(demo):
-    res = demo.generate(demo.chat_prompt([{"role": "user", "content": "A date?"}]),
-                        SamplingParams(max_tokens=30, grammar=regex(r"20[0-9]{2}-[01][0-9]-[0-3][0-9]")))
+    res = demo.generate(
+        demo.chat_prompt([{"role": "user", "content": "A date?"}]),
+        SamplingParams(max_tokens=30, grammar=regex(r"20[0-9]{2}-[01][0-9]-[0-3][0-9]")),
+    )
     import re
 
-    assert re.fullmatch(r"20[0-9]{2}-[01][0-9]-[0-3][0-9]", res.text) and res.finish_reason == "stop"
+    assert (
+        re.fullmatch(r"20[0-9]{2}-[01][0-9]-[0-3][0-9]", res.text) and res.finish_reason == "stop"
+    )
 
 
 @pytest.mark.parametrize("seed", range(4))
 def test_constrained_dflash_equals_constrained_plain(tiny, seed):
     tools = random_tools(100 + seed, n=2)
     ids = tiny.chat_prompt([{"role": "user", "content": "x"}], tools)
-    for source in (assistant_turn(tools, "required"), json_schema(corpus.random_object(random.Random(seed), 1))):
+    for source in (
+        assistant_turn(tools, "required"),
+        json_schema(corpus.random_object(random.Random(seed), 1)),
+    ):
         plain = tiny.generate(ids, SamplingParams(max_tokens=80, grammar=source, speculation="off"))
-        spec = tiny.generate(ids, SamplingParams(max_tokens=80, grammar=source, speculation="dflash",
-                                                 block_size=2 + 2 * seed))
+        spec = tiny.generate(
+            ids,
+            SamplingParams(
+                max_tokens=80, grammar=source, speculation="dflash", block_size=2 + 2 * seed
+            ),
+        )
         assert spec.token_ids == plain.token_ids
         assert spec.stats["draft_forwards"] > 0
 
@@ -113,8 +140,9 @@ def test_forced_tokens_cost_no_forward(tiny):
     tools = random_tools(7, n=1)
     ids = tiny.chat_prompt([{"role": "user", "content": "x"}], tools)
     name = tools[0]["function"]["name"]
-    res = tiny.generate(ids, SamplingParams(max_tokens=60, speculation="off",
-                                            grammar=assistant_turn(tools, name)))
+    res = tiny.generate(
+        ids, SamplingParams(max_tokens=60, speculation="off", grammar=assistant_turn(tools, name))
+    )
     forced = sum(s["forced"] for s in res.stats["segments"])
     assert forced > 5
     assert res.stats["target_forwards"] <= res.stats["new_tokens"] - forced

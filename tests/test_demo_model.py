@@ -25,7 +25,9 @@ def test_demo_writes_valid_calls_to_held_out_tools(engine):
     prompts = held_out_prompts("tool_call", 12)
     valid = 0
     for p in prompts:
-        res = engine.generate(engine.chat_prompt(p.messages, p.tools), SamplingParams(max_tokens=160))
+        res = engine.generate(
+            engine.chat_prompt(p.messages, p.tools), SamplingParams(max_tokens=160)
+        )
         calls, bad = parse_tool_calls(res.text)
         names = {t["function"]["name"] for t in p.tools}
         valid += bool(calls) and not bad and all(c.name in names for c in calls)

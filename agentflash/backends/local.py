@@ -21,8 +21,8 @@ from typing import Any
 import anyio
 
 from agentflash.backends.base import (
-    ForceTool,
     Backend,
+    ForceTool,
     MalformedToolCall,
     ModelEvent,
     ModelFinish,

@@ -165,8 +165,12 @@ class Engine:
         """A grammar source compiled for this engine's tokenizer and vocabulary (cached)."""
         from agentflash.grammar import compile_grammar
 
-        return compile_grammar(source, self.tokenizer, vocab_size=self.model.cfg.vocab_size,
-                               eos_token_id=self.tokenizer.eos_token_id)
+        return compile_grammar(
+            source,
+            self.tokenizer,
+            vocab_size=self.model.cfg.vocab_size,
+            eos_token_id=self.tokenizer.eos_token_id,
+        )
 
     def cancel(self, req: Request) -> None:
         """Stop a request at the next step and free its cache slot; safe from any thread."""
@@ -242,19 +246,23 @@ class Engine:
         if contexts:
             self.drafter.extend(contexts, hidden)
         drafted = any(d.drafted for d in drafts.values())
-        self.cost.observe_step("dflash" if drafted else "plain", len(batch), time.perf_counter() - t0)
+        self.cost.observe_step(
+            "dflash" if drafted else "plain", len(batch), time.perf_counter() - t0
+        )
         return outputs
 
-    def _mask_verify_logits(self, batch: list[Request], drafts: dict[int, BlockDraft],
-                            logits: torch.Tensor) -> None:
+    def _mask_verify_logits(
+        self, batch: list[Request], drafts: dict[int, BlockDraft], logits: torch.Tensor
+    ) -> None:
         """Mask every verify position of constrained rows along their draft path, in place."""
         from agentflash.grammar import masks_along_drafts
 
         rows = [i for i, r in enumerate(batch) if r.constraint is not None]
         if not rows:
             return
-        masks = masks_along_drafts([batch[i].constraint for i in rows],
-                                   [drafts[batch[i].id].tokens for i in rows])
+        masks = masks_along_drafts(
+            [batch[i].constraint for i in rows], [drafts[batch[i].id].tokens for i in rows]
+        )
         for i, mask in zip(rows, masks):
             apply_bitmask_(logits[i, : mask.shape[0]], mask)
 
@@ -265,12 +273,27 @@ class Engine:
             return True
         return self.cost.choose_dflash(req.routing, kind, batch_size)
 
-    def _track(self, req: Request, kind: SegmentKind, mode: str, committed: list[int],
-               forwards: int, draft: BlockDraft | None = None, accepted: int = 0) -> None:
+    def _track(
+        self,
+        req: Request,
+        kind: SegmentKind,
+        mode: str,
+        committed: list[int],
+        forwards: int,
+        draft: BlockDraft | None = None,
+        accepted: int = 0,
+    ) -> None:
         drafted = len(draft.tokens) - draft.forced if draft else 0
         forced = draft.forced if draft else 0
-        req.segments.record(kind, mode, len(committed), forwards, drafted=drafted,
-                            forced=forced, accepted=min(accepted, len(committed)))
+        req.segments.record(
+            kind,
+            mode,
+            len(committed),
+            forwards,
+            drafted=drafted,
+            forced=forced,
+            accepted=min(accepted, len(committed)),
+        )
         req.segments.feed(self.tokenizer.decode(committed, skip_special_tokens=True))
 
     def _draft(self, reqs: list[Request]) -> dict[int, BlockDraft]:
@@ -286,8 +309,9 @@ class Engine:
         block = max(sizes[r.id] for r in reqs) + 1
         last = torch.tensor([r.output_ids[-1] for r in reqs])
         contexts = [r.draft_context for r in reqs]
-        logits = draft_logits(self.drafter, self.model.embed, self.model.logits, last, contexts,
-                              block)  # [B, block-1, V]
+        logits = draft_logits(
+            self.drafter, self.model.embed, self.model.logits, last, contexts, block
+        )  # [B, block-1, V]
         best = logits.argmax(-1)  # [B, block-1]
         drafts = {}
         for i, r in enumerate(reqs):
@@ -308,8 +332,9 @@ class Engine:
         for r in reqs:
             forced = r.constraint.forced_tokens() if r.constraint is not None else []
             room = self._room(r)
-            runs[r.id] = BlockDraft(forced[: max(0, room - 1)], min(len(forced), max(0, room - 1)),
-                                    False)
+            runs[r.id] = BlockDraft(
+                forced[: max(0, room - 1)], min(len(forced), max(0, room - 1)), False
+            )
         return runs
 
     def _draft_len(self, req: Request) -> int:
