@@ -123,3 +123,13 @@ def test_overrides_are_obeyed(tiny_model_dir):
     assert auto.stats["mode"] == "auto"
     assert auto.stats["draft_forwards"] < auto.stats["target_forwards"] / 2
     assert auto.token_ids[:20] == off.token_ids == on.token_ids
+
+
+def test_block_size_follows_expected_tau_within_bounds():
+    cost, routing = CostModel(), RequestRouting()
+    assert cost.block_size(routing, SegmentKind.TOOL_CALL, 16) == 14  # prior tau 6
+    assert cost.block_size(routing, SegmentKind.PROSE, 16) == 6  # prior tau 2
+    for _ in range(30):
+        cost.observe_tau(routing, SegmentKind.PROSE, 1)
+    assert cost.block_size(routing, SegmentKind.PROSE, 16) == 4
+    assert cost.block_size(routing, SegmentKind.TOOL_CALL, 3) == 3

@@ -219,7 +219,7 @@ class Engine:
         t0 = time.perf_counter()
         kinds = {r.id: r.segments.kind for r in batch}
         speculating = [r for r in batch if self._wants_dflash(r, kinds[r.id], len(batch))]
-        drafts = self._draft(speculating)
+        drafts = self._draft(speculating, kinds)
         drafts.update(self._forced_runs([r for r in batch if r.id not in drafts]))
         rows = [Row(r.slot, r.num_cached, r.uncached_ids() + drafts[r.id].tokens) for r in batch]
         tracked = any(r.draft_context is not None for r in batch)
@@ -296,13 +296,13 @@ class Engine:
         )
         req.segments.feed(self.tokenizer.decode(committed, skip_special_tokens=True))
 
-    def _draft(self, reqs: list[Request]) -> dict[int, BlockDraft]:
+    def _draft(self, reqs: list[Request], kinds: dict[int, SegmentKind]) -> dict[int, BlockDraft]:
         """One drafter forward for the requests that speculate this step.
 
         Unconstrained rows take the drafter's argmax per slot; constrained rows walk the slots
         under their grammar (every drafted token legal, forced tokens filled in for free).
         """
-        sizes = {r.id: self._draft_len(r) for r in reqs}
+        sizes = {r.id: self._draft_len(r, kinds[r.id]) for r in reqs}
         reqs = [r for r in reqs if sizes[r.id] > 0]
         if not reqs:
             return {}
@@ -337,8 +337,12 @@ class Engine:
             )
         return runs
 
-    def _draft_len(self, req: Request) -> int:
-        block = req.params.block_size or self.drafter.cfg.block_size
+    def _draft_len(self, req: Request, kind: SegmentKind) -> int:
+        """Draft tokens for this step: the request's block size if it set one, else the router's
+        choice for the segment (at most the drafter's block), within the room left."""
+        block = req.params.block_size or self.cost.block_size(
+            req.routing, kind, self.drafter.cfg.block_size
+        )
         return max(0, min(block - 1, self._room(req) - 1))
 
     def _room(self, req: Request) -> int:

@@ -15,6 +15,7 @@ tau estimate follows the text being written.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from agentflash.router.segments import SegmentKind
@@ -89,10 +90,17 @@ class CostModel:
             routing.since_probe = 0
             return True
         routing.since_probe += 1
-        if routing.since_probe >= self.probe_every:
+        # one probe per ``probe_every`` batch steps, whatever the number of requests in the batch
+        if routing.since_probe >= self.probe_every * max(1, batch_size):
             routing.since_probe = 0
             return True
         return False
+
+    def block_size(self, routing: RequestRouting, kind: SegmentKind, max_block: int) -> int:
+        """Block to draft: about twice the expected tau (short blocks where drafts fail early,
+        since every slot costs verify and draft compute), between 4 and ``max_block``."""
+        tau = self.expected_tau(routing, kind)
+        return max(min(4, max_block), min(max_block, 2 * math.ceil(tau) + 2))
 
 
 def _bucket(batch_size: int) -> int:
