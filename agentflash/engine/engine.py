@@ -199,7 +199,7 @@ class Engine:
         if speculative:
             req.stats.mode = req.params.speculation.value
             req.draft_context = self.drafter.new_context()
-            self.drafter.extend([req.draft_context], [out.hidden[0]])
+            req.pending_hidden.append(out.hidden[0])
         logits = out.logits[0, -1]
         if req.constraint is not None:
             apply_bitmask_(logits, req.constraint.bitmask())
@@ -225,7 +225,7 @@ class Engine:
         tracked = any(r.draft_context is not None for r in batch)
         out = self.runner.forward(rows, capture_layers=self._capture(tracked))
         self._mask_verify_logits(batch, drafts, out.logits)
-        outputs, contexts, hidden = [], [], []
+        outputs = []
         for i, req in enumerate(batch):
             draft = drafts[req.id]
             logits = out.logits[i, : len(draft.tokens) + 1]  # [T+1, V]: row j predicts after slot j
@@ -241,10 +241,8 @@ class Engine:
             mode = "dflash" if draft.drafted else "plain"
             self._track(req, kinds[req.id], mode, committed, 1, draft, num_accepted)
             if req.draft_context is not None and not req.is_finished:
-                contexts.append(req.draft_context)
-                hidden.append(out.hidden[i, : 1 + num_accepted])
-        if contexts:
-            self.drafter.extend(contexts, hidden)
+                # projected into the drafter's context when the request next drafts
+                req.pending_hidden.append(out.hidden[i, : 1 + num_accepted])
         drafted = any(d.drafted for d in drafts.values())
         self.cost.observe_step(
             "dflash" if drafted else "plain", len(batch), time.perf_counter() - t0
@@ -308,6 +306,7 @@ class Engine:
             return {}
         block = max(sizes[r.id] for r in reqs) + 1
         last = torch.tensor([r.output_ids[-1] for r in reqs])
+        self._flush_context(reqs)
         contexts = [r.draft_context for r in reqs]
         logits = draft_logits(
             self.drafter, self.model.embed, self.model.logits, last, contexts, block
@@ -325,6 +324,15 @@ class Engine:
             walk = constrained_draft(r.constraint, logits[i, :n], best[i, :n].tolist())
             drafts[r.id] = BlockDraft(walk.tokens, walk.num_forced, True)
         return drafts
+
+    def _flush_context(self, reqs: list[Request]) -> None:
+        """Project the target hidden states committed since each request last drafted."""
+        pending = [r for r in reqs if r.pending_hidden]
+        if pending:
+            self.drafter.extend([r.draft_context for r in pending],
+                                [torch.cat(r.pending_hidden) for r in pending])
+            for r in pending:
+                r.pending_hidden.clear()
 
     def _forced_runs(self, reqs: list[Request]) -> dict[int, BlockDraft]:
         """For rows that do not draft: the tokens their grammar forces, verified for free."""

@@ -105,6 +105,7 @@ class Request:
         self.stop_text_len: int | None = None  # where a stop string cut the text
         self.stats = RequestStats()
         self.draft_context = None  # a DraftContext while the request decodes with DFlash
+        self.pending_hidden: list[torch.Tensor] = []  # target hidden states not yet in it
         self.constraint = None  # a grammar Constraint, advanced over committed tokens
         self.segments = SegmentTracker()
         self.routing = RequestRouting()
