@@ -83,3 +83,16 @@ def test_kv_budget_caps_slots_and_rejects_a_budget_that_holds_nothing(tiny_model
     assert e.cache.num_slots == 3
     with pytest.raises(UserError, match="holds no request"):
         Engine.from_pretrained(tiny_model_dir, EngineConfig(max_len=128, kv_budget_mb=0.05))
+
+
+def test_waiting_requests_are_prefilled_together_within_the_token_budget(engine):
+    prompts = [[11 + i] * (5 + 3 * i) for i in range(4)]
+    reqs = [engine.submit(p, SamplingParams(max_tokens=3, ignore_eos=True)) for p in prompts]
+    outputs = engine.step()
+    assert [o.request for o in outputs] == reqs  # four prompts, one forward
+    assert all(len(r.output_ids) == 1 and r.num_cached == len(r.prompt_ids) for r in reqs)
+    while engine.has_work:
+        engine.step()
+    alone = [engine.generate(p, SamplingParams(max_tokens=3, ignore_eos=True)).token_ids
+             for p in prompts]
+    assert [r.output_ids for r in reqs] == alone

@@ -188,25 +188,31 @@ class Engine:
         if not batch:
             return []
         if is_prefill:
-            return [self._prefill(req) for req in batch]
+            return self._prefill(batch)
         return self._decode(batch)
 
-    def _prefill(self, req: Request) -> StepOutput:
-        speculative = self.drafter is not None and req.params.speculation is not Speculation.OFF
-        row = Row(req.slot, 0, req.uncached_ids())
-        out = self.runner.forward([row], last_only=True, capture_layers=self._capture(speculative))
-        req.num_cached = len(row.tokens)
-        if speculative:
-            req.stats.mode = req.params.speculation.value
-            req.draft_context = self.drafter.new_context()
-            req.pending_hidden.append(out.hidden[0])
-        logits = out.logits[0, -1]
-        if req.constraint is not None:
-            apply_bitmask_(logits, req.constraint.bitmask())
-        token = sample(logits, req.params.temperature, req.params.top_p, req.generator)
-        committed = self._commit(req, [token])
-        self._track(req, req.segments.kind, "dflash" if speculative else "plain", committed, 0)
-        return StepOutput(req, committed)
+    def _prefill(self, batch: list[Request]) -> list[StepOutput]:
+        """One forward over the prompts of newly admitted requests; each samples its first token."""
+        drafting = [self.drafter is not None and r.params.speculation is not Speculation.OFF
+                    for r in batch]
+        rows = [Row(r.slot, 0, r.uncached_ids()) for r in batch]
+        out = self.runner.forward(rows, last_only=True, capture_layers=self._capture(any(drafting)))
+        outputs = []
+        for i, (req, row, speculative) in enumerate(zip(batch, rows, drafting)):
+            req.num_cached = len(row.tokens)
+            if speculative:
+                req.stats.mode = req.params.speculation.value
+                req.draft_context = self.drafter.new_context()
+                req.pending_hidden.append(out.hidden[i, : len(row.tokens)])
+            logits = out.logits[i, -1]
+            if req.constraint is not None:
+                apply_bitmask_(logits, req.constraint.bitmask())
+            token = sample(logits, req.params.temperature, req.params.top_p, req.generator)
+            committed = self._commit(req, [token])
+            mode = "dflash" if speculative else "plain"
+            self._track(req, req.segments.kind, mode, committed, 0)
+            outputs.append(StepOutput(req, committed))
+        return outputs
 
     def _commit(self, req: Request, tokens: list[int]) -> list[int]:
         committed = self.append_tokens(req, tokens)

@@ -15,6 +15,7 @@ class SchedulerConfig:
 
     max_running: int = 8  # requests decoding at once (each holds one cache slot)
     max_len: int = 2048  # prompt + output tokens of one request (one cache slot)
+    max_prefill_tokens: int = 4096  # padded prompt tokens admitted together in one forward
 
 
 class Scheduler:
@@ -31,13 +32,24 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> tuple[list[Request], bool]:
-        """The batch of this step and whether it is a prefill."""
-        if self.waiting and self.cache.num_free and len(self.running) < self.cfg.max_running:
+        """The batch of this step and whether it is a prefill.
+
+        Waiting requests are admitted together, as many as slots allow and as long as their
+        padded prompts stay within ``max_prefill_tokens``; otherwise every running request decodes.
+        """
+        admitted: list[Request] = []
+        longest = 0
+        while self.waiting and self.cache.num_free and len(self.running) < self.cfg.max_running:
+            longest = max(longest, len(self.waiting[0].prompt_ids))
+            if admitted and longest * (len(admitted) + 1) > self.cfg.max_prefill_tokens:
+                break
             req = self.waiting.popleft()
             req.slot = self.cache.allocate()
             req.status = Status.RUNNING
             self.running.append(req)
-            return [req], True
+            admitted.append(req)
+        if admitted:
+            return admitted, True
         return list(self.running), False
 
     def finish(self, req: Request) -> None:
