@@ -7,6 +7,8 @@ tokens/s, the ratio to plain decoding, tau and whether the output equals plain g
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import random
 import time
 from dataclasses import dataclass
@@ -120,6 +122,9 @@ def run(
         grammars = _grammars(suite, items)
         if grammars:
             rows += _engine_rows(engine, suite, prompts, max_tokens, grammars, "+grammar")
+        if suite == "json" and importlib.util.find_spec("outlines") is not None:
+            ref = rows[-1 - (engine.drafter is not None)]["outputs"]
+            rows.append(_outlines_row(engine, hf_model, items, prompts, max_tokens, ref))
     for row in rows:
         base = next(
             r
@@ -139,6 +144,27 @@ def run(
         },
         "rows": rows,
     }
+
+
+def _outlines_row(engine: Engine, hf_model, items: list[Prompt], prompts: list[list[int]],
+                  max_tokens: int, reference: list[list[int]]) -> dict[str, Any]:
+    """outlines' own generator on the same transformers model, schemas and prompts (greedy)."""
+    import outlines
+    from outlines.types import JsonSchema
+
+    model = outlines.from_transformers(hf_model, engine.tokenizer)
+    outs, seconds = [], []
+    for p, ids in zip(items, prompts):
+        generator = outlines.Generator(model, JsonSchema(json.dumps(p.schema)))  # compile untimed
+        text = engine.tokenizer.decode(ids)
+        generator(text, max_new_tokens=1, do_sample=False)  # warm: outlines builds lazily
+        t0 = time.perf_counter()
+        answer = generator(text, max_new_tokens=max_tokens, do_sample=False)
+        seconds.append(time.perf_counter() - t0)
+        outs.append(engine.tokenizer(answer, add_special_tokens=False)["input_ids"])
+    # the engine's outputs end with the end-of-turn token, outlines' text does not
+    ref = [r[:-1] if r and r[-1] in engine.eos_ids else r for r in reference]
+    return _row("json", "outlines", outs, ref, seconds, None)
 
 
 def _grammars(suite: str, items: list[Prompt]) -> list:
