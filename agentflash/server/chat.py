@@ -1,0 +1,292 @@
+"""One chat completion on the shared engine: the request made into a prompt, sampling parameters
+and a grammar; the engine's token stream made into OpenAI deltas.
+
+``prepare`` checks everything a request can get wrong before anything is queued, so a bad
+request is a 400 and never a half-sent stream. ``reply_events`` is the one generation loop: the
+streaming endpoint sends its events as chunks, the plain one collects the same events
+(``ReplyWriter`` does both).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Any
+
+from agentflash.backends.base import (
+    MalformedToolCall,
+    ModelEvent,
+    TextDelta,
+    ToolCall,
+    ToolCallDelta,
+    ToolCallReady,
+)
+from agentflash.backends.local import HermesStreamParser
+from agentflash.engine.async_engine import AsyncEngine, FinishEvent
+from agentflash.engine.engine import Engine, GenerationResult
+from agentflash.engine.request import SamplingParams
+from agentflash.errors import UserError
+from agentflash.grammar import (
+    GrammarError,
+    GrammarSource,
+    ToolChoice,
+    ToolChoiceMode,
+    assistant_turn,
+    json_schema,
+    tool_specs,
+)
+from agentflash.server.protocol import APIError, ChatCompletionRequest, Message
+
+DEFAULT_TEMPERATURE = 1.0  # OpenAI's default when a request leaves it out
+
+
+@dataclass(frozen=True)
+class ChatJob:
+    """A checked request, ready for the engine."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    parses_tool_calls: bool  # the reply may hold tool calls (tools given, tool_choice not none)
+
+
+def prepare(request: ChatCompletionRequest, engine: Engine, max_tokens_limit: int) -> ChatJob:
+    """The engine job of ``request``, or an ``APIError`` naming what is wrong. Blocking: it
+    renders the chat template and compiles the grammar (cached), so run it in a worker thread."""
+    tools = [t.model_dump(exclude_unset=True) for t in request.tools or []]
+    choice = _tool_choice(request, tools)
+    grammar = reply_grammar(tools, choice, request.parallel_tool_calls is not False,
+                            _answer_schema(request), strict=_is_strict(request))
+    if grammar is not None:
+        try:
+            engine.compile(grammar)
+        except GrammarError as err:
+            raise APIError(400, f"cannot constrain the reply: {err}",
+                           param="response_format" if not tools else "tools") from None
+    try:
+        prompt_ids = engine.chat_prompt(chat_messages(request.messages), tools)
+    except UserError as err:
+        raise APIError(400, str(err), param="messages") from None
+    except Exception as err:  # jinja2 errors of the model's own chat template
+        raise APIError(400, f"the model's chat template rejects these messages: {err}",
+                       param="messages") from None
+    max_len = engine.scheduler.cfg.max_len
+    if len(prompt_ids) + 1 > max_len:
+        raise APIError(400, f"the prompt has {len(prompt_ids)} tokens; this model holds {max_len} "
+                            f"tokens per request (prompt and reply)", param="messages",
+                       code="context_length_exceeded")
+    max_tokens = request.max_completion_tokens or request.max_tokens
+    if max_tokens is not None and max_tokens > max_tokens_limit:
+        raise APIError(400, f"max_tokens is {max_tokens}; this server allows at most "
+                            f"{max_tokens_limit}", param="max_tokens")
+    room = max_len - len(prompt_ids)
+    options = request.agentflash
+    params = SamplingParams(
+        max_tokens=min(max_tokens or max_tokens_limit, room),
+        temperature=DEFAULT_TEMPERATURE if request.temperature is None else request.temperature,
+        top_p=1.0 if request.top_p is None else request.top_p,
+        seed=request.seed,
+        stop=request.stop_strings,
+        speculation=options.speculation if options else "auto",
+        block_size=options.block_size if options else None,
+        grammar=grammar,
+    )
+    return ChatJob(prompt_ids, params, bool(tools) and choice.mode is not ToolChoiceMode.NONE)
+
+
+def chat_messages(messages: list[Message]) -> list[dict[str, Any]]:
+    """The messages as the chat template reads them: system and developer messages become the one
+    leading system message; content parts are joined into text."""
+    system = [m.text for m in messages if m.role in ("system", "developer")]
+    out: list[dict[str, Any]] = [{"role": "system", "content": "\n\n".join(system)}] if system \
+        else []
+    for m in messages:
+        if m.role == "user":
+            out.append({"role": "user", "content": m.text})
+        elif m.role == "assistant":
+            msg: dict[str, Any] = {"role": "assistant", "content": m.text}
+            if m.tool_calls:
+                msg["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+            out.append(msg)
+        elif m.role == "tool":
+            out.append({"role": "tool", "content": m.text, "tool_call_id": m.tool_call_id})
+    return out
+
+
+def _tool_choice(request: ChatCompletionRequest, tools: list[dict[str, Any]]) -> ToolChoice:
+    raw = request.tool_choice
+    choice = ToolChoice.parse(raw.model_dump() if hasattr(raw, "model_dump") else raw)
+    if choice.mode in (ToolChoiceMode.REQUIRED, ToolChoiceMode.NAMED) and not tools:
+        raise APIError(400, f"tool_choice {choice.name or choice.mode.value!r} needs tools",
+                       param="tool_choice")
+    if choice.mode is ToolChoiceMode.NAMED:
+        names = [t["function"]["name"] for t in tools]
+        if choice.name not in names:
+            raise APIError(400, f"tool_choice names {choice.name!r}, which is not among the tools "
+                                f"({', '.join(names)})", param="tool_choice")
+    return choice
+
+
+def _answer_schema(request: ChatCompletionRequest) -> dict[str, Any] | None:
+    fmt = request.response_format
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return {"type": "object"}
+    if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+        raise APIError(400, "response_format: type json_schema needs json_schema.schema",
+                       param="response_format.json_schema")
+    return fmt.json_schema.schema_
+
+
+def _is_strict(request: ChatCompletionRequest) -> bool:
+    """Closed object schemas unless the client turned strict mode off somewhere."""
+    fmt = request.response_format
+    if fmt is not None and fmt.json_schema is not None and fmt.json_schema.strict is False:
+        return False
+    return not any(t.function.strict is False for t in request.tools or [])
+
+
+def reply_grammar(tools: list[dict[str, Any]], choice: ToolChoice, parallel: bool,
+                  answer_schema: dict[str, Any] | None, strict: bool = True
+                  ) -> GrammarSource | None:
+    """The grammar of the reply (``assistant_turn``, as the embedded backend builds it), or None
+    for free text when there are neither tools nor a response format.
+
+    With tools the reply follows ``tool_choice`` (``none``: text without calls); a response
+    format makes the reply's text the answer in that format. ``strict`` closes object schemas
+    to the properties they list, as OpenAI's strict mode does.
+    """
+    if not tools and answer_schema is None:
+        return None
+    try:
+        specs = tool_specs(tools)
+    except GrammarError as err:
+        raise APIError(400, str(err), param="tools") from None
+    if answer_schema is not None:
+        try:
+            json_schema(answer_schema, origin="response_format.json_schema.schema")
+        except GrammarError as err:
+            raise APIError(400, str(err), param="response_format") from None
+    try:
+        return assistant_turn(specs, choice, parallel, strict, output_schema=answer_schema)
+    except GrammarError as err:
+        raise APIError(400, str(err), param="tools" if specs else "response_format") from None
+
+
+# --- the generation loop ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The engine finished the request."""
+
+    result: GenerationResult
+
+
+async def reply_events(aengine: AsyncEngine, job: ChatJob
+                       ) -> AsyncIterator[ModelEvent | Finished]:
+    """Text, tool-call deltas and closed calls as the engine decodes them, then ``Finished``.
+    Leaving the iteration early (a client that went away) cancels the request in the engine."""
+    parser = HermesStreamParser() if job.parses_tool_calls else None
+    async with aclosing(aengine.stream(job.prompt_ids, job.params)) as tokens:
+        async for event in tokens:
+            if isinstance(event, FinishEvent):
+                for parsed in parser.close(event.result.finish_reason) if parser else []:
+                    yield parsed
+                yield Finished(event.result)
+                return
+            if parser is not None:
+                for parsed in parser.feed(event.text):
+                    yield parsed
+            elif event.text:
+                yield TextDelta(event.text)
+    raise AssertionError("the engine stream ended without a FinishEvent")
+
+
+@dataclass
+class _Call:
+    id: str
+    name: str
+    arguments: str = ""
+    sent: bool = False  # whether a delta of this call went out
+
+
+@dataclass
+class ReplyWriter:
+    """Turns reply events into chunk deltas and keeps the whole reply for the final object."""
+
+    content: list[str] = field(default_factory=list)
+    calls: dict[int, _Call] = field(default_factory=dict)
+    complete: list[int] = field(default_factory=list)  # indexes of well-formed calls
+    _blank: str = ""  # whitespace held back: it separates calls and is not content
+
+    def deltas(self, event: ModelEvent) -> list[dict[str, Any]]:
+        """The chunk deltas ``event`` adds (maybe none)."""
+        if isinstance(event, TextDelta):
+            if not event.text.strip():
+                self._blank += event.text
+                return []
+            text, self._blank = self._blank + event.text, ""
+            self.content.append(text)
+            return [{"content": text}]
+        if isinstance(event, ToolCallDelta):
+            self._blank = ""
+            call = self.calls.get(event.index)
+            if call is None:
+                call = self.calls[event.index] = _Call(f"call_{uuid.uuid4().hex[:24]}", event.name)
+            call.arguments += event.arguments_delta
+            if call.sent and not event.arguments_delta:
+                return []
+            entry: dict[str, Any] = {"index": event.index,
+                                     "function": {"arguments": event.arguments_delta}}
+            if not call.sent:
+                entry.update(id=call.id, type="function")
+                entry["function"] = {"name": call.name, "arguments": event.arguments_delta}
+                call.sent = True
+            return [{"tool_calls": [entry]}]
+        if isinstance(event, ToolCallReady):
+            return self._ready(event.index, event.call)
+        raise AssertionError(f"unknown reply event {event!r}")
+
+    def _ready(self, index: int, call: ToolCall | MalformedToolCall) -> list[dict[str, Any]]:
+        if isinstance(call, ToolCall):
+            if index not in self.calls:  # no delta came first: the call is sent whole now
+                deltas = self.deltas(ToolCallDelta(index, call.name, json.dumps(call.arguments)))
+            else:
+                deltas = []
+            self.complete.append(index)
+            return deltas
+        # A call that does not parse (cut by max_tokens, or written without a grammar) stays text.
+        if index in self.calls:
+            return []
+        self.content.append(call.body)
+        return [{"content": call.body}]
+
+    def tool_calls(self) -> list[dict[str, Any]]:
+        return [{"id": self.calls[i].id, "type": "function",
+                 "function": {"name": self.calls[i].name, "arguments": self.calls[i].arguments}}
+                for i in self.complete]
+
+    def text(self) -> str | None:
+        return "".join(self.content).strip() or None
+
+    def finish_reason(self, result: GenerationResult) -> str:
+        if result.finish_reason == "length":
+            return "length"
+        return "tool_calls" if self.complete else "stop"
+
+
+def usage(result: GenerationResult) -> dict[str, int]:
+    prompt = int(result.stats.get("prompt_tokens", 0))
+    completion = len(result.token_ids)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}
+
+
+def speculation_stats(result: GenerationResult) -> dict[str, Any]:
+    """The ``agentflash`` extension of a response: how the engine decoded it (mode, tau,
+    target and draft forwards, segments, tokens/s)."""
+    return dict(result.stats)

@@ -1,0 +1,257 @@
+"""The OpenAI chat-completions wire format: what a request may hold, and the objects sent back.
+
+Requests are validated strictly (a string where a number belongs is an error, not a coercion);
+fields this server does not know are ignored, as OpenAI-compatible servers do, so that clients
+sending newer options keep working. Every failure becomes an ``APIError``, which the app turns
+into a 4xx with OpenAI's error body ``{"error": {"message", "type", "param", "code"}}``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+class APIError(Exception):
+    """An error the client caused (or a limit it hit), sent back as an OpenAI error body."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = (
+            status, message, type, param, code)
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+class _Wire(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True, frozen=True)
+
+
+ToolName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+
+
+class FunctionDef(_Wire):
+    name: ToolName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(_Wire):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class _ChosenFunction(_Wire):
+    name: ToolName
+
+
+class NamedToolChoice(_Wire):
+    type: Literal["function"]
+    function: _ChosenFunction
+
+
+class TextPart(_Wire):
+    type: Literal["text"]
+    text: str
+
+
+Content = str | list[TextPart] | None
+
+
+class CalledFunction(_Wire):
+    name: str
+    arguments: str
+
+
+class MessageToolCall(_Wire):
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
+class Message(_Wire):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Content = None
+    name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
+
+    @property
+    def text(self) -> str:
+        """The content as one string (text parts joined)."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class JsonSchemaFormat(_Wire):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Wire):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StreamOptions(_Wire):
+    include_usage: bool | None = None
+
+
+class AgentflashOptions(_Wire):
+    """The extension object ``agentflash`` of a request: how the engine may speculate."""
+
+    speculation: Literal["auto", "dflash", "off"] = "auto"
+    block_size: Annotated[int, Field(ge=2, le=64)] | None = None
+
+
+class ChatCompletionRequest(_Wire):
+    model: str
+    messages: Annotated[list[Message], Field(min_length=1)]
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    seed: int | None = None
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    stop: str | Annotated[list[str], Field(max_length=4)] | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    n: int | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logprobs: bool | None = None
+    agentflash: AgentflashOptions | None = None
+
+    def check_supported(self) -> None:
+        """Options the schema admits but this server does not implement, named in the error."""
+        if self.n not in (None, 1):
+            raise APIError(400, "n: only one choice per request is supported", param="n")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if getattr(self, name) not in (None, 0, 0.0):
+                raise APIError(400, f"{name}: not supported (use 0 or leave it out)", param=name)
+        if self.logprobs:
+            raise APIError(400, "logprobs: not supported", param="logprobs")
+        if self.max_tokens is not None and self.max_completion_tokens is not None \
+                and self.max_tokens != self.max_completion_tokens:
+            raise APIError(400, "max_tokens and max_completion_tokens differ; give one",
+                           param="max_completion_tokens")
+        if any(not s for s in self.stop_strings):
+            raise APIError(400, "stop: stop strings must not be empty", param="stop")
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    @property
+    def wants_usage_chunk(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+_FIELD_NAMES = {
+    field.alias or name
+    for model in (FunctionDef, ToolDef, _ChosenFunction, NamedToolChoice, TextPart, CalledFunction,
+                  MessageToolCall, Message, JsonSchemaFormat, ResponseFormat, StreamOptions,
+                  AgentflashOptions, ChatCompletionRequest)
+    for name, field in model.model_fields.items()
+}
+
+
+def parse_request(body: bytes) -> ChatCompletionRequest:
+    """The request in ``body`` (JSON), or an ``APIError`` naming the first bad field."""
+    try:
+        request = ChatCompletionRequest.model_validate_json(body)
+    except ValidationError as err:
+        raise _validation_error(err) from None
+    request.check_supported()
+    return request
+
+
+def _validation_error(err: ValidationError) -> APIError:
+    errors = err.errors(include_url=False)
+    first = errors[0]
+    if first["type"] == "json_invalid":
+        return APIError(400, f"the request body is not valid JSON: {first['msg']}")
+    if not first["loc"]:
+        return APIError(400, "the request body must be a JSON object")
+    # A union reports one error per branch: keep the deepest (the branch the client meant),
+    # and join the messages of branches that failed at the same depth.
+    same_field = [(_path(e["loc"]), e["msg"]) for e in errors if e["loc"][0] == first["loc"][0]]
+    deepest = max(len(path) for path, _ in same_field)
+    chosen = [(path, msg) for path, msg in same_field if len(path) == deepest]
+    param = _param(chosen[0][0])
+    messages = list(dict.fromkeys(msg for path, msg in chosen if path == chosen[0][0]))
+    return APIError(400, f"{param}: {', or '.join(messages)}", param=param)
+
+
+def _path(loc: tuple[Any, ...]) -> tuple[str | int, ...]:
+    """The field path of an error location, without the names of union branches."""
+    return tuple(p for p in loc if isinstance(p, int) or p in _FIELD_NAMES)
+
+
+def _param(path: tuple[str | int, ...]) -> str:
+    """``("messages", 0, "content")`` as ``messages[0].content``."""
+    out = ""
+    for part in path:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else part)
+    return out
+
+
+# --- responses ----------------------------------------------------------------------------------
+
+
+def completion(id: str, model: str, created: int, content: str | None,
+               tool_calls: list[dict[str, Any]], finish_reason: str, usage: dict[str, int],
+               stats: dict[str, Any]) -> dict[str, Any]:
+    """A ``chat.completion`` object; ``agentflash`` holds the engine's speculation stats."""
+    message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    return {"id": id, "object": "chat.completion", "created": created, "model": model,
+            "choices": [{"index": 0, "message": message, "finish_reason": finish_reason,
+                         "logprobs": None}],
+            "usage": usage, "system_fingerprint": None, "agentflash": stats}
+
+
+def chunk(id: str, model: str, created: int, delta: dict[str, Any],
+          finish_reason: str | None = None, **extra: Any) -> dict[str, Any]:
+    """A ``chat.completion.chunk`` with one choice."""
+    return {"id": id, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason,
+                         "logprobs": None}], **extra}
+
+
+def usage_chunk(id: str, model: str, created: int, usage: dict[str, int]) -> dict[str, Any]:
+    return {"id": id, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": [], "usage": usage}
+
+
+def sse(obj: dict[str, Any] | str) -> bytes:
+    """One server-sent event; ``[DONE]`` ends the stream."""
+    data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)
+    return f"data: {data}\n\n".encode()
+
+
+def model_list(names: list[str], created: int) -> dict[str, Any]:
+    return {"object": "list", "data": [{"id": n, "object": "model", "created": created,
+                                        "owned_by": "agentflash"} for n in names]}
+
+
+def now() -> int:
+    return int(time.time())

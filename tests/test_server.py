@@ -1,0 +1,381 @@
+"""``agentflash serve`` on loopback, driven by the official ``openai`` client and by raw HTTP:
+chat, tool calls under every tool_choice, response formats, streaming deltas, limits, errors,
+concurrency and disconnects. The server runs the bundled demo model (it writes Hermes calls)."""
+
+import concurrent.futures
+import json
+import socket
+import time
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from openai import OpenAI
+
+from agentflash.backends.local import load_weights
+from agentflash.engine.engine import Engine, EngineConfig
+from agentflash.engine.request import SamplingParams
+from agentflash.server.app import ServerConfig, serving_in_thread
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the weather forecast for a city.",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "description": "The city to look up."},
+        "days": {"type": "integer", "minimum": 1, "maximum": 14}},
+        "required": ["city", "days"]}}}
+HOTEL = {"type": "function", "function": {
+    "name": "book_hotel", "description": "Book a hotel room.",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}, "guests": {"type": "integer"},
+        "breakfast": {"type": "boolean"}}, "required": ["city", "guests"]}}}
+TOOLS = [WEATHER, HOTEL]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+ASKS = ["Use get_weather with city Oslo, days 3.", "Use book_hotel with city Rome, guests 2.",
+        "What is the weather in Lima?", "Book a room in Paris for 4 people."]
+BODY_LIMIT = 64 * 1024
+
+
+@pytest.fixture(scope="module")
+def engine():
+    net, tokenizer, model_dir, drafter = load_weights("demo")
+    return Engine(net, tokenizer, EngineConfig(max_running=8, max_len=1024), model_dir, drafter)
+
+
+@pytest.fixture(scope="module")
+def reference(engine):
+    """The in-process engine's greedy reply to a plain prompt, before the server takes over."""
+    ids = engine.chat_prompt([{"role": "user", "content": "Hello, who are you?"}])
+    return engine.generate(ids, SamplingParams(max_tokens=40, temperature=0.0))
+
+
+@pytest.fixture(scope="module")
+def url(engine, reference):
+    config = ServerConfig(port=0, max_tokens=900, max_body_bytes=BODY_LIMIT)
+    with serving_in_thread(config, engine) as base_url:
+        yield base_url
+
+
+@pytest.fixture
+def client(url):
+    return OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120)
+
+
+def user(text):
+    return [{"role": "user", "content": text}]
+
+
+def assert_valid_calls(message, allowed):
+    assert message.tool_calls, message
+    for call in message.tool_calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        assert call.function.name in allowed
+        arguments = json.loads(call.function.arguments)
+        jsonschema.validate(arguments, SCHEMAS[call.function.name])
+
+
+def test_plain_chat_equals_the_in_process_engine(client, reference):
+    reply = client.chat.completions.create(model="demo", messages=user("Hello, who are you?"),
+                                           max_tokens=40, temperature=0)
+    choice = reply.choices[0]
+    assert choice.message.role == "assistant" and choice.message.tool_calls is None
+    assert choice.message.content == reference.text.strip()
+    assert choice.finish_reason == reference.finish_reason
+    assert reply.usage.completion_tokens == len(reference.token_ids)
+    assert reply.usage.prompt_tokens == reference.stats["prompt_tokens"]
+    assert reply.usage.total_tokens == reply.usage.prompt_tokens + reply.usage.completion_tokens
+    stats = reply.model_extra["agentflash"]
+    assert stats["new_tokens"] == len(reference.token_ids) and stats["target_forwards"] >= 1
+    assert {"mode", "tau", "draft_forwards", "segments"} <= set(stats)
+
+
+def test_models_and_health(client, url):
+    assert [m.id for m in client.models.list().data] == ["demo"]
+    health = httpx.get(url.removesuffix("/v1") + "/health").json()
+    assert health["status"] == "ok" and health["model"] == "demo"
+
+
+@pytest.mark.parametrize("ask", ASKS)
+def test_tool_choice_required_returns_valid_calls(client, ask):
+    reply = client.chat.completions.create(model="demo", messages=user(ask), tools=TOOLS,
+                                           tool_choice="required", max_tokens=120, temperature=0)
+    assert reply.choices[0].finish_reason == "tool_calls"
+    assert reply.choices[0].message.content is None
+    assert_valid_calls(reply.choices[0].message, SCHEMAS)
+
+
+def test_named_tool_choice_and_sampling_still_give_valid_calls(client):
+    for seed in range(3):
+        reply = client.chat.completions.create(
+            model="demo", messages=user("Use get_weather with city Oslo, days 3."), tools=TOOLS,
+            tool_choice={"type": "function", "function": {"name": "book_hotel"}},
+            parallel_tool_calls=False, max_tokens=120, temperature=1.0, seed=seed)
+        message = reply.choices[0].message
+        assert_valid_calls(message, {"book_hotel"})
+        assert len(message.tool_calls) == 1
+
+
+def test_tool_choice_none_writes_text_only(client):
+    reply = client.chat.completions.create(
+        model="demo", messages=user("Use get_weather with city Oslo, days 3."), tools=TOOLS,
+        tool_choice="none", max_tokens=60, temperature=0)
+    message = reply.choices[0].message
+    assert message.tool_calls is None and "<tool_call>" not in (message.content or "")
+    assert reply.choices[0].finish_reason in ("stop", "length")
+
+
+def test_json_schema_response_format(client):
+    # The demo model was not trained on this task; bounded strings keep its answer short.
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16},
+                                               "days": {"type": "integer", "minimum": 1,
+                                                        "maximum": 99}},
+              "required": ["city", "days"], "additionalProperties": False}
+    reply = client.chat.completions.create(
+        model="demo", messages=user("Plan a trip to Rome for 3 days."), max_tokens=80,
+        temperature=0, response_format={"type": "json_schema", "json_schema": {
+            "name": "plan", "schema": schema, "strict": True}})
+    assert reply.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(reply.choices[0].message.content), schema)
+    reply = client.chat.completions.create(
+        model="demo", messages=user("Answer in JSON."), max_tokens=80, temperature=0,
+        response_format={"type": "json_object"})
+    if reply.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(reply.choices[0].message.content), dict)
+    else:  # cut by max_tokens: a prefix of an object
+        assert reply.choices[0].message.content.startswith("{")
+
+
+def test_tools_with_a_response_format_answer_or_call(client):
+    schema = {"type": "object", "properties": {"status": {"type": "string"}},
+              "required": ["status"]}
+    messages = [*user("Use book_hotel with city Rome, guests 2."),
+                {"role": "assistant", "content": None, "tool_calls": [{
+                    "id": "call_1", "type": "function", "function": {
+                        "name": "book_hotel", "arguments": '{"city": "Rome", "guests": 2}'}}]},
+                {"role": "tool", "tool_call_id": "call_1",
+                 "content": '{"status": "ok", "id": 7}'}]
+    reply = client.chat.completions.create(
+        model="demo", messages=messages, tools=TOOLS, max_tokens=80, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "o", "schema": schema}})
+    message = reply.choices[0].message
+    if message.tool_calls:
+        assert_valid_calls(message, SCHEMAS)
+    else:
+        jsonschema.validate(json.loads(message.content), schema)
+
+
+def collect_stream(client, **kwargs):
+    chunks = list(client.chat.completions.create(model="demo", stream=True,
+                                                 stream_options={"include_usage": True},
+                                                 **kwargs))
+    calls, content, finish, stats = {}, "", None, None
+    for chunk in chunks[:-1]:
+        (choice,) = chunk.choices
+        content += choice.delta.content or ""
+        for delta in choice.delta.tool_calls or []:
+            if delta.index not in calls:
+                assert delta.id and delta.function.name and delta.type == "function"
+                calls[delta.index] = {"id": delta.id, "name": delta.function.name,
+                                      "arguments": "", "pieces": 0}
+            else:
+                assert delta.id is None and delta.function.name is None
+            calls[delta.index]["arguments"] += delta.function.arguments or ""
+            calls[delta.index]["pieces"] += 1
+        if choice.finish_reason:
+            finish, stats = choice.finish_reason, chunk.model_extra["agentflash"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
+    return calls, content, finish, stats, chunks[-1].usage
+
+
+def test_streamed_tool_call_deltas_add_up_to_the_whole_reply(client):
+    args = dict(messages=user("Use get_weather with city Oslo, days 3."), tools=TOOLS,
+                tool_choice="required", max_tokens=120, temperature=0)
+    calls, content, finish, stats, usage = collect_stream(client, **args)
+    whole = client.chat.completions.create(model="demo", **args)
+    assert finish == "tool_calls" and content == ""
+    assert stats["new_tokens"] == usage.completion_tokens
+    expected = whole.choices[0].message.tool_calls
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == [
+        (c.function.name, c.function.arguments) for c in expected]
+    assert all(c["pieces"] >= 2 for c in calls.values())  # the arguments came as they were written
+    assert usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_streamed_text_equals_the_whole_reply(client):
+    args = dict(messages=user("Hello, who are you?"), max_tokens=40, temperature=0)
+    calls, content, finish, _, usage = collect_stream(client, **args)
+    whole = client.chat.completions.create(model="demo", **args)
+    assert calls == {} and content.strip() == whole.choices[0].message.content
+    assert finish == whole.choices[0].finish_reason
+
+
+def test_stop_strings_and_max_tokens(client):
+    reply = client.chat.completions.create(model="demo", messages=user("Hello, who are you?"),
+                                           max_completion_tokens=3, temperature=0)
+    assert reply.choices[0].finish_reason == "length" and reply.usage.completion_tokens == 3
+    full = client.chat.completions.create(model="demo", messages=user("Hello, who are you?"),
+                                          max_tokens=40, temperature=0).choices[0].message.content
+    word = full.split()[1]
+    cut = client.chat.completions.create(model="demo", messages=user("Hello, who are you?"),
+                                         max_tokens=40, temperature=0, stop=[word])
+    assert cut.choices[0].message.content == full[: full.index(word)].strip()
+
+
+@pytest.mark.parametrize("kwargs, status, param", [
+    (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}), 400,
+     "tool_choice"),
+    (dict(tool_choice="required"), 400, "tool_choice"),
+    (dict(temperature="hot"), 400, "temperature"),
+    (dict(max_tokens=10**6), 400, "max_tokens"),
+    (dict(n=2), 400, "n"),
+    (dict(stop=["a", "b", "c", "d", "e"]), 400, "stop"),
+    (dict(tools=[{"type": "function", "function": {"name": "x", "parameters": {
+        "type": "object", "properties": {"a": {"type": "nonsense"}}}}}]), 400, "tools"),
+    (dict(response_format={"type": "json_schema", "json_schema": {"name": "x"}}), 400,
+     "response_format.json_schema"),
+    (dict(model="gpt-4o"), 404, "model"),
+])
+def test_bad_requests_get_openai_errors(client, kwargs, status, param):
+    kwargs = {"model": "demo", "messages": user("hi"), "max_tokens": 8, **kwargs}
+    with pytest.raises(openai.APIStatusError) as info:
+        client.chat.completions.create(**kwargs)
+    err = info.value
+    assert err.status_code == status and err.param == param, err.body
+    assert isinstance(err.message, str) and err.type in ("invalid_request_error",
+                                                         "not_found_error")
+
+
+def post(url, content, headers=None):
+    return httpx.post(f"{url}/chat/completions", content=content, timeout=60,
+                      headers={"content-type": "application/json", **(headers or {})})
+
+
+def assert_error(response, status):
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    return error
+
+
+def test_malformed_requests_get_4xx(url):
+    good = {"model": "demo", "messages": user("hi"), "max_tokens": 4}
+    assert assert_error(post(url, b"{not json"), 400)["message"].startswith("the request body "
+                                                                           "is not valid JSON")
+    assert_error(post(url, b"[1, 2]"), 400)
+    assert_error(post(url, b"\xff\xfe"), 400)
+    assert assert_error(post(url, json.dumps({**good, "messages": "hi"})), 400)["param"] == \
+        "messages"
+    error = assert_error(post(url, json.dumps({**good, "messages": [{"role": "robot"}]})), 400)
+    assert error["param"] == "messages[0].role"
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+    assert_error(post(url, json.dumps({**good, "messages": image})), 400)
+    long = [{"role": "user", "content": "word " * 3000}]
+    assert assert_error(post(url, json.dumps({**good, "messages": long})), 400)["code"] == \
+        "context_length_exceeded"
+    assert_error(httpx.get(f"{url}/chat/completions"), 405)
+    assert_error(httpx.get(f"{url}/nowhere"), 404)
+
+
+def test_oversized_bodies_get_413(url):
+    big = json.dumps({"model": "demo", "messages": user("x" * (2 * BODY_LIMIT))})
+    assert assert_error(post(url, big), 413)["code"] == "request_too_large"
+
+    def chunks():  # no Content-Length: the limit holds while reading
+        for _ in range(8):
+            yield b" " * BODY_LIMIT
+    response = httpx.post(f"{url}/chat/completions", content=chunks(), timeout=60)
+    assert_error(response, 413)
+    with pytest.raises(openai.APIStatusError) as info:
+        OpenAI(base_url=url, api_key="x", max_retries=0).chat.completions.create(
+            model="demo", messages=user("x" * (2 * BODY_LIMIT)))
+    assert info.value.status_code == 413
+
+
+def test_concurrent_clients_get_their_own_replies(client, url):
+    def ask(text):
+        reply = client.chat.completions.create(model="demo", messages=user(text), tools=TOOLS,
+                                               max_tokens=60, temperature=0)
+        message = reply.choices[0].message
+        return message.content, [(c.function.name, c.function.arguments)
+                                 for c in message.tool_calls or []]
+
+    alone = [ask(text) for text in ASKS]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        together = list(pool.map(ask, ASKS * 2))
+    assert together == alone * 2
+    assert httpx.get(url.removesuffix("/v1") + "/health").json()["requests_in_flight"] == 0
+
+
+def wait_idle(url, engine, timeout_s=30.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        health = httpx.get(url.removesuffix("/v1") + "/health").json()
+        if health["requests_in_flight"] == 0 and not engine.has_work:
+            return health
+        time.sleep(0.05)
+    raise AssertionError(f"the server did not become idle: {health}")
+
+
+def test_a_client_that_disconnects_cancels_its_request(url, engine, client):
+    cancelled = []
+    original = engine.cancel
+
+    def recording_cancel(req):
+        cancelled.append(req)
+        original(req)
+
+    engine.cancel = recording_cancel
+    endless = {"type": "object", "properties": {"story": {"type": "string", "minLength": 9000}},
+               "required": ["story"]}
+    body = {"model": "demo", "messages": user("Tell a story."), "max_tokens": 900,
+            "temperature": 0, "response_format": {"type": "json_schema", "json_schema": {
+                "name": "s", "schema": endless}}}
+    try:
+        with httpx.Client(timeout=60) as http:  # streaming: leave after the first event
+            with http.stream("POST", f"{url}/chat/completions",
+                             json={**body, "stream": True}) as response:
+                assert next(response.iter_lines()).startswith("data: ")
+        wait_idle(url, engine)
+        host, port = url.removeprefix("http://").removesuffix("/v1").split(":")
+        payload = json.dumps(body).encode()
+        with socket.create_connection((host, int(port))) as sock:  # plain: hang up mid-reply
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                         b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                         % (len(payload), payload))
+            deadline = time.monotonic() + 30
+            while not engine.has_work and time.monotonic() < deadline:
+                time.sleep(0.005)
+            time.sleep(0.05)
+        wait_idle(url, engine)
+        assert len(cancelled) == 2
+        for req in cancelled:
+            assert req.finish_reason.value == "cancelled" and len(req.output_ids) < 900
+    finally:
+        engine.cancel = original
+    reply = client.chat.completions.create(model="demo", messages=user("hi"), max_tokens=4)
+    assert reply.choices[0].message.content is not None
+
+
+def test_api_key_and_concurrency_limit(tiny_model_dir):
+    engine = Engine.from_pretrained(str(tiny_model_dir), EngineConfig(max_len=1024))
+    config = ServerConfig(port=0, api_key="s3cret", max_concurrent=1, served_name="tiny")
+    with serving_in_thread(config, engine) as url:
+        root = url.removesuffix("/v1")
+        assert httpx.get(f"{root}/health").status_code == 200
+        assert assert_error(httpx.get(f"{url}/models"), 401)["code"] == "invalid_api_key"
+        wrong = {"authorization": "Bearer nope"}
+        assert_error(post(url, b"{}", wrong), 401)
+        with pytest.raises(openai.AuthenticationError):
+            OpenAI(base_url=url, api_key="nope", max_retries=0).models.list()
+        client = OpenAI(base_url=url, api_key="s3cret", max_retries=0, timeout=60)
+        assert [m.id for m in client.models.list().data] == ["tiny"]
+        stream = client.chat.completions.create(model="tiny", messages=user("hi"), stream=True,
+                                                max_tokens=200, temperature=0)
+        next(iter(stream))  # the one allowed request is in flight
+        with pytest.raises(openai.RateLimitError) as info:
+            client.chat.completions.create(model="tiny", messages=user("hi"), max_tokens=2)
+        assert info.value.code == "too_many_requests"
+        stream.close()
+        wait_idle(url, engine)
+        reply = client.chat.completions.create(model="tiny", messages=user("hi"), max_tokens=2)
+        assert reply.usage.completion_tokens <= 2
