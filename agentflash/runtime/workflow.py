@@ -397,6 +397,10 @@ class _Builder:
                 if value not in ("auto", "demo", "none") and not Path(spec.resolve(value)).is_dir():
                     self.problems.add(("model", key), f"directory {spec.resolve(value)!r} "
                                                       f"does not exist")
+        if spec.backend is BackendKind.OPENAI:
+            for key in ("base_url", "model"):
+                if not getattr(spec, key):
+                    self.problems.add(("model",), f"backend openai needs model.{key}")
         return spec
 
     def decoding(self, keys: Keys, raw: dict[str, Any], defaults: dict[str, Any]

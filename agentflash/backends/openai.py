@@ -1,0 +1,353 @@
+"""Any OpenAI-compatible server as a backend (``agentflash serve``, vLLM, SGLang, OpenAI), over
+httpx with streaming.
+
+The runtime's request becomes one streamed ``/chat/completions`` call: tools, ``tool_choice``
+and the output schema (as ``response_format``) go to the server, whose grammar backend
+constrains decoding. The streamed ``delta.tool_calls`` become the same model events as the
+embedded engine's: argument deltas as they arrive, and each call ready the moment its arguments
+form a complete JSON object (or the next call starts), so the runner dispatches it while the
+server keeps writing. Connection errors, timeouts before the reply starts, 429 and 5xx are
+retried with exponential backoff (honouring ``Retry-After``); other errors name the server, the
+status and the server's message.
+
+    async with OpenAIBackend("http://127.0.0.1:8000/v1", "demo") as backend:
+        result = await Runner.run(agent, "...", backend=backend)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import httpx
+
+from agentflash.backends.base import (
+    Backend,
+    Decoding,
+    ForceTool,
+    MalformedToolCall,
+    ModelEvent,
+    ModelFinish,
+    ModelRequest,
+    ModelSpec,
+    Speculation,
+    TextDelta,
+    ToolCall,
+    ToolCallDelta,
+    ToolCallReady,
+    ToolChoice,
+    ToolChoiceSpec,
+)
+from agentflash.errors import UserError
+from agentflash.runtime.errors import RunError
+
+RETRY_STATUS = frozenset({408, 409, 429, 500, 502, 503, 504})
+
+
+class ServerUnavailable(RunError):
+    """The server could not be reached or kept failing (after the retries), or broke a stream."""
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How often and how patiently failed calls are retried."""
+
+    max_retries: int = 4  # attempts after the first
+    backoff_s: float = 0.5  # the first wait; doubled each time, with jitter
+    max_backoff_s: float = 8.0
+
+    def delay(self, attempt: int, retry_after: str | None = None) -> float:
+        """Seconds to wait before retry ``attempt`` (0-based)."""
+        if retry_after is not None:
+            try:
+                return min(max(float(retry_after), 0.0), self.max_backoff_s)
+            except ValueError:
+                pass  # an HTTP date: use the backoff
+        base = min(self.backoff_s * 2**attempt, self.max_backoff_s)
+        return base * (0.5 + random.random() / 2)
+
+
+class OpenAIBackend(Backend):
+    """A remote OpenAI-compatible chat-completions server. Open it with ``async with``; one open
+    backend serves any number of concurrent runs (one HTTP connection pool).
+
+    ``base_url`` ends where ``/chat/completions`` is appended (``http://host:8000/v1``).
+    ``api_key`` (or the environment variable ``api_key_env``) is sent as a bearer token.
+    ``timeout_s`` bounds each wait for data (the reply's start, then every chunk).
+    """
+
+    def __init__(self, base_url: str, model: str, *, api_key: str | None = None,
+                 api_key_env: str | None = None, timeout_s: float = 120.0,
+                 connect_timeout_s: float = 10.0, retry: RetryPolicy = RetryPolicy()):
+        if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
+            raise UserError(f"model.base_url must be an http:// or https:// URL, got {base_url!r}")
+        if not isinstance(model, str) or not model:
+            raise UserError("model.model must name the served model")
+        if api_key is None and api_key_env is not None:
+            api_key = os.environ.get(api_key_env)
+            if not api_key:
+                raise UserError(f"model.api_key_env names {api_key_env}, which is not set")
+        self.base_url, self.model_name = base_url.rstrip("/"), model
+        self.timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s)
+        self.retry = retry
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._client: httpx.AsyncClient | None = None
+
+    @classmethod
+    def from_spec(cls, spec: ModelSpec) -> OpenAIBackend:
+        if not spec.base_url or not spec.model:
+            raise UserError("model.backend openai needs model.base_url and model.model")
+        return cls(spec.base_url, spec.model, api_key_env=spec.api_key_env)
+
+    async def __aenter__(self) -> OpenAIBackend:
+        assert self._client is None, "this OpenAIBackend is already open"
+        self._client = httpx.AsyncClient(headers=self._headers, timeout=self.timeout)
+        return self
+
+    async def __aexit__(self, *exc: object) -> bool | None:
+        client, self._client = self._client, None
+        if client is not None:
+            await client.aclose()
+        return None
+
+    async def stream(self, request: ModelRequest) -> AsyncIterator[ModelEvent]:
+        if self._client is None:
+            raise UserError("open the OpenAIBackend first: `async with OpenAIBackend(...) as b:`")
+        started = time.perf_counter()
+        reader = _ChunkReader()
+        async with self._post(request_body(self.model_name, request)) as response:
+            try:
+                async for data in _sse_data(response):
+                    if data == "[DONE]":
+                        break
+                    for event in reader.read(self._chunk(data)):
+                        yield event
+            except httpx.TransportError as err:
+                raise ServerUnavailable(f"{self.base_url}: the reply stream broke: "
+                                        f"{_describe(err)}") from None
+        for event in reader.close():
+            yield event
+        yield ModelFinish(reader.finish_reason, reader.stats(time.perf_counter() - started))
+
+    def _chunk(self, data: str) -> dict[str, Any]:
+        try:
+            chunk = json.loads(data)
+        except json.JSONDecodeError:
+            raise ServerUnavailable(f"{self.base_url}: the stream sent invalid JSON: "
+                                    f"{data[:200]!r}") from None
+        if not isinstance(chunk, dict):
+            raise ServerUnavailable(f"{self.base_url}: the stream sent {data[:200]!r}")
+        if "error" in chunk:
+            raise ServerUnavailable(f"{self.base_url}: the server stopped the reply: "
+                                    f"{_error_message(chunk)}")
+        return chunk
+
+    @asynccontextmanager
+    async def _post(self, body: dict[str, Any]) -> AsyncIterator[httpx.Response]:
+        """The streamed response of ``/chat/completions`` once it answered 200, retrying
+        connection errors, timeouts, 429 and 5xx."""
+        assert self._client is not None
+        url = f"{self.base_url}/chat/completions"
+        for attempt in range(self.retry.max_retries + 1):
+            last = attempt == self.retry.max_retries
+            try:
+                response = await self._client.send(
+                    self._client.build_request("POST", url, json=body), stream=True)
+            except httpx.TransportError as err:
+                if last:
+                    raise ServerUnavailable(f"{url}: {_describe(err)} (after {attempt + 1} "
+                                            f"attempts)") from None
+                await anyio.sleep(self.retry.delay(attempt))
+                continue
+            if response.status_code == 200:
+                try:
+                    yield response
+                finally:
+                    await response.aclose()
+                return
+            text = (await response.aread()).decode("utf-8", "replace")
+            await response.aclose()
+            if response.status_code in RETRY_STATUS and not last:
+                await anyio.sleep(self.retry.delay(attempt, response.headers.get("retry-after")))
+                continue
+            message = f"{url}: HTTP {response.status_code}: {_error_message(text)}"
+            if response.status_code in RETRY_STATUS:
+                raise ServerUnavailable(f"{message} (after {attempt + 1} attempts)")
+            raise UserError(message)
+        raise AssertionError("unreachable")
+
+
+def from_spec(spec: ModelSpec) -> Backend:
+    """The backend a workflow's ``model:`` section names (``backend: openai``)."""
+    return OpenAIBackend.from_spec(spec)
+
+
+# --- the request ---------------------------------------------------------------------------------
+
+
+def request_body(model: str, request: ModelRequest) -> dict[str, Any]:
+    """The ``/chat/completions`` body of one model turn.
+
+    As on the embedded engine, ``tool_choice: none`` shows no tools. The output schema becomes a
+    ``json_schema`` response format. DFlash settings other than the defaults go in the
+    ``agentflash`` extension object, which ``agentflash serve`` reads and other servers ignore.
+    """
+    d: Decoding = request.decoding
+    body: dict[str, Any] = {"model": model, "messages": request.messages,
+                            "temperature": d.temperature, "max_tokens": d.max_tokens,
+                            "stream": True, "stream_options": {"include_usage": True}}
+    if d.seed is not None:
+        body["seed"] = d.seed
+    if request.tools and request.tool_choice is not ToolChoice.NONE:
+        body["tools"] = request.tools
+        body["tool_choice"] = _tool_choice(request.tool_choice)
+    if request.output_schema is not None:
+        body["response_format"] = {"type": "json_schema", "json_schema": {
+            "name": "output", "schema": request.output_schema}}
+    if d.speculation is not Speculation.AUTO or d.block_size is not None:
+        options: dict[str, Any] = {"speculation": d.speculation.value}
+        if d.block_size is not None:
+            options["block_size"] = d.block_size
+        body["agentflash"] = options
+    return body
+
+
+def _tool_choice(choice: ToolChoiceSpec) -> str | dict[str, Any]:
+    if isinstance(choice, ForceTool):
+        return {"type": "function", "function": {"name": choice.name}}
+    if isinstance(choice, ToolChoice):
+        return choice.value
+    raise AssertionError(f"unknown tool choice {choice!r}")
+
+
+# --- the reply -----------------------------------------------------------------------------------
+
+
+async def _sse_data(response: httpx.Response) -> AsyncIterator[str]:
+    """The ``data`` of each server-sent event."""
+    lines: list[str] = []
+    async for line in response.aiter_lines():
+        if line.startswith("data:"):
+            lines.append(line[5:].removeprefix(" "))
+        elif not line and lines:
+            yield "\n".join(lines)
+            lines = []
+    if lines:
+        yield "\n".join(lines)
+
+
+@dataclass
+class _RemoteCall:
+    id: str
+    name: str
+    arguments: str = ""
+    is_ready: bool = False
+
+
+class _ChunkReader:
+    """``chat.completion.chunk`` objects in, model events out."""
+
+    def __init__(self) -> None:
+        self.calls: dict[int, _RemoteCall] = {}
+        self.finish_reason = "stop"
+        self.usage: dict[str, Any] = {}
+        self.engine_stats: dict[str, Any] = {}
+
+    def read(self, chunk: dict[str, Any]) -> list[ModelEvent]:
+        if isinstance(chunk.get("usage"), dict):
+            self.usage = chunk["usage"]
+        if isinstance(chunk.get("agentflash"), dict):
+            self.engine_stats = chunk["agentflash"]
+        events: list[ModelEvent] = []
+        for choice in chunk.get("choices") or []:
+            delta = choice.get("delta") or {}
+            if delta.get("content"):
+                events.append(TextDelta(delta["content"]))
+            for entry in delta.get("tool_calls") or []:
+                events += self._tool_call_delta(entry)
+            if choice.get("finish_reason"):
+                self.finish_reason = "length" if choice["finish_reason"] == "length" else "stop"
+        return events
+
+    def _tool_call_delta(self, entry: dict[str, Any]) -> list[ModelEvent]:
+        events: list[ModelEvent] = []
+        index = entry.get("index", 0)
+        fn = entry.get("function") or {}
+        call = self.calls.get(index)
+        if call is None:  # a new call: the ones before it are complete
+            events += self._ready(lambda i: i < index)
+            call = self.calls[index] = _RemoteCall(entry.get("id") or f"call_{uuid.uuid4().hex}",
+                                                   fn.get("name") or "")
+        elif fn.get("name"):
+            call.name += fn["name"]
+        piece = fn.get("arguments") or ""
+        call.arguments += piece
+        if call.is_ready:
+            return events
+        events.append(ToolCallDelta(index, call.name, piece))
+        if piece.rstrip().endswith("}") and isinstance(_parse(call.arguments), dict):
+            events += self._ready(lambda i: i == index)
+        return events
+
+    def _ready(self, which: Any) -> list[ModelEvent]:
+        events: list[ModelEvent] = []
+        for index, call in sorted(self.calls.items()):
+            if call.is_ready or not which(index):
+                continue
+            call.is_ready = True
+            args = _parse(call.arguments or "{}")
+            if isinstance(args, dict):
+                events.append(ToolCallReady(index, ToolCall(call.id, call.name, args)))
+            else:
+                body = json.dumps({"name": call.name, "arguments": call.arguments})
+                error = ("the arguments are not a JSON object"
+                         if args is not None else "the arguments are not valid JSON")
+                events.append(ToolCallReady(index, MalformedToolCall(call.id, body, error)))
+        return events
+
+    def close(self) -> list[ModelEvent]:
+        return self._ready(lambda i: True)
+
+    def stats(self, wall_s: float) -> dict[str, Any]:
+        """The engine's stats when the server is ``agentflash serve``; otherwise what the usage
+        tells (forwards unknown: 0)."""
+        stats = {"mode": "remote", "target_forwards": 0, "draft_forwards": 0, "tau": 0.0,
+                 "wall_s": round(wall_s, 4), "segments": []}
+        new = int(self.usage.get("completion_tokens", 0) or 0)
+        stats.update(prompt_tokens=int(self.usage.get("prompt_tokens", 0) or 0), new_tokens=new,
+                     tokens_per_s=round(new / wall_s, 2) if wall_s > 0 else 0.0)
+        stats.update(self.engine_stats)
+        return stats
+
+
+def _parse(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return None
+
+
+def _error_message(body: str | dict[str, Any]) -> str:
+    """The ``error.message`` of an OpenAI error body, else the body itself (clipped)."""
+    obj = body if isinstance(body, dict) else _parse(body)
+    if isinstance(obj, dict) and isinstance(obj.get("error"), dict):
+        err = obj["error"]
+        message = str(err.get("message", ""))
+        code = err.get("code") or err.get("type")
+        return f"{message} ({code})" if code else message
+    if isinstance(obj, dict) and isinstance(obj.get("error"), str):
+        return obj["error"]
+    text = body if isinstance(body, str) else json.dumps(body)
+    return text[:300] or "(empty body)"
+
+
+def _describe(err: httpx.TransportError) -> str:
+    return f"{type(err).__name__}: {err}" if str(err) else type(err).__name__

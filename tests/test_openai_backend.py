@@ -1,0 +1,268 @@
+"""The runtime's ``openai`` backend against ``agentflash serve`` on loopback: the example workflows
+give the same results as on the embedded engine (greedy), a workflow selects the backend in YAML,
+and failures are retried or reported clearly (a real server with injected failures)."""
+
+import importlib.util
+import json
+import socket
+import sys
+from pathlib import Path
+
+import anyio
+import httpx
+import pytest
+
+from agentflash.backends.base import (
+    Decoding,
+    ForceTool,
+    ModelFinish,
+    ModelRequest,
+    TextDelta,
+    ToolCall,
+    ToolCallDelta,
+    ToolCallReady,
+    ToolChoice,
+)
+from agentflash.backends.local import LocalBackend, load_weights
+from agentflash.backends.openai import (
+    OpenAIBackend,
+    RetryPolicy,
+    ServerUnavailable,
+    _ChunkReader,
+    request_body,
+)
+from agentflash.engine.engine import Engine, EngineConfig
+from agentflash.errors import UserError
+from agentflash.runtime import load_workflow
+from agentflash.server.app import ServerConfig, create_app, running_in_thread
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+INPUTS = {"travel": {"city": "Oslo", "days": 3}, "handoff": {"city": "Lima"},
+          "structured": {"city": "Rome"}}
+FAST_RETRY = RetryPolicy(max_retries=2, backoff_s=0.01, max_backoff_s=0.05)
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the weather forecast for a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"},
+                                                    "days": {"type": "integer"}},
+                   "required": ["city", "days"]}}}
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+sys.path.insert(0, str(EXAMPLES))
+flights_server = _load("flights_server")
+
+
+@pytest.fixture(scope="module")
+def flights():
+    try:
+        with flights_server.serving():
+            yield
+    except OSError:  # another process serves it on its fixed port: use that one
+        httpx.get(f"http://127.0.0.1:{flights_server.PORT}/flights", params={"to": "Oslo"},
+                  timeout=5).raise_for_status()
+        yield
+
+
+class Flaky:
+    """An ASGI wrapper that answers the next chat requests with the given failures ("stall":
+    no answer for 2 s) before passing requests on to the real app; it counts the attempts."""
+
+    def __init__(self, app):
+        self.app, self.failures, self.attempts = app, [], 0
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].endswith("/chat/completions"):
+            self.attempts += 1
+            if self.failures:
+                failure = self.failures.pop(0)
+                if failure == "stall":
+                    await anyio.sleep(2.0)
+                    failure = 503
+                body = json.dumps({"error": {"message": "injected", "type": "server_error",
+                                             "param": None, "code": None}}).encode()
+                await send({"type": "http.response.start", "status": failure, "headers": [
+                    (b"content-type", b"application/json"), (b"retry-after", b"0")]})
+                await send({"type": "http.response.body", "body": body})
+                return
+        await self.app(scope, receive, send)
+
+
+def run(wf, inputs, backend=None):
+    async def go():
+        if backend is None:
+            return await wf.run(inputs)
+        async with backend:
+            return await wf.run(inputs, backend=backend)
+    return anyio.run(go)
+
+
+def summary(result):
+    return {"outputs": result.outputs,
+            "steps": {k: (s.agent, [c.to_dict() for c in s.tool_calls])
+                      for k, s in result.steps.items()}}
+
+
+@pytest.fixture(scope="module")
+def engine():
+    net, tokenizer, model_dir, drafter = load_weights("demo")
+    return Engine(net, tokenizer, EngineConfig(max_len=1024), model_dir, drafter)
+
+
+@pytest.fixture(scope="module")
+def embedded(engine, flights):
+    """The examples on the embedded engine, run before the server takes the engine over."""
+    out = {}
+    for name, inputs in INPUTS.items():
+        wf = load_workflow(EXAMPLES / f"{name}.yaml")
+        try:
+            out[name] = summary(run(wf, wf.resolve_inputs(inputs), LocalBackend(engine=engine)))
+        except Exception as err:  # a run the demo model fails must fail the same way remotely
+            out[name] = f"{type(err).__name__}: {err}"
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(engine, embedded):
+    app = Flaky(create_app(ServerConfig(port=0, max_tokens=512), engine))
+    with running_in_thread(app) as url:
+        yield url, app
+
+
+@pytest.mark.parametrize("name", list(INPUTS))
+def test_examples_give_the_embedded_results_through_the_server(name, server, embedded):
+    url, _ = server
+    wf = load_workflow(EXAMPLES / f"{name}.yaml")
+    try:
+        remote = summary(run(wf, wf.resolve_inputs(INPUTS[name]), OpenAIBackend(url, "demo")))
+    except Exception as err:
+        remote = f"{type(err).__name__}: {err}"
+    assert isinstance(embedded[name], dict), embedded[name]  # the grammar keeps every run valid
+    assert remote == embedded[name]
+
+
+def test_a_workflow_selects_the_backend_in_yaml(server, embedded, tmp_path, monkeypatch):
+    url, _ = server
+    text = (EXAMPLES / "handoff.yaml").read_text()
+    model = f'model: {{backend: openai, base_url: "{url}", model: demo, api_key_env: AF_KEY}}\n'
+    (tmp_path / "handoff.yaml").write_text(text.replace("name: handoff\n",
+                                                        f"name: handoff\n{model}"))
+    (tmp_path / "weather_tools.py").write_text((EXAMPLES / "weather_tools.py").read_text())
+    monkeypatch.setenv("AF_KEY", "any")  # the server takes no key; the header is still sent
+    wf = load_workflow(tmp_path / "handoff.yaml")
+    assert summary(run(wf, wf.resolve_inputs(INPUTS["handoff"]))) == embedded["handoff"]
+    monkeypatch.delenv("AF_KEY")
+    with pytest.raises(UserError, match="AF_KEY, which is not set"):
+        run(wf, wf.resolve_inputs(INPUTS["handoff"]))
+    (tmp_path / "bad.yaml").write_text(text.replace("name: handoff\n", "name: handoff\nmodel: "
+                                                    "{backend: openai, model: demo}\n"))
+    with pytest.raises(UserError, match=r"bad\.yaml:\d+.*backend openai needs model\.base_url"):
+        load_workflow(tmp_path / "bad.yaml")
+
+
+def stream(backend, request):
+    async def go():
+        async with backend:
+            return [event async for event in backend.stream(request)]
+    return anyio.run(go)
+
+
+def test_streamed_events_carry_calls_as_they_close_and_the_engine_stats(server):
+    url, _ = server
+    request = ModelRequest([{"role": "user", "content": "Use get_weather with city Oslo, days 3."}],
+                           [WEATHER], ForceTool("get_weather"),
+                           decoding=Decoding(max_tokens=96, speculation="off"))
+    body = request_body("demo", request)
+    assert body["tool_choice"] == {"type": "function", "function": {"name": "get_weather"}}
+    assert body["agentflash"] == {"speculation": "off"}
+    events = stream(OpenAIBackend(url, "demo"), request)
+    deltas = [e for e in events if isinstance(e, ToolCallDelta)]
+    ready = [e for e in events if isinstance(e, ToolCallReady)]
+    assert len(deltas) >= 2 and len(ready) >= 1 and isinstance(events[-1], ModelFinish)
+    call = ready[0].call
+    assert isinstance(call, ToolCall) and call.name == "get_weather"
+    assert set(call.arguments) == {"city", "days"}
+    assert json.loads("".join(d.arguments_delta for d in deltas if d.index == 0)) == call.arguments
+    finish = events[-1]
+    assert finish.finish_reason == "stop" and finish.stats["mode"] == "plain"
+    assert finish.stats["new_tokens"] > 0 and finish.stats["target_forwards"] > 0
+    plain = stream(OpenAIBackend(url, "demo"), ModelRequest(
+        [{"role": "user", "content": "Hello"}], [WEATHER], ToolChoice.NONE,
+        decoding=Decoding(max_tokens=24)))
+    assert "tools" not in request_body("demo", ModelRequest([], [WEATHER], ToolChoice.NONE))
+    assert all(isinstance(e, (TextDelta, ModelFinish)) for e in plain)
+
+
+def test_429_5xx_and_stalls_are_retried_with_backoff(server):
+    url, app = server
+    request = ModelRequest([{"role": "user", "content": "Hello"}],
+                           decoding=Decoding(max_tokens=8))
+    app.failures, app.attempts = [429, 503], 0
+    events = stream(OpenAIBackend(url, "demo", retry=FAST_RETRY), request)
+    assert isinstance(events[-1], ModelFinish) and app.attempts == 3
+    app.failures, app.attempts = [500, 502, 503], 0
+    with pytest.raises(ServerUnavailable, match=r"HTTP 503: injected.*after 3 attempts"):
+        stream(OpenAIBackend(url, "demo", retry=FAST_RETRY), request)
+    app.failures, app.attempts = ["stall", "stall"], 0
+    backend = OpenAIBackend(url, "demo", timeout_s=0.3, retry=RetryPolicy(1, 0.01, 0.05))
+    with pytest.raises(ServerUnavailable, match=r"ReadTimeout.*after 2 attempts"):
+        stream(backend, request)
+    app.failures = []
+
+
+def test_client_errors_are_reported_without_retries(server):
+    url, app = server
+    app.attempts = 0
+    with pytest.raises(UserError, match=r"HTTP 404: model 'gpt-x' is not served here.*"
+                                        r"model_not_found"):
+        stream(OpenAIBackend(url, "gpt-x", retry=FAST_RETRY),
+               ModelRequest([{"role": "user", "content": "hi"}]))
+    bad_tool = {"type": "function", "function": {"name": "t", "parameters": {
+        "type": "object", "properties": {"a": {"type": "nonsense"}}}}}
+    with pytest.raises(UserError, match="HTTP 400"):
+        stream(OpenAIBackend(url, "demo", retry=FAST_RETRY),
+               ModelRequest([{"role": "user", "content": "hi"}], [bad_tool]))
+    assert app.attempts == 2
+
+
+def test_connection_errors_are_retried_then_reported():
+    with socket.socket() as sock:  # a port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    backend = OpenAIBackend(f"http://127.0.0.1:{port}/v1", "demo", retry=FAST_RETRY)
+    with pytest.raises(ServerUnavailable, match=r"ConnectError.*after 3 attempts"):
+        stream(backend, ModelRequest([{"role": "user", "content": "hi"}]))
+    with pytest.raises(UserError, match="base_url"):
+        OpenAIBackend("localhost:8000", "demo")
+
+
+def test_chunk_reader_closes_calls_as_their_arguments_complete():
+    reader = _ChunkReader()
+
+    def delta(index, arguments, **extra):
+        fn = {"arguments": arguments, **({"name": extra["name"]} if "name" in extra else {})}
+        entry = {"index": index, "function": fn, **({"id": extra["id"]} if "id" in extra else {})}
+        return {"choices": [{"delta": {"tool_calls": [entry]}, "finish_reason": None}]}
+
+    events = reader.read(delta(0, "", id="a", name="f")) + reader.read(delta(0, '{"x": 1'))
+    assert not any(isinstance(e, ToolCallReady) for e in events)
+    events = reader.read(delta(0, "}"))
+    assert events[-1] == ToolCallReady(0, ToolCall("a", "f", {"x": 1}))
+    events = reader.read(delta(1, '{"y": [1', id="b", name="g")) + reader.read(delta(2, "{", id="c",
+                                                                                  name="h"))
+    bad = [e for e in events if isinstance(e, ToolCallReady)]
+    assert [e.index for e in bad] == [1]  # call 1 ended when call 2 began, unfinished
+    assert "not valid JSON" in bad[0].call.error
+    reader.read({"choices": [{"delta": {}, "finish_reason": "length"}],
+                 "usage": {"prompt_tokens": 5, "completion_tokens": 9}})
+    (last,) = reader.close()
+    assert last.index == 2 and last.call.id == "c"
+    stats = reader.stats(1.0)
+    assert reader.finish_reason == "length" and stats["new_tokens"] == 9
+    assert stats["mode"] == "remote"
+
