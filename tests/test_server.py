@@ -379,3 +379,16 @@ def test_api_key_and_concurrency_limit(tiny_model_dir):
         wait_idle(url, engine)
         reply = client.chat.completions.create(model="tiny", messages=user("hi"), max_tokens=2)
         assert reply.usage.completion_tokens <= 2
+
+
+def test_responses_do_not_wait_for_delayed_acks(url):
+    # Headers and body go out as two writes; without TCP_NODELAY on the accepted sockets the
+    # body waits for the client's delayed ACK (40 ms or more on Linux) on every response.
+    with httpx.Client(timeout=10) as http:
+        http.get(f"{url}/models")
+        times = []
+        for _ in range(15):
+            t0 = time.perf_counter()
+            http.get(f"{url}/models").raise_for_status()
+            times.append(time.perf_counter() - t0)
+    assert sorted(times)[len(times) // 2] < 0.035, times
