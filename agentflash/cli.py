@@ -214,6 +214,69 @@ def run_workflow(
             typer.echo(f"{name}: {shown}")
 
 
+@app.command()
+def serve(
+    model: ModelOpt = "demo",
+    drafter: Annotated[str, typer.Option(help="auto | demo | none | a drafter directory")] = "auto",
+    host: Annotated[str, typer.Option(help="address to bind (loopback by default)")] = "127.0.0.1",
+    port: Annotated[int, typer.Option()] = 8000,
+    api_key: Annotated[Optional[str], typer.Option(
+        "--api-key", envvar="AGENTFLASH_API_KEY",
+        help="require 'Authorization: Bearer KEY' on /v1 (or set AGENTFLASH_API_KEY)")] = None,
+    served_name: Annotated[Optional[str], typer.Option(
+        "--served-model-name", help="the model name clients ask for (default: demo or the "
+                                    "directory's name)")] = None,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", help="per request, at most")] = 1024,
+    max_concurrent: Annotated[int, typer.Option(
+        "--max-concurrent", help="requests in flight; more get a 429")] = 64,
+    max_body_bytes: Annotated[int, typer.Option("--max-body-bytes")] = 1 << 20,
+) -> None:
+    """Serve the engine behind the OpenAI chat-completions API (/v1/chat/completions)."""
+    try:
+        from agentflash.server.app import ServerConfig
+        from agentflash.server.app import serve as run_server
+
+        config = ServerConfig(model=model, drafter=drafter, host=host, port=port, api_key=api_key,
+                              served_name=served_name, max_tokens=max_tokens,
+                              max_concurrent=max_concurrent, max_body_bytes=max_body_bytes)
+        typer.echo(f"agentflash serve: {config.name} on http://{host}:{port}/v1"
+                   f"{' (API key required)' if api_key else ''}", err=True)
+        run_server(config)
+    except ImportError as err:
+        fail(f"the server needs its extra: pip install 'agentflash[server]' "
+             f"({err.name} is missing)")
+    except UserError as err:
+        fail(str(err))
+
+
+@app.command("bench-server")
+def bench_server(
+    model: ModelOpt = "demo",
+    suites: Annotated[str, typer.Option(
+        help="comma-separated: tool_call,code,math,prose")] = "tool_call,prose",
+    num_prompts: Annotated[int, typer.Option("--num-prompts", help="prompts per suite")] = 8,
+    max_tokens: Annotated[int, typer.Option("--max-tokens")] = 64,
+    concurrency: Annotated[str, typer.Option(help="requests in flight, e.g. 1,4")] = "1,4",
+    drafter: Annotated[str, typer.Option(help="auto | demo | none | a drafter directory")] = "auto",
+    rounds: Annotated[int, typer.Option(help="turns each path takes; the median is shown")] = 3,
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """The overhead of the HTTP server path over the in-process engine, on one workload."""
+    try:
+        from agentflash.server import bench as server_bench
+
+        names = tuple(s.strip() for s in suites.split(",") if s.strip())
+        report = server_bench.run(model, names, num_prompts, max_tokens,
+                                  tuple(_int_list(concurrency, "--concurrency")), drafter,
+                                  rounds)
+    except UserError as err:
+        fail(str(err))
+    if as_json:
+        typer.echo(json.dumps(report, indent=2))
+    else:
+        server_bench.print_table(report)
+
+
 @train_app.command("target")
 def train_target(
     out: Annotated[Path, typer.Option(help="output directory (resumes if it holds checkpoints)")],

@@ -1,0 +1,205 @@
+"""``agentflash bench-server``: what the HTTP path costs over the in-process engine.
+
+One workload (held-out prompts of the bench suites, with their tools, greedy) runs three ways on
+the same engine: in process (``prepare`` + ``AsyncEngine``, what an embedded caller does), through
+``agentflash serve`` as plain JSON responses, and as server-sent event streams. Each path keeps
+``concurrency`` requests in flight. The overhead is the mean latency over the in-process one;
+every path must produce the same tokens. The HTTP client shares this process (and its GIL) with
+the server, so the overhead includes the client's own work.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Awaitable, Callable
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+
+from agentflash.errors import UserError
+
+PATHS = ("engine", "http", "http-stream")
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One request as a path saw it."""
+
+    latency_s: float
+    first_s: float | None  # time to the first text or call delta (or the end, if none came)
+    completion_tokens: int
+
+
+def run(model: str = "demo", suites: tuple[str, ...] = ("tool_call", "prose"),
+        num_prompts: int = 8, max_tokens: int = 64, concurrency: tuple[int, ...] = (1, 4),
+        drafter: str = "auto", rounds: int = 3) -> dict[str, Any]:
+    """The three paths at each concurrency level; returns the report (rows and config).
+
+    The paths take turns ``rounds`` times (the engine, then a fresh server on it), and each row
+    is the round with the median mean latency, so that a slow spell of the machine lands on
+    every path rather than on one."""
+    from agentflash.bench import held_out_prompts
+    from agentflash.server.app import ServerConfig, load_engine, serving_in_thread
+
+    if min(num_prompts, max_tokens, rounds) < 1 or not concurrency or min(concurrency) < 1:
+        raise UserError("num_prompts, max_tokens, rounds and concurrency levels must be positive")
+    config = ServerConfig(model=model, drafter=drafter, port=0, max_tokens=max_tokens,
+                          max_running=max(concurrency))
+    engine = load_engine(config)
+    bodies = [{"model": config.name, "messages": p.messages, "tools": p.tools or None,
+               "max_tokens": max_tokens, "temperature": 0}
+              for suite in suites for p in held_out_prompts(suite, num_prompts)]
+    bodies = [{k: v for k, v in b.items() if v is not None} for b in bodies]
+    measured: list[dict[str, Any]] = []
+    for _ in range(rounds):
+        anyio.run(_engine_rows, engine, bodies, concurrency, measured)
+        with serving_in_thread(config, engine) as url:
+            anyio.run(_http_rows, url, bodies, concurrency, measured)
+    rows = _median_rounds(measured)
+    _add_overheads(rows)
+    return {"config": {"model": model, "suites": list(suites), "num_requests": len(bodies),
+                       "max_tokens": max_tokens, "concurrency": list(concurrency),
+                       "rounds": rounds, "drafter": "none" if engine.drafter is None else drafter},
+            "rows": rows}
+
+
+def _median_rounds(measured: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per path and concurrency, the round whose mean latency is the median."""
+    keys = list(dict.fromkeys((r["path"], r["concurrency"]) for r in measured))
+    keys.sort(key=lambda k: (PATHS.index(k[0]), k[1]))
+    rows = []
+    for key in keys:
+        same = sorted((r for r in measured if (r["path"], r["concurrency"]) == key),
+                      key=lambda r: r["latency_mean_ms"])
+        rows.append({**same[len(same) // 2], "rounds": len(same)})
+    return rows
+
+
+async def _engine_rows(engine: Any, bodies: list[dict[str, Any]], levels: tuple[int, ...],
+                       rows: list[dict[str, Any]]) -> None:
+    from agentflash.engine.async_engine import AsyncEngine, FinishEvent
+    from agentflash.server.chat import prepare
+    from agentflash.server.protocol import parse_request
+
+    requests = [parse_request(json.dumps(body).encode()) for body in bodies]
+    async with AsyncEngine(engine) as aengine:
+        async def one(request: Any) -> Outcome:
+            t0 = time.perf_counter()
+            job = await anyio.to_thread.run_sync(prepare, request, engine, request.max_tokens)
+            first, tokens = None, 0
+            async with aclosing(aengine.stream(job.prompt_ids, job.params)) as events:
+                async for event in events:
+                    if first is None and (isinstance(event, FinishEvent) or event.text):
+                        first = time.perf_counter() - t0
+                    if isinstance(event, FinishEvent):
+                        tokens = len(event.result.token_ids)
+            return Outcome(time.perf_counter() - t0, first, tokens)
+
+        await _measure(one, requests[:1], 1, "warmup", [])
+        for level in levels:
+            await _measure(one, requests, level, "engine", rows)
+
+
+async def _http_rows(url: str, bodies: list[dict[str, Any]], levels: tuple[int, ...],
+                     rows: list[dict[str, Any]]) -> None:
+    import httpx
+
+    limits = httpx.Limits(max_connections=max(levels), max_keepalive_connections=max(levels))
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+        async def plain(body: dict[str, Any]) -> Outcome:
+            t0 = time.perf_counter()
+            response = await client.post("/chat/completions", json=body)
+            response.raise_for_status()
+            usage = response.json()["usage"]
+            return Outcome(time.perf_counter() - t0, None, usage["completion_tokens"])
+
+        async def streamed(body: dict[str, Any]) -> Outcome:
+            t0, first, tokens = time.perf_counter(), None, 0
+            body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+            async with client.stream("POST", "/chat/completions", json=body) as response:
+                response.raise_for_status()
+                async for line in response.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    for choice in chunk["choices"]:
+                        delta = choice["delta"]
+                        written = delta.get("content") or delta.get("tool_calls")
+                        if first is None and (written or choice["finish_reason"]):
+                            first = time.perf_counter() - t0
+                    if chunk.get("usage"):
+                        tokens = chunk["usage"]["completion_tokens"]
+            return Outcome(time.perf_counter() - t0, first, tokens)
+
+        await _measure(plain, bodies[:1], 1, "warmup", [])
+        for level in levels:
+            await _measure(plain, bodies, level, "http", rows)
+            await _measure(streamed, bodies, level, "http-stream", rows)
+
+
+async def _measure(one: Callable[[Any], Awaitable[Outcome]], items: list[Any], level: int,
+                   path: str, rows: list[dict[str, Any]]) -> None:
+    """Run ``one`` over every item with ``level`` in flight; appends the path's row."""
+    outcomes: list[Outcome | None] = [None] * len(items)
+    slots = anyio.Semaphore(level)
+
+    async def run_one(i: int) -> None:
+        async with slots:
+            outcomes[i] = await one(items[i])
+
+    t0 = time.perf_counter()
+    async with anyio.create_task_group() as tg:
+        for i in range(len(items)):
+            tg.start_soon(run_one, i)
+    wall = time.perf_counter() - t0
+    done = [o for o in outcomes if o is not None]
+    latencies = sorted(o.latency_s for o in done)
+    firsts = [o.first_s for o in done if o.first_s is not None]
+    tokens = [o.completion_tokens for o in done]
+    rows.append({
+        "path": path, "concurrency": level, "requests": len(done), "wall_s": round(wall, 4),
+        "requests_per_s": round(len(done) / wall, 2), "tokens_per_s": round(sum(tokens) / wall, 1),
+        "latency_mean_ms": round(1000 * statistics.fmean(latencies), 2),
+        "latency_p50_ms": round(1000 * latencies[len(latencies) // 2], 2),
+        "latency_p95_ms": round(1000 * latencies[min(len(latencies) - 1,
+                                                      int(0.95 * len(latencies)))], 2),
+        "first_token_mean_ms": round(1000 * statistics.fmean(firsts), 2) if firsts else None,
+        "completion_tokens": tokens,
+    })
+
+
+def _add_overheads(rows: list[dict[str, Any]]) -> None:
+    """Each row's mean latency over the engine's at the same concurrency, and whether it wrote
+    the same number of tokens for every request."""
+    engine = {r["concurrency"]: r for r in rows if r["path"] == "engine"}
+    for r in rows:
+        base = engine[r["concurrency"]]
+        r["overhead_ms_per_request"] = round(r["latency_mean_ms"] - base["latency_mean_ms"], 2)
+        r["overhead_pct"] = round(100 * (r["latency_mean_ms"] / base["latency_mean_ms"] - 1), 1)
+        r["same_tokens"] = r["completion_tokens"] == base["completion_tokens"]
+
+
+def print_table(report: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    cfg = report["config"]
+    table = Table(title=f"agentflash bench-server ({cfg['model']}, {cfg['num_requests']} requests, "
+                        f"max_tokens {cfg['max_tokens']}, greedy)")
+    cols = ("path", "streams", "req/s", "tokens/s", "mean ms", "p50 ms", "p95 ms",
+            "first ms", "overhead ms", "overhead %", "same tokens")
+    for col in cols:
+        table.add_column(col, justify="left" if col == "path" else "right")
+    for r in report["rows"]:
+        first = r["first_token_mean_ms"]
+        table.add_row(r["path"], str(r["concurrency"]), f"{r['requests_per_s']:.2f}",
+                      f"{r['tokens_per_s']:.1f}", f"{r['latency_mean_ms']:.1f}",
+                      f"{r['latency_p50_ms']:.1f}", f"{r['latency_p95_ms']:.1f}",
+                      "-" if first is None else f"{first:.1f}",
+                      f"{r['overhead_ms_per_request']:+.1f}", f"{r['overhead_pct']:+.1f}",
+                      "yes" if r["same_tokens"] else "NO")
+    Console().print(table)

@@ -1,0 +1,80 @@
+"""The command line of the server: ``agentflash serve`` as a real process (API key from the
+environment), and ``agentflash bench-server``'s report on a tiny model."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+from typer.testing import CliRunner
+
+from agentflash.cli import app
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_serve_runs_on_loopback_with_the_key_from_the_environment(tiny_model_dir):
+    port = free_port()
+    env = {**os.environ, "AGENTFLASH_API_KEY": "from-env"}
+    proc = subprocess.Popen([sys.executable, "-m", "agentflash.cli", "serve", "--model",
+                             str(tiny_model_dir), "--port", str(port), "--max-tokens", "16"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    root = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            assert proc.poll() is None, proc.communicate()[1]
+            try:
+                if httpx.get(f"{root}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the server did not come up"
+            time.sleep(0.2)
+        assert httpx.get(f"{root}/v1/models").status_code == 401
+        models = httpx.get(f"{root}/v1/models", headers={"authorization": "Bearer from-env"})
+        assert [m["id"] for m in models.json()["data"]] == [tiny_model_dir.name]
+        body = {"model": tiny_model_dir.name, "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 32}
+        reply = httpx.post(f"{root}/v1/chat/completions", json=body, timeout=60,
+                           headers={"authorization": "Bearer from-env"})
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == "max_tokens"
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            _, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            _, err = proc.communicate()
+    assert f"on http://127.0.0.1:{port}/v1 (API key required)" in err
+
+
+def test_serve_names_a_bad_flag():
+    result = CliRunner().invoke(app, ["serve", "--model", "demo", "--max-tokens", "0"])
+    assert result.exit_code == 2 and "max_tokens must be a positive integer" in result.stderr
+
+
+def test_bench_server_reports_every_path_with_identical_tokens(tiny_model_dir):
+    result = CliRunner().invoke(app, ["bench-server", "--model", str(tiny_model_dir),
+                                      "--suites", "prose", "--num-prompts", "2",
+                                      "--max-tokens", "8", "--concurrency", "1,2",
+                                      "--rounds", "2", "--json"])
+    assert result.exit_code == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["config"]["num_requests"] == 2 and report["config"]["rounds"] == 2
+    rows = {(r["path"], r["concurrency"]): r for r in report["rows"]}
+    assert set(rows) == {(p, c) for p in ("engine", "http", "http-stream") for c in (1, 2)}
+    for (path, _), row in rows.items():
+        assert row["requests"] == 2 and row["rounds"] == 2 and row["same_tokens"]
+        assert 0 < row["completion_tokens"][0] <= 8 and row["latency_mean_ms"] > 0
+        assert (row["first_token_mean_ms"] is None) == (path == "http")
+        if path == "engine":
+            assert row["overhead_ms_per_request"] == 0 and row["overhead_pct"] == 0
