@@ -392,3 +392,40 @@ def test_responses_do_not_wait_for_delayed_acks(url):
             http.get(f"{url}/models").raise_for_status()
             times.append(time.perf_counter() - t0)
     assert sorted(times)[len(times) // 2] < 0.035, times
+
+
+def test_an_engine_that_fails_ends_requests_with_503_not_a_hang(tiny_model_dir):
+    engine = Engine.from_pretrained(str(tiny_model_dir), EngineConfig(max_len=1024))
+    endless = {"type": "object", "properties": {"s": {"type": "string", "minLength": 9000}},
+               "required": ["s"]}
+    body = {"model": "tiny", "messages": user("hi"), "max_tokens": 900, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "s", "schema": endless}}}
+    replies = {}
+    with serving_in_thread(ServerConfig(port=0, max_tokens=900, served_name="tiny"),
+                           engine) as url:
+        def plain():
+            replies["plain"] = httpx.post(f"{url}/chat/completions", json=body, timeout=60)
+
+        def streamed():
+            with httpx.stream("POST", f"{url}/chat/completions", json={**body, "stream": True},
+                              timeout=60) as response:
+                replies["stream"] = [line for line in response.iter_lines() if line]
+
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            running = [pool.submit(plain), pool.submit(streamed)]
+            deadline = time.monotonic() + 30
+            while not engine.has_work and time.monotonic() < deadline:
+                time.sleep(0.005)
+
+            def broken_step():
+                raise RuntimeError("injected engine failure")
+
+            engine.step = broken_step  # the engine's next step raises
+            for future in running:
+                future.result(timeout=60)
+        assert assert_error(replies["plain"], 503)["code"] == "engine_stopped"
+        assert json.loads(replies["stream"][-1].removeprefix("data: "))["error"]["code"] == \
+            "engine_stopped"
+        health = httpx.get(url.removesuffix("/v1") + "/health")
+        assert health.status_code == 503 and health.json()["requests_in_flight"] == 0
+        assert_error(post(url, json.dumps({**body, "max_tokens": 2})), 503)

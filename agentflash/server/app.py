@@ -98,14 +98,14 @@ class Server:
     def __init__(self, config: ServerConfig, engine: Engine | None = None):
         self.config, self.engine = config, engine
         self.aengine: AsyncEngine | None = None
-        self.engine_down = anyio.Event()  # set when the engine stopped (shutdown or a crash)
+        self.engine_down: anyio.Event | None = None  # set once the engine stopped (or crashed)
         self.in_flight = 0
         self.created = protocol.now()
 
     # --- routes --------------------------------------------------------------------------------
 
     async def health(self, request: Request) -> Response:
-        up = self.aengine is not None and not self.engine_down.is_set()
+        up = self.engine_down is not None and not self.engine_down.is_set()
         return JSONResponse({"status": "ok" if up else "engine stopped", "model": self.config.name,
                              "requests_in_flight": self.in_flight}, status_code=200 if up else 503)
 
@@ -123,28 +123,28 @@ class Server:
                 raise APIError(404, f"model {chat.model!r} is not served here (this server "
                                     f"serves {self.config.name!r})", type="not_found_error",
                                param="model", code="model_not_found")
-            self.check_engine()
+            engine_down = self.check_engine()
             job = await anyio.to_thread.run_sync(prepare, chat, self.engine,
                                                  self.config.max_tokens)
             ident, created = f"chatcmpl-{uuid.uuid4().hex}", protocol.now()
             if chat.stream:
                 streaming = True
                 return EventStream(self.chunks(job, chat, ident, created), on_close=release,
-                                   abort=self.engine_down)
-            return await self.complete(job, ident, created, request.receive)
+                                   abort=engine_down)
+            return await self.complete(job, ident, created, request.receive, engine_down)
         finally:
             if not streaming:
                 release()
 
     # --- one completion ------------------------------------------------------------------------
 
-    async def complete(self, job: ChatJob, ident: str, created: int, receive: Receive
-                       ) -> Response:
+    async def complete(self, job: ChatJob, ident: str, created: int, receive: Receive,
+                       engine_down: anyio.Event) -> Response:
         """The whole reply as one ``chat.completion``; cancelled if the client goes away."""
         writer, result = ReplyWriter(), None
         async with anyio.create_task_group() as tg:
             tg.start_soon(_cancel_when_gone, receive, tg.cancel_scope)
-            tg.start_soon(_cancel_when_set, self.engine_down, tg.cancel_scope)
+            tg.start_soon(_cancel_when_set, engine_down, tg.cancel_scope)
             async with aclosing(reply_events(self.aengine, job)) as events:
                 async for event in events:
                     if isinstance(event, Finished):
@@ -191,10 +191,13 @@ class Server:
             raise APIError(401, "missing or incorrect API key: send 'Authorization: Bearer "
                                 "<key>'", code="invalid_api_key")
 
-    def check_engine(self) -> None:
-        if self.aengine is None or self.engine_down.is_set():
+    def check_engine(self) -> anyio.Event:
+        """The event set when the engine stops; a 503 if it has stopped already."""
+        down = self.engine_down
+        if down is None or down.is_set():
             raise APIError(503, "the engine has stopped; see the server's log", type="server_error",
                            code="engine_stopped")
+        return down
 
     def admit(self) -> Callable[[], None]:
         """Count a request in flight; returns the function that releases it (idempotent)."""
@@ -217,6 +220,7 @@ class Server:
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
         if self.engine is None:
             self.engine = await anyio.to_thread.run_sync(load_engine, self.config)
+        self.engine_down = anyio.Event()
         async with AsyncEngine(self.engine) as aengine:
             self.aengine = aengine
             try:
