@@ -55,3 +55,24 @@ def tiny_model_dir(tmp_path_factory, demo_tokenizer_dir) -> Path:
         if (demo_tokenizer_dir / name).exists():
             shutil.copy(demo_tokenizer_dir / name, path / name)
     return path
+
+
+def tiny_dflash_engine(model_dir: Path, block_size: int = 16, max_len: int = 512):
+    """The tiny target of ``model_dir`` with a random one-layer DFlash drafter reading layers 1, 2.
+
+    A random drafter is rarely right, which is what the lossless tests want: output must equal
+    plain decoding whatever the drafts are.
+    """
+    from agentflash.dflash.drafter import DFlashDrafter, DrafterConfig
+    from agentflash.engine.engine import Engine, EngineConfig
+    from agentflash.models.loading import load_model, load_tokenizer
+
+    model, _, _ = load_model(model_dir)
+    tok = load_tokenizer(model_dir)
+    torch.manual_seed(0)
+    cfg = DrafterConfig(hidden_size=64, intermediate_size=128, num_layers=1, num_heads=4,
+                        num_kv_heads=2, head_dim=16, rope_theta=10000.0, rms_norm_eps=1e-6,
+                        block_size=block_size, mask_token_id=tok.convert_tokens_to_ids("<|mask|>"),
+                        target_layer_ids=(1, 2), num_target_layers=4, vocab_size=len(tok))
+    return Engine(model, tok, EngineConfig(max_running=4, max_len=max_len), model_dir,
+                  DFlashDrafter(cfg).eval())

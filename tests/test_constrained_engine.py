@@ -5,13 +5,11 @@ import random
 
 import jsonschema
 import pytest
-import torch
+from conftest import tiny_dflash_engine
 
-from agentflash.dflash.drafter import DFlashDrafter, DrafterConfig
-from agentflash.engine.engine import Engine, EngineConfig
+from agentflash.engine.engine import Engine
 from agentflash.engine.request import SamplingParams
 from agentflash.grammar import assistant_turn, json_schema, regex
-from agentflash.models.loading import load_model, load_tokenizer
 from agentflash.tool_format import parse_tool_calls
 from agentflash.train import corpus
 
@@ -23,25 +21,7 @@ def demo():
 
 @pytest.fixture(scope="module")
 def tiny(tiny_model_dir):
-    model, _, _ = load_model(tiny_model_dir)
-    tok = load_tokenizer(tiny_model_dir)
-    torch.manual_seed(0)
-    cfg = DrafterConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=1,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        rope_theta=10000.0,
-        rms_norm_eps=1e-6,
-        block_size=8,
-        mask_token_id=tok.convert_tokens_to_ids("<|mask|>"),
-        target_layer_ids=(1, 2),
-        num_target_layers=4,
-        vocab_size=len(tok),
-    )
-    return Engine(model, tok, EngineConfig(max_len=768), tiny_model_dir, DFlashDrafter(cfg).eval())
+    return tiny_dflash_engine(tiny_model_dir, block_size=8, max_len=768)
 
 
 def random_tools(seed, n=3):

@@ -3,43 +3,17 @@ stopping points, whatever the drafter proposes."""
 
 import pytest
 import torch
+from conftest import tiny_dflash_engine
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import agentflash.engine.engine as engine_mod
-from agentflash.dflash.drafter import DFlashDrafter, DrafterConfig
-from agentflash.engine.engine import Engine, EngineConfig
 from agentflash.engine.request import SamplingParams
-from agentflash.models.loading import load_model, load_tokenizer
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
-    model, _, _ = load_model(tiny_model_dir)
-    tok = load_tokenizer(tiny_model_dir)
-    torch.manual_seed(0)
-    cfg = DrafterConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=1,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        rope_theta=10000.0,
-        rms_norm_eps=1e-6,
-        block_size=16,
-        mask_token_id=tok.convert_tokens_to_ids("<|mask|>"),
-        target_layer_ids=(1, 2),
-        num_target_layers=4,
-        vocab_size=len(tok),
-    )
-    return Engine(
-        model,
-        tok,
-        EngineConfig(max_running=4, max_len=512),
-        tiny_model_dir,
-        DFlashDrafter(cfg).eval(),
-    )
+    return tiny_dflash_engine(tiny_model_dir)
 
 
 def plain(engine, ids, **kw):

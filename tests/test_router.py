@@ -2,7 +2,7 @@
 and per-request overrides are obeyed."""
 
 import pytest
-import torch
+from conftest import tiny_dflash_engine
 
 from agentflash.engine.request import SamplingParams
 from agentflash.router.policy import CostModel, RequestRouting
@@ -86,31 +86,7 @@ def test_verify_cost_ratio_is_per_batch_size():
 
 
 def test_overrides_are_obeyed(tiny_model_dir):
-    from agentflash.dflash.drafter import DFlashDrafter, DrafterConfig
-    from agentflash.engine.engine import Engine, EngineConfig
-    from agentflash.models.loading import load_model, load_tokenizer
-
-    model, _, _ = load_model(tiny_model_dir)
-    tok = load_tokenizer(tiny_model_dir)
-    torch.manual_seed(0)
-    cfg = DrafterConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=1,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        rope_theta=10000.0,
-        rms_norm_eps=1e-6,
-        block_size=8,
-        mask_token_id=tok.convert_tokens_to_ids("<|mask|>"),
-        target_layer_ids=(1, 2),
-        num_target_layers=4,
-        vocab_size=len(tok),
-    )
-    engine = Engine(
-        model, tok, EngineConfig(max_len=256), tiny_model_dir, DFlashDrafter(cfg).eval()
-    )
+    engine = tiny_dflash_engine(tiny_model_dir, block_size=8, max_len=256)
     ids = list(range(50, 70))
     off = engine.generate(ids, SamplingParams(max_tokens=20, ignore_eos=True, speculation="off"))
     assert off.stats["mode"] == "plain" and off.stats["draft_forwards"] == 0
