@@ -9,6 +9,7 @@ streaming endpoint sends its events as chunks, the plain one collects the same e
 
 from __future__ import annotations
 
+import functools
 import json
 import uuid
 from collections.abc import AsyncIterator
@@ -161,6 +162,16 @@ def reply_grammar(tools: list[dict[str, Any]], choice: ToolChoice, parallel: boo
     """
     if not tools and answer_schema is None:
         return None
+    # Agents send the same tools turn after turn; checking their schemas is most of the cost.
+    key = json.dumps([tools, choice.mode.value, choice.name, parallel, answer_schema, strict])
+    return _turn_grammar(key)
+
+
+@functools.lru_cache(maxsize=256)
+def _turn_grammar(key: str) -> GrammarSource:
+    """``reply_grammar`` for its arguments as JSON text (a failure raises and is not cached)."""
+    tools, mode, name, parallel, answer_schema, strict = json.loads(key)
+    choice = ToolChoice(ToolChoiceMode(mode), name)
     try:
         specs = tool_specs(tools)
     except GrammarError as err:
