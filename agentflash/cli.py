@@ -257,7 +257,9 @@ def bench_server(
     num_prompts: Annotated[int, typer.Option("--num-prompts", help="prompts per suite")] = 8,
     max_tokens: Annotated[int, typer.Option("--max-tokens")] = 64,
     concurrency: Annotated[str, typer.Option(help="requests in flight, e.g. 1,4")] = "1,4",
-    drafter: Annotated[str, typer.Option(help="auto | demo | none | a drafter directory")] = "auto",
+    drafter: Annotated[str, typer.Option(
+        help="none (default: plain decoding on both sides) | auto | demo | a drafter directory")
+    ] = "none",
     rounds: Annotated[int, typer.Option(help="turns each path takes; the median is shown")] = 3,
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:

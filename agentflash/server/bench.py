@@ -1,21 +1,27 @@
 """``agentflash bench-server``: what the HTTP path costs over the in-process engine.
 
-One workload (held-out prompts of the bench suites, with their tools, greedy) runs three ways on
-the same engine: in process (``prepare`` + ``AsyncEngine``, what an embedded caller does), through
-``agentflash serve`` as plain JSON responses, and as server-sent event streams. Each path keeps
-``concurrency`` requests in flight. The overhead is the mean latency over the in-process one;
-every path must produce the same tokens. The HTTP client shares this process (and its GIL) with
-the server, so the overhead includes the client's own work.
+One workload (held-out prompts of the bench suites, with their tools, greedy) runs three ways:
+in process (``prepare`` + ``AsyncEngine``, what an embedded caller does), and against
+``agentflash serve`` on the same model in its own process, as plain JSON responses and as
+server-sent event streams. Each path keeps ``concurrency`` requests in flight. The overhead is the
+mean latency over the in-process one; every path must produce the same tokens.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import socket
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
-from collections.abc import Awaitable, Callable
-from contextlib import aclosing
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import aclosing, contextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import anyio
@@ -36,28 +42,33 @@ class Outcome:
 
 def run(model: str = "demo", suites: tuple[str, ...] = ("tool_call", "prose"),
         num_prompts: int = 8, max_tokens: int = 64, concurrency: tuple[int, ...] = (1, 4),
-        drafter: str = "auto", rounds: int = 3) -> dict[str, Any]:
+        drafter: str = "none", rounds: int = 3) -> dict[str, Any]:
     """The three paths at each concurrency level; returns the report (rows and config).
 
-    The paths take turns ``rounds`` times (the engine, then a fresh server on it), and each row
-    is the round with the median mean latency, so that a slow spell of the machine lands on
-    every path rather than on one."""
+    ``drafter`` defaults to none: with a drafter, the router of each engine (in process, and in
+    the server's process) learns its own cost model and may route differently, which is noise in
+    a measurement of the HTTP path.
+
+    The paths take turns ``rounds`` times, and each row is the round with the median mean
+    latency, so that a slow spell of the machine lands on every path rather than on one."""
     from agentflash.bench import held_out_prompts
-    from agentflash.server.app import ServerConfig, load_engine, serving_in_thread
+    from agentflash.server.app import ServerConfig, load_engine
 
     if min(num_prompts, max_tokens, rounds) < 1 or not concurrency or min(concurrency) < 1:
         raise UserError("num_prompts, max_tokens, rounds and concurrency levels must be positive")
-    config = ServerConfig(model=model, drafter=drafter, port=0, max_tokens=max_tokens,
-                          max_running=max(concurrency))
-    engine = load_engine(config)
+    config = ServerConfig(model=model, drafter=drafter, max_tokens=max_tokens)
+    # Loaded off the main thread, as the server loads its own: torch work on the main thread
+    # followed by steps in the engine's worker threads runs those steps about half as fast here
+    # (two OpenMP thread teams on two cores), which would flatter the server path.
+    engine = anyio.run(partial(anyio.to_thread.run_sync, load_engine, config))
     bodies = [{"model": config.name, "messages": p.messages, "tools": p.tools or None,
                "max_tokens": max_tokens, "temperature": 0}
               for suite in suites for p in held_out_prompts(suite, num_prompts)]
     bodies = [{k: v for k, v in b.items() if v is not None} for b in bodies]
     measured: list[dict[str, Any]] = []
-    for _ in range(rounds):
-        anyio.run(_engine_rows, engine, bodies, concurrency, measured)
-        with serving_in_thread(config, engine) as url:
+    with server_process(config, max_concurrent=max(concurrency)) as url:
+        for _ in range(rounds):
+            anyio.run(_engine_rows, engine, bodies, concurrency, measured)
             anyio.run(_http_rows, url, bodies, concurrency, measured)
     rows = _median_rounds(measured)
     _add_overheads(rows)
@@ -65,6 +76,43 @@ def run(model: str = "demo", suites: tuple[str, ...] = ("tool_call", "prose"),
                        "max_tokens": max_tokens, "concurrency": list(concurrency),
                        "rounds": rounds, "drafter": "none" if engine.drafter is None else drafter},
             "rows": rows}
+
+
+@contextmanager
+def server_process(config: Any, max_concurrent: int, timeout_s: float = 600.0) -> Iterator[str]:
+    """``agentflash serve`` for ``config`` in a child process on a free loopback port; yields
+    its base URL once it answers ``/health``, and stops it (SIGINT) afterwards."""
+    import httpx
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [sys.executable, "-m", "agentflash.cli", "serve", "--model", config.model,
+           "--drafter", config.drafter, "--port", str(port), "--max-tokens",
+           str(config.max_tokens), "--max-concurrent", str(max(max_concurrent, 1))]
+    env = {k: v for k, v in os.environ.items() if k != "AGENTFLASH_API_KEY"}
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, env=env)
+        try:
+            deadline = time.monotonic() + timeout_s
+            while True:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    log.seek(0)
+                    raise UserError(f"agentflash serve did not start: {log.read()[-2000:]}")
+                try:
+                    if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).is_success:
+                        break
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.2)
+            yield f"http://127.0.0.1:{port}/v1"
+        finally:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
 
 def _median_rounds(measured: list[dict[str, Any]]) -> list[dict[str, Any]]:
