@@ -147,7 +147,7 @@ async def _engine_rows(engine: Any, bodies: list[dict[str, Any]], levels: tuple[
                         tokens = len(event.result.token_ids)
             return Outcome(time.perf_counter() - t0, first, tokens)
 
-        await _measure(one, requests[:1], 1, "warmup", [])
+        await _measure(one, requests, max(levels), "warmup", [])  # both sides warm again
         for level in levels:
             await _measure(one, requests, level, "engine", rows)
 
@@ -183,7 +183,7 @@ async def _http_rows(url: str, bodies: list[dict[str, Any]], levels: tuple[int, 
                         tokens = chunk["usage"]["completion_tokens"]
             return Outcome(time.perf_counter() - t0, first, tokens)
 
-        await _measure(plain, bodies[:1], 1, "warmup", [])
+        await _measure(plain, bodies, max(levels), "warmup", [])  # after the other path ran
         for level in levels:
             await _measure(plain, bodies, level, "http", rows)
             await _measure(streamed, bodies, level, "http-stream", rows)
