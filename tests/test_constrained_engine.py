@@ -126,3 +126,20 @@ def test_forced_tokens_cost_no_forward(tiny):
     forced = sum(s["forced"] for s in res.stats["segments"])
     assert forced > 5
     assert res.stats["target_forwards"] <= res.stats["new_tokens"] - forced
+
+
+def test_forced_run_longer_than_the_block_is_verified_in_one_forward(tiny):
+    # a 40-character literal is one forced run: with 2-token blocks, dflash verifies it at once
+    literal = "the quick brown fox jumps over the lazy dog"
+    ids = tiny.chat_prompt([{"role": "user", "content": "x"}])
+    source = regex(f"{literal} [0-9]")
+    plain = tiny.generate(ids, SamplingParams(max_tokens=60, grammar=source, speculation="off"))
+    spec = tiny.generate(
+        ids, SamplingParams(max_tokens=60, grammar=source, speculation="dflash", block_size=2)
+    )
+    assert spec.token_ids == plain.token_ids and spec.text.startswith(literal)
+    run = len(tiny.tokenizer(literal, add_special_tokens=False)["input_ids"])
+    assert run > 4
+    # first token from the prompt's forward, the rest of the run in one verify forward
+    assert spec.stats["target_forwards"] <= 4
+    assert sum(s["forced"] for s in spec.stats["segments"]) >= run - 1

@@ -225,6 +225,7 @@ class Engine:
         t0 = time.perf_counter()
         kinds = {r.id: r.segments.kind for r in batch}
         speculating = [r for r in batch if self._wants_dflash(r, kinds[r.id], len(batch))]
+        routed = {r.id for r in speculating}
         drafts = self._draft(speculating, kinds)
         drafts.update(self._forced_runs([r for r in batch if r.id not in drafts]))
         rows = [Row(r.slot, r.num_cached, r.uncached_ids() + drafts[r.id].tokens) for r in batch]
@@ -244,7 +245,7 @@ class Engine:
             outputs.append(StepOutput(req, committed))
             if draft.drafted:
                 self.cost.observe_tau(req.routing, kinds[req.id], num_accepted + 1)
-            mode = "dflash" if draft.drafted else "plain"
+            mode = "dflash" if req.id in routed else "plain"
             self._track(req, kinds[req.id], mode, committed, 1, draft, num_accepted)
             if req.draft_context is not None and not req.is_finished:
                 # projected into the drafter's context when the request next drafts
@@ -303,13 +304,21 @@ class Engine:
     def _draft(self, reqs: list[Request], kinds: dict[int, SegmentKind]) -> dict[int, BlockDraft]:
         """One drafter forward for the requests that speculate this step.
 
-        Unconstrained rows take the drafter's argmax per slot; constrained rows walk the slots
-        under their grammar (every drafted token legal, forced tokens filled in for free).
+        A constrained row whose grammar forces at least a block of tokens needs no drafter this
+        step: it verifies the whole forced run, even past the block. Unconstrained rows
+        take the drafter's argmax per slot; constrained rows walk the remaining slots under their
+        grammar (every drafted token legal, forced tokens filled in for free).
         """
         sizes = {r.id: self._draft_len(r, kinds[r.id]) for r in reqs}
-        reqs = [r for r in reqs if sizes[r.id] > 0]
+        drafts = {}
+        for r in reqs:
+            forced = r.constraint.forced_tokens() if r.constraint is not None else []
+            if sizes[r.id] > 0 and len(forced) >= sizes[r.id]:
+                run = forced[: max(0, self._room(r) - 1)]
+                drafts[r.id] = BlockDraft(run, len(run), False)
+        reqs = [r for r in reqs if sizes[r.id] > 0 and r.id not in drafts]
         if not reqs:
-            return {}
+            return drafts
         block = max(sizes[r.id] for r in reqs) + 1
         last = torch.tensor([r.output_ids[-1] for r in reqs])
         self._flush_context(reqs)
