@@ -66,13 +66,16 @@ def held_out_prompts(kind: str, num: int, seed: int = HELD_OUT_SEED) -> list[Pro
 
 def _time_engine(
     engine: Engine, ids: list[int], max_tokens: int, speculation: str = "off", grammar=None
-) -> tuple[list[int], float, int]:
+) -> tuple[list[int], float, int, float]:
+    """Output, wall seconds, target forwards and seconds after the first token (decoding)."""
     params = SamplingParams(max_tokens=max_tokens, speculation=speculation, grammar=grammar)
     if grammar is not None:
         engine.compile(grammar)  # compiled once and cached, as for a running agent's tools
     t0 = time.perf_counter()
     result = engine.generate(ids, params)
-    return result.token_ids, time.perf_counter() - t0, result.stats["target_forwards"]
+    wall = time.perf_counter() - t0
+    decoding = wall - result.stats["ttft_s"]
+    return result.token_ids, wall, result.stats["target_forwards"], decoding
 
 
 def _time_hf(
@@ -133,6 +136,10 @@ def run(
             and r["mode"] == ("plain" if r["suite"] != "json" else "plain+grammar")
         )
         row["ratio_to_plain"] = round(row["tokens_per_s"] / base["tokens_per_s"], 3)
+        if "decode_tokens_per_s" in row:
+            row["decode_ratio_to_plain"] = round(
+                row["decode_tokens_per_s"] / base["decode_tokens_per_s"], 3
+            )
         row.pop("outputs")
     return {
         "config": {
@@ -194,10 +201,14 @@ def _engine_rows(
             _time_engine(engine, ids, max_tokens, speculation, g)
             for ids, g in zip(prompts, grammars)
         ]
-        outs = [o for o, _, _ in runs]
+        outs = [r[0] for r in runs]
         ref = rows[0]["outputs"] if rows else outs
         name = ("plain" if speculation == "off" else "dflash") + suffix
-        rows.append(_row(suite, name, outs, ref, [t for _, t, _ in runs], [f for _, _, f in runs]))
+        row = _row(suite, name, outs, ref, [r[1] for r in runs], [r[2] for r in runs])
+        # after the first token: the decoding speed, without the prompt's prefill
+        after_first = sum(len(o) - 1 for o in outs)
+        row["decode_tokens_per_s"] = round(after_first / max(sum(r[3] for r in runs), 1e-9), 2)
+        rows.append(row)
     return rows
 
 
@@ -234,15 +245,20 @@ def print_table(report: dict[str, Any]) -> None:
         title=f"agentflash bench ({report['config']['model']}, "
         f"{report['config']['num_prompts']} prompts/suite, greedy)"
     )
-    for col in ("suite", "mode", "tokens", "tokens/s", "x plain", "tau", "identical"):
+    cols = ("suite", "mode", "tokens", "tokens/s", "x plain", "decode tok/s", "x plain",
+            "tau", "identical")
+    for col in cols:
         table.add_column(col, justify="right" if col not in ("suite", "mode") else "left")
     for r in report["rows"]:
+        decoding = "decode_tokens_per_s" in r
         table.add_row(
             r["suite"],
             r["mode"],
             str(r["new_tokens"]),
             f"{r['tokens_per_s']:.1f}",
             f"{r['ratio_to_plain']:.2f}",
+            f"{r['decode_tokens_per_s']:.1f}" if decoding else "-",
+            f"{r['decode_ratio_to_plain']:.2f}" if decoding else "-",
             "-" if r["tau"] is None else f"{r['tau']:.2f}",
             "yes" if r["identical_to_plain"] else "NO",
         )

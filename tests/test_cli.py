@@ -15,6 +15,7 @@ STATS_KEYS = {
     "draft_forwards",
     "tau",
     "wall_s",
+    "ttft_s",
     "tokens_per_s",
     "segments",
 }

@@ -483,6 +483,7 @@ def request_stats(req: Request) -> dict[str, Any]:
         "draft_forwards": s.draft_forwards,
         "tau": round(new / s.target_forwards, 3) if s.target_forwards else float(new),
         "wall_s": round(wall, 4),
+        "ttft_s": round((s.first_token_at or end) - s.started, 4),  # the prompt's prefill mostly
         "tokens_per_s": round(new / wall, 2) if wall > 0 else 0.0,
         "segments": [seg.to_dict() for seg in req.segments.segments],
     }
