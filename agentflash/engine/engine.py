@@ -327,7 +327,6 @@ class Engine:
             self.drafter, self.model.embed, self.model.logits, last, contexts, block
         )  # [B, block-1, V]
         best = logits.argmax(-1)  # [B, block-1]
-        drafts = {}
         for i, r in enumerate(reqs):
             r.stats.draft_forwards += 1
             n = sizes[r.id]
