@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from agentflash.models.qwen3 import LayerCache, ModelConfig
+from agentflash.models.qwen3 import LayerCache, ModelConfig, PackedRows
 
 
 class KVCache:
@@ -37,7 +37,6 @@ class KVCache:
         assert slot not in self._free, f"slot {slot} released twice"
         self._free.append(slot)
 
-    def layer_views(
-        self, slots: torch.Tensor, write_pos: torch.Tensor, attend_len: int
-    ) -> list[LayerCache]:
-        return [LayerCache(k, v, slots, write_pos, attend_len) for k, v in zip(self.k, self.v)]
+    def layer_views(self, rows: PackedRows) -> list[LayerCache]:
+        """Every layer's view of the slots that one packed forward reads and writes."""
+        return [LayerCache(k, v, rows) for k, v in zip(self.k, self.v)]

@@ -1,13 +1,19 @@
-"""Target forwards over a batch of requests, each at its own cache offset."""
+"""Target forwards over a batch of requests, each at its own cache offset.
+
+The rows' new tokens are packed into one sequence, so embeddings, projections, MLPs and the
+lm_head run on real tokens only; attention runs per row over its own slot (``LayerCache.attend``).
+A prompt's prefill and decoding rows can share a forward without padding each other.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
 from agentflash.engine.kv_cache import KVCache
-from agentflash.models.qwen3 import Qwen3Model
+from agentflash.models.qwen3 import PackedRows, Qwen3Model, SingleTokenRows, Span
 
 
 @dataclass
@@ -17,51 +23,109 @@ class Row:
     slot: int
     start: int
     tokens: list[int]
+    last_only: bool = False  # only the last token's logits are wanted (a prompt's first token)
 
 
 @dataclass
 class ForwardOutput:
-    logits: torch.Tensor  # [B, T, V] (T = 1 when only the last position was asked for)
-    hidden: torch.Tensor | None  # [B, T, K*H]: captured target layers, concatenated
+    """A forward's outputs by row, padded with zeros to the longest.
+
+    ``logits`` holds row i's at ``[i, :len(row i)]`` or, when the row (or the forward) is
+    ``last_only``, its last token's alone at ``[i, 0]``.
+    """
+
+    logits: torch.Tensor  # [B, T, V], T the most logits of a row
+    hidden: torch.Tensor | None  # [B, L, K*H], L the longest row: captured layers, concatenated
 
 
 class ModelRunner:
-    def __init__(self, model: Qwen3Model, cache: KVCache):
+    def __init__(self, model: Qwen3Model, cache: KVCache, batch_single_tokens: bool | None = None):
+        """``batch_single_tokens``: attend the one-token rows in one call over their gathered
+        slots rather than one call per row. The default does so off the CPU, where calls are
+        dear; on the CPU gathering the slots costs more than the calls it saves."""
         self.model, self.cache = model, cache
         self.device = next(model.parameters()).device
+        if batch_single_tokens is None:
+            batch_single_tokens = self.device.type != "cpu"
+        self.batch_single_tokens = batch_single_tokens
 
     @torch.inference_mode()
     def forward(
         self, rows: list[Row], last_only: bool = False, capture_layers: tuple[int, ...] = ()
     ) -> ForwardOutput:
-        """Feed every row's tokens causally after its cached prefix; rows may differ in length."""
-        lengths = [len(r.tokens) for r in rows]
-        t = max(lengths)
-        input_ids = torch.zeros(len(rows), t, dtype=torch.long)
-        positions = torch.empty(len(rows), t, dtype=torch.long)
-        for i, r in enumerate(rows):
-            input_ids[i, : lengths[i]] = torch.tensor(r.tokens)
-            positions[i] = r.start + torch.arange(t)
-        attend_len = max(r.start + t for r in rows)
-        assert attend_len <= self.cache.max_len, "forward past the cache slot"
-        slots = torch.tensor([r.slot for r in rows])
-        mask = self._mask(rows, t, attend_len)
-        caches = self.cache.layer_views(
-            slots.to(self.device), positions.to(self.device), attend_len
-        )
-        hidden, captured = self.model(
-            input_ids.to(self.device), positions.to(self.device), caches, mask, capture_layers
-        )
-        if last_only:
-            idx = torch.tensor([n - 1 for n in lengths], device=self.device)
-            hidden = hidden[torch.arange(len(rows), device=self.device), idx][:, None]
-        context = torch.cat(captured, dim=-1) if captured else None
-        return ForwardOutput(self.model.logits(hidden), context)
+        """Feed every row's tokens causally after its cached prefix; rows may differ in length.
 
-    def _mask(self, rows: list[Row], t: int, attend_len: int) -> torch.Tensor | None:
-        if len(rows) == 1 and (t == 1 or rows[0].start == 0):
-            return None  # one row: full attention to the cache, or plain causal from position 0
-        starts = torch.tensor([r.start for r in rows])[:, None, None]  # [B, 1, 1]
-        query_pos = starts + torch.arange(t)[None, :, None]  # [B, T, 1]
-        key_pos = torch.arange(attend_len)[None, None, :]  # [1, 1, S]
-        return (key_pos <= query_pos)[:, None].to(self.device)  # [B, 1, T, S]
+        The rows run as one packed sequence: the forward costs the sum of their tokens, and the
+        lm_head runs on the last token alone of a row that is (or of every row when) ``last_only``.
+        """
+        for r in rows:
+            assert r.tokens and r.start + len(r.tokens) <= self.cache.max_len, "forward past a slot"
+        assert len({r.slot for r in rows}) == len(rows), "two rows in one slot"
+        order = self._packing_order(rows)
+        packed = [rows[i] for i in order]
+        ids = torch.tensor([t for r in packed for t in r.tokens], device=self.device)  # [N]
+        positions = [p for r in packed for p in range(r.start, r.start + len(r.tokens))]
+        positions = torch.tensor(positions, device=self.device)  # [N]
+        caches = self.cache.layer_views(self._layout(packed))
+        hidden, captured = self.model(ids[None], positions[None], caches, None, capture_layers)
+        begins = [0] * len(rows)  # where each row starts in the packed sequence
+        for i, begin in zip(order, accumulate((len(r.tokens) for r in packed), initial=0)):
+            begins[i] = begin
+        lengths = [len(r.tokens) for r in rows]
+        counts = [1 if last_only or r.last_only else len(r.tokens) for r in rows]
+        wanted = [p for b, n, c in zip(begins, lengths, counts) for p in range(b + n - c, b + n)]
+        if wanted != list(range(hidden.shape[1])):
+            hidden = hidden[:, wanted]  # the lm_head runs on these tokens only
+        logits_begins = list(accumulate(counts[:-1], initial=0))
+        logits = _pad(self.model.logits(hidden[0]), logits_begins, counts)  # [B, T, V]
+        context = _pad(torch.cat(captured, dim=-1)[0], begins, lengths) if captured else None
+        return ForwardOutput(logits, context)
+
+    def _packing_order(self, rows: list[Row]) -> list[int]:
+        """Rows in packed order: the one-token rows first when they attend together."""
+        if not self.batch_single_tokens:
+            return list(range(len(rows)))
+        return sorted(range(len(rows)), key=lambda i: len(rows[i].tokens) > 1)
+
+    def _layout(self, packed: list[Row]) -> PackedRows:
+        """Which packed tokens belong to which slot, and the masks their attention needs."""
+        num_single = 0
+        if self.batch_single_tokens:
+            num_single = next((i for i, r in enumerate(packed) if len(r.tokens) > 1), len(packed))
+            num_single = num_single if num_single > 1 else 0  # a lone row needs no gathering
+        spans, begin = [], num_single
+        for r in packed[num_single:]:
+            end = begin + len(r.tokens)
+            spans.append(Span(r.slot, r.start, begin, end, self._causal_mask(r.start, end - begin)))
+            begin = end
+        single = self._single_token_rows(packed[:num_single]) if num_single else None
+        return PackedRows(single, spans)
+
+    def _causal_mask(self, start: int, t: int) -> torch.Tensor | None:
+        """[T, start + T]: new token i sees the prefix and the new tokens up to itself; None when
+        every key is visible (one token) or plain causal attention does (no prefix)."""
+        if start == 0 or t == 1:
+            return None
+        query_pos = start + torch.arange(t, device=self.device)[:, None]  # [T, 1]
+        return torch.arange(start + t, device=self.device) <= query_pos
+
+    def _single_token_rows(self, rows: list[Row]) -> SingleTokenRows:
+        positions = torch.tensor([r.start for r in rows], device=self.device)  # [B1]
+        attend_len = max(r.start for r in rows) + 1
+        mask = None
+        if len({r.start for r in rows}) > 1:
+            keys = torch.arange(attend_len, device=self.device)
+            mask = (keys <= positions[:, None])[:, None, None]  # [B1, 1, 1, S]
+        slots = torch.tensor([r.slot for r in rows], device=self.device)
+        return SingleTokenRows(slots, positions, attend_len, mask)
+
+
+def _pad(packed: torch.Tensor, begins: list[int], lengths: list[int]) -> torch.Tensor:
+    """Packed rows [N, F] -> [B, T, F] in row order, T the longest row, zeros after each row."""
+    b, t = len(lengths), max(lengths)
+    if packed.shape[0] == b * t and begins == list(range(0, b * t, t)):  # in order, one length
+        return packed.view(b, t, -1)
+    out = packed.new_zeros(b, t, packed.shape[-1])
+    for i, (begin, n) in enumerate(zip(begins, lengths)):
+        out[i, :n] = packed[begin : begin + n]
+    return out

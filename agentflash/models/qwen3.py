@@ -143,10 +143,13 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rotary(q.transpose(1, 2), cos, sin)  # [B, H, T, D]
         k = apply_rotary(k.transpose(1, 2), cos, sin)  # [B, KV, T, D]
-        keys, values = cache.write(k, v)  # [B, KV, S, D] with S the attended length
-        out = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=mask, is_causal=mask is None and t > 1, enable_gqa=True
-        )
+        if isinstance(cache, LayerCache):  # the engine's packed rows: B = 1, T = all their tokens
+            out = cache.attend(q, k, v)
+        else:  # rows of one length that attend to what ``write`` returns (training)
+            keys, values = cache.write(k, v)  # [B, KV, S, D] with S the attended length
+            out = F.scaled_dot_product_attention(
+                q, keys, values, attn_mask=mask, is_causal=mask is None and t > 1, enable_gqa=True
+            )
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -163,42 +166,79 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class LayerCache:
-    """Where one layer reads and writes keys/values during one forward.
+@dataclass(frozen=True)
+class Span:
+    """One row of a packed forward: tokens ``begin:end``, cached in ``slot`` from ``start``."""
 
-    ``write`` stores the new keys/values of every row at its own offset and returns the keys and
-    values that the forward attends to (all rows padded to the same length ``S``).
+    slot: int
+    start: int
+    begin: int
+    end: int
+    mask: torch.Tensor | None  # [T, start + T] causal after the prefix; None when not needed
+
+
+@dataclass(frozen=True)
+class SingleTokenRows:
+    """Rows of one token each, packed first, attended together over their slots padded to ``S``."""
+
+    slots: torch.Tensor  # [B1]
+    positions: torch.Tensor  # [B1] where each row's token is cached
+    attend_len: int  # S: the longest row's cached length after this forward
+    mask: torch.Tensor | None  # [B1, 1, 1, S]: each row's own length; None when all are equal
+
+
+@dataclass(frozen=True)
+class PackedRows:
+    """How the tokens of one packed forward [1, N] split into rows of the slot cache."""
+
+    single: SingleTokenRows | None  # tokens 0..B1-1, when single-token rows attend together
+    spans: list[Span]  # every other row, attended alone
+
+
+class LayerCache:
+    """One layer's keys/values in the slot cache during one packed forward.
+
+    ``attend`` writes every row's new keys/values at its own offset, then lets each row attend to
+    its slot's cached prefix and its own new tokens, causally; no row pays for another's length.
     """
 
-    def __init__(
-        self,
-        k_pool: torch.Tensor,
-        v_pool: torch.Tensor,
-        slots: torch.Tensor,
-        write_pos: torch.Tensor,
-        attend_len: int,
-    ):
+    def __init__(self, k_pool: torch.Tensor, v_pool: torch.Tensor, rows: PackedRows):
         self.k_pool, self.v_pool = k_pool, v_pool  # [num_slots, KV, max_len, D]
-        self.slots, self.write_pos, self.attend_len = slots, write_pos, attend_len
+        self.rows = rows
 
-    def write(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # k, v: [B, KV, T, D]; write_pos: [B, T] absolute cache positions
-        b, _, t, _ = k.shape
-        if b == 1:
-            s = int(self.slots[0])
-            start = int(self.write_pos[0, 0])
-            self.k_pool[s, :, start : start + t] = k[0]
-            self.v_pool[s, :, start : start + t] = v[0]
-            return (
-                self.k_pool[s : s + 1, :, : self.attend_len],
-                self.v_pool[s : s + 1, :, : self.attend_len],
-            )
-        rows = self.slots[:, None].expand(b, t)
-        self.k_pool[rows, :, self.write_pos] = k.transpose(1, 2)
-        self.v_pool[rows, :, self.write_pos] = v.transpose(1, 2)
-        return self.k_pool[self.slots, :, : self.attend_len], self.v_pool[
-            self.slots, :, : self.attend_len
-        ]
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # q: [1, H, N, D]; k, v: [1, KV, N, D] -> [1, H, N, D]
+        outs = [self._attend_span(span, q, k, v) for span in self.rows.spans]
+        if self.rows.single is not None:
+            outs.insert(0, self._attend_single(self.rows.single, q, k, v))
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+
+    def _attend_span(
+        self, span: Span, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        t = span.end - span.begin
+        q, k, v = (x.narrow(2, span.begin, t) for x in (q, k, v))  # [1, *, T, D]
+        k_slot, v_slot = self.k_pool[span.slot], self.v_pool[span.slot]  # [KV, max_len, D]
+        k_slot.narrow(1, span.start, t).copy_(k[0])
+        v_slot.narrow(1, span.start, t).copy_(v[0])
+        if span.start > 0:  # the cached prefix and the new tokens: [1, KV, start + T, D]
+            k, v = k_slot[None, :, : span.start + t], v_slot[None, :, : span.start + t]
+        causal = span.start == 0 and t > 1
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=span.mask, is_causal=causal, enable_gqa=True
+        )
+
+    def _attend_single(
+        self, rows: SingleTokenRows, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        b1 = rows.slots.shape[0]
+        self.k_pool[rows.slots, :, rows.positions] = k[0, :, :b1].transpose(0, 1)  # [B1, KV, D]
+        self.v_pool[rows.slots, :, rows.positions] = v[0, :, :b1].transpose(0, 1)
+        keys = self.k_pool[:, :, : rows.attend_len].index_select(0, rows.slots)  # [B1, KV, S, D]
+        values = self.v_pool[:, :, : rows.attend_len].index_select(0, rows.slots)
+        q = q[0, :, :b1].transpose(0, 1)[:, :, None]  # [B1, H, 1, D]
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=rows.mask, enable_gqa=True)
+        return out[:, :, 0].transpose(0, 1)[None]  # [1, H, B1, D]
 
 
 class Qwen3Model(nn.Module):

@@ -1,0 +1,107 @@
+"""Packed forwards: a mixed batch gives every row what it gets alone, for the cost of its tokens."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from agentflash.engine.kv_cache import KVCache
+from agentflash.engine.model_runner import ModelRunner, Row
+from agentflash.models.loading import load_model
+
+CAPTURE = (0, 2)
+MAX_LEN = 128
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir):
+    return load_model(tiny_model_dir)[0]
+
+
+def runner(model, batch_single_tokens: bool, slots: int = 6) -> ModelRunner:
+    cache = KVCache(model.cfg, slots, MAX_LEN, torch.device("cpu"), torch.float32)
+    return ModelRunner(model, cache, batch_single_tokens)
+
+
+def cached(runner: ModelRunner, slot: int, length: int) -> list[torch.Tensor]:
+    """Every layer's keys and values of ``slot`` up to ``length``."""
+    return [pool[slot, :, :length] for pool in runner.cache.k + runner.cache.v]
+
+
+# A row: its cached prefix length, its number of new tokens and whether it wants its last logits
+# only. Prefills start at 0, decoding rows and verify blocks after a prefix.
+prefill = st.tuples(st.just(0), st.integers(1, 40), st.booleans())
+decode = st.tuples(st.integers(1, 60), st.just(1), st.just(False))
+block = st.tuples(st.integers(1, 60), st.integers(2, 16), st.just(False))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    shapes=st.lists(st.one_of(prefill, decode, decode, block), min_size=1, max_size=6),
+    batch_single_tokens=st.booleans(),
+    last_only=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_a_mixed_batch_gives_each_row_what_it_gets_alone(
+    model, shapes, batch_single_tokens, last_only, seed
+):
+    gen = torch.Generator().manual_seed(seed)
+
+    def tokens(n):
+        return torch.randint(0, model.cfg.vocab_size, (n,), generator=gen).tolist()
+
+    whole, mixed = runner(model, batch_single_tokens), runner(model, batch_single_tokens)
+    slots = torch.randperm(6, generator=gen)[: len(shapes)].tolist()  # rows in any slot order
+    prefixes = [tokens(start) for start, _, _ in shapes]
+    rows = [Row(slot, start, tokens(n), lo) for slot, (start, n, lo) in zip(slots, shapes)]
+    for r, prefix in zip(rows, prefixes):
+        if prefix:
+            mixed.forward([Row(r.slot, 0, prefix)])
+    out = mixed.forward(rows, last_only=last_only, capture_layers=CAPTURE)
+    wants_last = [last_only or r.last_only for r in rows]
+    num_logits = [1 if last else len(r.tokens) for r, last in zip(rows, wants_last)]
+    assert out.logits.shape[:2] == (len(rows), max(num_logits))
+    assert out.hidden.shape[:2] == (len(rows), max(len(r.tokens) for r in rows))
+    for i, (r, prefix, last) in enumerate(zip(rows, prefixes, wants_last)):
+        # alone: the whole sequence in one causal forward from position 0
+        n, end = len(r.tokens), r.start + len(r.tokens)
+        expected = whole.forward([Row(r.slot, 0, prefix + r.tokens)], capture_layers=CAPTURE)
+        logits = out.logits[i, :1] if last else out.logits[i, :n]
+        want = expected.logits[0, end - 1 : end] if last else expected.logits[0, r.start :]
+        torch.testing.assert_close(logits, want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            out.hidden[i, :n], expected.hidden[0, r.start :], atol=1e-5, rtol=1e-5
+        )
+        for got, want in zip(cached(mixed, r.slot, end), cached(whole, r.slot, end)):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("batch_single_tokens", [True, False])
+def test_a_forward_costs_its_real_tokens(model, batch_single_tokens):
+    r = runner(model, batch_single_tokens)
+    for slot in range(4):
+        r.forward([Row(slot, 0, list(range(10, 30)))])
+    seen = []
+    hooks = [
+        model.model.layers[0].mlp.register_forward_hook(
+            lambda m, args, out: seen.append(("mlp", args[0].shape[:-1].numel()))
+        ),
+        model.lm_head.register_forward_hook(
+            lambda m, args, out: seen.append(("lm_head", args[0].shape[:-1].numel()))
+        ),
+    ]
+    try:
+        block, decoding = Row(0, 20, list(range(16))), [Row(s, 20, [7]) for s in (1, 2, 3)]
+        r.forward([decoding[0], block, *decoding[1:]])
+        r.forward([decoding[0], block, *decoding[1:]], last_only=True)
+        prompt = Row(4, 0, list(range(40)), last_only=True)
+        r.forward([prompt, *decoding], last_only=True)
+        r.forward([decoding[0], prompt, block])
+    finally:
+        for h in hooks:
+            h.remove()
+    verify, verify_last, prefill_and_decode, mixed = seen[0:2], seen[2:4], seen[4:6], seen[6:8]
+    assert verify == [("mlp", 19), ("lm_head", 19)]  # 16 + 3 tokens, not 4 x 16
+    assert verify_last == [("mlp", 19), ("lm_head", 4)]
+    assert prefill_and_decode == [("mlp", 43), ("lm_head", 4)]
+    assert mixed == [("mlp", 57), ("lm_head", 18)]  # the prompt's last token, not its 40
