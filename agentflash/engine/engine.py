@@ -182,79 +182,82 @@ class Engine:
 
     @torch.inference_mode()
     def step(self) -> list[StepOutput]:
-        """One scheduling decision and one target forward; returns the tokens it produced."""
-        self._drain_inbox()
-        batch, is_prefill = self.scheduler.schedule()
-        if not batch:
-            return []
-        if is_prefill:
-            return self._prefill(batch)
-        return self._decode(batch)
+        """One scheduling decision and one target forward; returns the tokens it produced.
 
-    def _prefill(self, batch: list[Request]) -> list[StepOutput]:
-        """One forward over the prompts of newly admitted requests; each samples its first token."""
-        drafting = [self.drafter is not None and r.params.speculation is not Speculation.OFF
-                    for r in batch]
-        rows = [Row(r.slot, 0, r.uncached_ids()) for r in batch]
-        out = self.runner.forward(rows, last_only=True, capture_layers=self._capture(any(drafting)))
-        outputs = []
-        for i, (req, row, speculative) in enumerate(zip(batch, rows, drafting)):
-            req.num_cached = len(row.tokens)
-            if speculative:
+        The forward holds every decoding request's verify row (its last token, then its draft or
+        forced run) and the prompts of newly admitted requests, each row at its own offset.
+        """
+        self._drain_inbox()
+        admitted, decoding = self.scheduler.schedule()
+        if not admitted and not decoding:
+            return []
+        t0 = time.perf_counter()
+        kinds = {r.id: r.segments.kind for r in decoding}
+        speculating = [r for r in decoding if self._wants_dflash(r, kinds[r.id], len(decoding))]
+        routed = {r.id for r in speculating}
+        drafts = self._draft(speculating, kinds)
+        drafts.update(self._forced_runs([r for r in decoding if r.id not in drafts]))
+        for req in admitted:
+            if self.drafter is not None and req.params.speculation is not Speculation.OFF:
                 req.stats.mode = req.params.speculation.value
                 req.draft_context = self.drafter.new_context()
-                req.pending_hidden.append(out.hidden[i, : len(row.tokens)])
-            logits = out.logits[i, -1]
-            if req.constraint is not None:
-                apply_bitmask_(logits, req.constraint.bitmask())
-            token = sample(logits, req.params.temperature, req.params.top_p, req.generator)
-            committed = self._commit(req, [token])
-            mode = "dflash" if speculative else "plain"
-            self._track(req, req.segments.kind, mode, committed, 0)
-            outputs.append(StepOutput(req, committed))
+        rows = [Row(r.slot, r.num_cached, r.uncached_ids() + drafts[r.id].tokens) for r in decoding]
+        rows += [Row(r.slot, 0, r.uncached_ids(), last_only=True) for r in admitted]
+        tracked = any(r.draft_context is not None for r in decoding + admitted)
+        out = self.runner.forward(rows, capture_layers=self._capture(tracked))
+        self._mask_verify_logits(decoding, drafts, out.logits)
+        outputs = [
+            self._settle(req, i, drafts[req.id], out, kinds[req.id], req.id in routed)
+            for i, req in enumerate(decoding)
+        ]
+        outputs += [
+            self._first_token(req, len(decoding) + i, rows[len(decoding) + i], out)
+            for i, req in enumerate(admitted)
+        ]
+        if decoding and not admitted:  # prompts would blur what a decode step costs
+            mode = "dflash" if any(d.drafted for d in drafts.values()) else "plain"
+            self.cost.observe_step(mode, len(decoding), time.perf_counter() - t0)
         return outputs
+
+    def _first_token(self, req: Request, i: int, row: Row, out) -> StepOutput:
+        """A newly admitted request after its prompt's forward: its first token."""
+        req.num_cached = len(row.tokens)
+        if req.draft_context is not None:
+            req.pending_hidden.append(out.hidden[i, : len(row.tokens)])
+        logits = out.logits[i, 0]  # a last_only row's one row of logits
+        if req.constraint is not None:
+            apply_bitmask_(logits, req.constraint.bitmask())
+        token = sample(logits, req.params.temperature, req.params.top_p, req.generator)
+        committed = self._commit(req, [token])
+        mode = "dflash" if req.draft_context is not None else "plain"
+        self._track(req, req.segments.kind, mode, committed, 0)
+        return StepOutput(req, committed)
+
+    def _settle(
+        self, req: Request, i: int, draft: BlockDraft, out, kind: SegmentKind, routed: bool
+    ) -> StepOutput:
+        """A decoding request after the verify forward: accept a prefix of its draft, commit it
+        with the target's next token, and keep the hidden states its drafter will need."""
+        logits = out.logits[i, : len(draft.tokens) + 1]  # [T+1, V]: row j predicts after slot j
+        num_accepted, bonus = accept(
+            torch.tensor(draft.tokens, dtype=torch.long), logits, req.params, req.generator
+        )
+        req.stats.target_forwards += 1
+        req.num_cached += 1 + num_accepted
+        committed = self._commit(req, draft.tokens[:num_accepted] + [bonus])
+        if draft.drafted:
+            self.cost.observe_tau(req.routing, kind, num_accepted + 1)
+        self._track(req, kind, "dflash" if routed else "plain", committed, 1, draft, num_accepted)
+        if req.draft_context is not None and not req.is_finished:
+            # projected into the drafter's context when the request next drafts
+            req.pending_hidden.append(out.hidden[i, : 1 + num_accepted])
+        return StepOutput(req, committed)
 
     def _commit(self, req: Request, tokens: list[int]) -> list[int]:
         committed = self.append_tokens(req, tokens)
         if req.constraint is not None:
             req.constraint.advance(committed)
         return committed
-
-    def _decode(self, batch: list[Request]) -> list[StepOutput]:
-        """One verify forward for every running request: drafted blocks and single tokens together."""  # noqa: E501
-        t0 = time.perf_counter()
-        kinds = {r.id: r.segments.kind for r in batch}
-        speculating = [r for r in batch if self._wants_dflash(r, kinds[r.id], len(batch))]
-        routed = {r.id for r in speculating}
-        drafts = self._draft(speculating, kinds)
-        drafts.update(self._forced_runs([r for r in batch if r.id not in drafts]))
-        rows = [Row(r.slot, r.num_cached, r.uncached_ids() + drafts[r.id].tokens) for r in batch]
-        tracked = any(r.draft_context is not None for r in batch)
-        out = self.runner.forward(rows, capture_layers=self._capture(tracked))
-        self._mask_verify_logits(batch, drafts, out.logits)
-        outputs = []
-        for i, req in enumerate(batch):
-            draft = drafts[req.id]
-            logits = out.logits[i, : len(draft.tokens) + 1]  # [T+1, V]: row j predicts after slot j
-            num_accepted, bonus = accept(
-                torch.tensor(draft.tokens, dtype=torch.long), logits, req.params, req.generator
-            )
-            req.stats.target_forwards += 1
-            req.num_cached += 1 + num_accepted
-            committed = self._commit(req, draft.tokens[:num_accepted] + [bonus])
-            outputs.append(StepOutput(req, committed))
-            if draft.drafted:
-                self.cost.observe_tau(req.routing, kinds[req.id], num_accepted + 1)
-            mode = "dflash" if req.id in routed else "plain"
-            self._track(req, kinds[req.id], mode, committed, 1, draft, num_accepted)
-            if req.draft_context is not None and not req.is_finished:
-                # projected into the drafter's context when the request next drafts
-                req.pending_hidden.append(out.hidden[i, : 1 + num_accepted])
-        drafted = any(d.drafted for d in drafts.values())
-        self.cost.observe_step(
-            "dflash" if drafted else "plain", len(batch), time.perf_counter() - t0
-        )
-        return outputs
 
     def _mask_verify_logits(
         self, batch: list[Request], drafts: dict[int, BlockDraft], logits: torch.Tensor

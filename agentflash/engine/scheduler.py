@@ -1,4 +1,4 @@
-"""Which requests run in the next step: admission under limits, prefill first, then decode."""
+"""Which requests run in the next step: new prompts admitted under limits, beside decoding ones."""
 
 from __future__ import annotations
 
@@ -31,12 +31,13 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> tuple[list[Request], bool]:
-        """The batch of this step and whether it is a prefill.
+    def schedule(self) -> tuple[list[Request], list[Request]]:
+        """This step's newly admitted requests (their prompts) and the requests already decoding.
 
-        Waiting requests are admitted together, as many as slots allow and as long as their
-        padded prompts stay within ``max_prefill_tokens``; otherwise every running request decodes.
+        Both share the step's one forward. Waiting requests are admitted while slots allow and
+        their padded prompts stay within ``max_prefill_tokens``.
         """
+        decoding = list(self.running)
         admitted: list[Request] = []
         longest = 0
         while self.waiting and self.cache.num_free and len(self.running) < self.cfg.max_running:
@@ -48,9 +49,7 @@ class Scheduler:
             req.status = Status.RUNNING
             self.running.append(req)
             admitted.append(req)
-        if admitted:
-            return admitted, True
-        return list(self.running), False
+        return admitted, decoding
 
     def finish(self, req: Request) -> None:
         """Free a finished or cancelled request's slot."""
