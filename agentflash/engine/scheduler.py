@@ -15,7 +15,7 @@ class SchedulerConfig:
 
     max_running: int = 8  # requests decoding at once (each holds one cache slot)
     max_len: int = 2048  # prompt + output tokens of one request (one cache slot)
-    max_prefill_tokens: int = 4096  # padded prompt tokens admitted together in one forward
+    max_prefill_tokens: int = 4096  # prompt tokens admitted together into one forward
 
 
 class Scheduler:
@@ -35,14 +35,14 @@ class Scheduler:
         """This step's newly admitted requests (their prompts) and the requests already decoding.
 
         Both share the step's one forward. Waiting requests are admitted while slots allow and
-        their padded prompts stay within ``max_prefill_tokens``.
+        their prompts (packed, so their tokens add up) stay within ``max_prefill_tokens``.
         """
         decoding = list(self.running)
         admitted: list[Request] = []
-        longest = 0
+        tokens = 0
         while self.waiting and self.cache.num_free and len(self.running) < self.cfg.max_running:
-            longest = max(longest, len(self.waiting[0].prompt_ids))
-            if admitted and longest * (len(admitted) + 1) > self.cfg.max_prefill_tokens:
+            tokens += len(self.waiting[0].prompt_ids)
+            if admitted and tokens > self.cfg.max_prefill_tokens:
                 break
             req = self.waiting.popleft()
             req.slot = self.cache.allocate()
