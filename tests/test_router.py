@@ -1,11 +1,12 @@
 """The segment router: kinds switch inside one generation, the cost model decides per step,
 and per-request overrides are obeyed."""
 
+import numpy as np
 import pytest
 from conftest import tiny_dflash_engine
 
 from agentflash.engine.request import SamplingParams
-from agentflash.router.policy import CostModel, RequestRouting
+from agentflash.router.policy import Candidate, CostModel, RequestRouting, StepShape
 from agentflash.router.segments import SegmentKind, SegmentTracker
 
 
@@ -63,26 +64,60 @@ def test_recorded_segments_merge_same_kind_and_mode():
     ]
 
 
+def choose(cost, routing, kind, rows=1, slots=15):
+    return cost.plan(rows, [Candidate(routing, kind, slots)])[0]
+
+
 def test_cost_model_follows_measurements_and_probes_plain_kinds():
     cost, routing = CostModel(probe_every=4), RequestRouting()
-    assert cost.choose_dflash(routing, SegmentKind.TOOL_CALL, 1)  # prior: predictable
+    assert choose(cost, routing, SegmentKind.TOOL_CALL)  # prior: predictable
     for _ in range(20):
         cost.observe_tau(routing, SegmentKind.PROSE, 1)  # drafts keep failing on prose
-    cost.observe_step("dflash", 1, 0.018)
-    cost.observe_step("plain", 1, 0.010)
-    decisions = [cost.choose_dflash(routing, SegmentKind.PROSE, 1) for _ in range(8)]
+    decisions = [choose(cost, routing, SegmentKind.PROSE) for _ in range(8)]
     assert decisions == [False, False, False, True] * 2  # plain, with a probe every 4th step
     for _ in range(10):
         cost.observe_tau(routing, SegmentKind.PROSE, 8)  # the prose became predictable
-    assert cost.choose_dflash(routing, SegmentKind.PROSE, 1)
+    assert choose(cost, routing, SegmentKind.PROSE)
 
 
-def test_verify_cost_ratio_is_per_batch_size():
-    cost = CostModel(alpha=1.0)
-    cost.observe_step("dflash", 8, 0.08)
-    cost.observe_step("plain", 8, 0.02)
-    assert cost.verify_cost_ratio(7) == pytest.approx(4.0)
-    assert cost.verify_cost_ratio(1) == pytest.approx(1.8)  # nothing measured yet: the prior
+TRUE_COST = np.array([2e-3, 0.15e-3, 1.5e-3, 0.06e-3])  # fixed, per token, drafter, per slot
+
+
+def test_step_cost_is_fitted_from_measured_steps():
+    cost = CostModel()
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        rows, drafted = int(rng.integers(1, 9)), int(rng.integers(0, 3))
+        slots = drafted * int(rng.integers(3, 16))
+        shape = StepShape(tokens=rows + slots, drafted_rows=drafted, draft_slots=slots)
+        cost.observe_step(shape, float(TRUE_COST @ shape.features()))
+    assert cost.step_cost() == pytest.approx(TRUE_COST, rel=0.15)  # the prior pulls a little
+    plain = TRUE_COST[0] + TRUE_COST[1]
+    spec = plain + TRUE_COST[2] + 15 * (TRUE_COST[1] + TRUE_COST[3])
+    assert cost.verify_cost_ratio(15) == pytest.approx(spec / plain, rel=0.05)
+
+
+def test_a_draft_must_pay_for_the_time_it_adds_to_every_row_of_the_step():
+    cost = CostModel()
+    for rows in (1, 2, 4, 8) * 20:
+        for shape in (StepShape(rows, 0, 0), StepShape(rows + 15, 1, 15)):
+            cost.observe_step(shape, float(TRUE_COST @ shape.features()))
+    routing = RequestRouting()
+    for _ in range(10):
+        cost.observe_tau(routing, SegmentKind.TOOL_CALL, 4)
+    # alone, 3 more tokens per step beat the 2.2x longer step; beside 7 plain rows they do not
+    assert choose(cost, routing, SegmentKind.TOOL_CALL, rows=1)
+    assert not choose(cost, routing, SegmentKind.TOOL_CALL, rows=8)
+    # of two candidates the more predictable one drafts first and pays the drafter's fixed cost
+    sure, unsure = RequestRouting(), RequestRouting()
+    for _ in range(10):
+        cost.observe_tau(sure, SegmentKind.MATH, 9)
+        cost.observe_tau(unsure, SegmentKind.PROSE, 2)
+    plan = cost.plan(2, [Candidate(unsure, SegmentKind.PROSE, 15),
+                         Candidate(sure, SegmentKind.MATH, 15)])
+    assert plan == [False, True]
+    # a request that asked for DFlash drafts whatever the cost
+    assert cost.plan(8, [Candidate(unsure, SegmentKind.PROSE, 15, forced=True)]) == [True]
 
 
 def test_overrides_are_obeyed(tiny_model_dir):

@@ -193,7 +193,7 @@ class Engine:
             return []
         t0 = time.perf_counter()
         kinds = {r.id: r.segments.kind for r in decoding}
-        speculating = [r for r in decoding if self._wants_dflash(r, kinds[r.id], len(decoding))]
+        speculating = self._route(decoding, kinds)
         routed = {r.id for r in speculating}
         drafts = self._draft(speculating, kinds)
         drafts.update(self._forced_runs([r for r in decoding if r.id not in drafts]))
@@ -215,8 +215,13 @@ class Engine:
             for i, req in enumerate(admitted)
         ]
         if decoding and not admitted:  # prompts would blur what a decode step costs
-            mode = "dflash" if any(d.drafted for d in drafts.values()) else "plain"
-            self.cost.observe_step(mode, len(decoding), time.perf_counter() - t0)
+            drafted = [d for d in drafts.values() if d.drafted]
+            shape = StepShape(
+                tokens=sum(len(r.tokens) for r in rows),
+                drafted_rows=len(drafted),
+                draft_slots=sum(len(d.tokens) - d.forced for d in drafted),
+            )
+            self.cost.observe_step(shape, time.perf_counter() - t0)
         return outputs
 
     def _first_token(self, req: Request, i: int, row: Row, out) -> StepOutput:
@@ -274,12 +279,20 @@ class Engine:
         for i, mask in zip(rows, masks):
             apply_bitmask_(logits[i, : mask.shape[0]], mask)
 
-    def _wants_dflash(self, req: Request, kind: SegmentKind, batch_size: int) -> bool:
-        if req.draft_context is None:
-            return False
-        if req.params.speculation is Speculation.DFLASH:
-            return True
-        return self.cost.choose_dflash(req.routing, kind, batch_size)
+    def _route(self, decoding: list[Request], kinds: dict[int, SegmentKind]) -> list[Request]:
+        """The rows that draft this step: those that asked for DFlash, and those the router
+        expects to commit more tokens per second of the shared step by drafting."""
+        able = [r for r in decoding if r.draft_context is not None and self._draft_len(
+            r, kinds[r.id]) > 0]
+        if not able:
+            return []
+        candidates = [
+            Candidate(r.routing, kinds[r.id], self._draft_len(r, kinds[r.id]),
+                      forced=r.params.speculation is Speculation.DFLASH)
+            for r in able
+        ]
+        chosen = self.cost.plan(len(decoding), candidates)
+        return [r for r, yes in zip(able, chosen) if yes]
 
     def _track(
         self,

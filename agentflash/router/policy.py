@@ -5,18 +5,25 @@ The choice is a cost model fed by what the engine measures while it runs:
 - tau per segment kind and per request (tokens committed per verify step under DFlash), as
   exponential moving averages, the request's own estimate taking over once it has seen a few
   steps of that kind;
-- the wall time of a verify step (draft + block forward) and of a plain step, per batch size, as
-  moving averages.
+- the wall time of a decode step as a linear function of its shape, fitted online (least squares
+  with forgetting, pulled towards a prior): a fixed cost, a cost per verified token, the drafter's
+  fixed cost when any row drafts, and a cost per drafted slot.
 
-DFlash is chosen when ``tau / t_dflash > 1 / t_plain``, i.e. when it commits more tokens per
-second. A kind routed to plain decoding is still probed with DFlash now and then, so that its
-tau estimate follows the text being written.
+A step's rows share its time. Drafting a block of ``k`` slots for one row adds
+``dt = k * (per token + per slot)`` (plus the drafter's fixed cost for the first row that drafts)
+and gains that row ``tau - 1`` tokens; the step commits more tokens per second exactly when
+``(tau - 1) / dt > committed / t``, the rate of the step without it. So one request alone
+speculates when ``tau`` beats the verify-to-plain cost ratio, and in a wide batch only the rows
+whose drafts pay for the time they add to every other row's step do. A kind routed to plain
+decoding is still probed with DFlash now and then, so that its tau estimate follows the text.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from agentflash.router.segments import SegmentKind
 
@@ -28,9 +35,21 @@ PRIOR_TAU = {
     SegmentKind.MATH: 4.0,
     SegmentKind.PROSE: 2.0,
 }
-PRIOR_VERIFY_COST = (
-    1.8  # a 16-token block forward against a one-token forward (measured range 1.5-1.9)
-)
+# Step cost per feature, in units of a one-token plain step (measured on the demo model's CPU:
+# a 16-token block forward costs 1.5-1.9 one-token forwards, the drafter about 0.6-1).
+PRIOR_COST = np.array([0.9, 0.06, 0.7, 0.03])  # fixed, per verified token, drafter, per slot
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What a decode step computed: the features its wall time is fitted on."""
+
+    tokens: int  # verified tokens over every row (a plain row verifies one)
+    drafted_rows: int  # rows the drafter ran for
+    draft_slots: int  # drafted slots over those rows
+
+    def features(self) -> np.ndarray:
+        return np.array([1.0, self.tokens, float(self.drafted_rows > 0), self.draft_slots])
 
 
 def _ema(old: float | None, new: float, weight: float) -> float:
@@ -47,13 +66,27 @@ class RequestRouting:
 
 
 @dataclass
+class Candidate:
+    """A row that may draft this step: its routing state, segment kind and draft length."""
+
+    routing: RequestRouting
+    kind: SegmentKind
+    slots: int  # draft tokens it would verify (block size - 1)
+    forced: bool = False  # the request asked for DFlash: it drafts whatever the cost
+
+
+@dataclass
 class CostModel:
     """Measured speeds, shared by every request of one engine."""
 
-    alpha: float = 0.2  # weight of a new measurement in the moving averages
+    alpha: float = 0.2  # weight of a new tau measurement in the moving averages
     probe_every: int = 16  # plain steps between DFlash probes of a kind routed to plain
+    forget: float = 0.97  # weight of older step measurements, per new one
+    prior_weight: float = 2.0  # how many steps' worth of evidence the prior cost counts for
     tau: dict[SegmentKind, float] = field(default_factory=lambda: dict(PRIOR_TAU))
-    step_time: dict[tuple[str, int], float] = field(default_factory=dict)  # (mode, batch bucket)
+    _gram: np.ndarray = field(default_factory=lambda: np.zeros((4, 4)))
+    _moment: np.ndarray = field(default_factory=lambda: np.zeros(4))
+    _unit: float | None = None  # seconds of a one-token plain step, from the first measurement
 
     # --- measurements --------------------------------------------------------------------
 
@@ -63,9 +96,24 @@ class CostModel:
         routing.tau[kind] = _ema(routing.tau.get(kind), committed, 0.3)
         routing.steps[kind] = routing.steps.get(kind, 0) + 1
 
-    def observe_step(self, mode: str, batch_size: int, seconds: float) -> None:
-        key = (mode, _bucket(batch_size))
-        self.step_time[key] = _ema(self.step_time.get(key), seconds, self.alpha)
+    def observe_step(self, shape: StepShape, seconds: float) -> None:
+        """A decode step of ``shape`` took ``seconds``."""
+        x = shape.features()
+        if self._unit is None:
+            self._unit = seconds / float(PRIOR_COST @ x)
+        self._gram = self.forget * self._gram + np.outer(x, x)
+        self._moment = self.forget * self._moment + x * seconds
+
+    def step_cost(self) -> np.ndarray:
+        """Fitted seconds per feature: fixed, per verified token, drafter, per drafted slot."""
+        unit = self._unit if self._unit is not None else 1.0
+        prior = PRIOR_COST * unit
+        # ridge regression towards the prior: the prior counts as ``prior_weight`` steps of
+        # evidence per feature, so an unmeasured feature (the drafter, before any row drafted)
+        # keeps its prior cost
+        reg = self.prior_weight * np.diag([1.0, 16.0**2, 1.0, 16.0**2])
+        cost = np.linalg.solve(self._gram + reg, self._moment + reg @ prior)
+        return np.maximum(cost, 0.05 * prior)  # noise must not make a feature free
 
     # --- decisions -------------------------------------------------------------------------
 
@@ -77,32 +125,45 @@ class CostModel:
         trust = min(1.0, seen / 4)
         return trust * own + (1 - trust) * shared
 
-    def verify_cost_ratio(self, batch_size: int) -> float:
-        """Wall time of a DFlash step over a plain step at this batch size."""
-        b = _bucket(batch_size)
-        spec, plain = self.step_time.get(("dflash", b)), self.step_time.get(("plain", b))
-        if spec is None or plain is None:
-            return PRIOR_VERIFY_COST
-        return spec / plain
+    def verify_cost_ratio(self, slots: int = 15) -> float:
+        """Predicted wall time of a one-row DFlash step of ``slots`` drafts over a plain step."""
+        c = self.step_cost()
+        plain = c[0] + c[1]
+        return (plain + c[2] + slots * (c[1] + c[3])) / plain
 
-    def choose_dflash(self, routing: RequestRouting, kind: SegmentKind, batch_size: int) -> bool:
-        if self.expected_tau(routing, kind) > self.verify_cost_ratio(batch_size):
-            routing.since_probe = 0
-            return True
-        routing.since_probe += 1
-        # one probe per ``probe_every`` batch steps, whatever the number of requests in the batch
-        if routing.since_probe >= self.probe_every * max(1, batch_size):
-            routing.since_probe = 0
-            return True
-        return False
+    def plan(self, rows: int, candidates: list[Candidate]) -> list[bool]:
+        """Which candidates draft this step, in a step of ``rows`` decoding rows.
+
+        Best expected tau first: a draft is taken when the tokens it adds per second of step time
+        it adds beat the rate of the step without it; the first draft also pays the drafter's
+        fixed cost. A candidate left out counts towards its next probe.
+        """
+        c = self.step_cost()
+        seconds = c[0] + rows * c[1]  # the step with every row plain
+        tokens = float(rows)
+        taus = [self.expected_tau(x.routing, x.kind) for x in candidates]
+        chosen = [False] * len(candidates)
+        drafting = False
+        order = sorted(range(len(candidates)), key=lambda i: (not candidates[i].forced, -taus[i]))
+        for i in order:
+            x = candidates[i]
+            added = x.slots * (c[1] + c[3]) + (0.0 if drafting else c[2])
+            gain = min(taus[i], x.slots + 1) - 1
+            if x.forced or gain * seconds > tokens * added:
+                chosen[i], drafting = True, True
+                seconds, tokens = seconds + added, tokens + gain
+                x.routing.since_probe = 0
+                continue
+            x.routing.since_probe += 1
+            # one probe per ``probe_every`` steps of the batch, whatever the number of rows
+            if x.routing.since_probe >= self.probe_every * max(1, rows):
+                chosen[i], drafting = True, True
+                seconds, tokens = seconds + added, tokens + gain
+                x.routing.since_probe = 0
+        return chosen
 
     def block_size(self, routing: RequestRouting, kind: SegmentKind, max_block: int) -> int:
         """Block to draft: about twice the expected tau (short blocks where drafts fail early,
         since every slot costs verify and draft compute), between 4 and ``max_block``."""
         tau = self.expected_tau(routing, kind)
         return max(min(4, max_block), min(max_block, 2 * math.ceil(tau) + 2))
-
-
-def _bucket(batch_size: int) -> int:
-    """Batch sizes grouped by powers of two: 1, 2, 4, 8, ..."""
-    return 1 << (max(1, batch_size) - 1).bit_length()
