@@ -20,7 +20,7 @@ from agentflash.engine.scheduler import Scheduler, SchedulerConfig
 from agentflash.errors import UserError
 from agentflash.grammar.constraint import apply_bitmask_
 from agentflash.grammar.sources import GrammarKind
-from agentflash.router.policy import CostModel
+from agentflash.router.policy import Candidate, CostModel, StepShape
 from agentflash.router.segments import SegmentKind
 from agentflash.tool_format import parse_tool_calls
 
