@@ -20,9 +20,10 @@ from agentflash.backends.base import (
     ToolCallReady,
     ToolChoice,
 )
-from agentflash.backends.local import HermesStreamParser, LocalBackend
+from agentflash.backends.local import EngineFailed, HermesStreamParser, LocalBackend
 from agentflash.backends.scripted import ScriptedBackend, ScriptedTurn, tool_call_text
 from agentflash.errors import UserError
+from agentflash.runtime.errors import RunError
 
 REPLY = ('Checking both.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", '
          '"note": "a } and a \\" inside", "days": [1, {"x": 2}]}}\n</tool_call>\n'
@@ -187,6 +188,27 @@ def test_local_backend_hides_tools_under_tool_choice_none(tiny_model_dir):
             return seen
 
     assert anyio.run(prompts) == [tools, []]
+
+
+def test_local_backend_raises_when_the_engine_fails_a_turn(tiny_model_dir):
+    request = ModelRequest([{"role": "user", "content": "hi"}], decoding=Decoding(max_tokens=4))
+
+    async def main():
+        async with LocalBackend(tiny_model_dir) as backend:
+            runner = backend._engine.runner
+            forward = runner.forward
+
+            def fails_once(*args, **kwargs):
+                runner.forward = forward
+                raise RuntimeError("injected engine failure")
+
+            runner.forward = fails_once  # the turn's prefill raises
+            with pytest.raises(EngineFailed, match="injected engine failure") as info:
+                await collect(backend, request)
+            assert isinstance(info.value, RunError)  # the run stops with it
+            return await collect(backend, request)  # the next turn runs as usual
+
+    assert isinstance(anyio.run(main)[-1], ModelFinish)
 
 
 @pytest.fixture(scope="module")

@@ -141,3 +141,16 @@ def test_async_streams_many_requests_and_cancels_one(engine):
         assert tokens == exp.token_ids == result.token_ids
         assert text == exp.text
     assert engine.cache.num_free == engine.cache.num_slots
+
+
+def test_fail_finishes_a_request_with_its_message_and_frees_its_slot(engine):
+    running = engine.submit(prompts(engine, 1)[0], SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.step()  # its prefill: it holds a slot now
+    queued = engine.submit([11, 12, 13], SamplingParams(max_tokens=5))  # not drained yet
+    for req in (running, queued):
+        engine.fail(req, "boom")
+    assert engine.step() == [] and not engine.has_work
+    assert engine.cache.num_free == engine.cache.num_slots
+    result = engine.result(running)
+    assert (result.finish_reason, result.error, len(result.token_ids)) == ("error", "boom", 1)
+    assert result.to_dict()["error"] == "boom" and engine.result(queued).token_ids == []

@@ -394,7 +394,8 @@ def test_responses_do_not_wait_for_delayed_acks(url):
     assert sorted(times)[len(times) // 2] < 0.035, times
 
 
-def test_an_engine_that_fails_ends_requests_with_503_not_a_hang(tiny_model_dir):
+def test_a_failing_engine_step_ends_its_requests_with_500_and_the_server_serves_on(
+        tiny_model_dir):
     engine = Engine.from_pretrained(str(tiny_model_dir), EngineConfig(max_len=1024))
     endless = {"type": "object", "properties": {"s": {"type": "string", "minLength": 9000}},
                "required": ["s"]}
@@ -414,18 +415,22 @@ def test_an_engine_that_fails_ends_requests_with_503_not_a_hang(tiny_model_dir):
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             running = [pool.submit(plain), pool.submit(streamed)]
             deadline = time.monotonic() + 30
-            while not engine.has_work and time.monotonic() < deadline:
+            while len(engine.scheduler.running) < 2 and time.monotonic() < deadline:
                 time.sleep(0.005)
+            forward = engine.runner.forward
 
-            def broken_step():
+            def fails_once(*args, **kwargs):
+                engine.runner.forward = forward
                 raise RuntimeError("injected engine failure")
 
-            engine.step = broken_step  # the engine's next step raises
+            engine.runner.forward = fails_once  # the next step raises, with both requests in it
             for future in running:
                 future.result(timeout=60)
-        assert assert_error(replies["plain"], 503)["code"] == "engine_stopped"
-        assert json.loads(replies["stream"][-1].removeprefix("data: "))["error"]["code"] == \
-            "engine_stopped"
+        error = assert_error(replies["plain"], 500)
+        assert error["code"] == "engine_error" and "injected engine failure" in error["message"]
+        event = json.loads(replies["stream"][-1].removeprefix("data: "))
+        assert event["error"]["code"] == "engine_error"
         health = httpx.get(url.removesuffix("/v1") + "/health")
-        assert health.status_code == 503 and health.json()["requests_in_flight"] == 0
-        assert_error(post(url, json.dumps({**body, "max_tokens": 2})), 503)
+        assert health.status_code == 200 and health.json()["requests_in_flight"] == 0
+        reply = post(url, json.dumps({**body, "max_tokens": 2}))
+        assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 2

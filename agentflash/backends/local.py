@@ -18,8 +18,6 @@ from contextlib import aclosing
 from pathlib import Path
 from typing import Any
 
-import anyio
-
 from agentflash.backends.base import (
     Backend,
     ForceTool,
@@ -36,6 +34,7 @@ from agentflash.backends.base import (
     ToolChoice,
 )
 from agentflash.errors import UserError
+from agentflash.runtime.errors import RunError
 from agentflash.tool_format import CLOSE, OPEN
 
 # ``{"name": "<name>", "arguments": `` at the start of a call body: from here on the arguments
@@ -230,6 +229,10 @@ def check_drafter(drafter: str) -> str:
     return drafter
 
 
+class EngineFailed(RunError):
+    """The embedded engine failed a turn (the log has its traceback)."""
+
+
 class LocalBackend(Backend):
     """The embedded engine. ``async with LocalBackend("demo") as backend:`` then hand ``backend``
     to every run that should share the engine.
@@ -251,14 +254,17 @@ class LocalBackend(Backend):
         return cls(spec.resolve(spec.path), drafter=spec.resolve(spec.drafter))
 
     async def __aenter__(self) -> LocalBackend:
-        from agentflash.engine.async_engine import AsyncEngine
+        from agentflash.engine.async_engine import AsyncEngine, run_in_own_thread
         from agentflash.engine.engine import Engine
 
         assert self._aengine is None, "this LocalBackend is already open"
         if self._engine is None:
-            net, tokenizer, model_dir, draft = await anyio.to_thread.run_sync(
-                load_weights, self.model, self.drafter)
-            self._engine = Engine(net, tokenizer, model_dir=model_dir, drafter=draft)
+
+            def build() -> Engine:  # here too: filling the KV cache starts an OpenMP team
+                net, tokenizer, model_dir, draft = load_weights(self.model, self.drafter)
+                return Engine(net, tokenizer, model_dir=model_dir, drafter=draft)
+
+            self._engine = await run_in_own_thread(build)
         self._aengine = AsyncEngine(self._engine)
         await self._aengine.__aenter__()
         return self
@@ -271,6 +277,7 @@ class LocalBackend(Backend):
 
     async def stream(self, request: ModelRequest) -> AsyncIterator[ModelEvent]:
         from agentflash.engine.async_engine import FinishEvent
+        from agentflash.engine.request import FinishReason
 
         if self._aengine is None:
             raise UserError("open the LocalBackend first: "
@@ -280,6 +287,9 @@ class LocalBackend(Backend):
             async for event in tokens:
                 if isinstance(event, FinishEvent):
                     result = event.result
+                    if result.finish_reason == FinishReason.ERROR.value:
+                        raise EngineFailed(f"{self.model_name}: the engine failed this turn: "
+                                           f"{result.error}")
                     for parsed in parser.close(result.finish_reason):
                         yield parsed
                     yield ModelFinish(result.finish_reason, result.stats)

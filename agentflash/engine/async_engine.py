@@ -1,23 +1,38 @@
 """The engine behind anyio: many tasks submit requests and read their tokens as a stream.
 
-One driver task runs ``Engine.step`` in a worker thread while there is work and hands each step's
-tokens to the streams of their requests, so a stream is fed by the same loop that serves every
-other request sharing the engine.
+An engine thread, owned by the ``AsyncEngine`` from ``__aenter__`` to ``__aexit__``, runs every
+``Engine.step`` while there is work and hands each step's tokens to the event loop, which feeds
+the streams of their requests; the loop itself never runs the model. One thread because torch
+keeps a team of OpenMP workers for every live thread that ran it, and once there are more
+workers than cores they sleep between parallel regions instead of spinning: steps then run about
+twice as slowly on a 2-core machine. For the same reason ``run_in_own_thread`` loads a model in a
+thread that ends with the loading (an anyio worker thread would live on with its team).
+
+A step that raises fails the requests it was running or admitting (finish reason ``error``, the
+traceback in the log); the engine goes on serving the others.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import logging
+import threading
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import anyio
-from anyio.abc import TaskGroup
+import anyio.lowlevel
 from anyio.streams.memory import MemoryObjectSendStream
 
 from agentflash.engine.detokenizer import Detokenizer
-from agentflash.engine.engine import Engine, GenerationResult
+from agentflash.engine.engine import Engine, GenerationResult, StepOutput
 from agentflash.engine.request import Request, SamplingParams
+from agentflash.errors import UserError
+
+log = logging.getLogger("agentflash.engine")
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -30,31 +45,53 @@ class TokenEvent:
 
 @dataclass
 class FinishEvent:
-    """The request is done; ``result`` holds the whole output and its stats."""
+    """The request is done; ``result`` holds the whole output and its stats (``finish_reason``
+    ``error`` with ``result.error`` when the engine failed it)."""
 
     result: GenerationResult
 
 
+@dataclass
+class _Stream:
+    """A request being streamed, and where its events go."""
+
+    req: Request
+    send: MemoryObjectSendStream
+    detok: Detokenizer
+
+
 class AsyncEngine:
-    """Use as ``async with AsyncEngine(engine) as aengine:`` and call ``stream`` from any task."""
+    """Use as ``async with AsyncEngine(engine) as aengine:`` and call ``stream`` from any task
+    of that event loop."""
 
     def __init__(self, engine: Engine):
         self.engine = engine
-        self._streams: dict[int, MemoryObjectSendStream] = {}
-        self._detok: dict[int, Detokenizer] = {}
-        self._wake = anyio.Event()
-        self._tg: TaskGroup | None = None
+        self._streams: dict[int, _Stream] = {}
+        self._wake = threading.Event()  # set when the engine may have work
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._loop_token: anyio.lowlevel.EventLoopToken | None = None
 
     async def __aenter__(self) -> AsyncEngine:
-        self._tg = anyio.create_task_group()
-        await self._tg.__aenter__()
-        self._tg.start_soon(self._drive)
+        assert self._thread is None, "this AsyncEngine is already running"
+        self._loop_token = anyio.lowlevel.current_token()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="agentflash-engine", daemon=True)
+        self._thread.start()
         return self
 
-    async def __aexit__(self, *exc) -> bool | None:
-        assert self._tg is not None
-        self._tg.cancel_scope.cancel()
-        return await self._tg.__aexit__(*exc)
+    async def __aexit__(self, *exc: object) -> None:
+        """Stops the engine thread after its current step; requests still open fail."""
+        thread, self._thread = self._thread, None
+        assert thread is not None, "this AsyncEngine is not running"
+        self._stopping = True
+        self._wake.set()
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(thread.join)
+        for stream in list(self._streams.values()):  # the engine thread is gone: safe here
+            if not stream.req.is_finished:
+                self.engine.fail(stream.req, "the engine stopped before the request finished")
+                self._publish(stream.req, [])
 
     async def stream(
         self, prompt_ids: list[int], params: SamplingParams
@@ -63,12 +100,14 @@ class AsyncEngine:
 
         Leaving the iteration early (or being cancelled) cancels the request in the engine.
         """
+        if self._thread is None:
+            raise UserError("the AsyncEngine is not running: stream inside "
+                            "`async with AsyncEngine(engine) as aengine:`")
         send, receive = anyio.create_memory_object_stream[TokenEvent | FinishEvent](
             max_buffer_size=1 << 16
         )
         req = self.engine.submit(prompt_ids, params)
-        self._streams[req.id] = send
-        self._detok[req.id] = Detokenizer(self.engine.tokenizer, params.stop)
+        self._streams[req.id] = _Stream(req, send, Detokenizer(self.engine.tokenizer, params.stop))
         self._wake.set()
         try:
             async with receive:
@@ -79,7 +118,6 @@ class AsyncEngine:
                 self.engine.cancel(req)
                 self._wake.set()
             self._streams.pop(req.id, None)
-            self._detok.pop(req.id, None)
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationResult:
         async for event in self.stream(prompt_ids, params):
@@ -87,30 +125,79 @@ class AsyncEngine:
                 return event.result
         raise AssertionError("stream ended without a FinishEvent")
 
-    async def _drive(self) -> None:
-        while True:
-            await self._wake.wait()
-            self._wake = anyio.Event()
-            while self.engine.has_work:
-                outputs = await anyio.to_thread.run_sync(self.engine.step)
-                for out in outputs:
-                    self._publish(out.request, out.new_ids)
+    # --- the engine thread -----------------------------------------------------------------
+
+    def _run(self) -> None:
+        """Steps while there is work, each step's outputs handed to the loop; sleeps otherwise."""
+        while not self._stopping:
+            self._wake.wait()
+            self._wake.clear()
+            while self.engine.has_work and not self._stopping:
+                outputs = self._step()
+                try:  # waits for the loop: the streams read requests the next step changes
+                    anyio.from_thread.run_sync(self._publish_all, outputs, token=self._loop_token)
+                except anyio.RunFinishedError:
+                    return
+
+    def _step(self) -> list[StepOutput]:
+        """One engine step. If it raises, the requests it was running or admitting (whose state
+        it may have left half-updated) fail, and the outputs say so."""
+        try:
+            return self.engine.step()
+        except Exception as err:
+            log.exception("an engine step failed; failing the requests it was running")
+            scheduler = self.engine.scheduler
+            # None running: the step failed before running any, on the waiting ones (each step
+            # would fail the same way).
+            failed = list(scheduler.running) or list(scheduler.waiting)
+            for req in failed:
+                self.engine.fail(req, f"a step raised {type(err).__name__}: {err}")
+            return [StepOutput(req, []) for req in failed]
+
+    # --- on the event loop -----------------------------------------------------------------
+
+    def _publish_all(self, outputs: list[StepOutput]) -> None:
+        for out in outputs:
+            try:
+                self._publish(out.request, out.new_ids)
+            except Exception:  # a bug in making events: that stream ends, its request is cancelled
+                log.exception("request %d: cannot hand its tokens to its stream", out.request.id)
+                self._streams.pop(out.request.id).send.close()
+                self.engine.cancel(out.request)
 
     def _publish(self, req: Request, new_ids: list[int]) -> None:
-        send = self._streams.get(req.id)
-        if send is None:
+        stream = self._streams.get(req.id)
+        if stream is None:
             return
         if new_ids:
-            text = self._detok[req.id].delta(
-                req.output_ids, final=req.is_finished, cut=req.stop_text_len
-            )
-            send.send_nowait(TokenEvent(new_ids, text))
+            text = stream.detok.delta(req.output_ids, final=req.is_finished, cut=req.stop_text_len)
+            stream.send.send_nowait(TokenEvent(new_ids, text))
         if req.is_finished:
-            send.send_nowait(FinishEvent(self.engine.result(req)))
-            send.close()
+            stream.send.send_nowait(FinishEvent(self.engine.result(req)))
+            stream.send.close()
 
 
 @asynccontextmanager
 async def serving(engine: Engine) -> AsyncIterator[AsyncEngine]:
     async with AsyncEngine(engine) as aengine:
         yield aengine
+
+
+async def run_in_own_thread(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` in a new thread that ends with it: load a model this way before serving it,
+    so that the OpenMP workers torch starts for the loading end too (see the module's doc)."""
+    outcome: list[tuple[bool, Any]] = []
+
+    def target() -> None:
+        try:
+            outcome.append((True, fn(*args)))
+        except BaseException as err:  # re-raised in the caller
+            outcome.append((False, err))
+
+    thread = threading.Thread(target=target, name="agentflash-load", daemon=True)
+    thread.start()
+    await anyio.to_thread.run_sync(thread.join)  # shielded: a half-done load cannot stop
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    return value

@@ -68,16 +68,20 @@ class GenerationResult:
     token_ids: list[int]
     finish_reason: str
     stats: dict[str, Any]
+    error: str | None = None  # why the engine failed the request (finish_reason "error")
 
     def to_dict(self) -> dict[str, Any]:
         calls, _ = parse_tool_calls(self.text)
-        return {
+        out = {
             "text": self.text,
             "token_ids": self.token_ids,
             "tool_calls": [c.to_dict() for c in calls],
             "finish_reason": self.finish_reason,
             "stats": self.stats,
         }
+        if self.error is not None:
+            out["error"] = self.error
+        return out
 
 
 class Engine:
@@ -449,7 +453,7 @@ class Engine:
         if req.stop_text_len is not None:
             text = text[: req.stop_text_len]
         return GenerationResult(
-            text, list(req.output_ids), req.finish_reason.value, request_stats(req)
+            text, list(req.output_ids), req.finish_reason.value, request_stats(req), req.error
         )
 
     def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationResult:
@@ -458,6 +462,18 @@ class Engine:
         while not req.is_finished:
             self.step()
         return self.result(req)
+
+    # --- failures --------------------------------------------------------------------------
+
+    def fail(self, req: Request, message: str) -> None:
+        """Finish ``req`` with ``FinishReason.ERROR`` and free its cache slot; ``message`` (why)
+        goes into its result. Call it on the thread that runs ``step``."""
+        if req.is_finished:
+            return
+        if req in self._inbox:  # not queued yet: it must not be scheduled later
+            self._inbox.remove(req)
+        req.finish_reason, req.error = FinishReason.ERROR, message
+        self._finish(req)
 
 
 def num_slots(cfg, config: EngineConfig, max_len: int, dtype: torch.dtype) -> int:

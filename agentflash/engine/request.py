@@ -73,6 +73,7 @@ class FinishReason(enum.Enum):
     STOP = "stop"  # an end-of-turn token or a stop string
     LENGTH = "length"  # max_tokens reached
     CANCELLED = "cancelled"
+    ERROR = "error"  # the engine failed while running it; ``Request.error`` says how
 
 
 _ids = itertools.count()
@@ -103,6 +104,7 @@ class Request:
         self.slot: int | None = None
         self.num_cached = 0  # tokens whose keys/values are in the cache
         self.stop_text_len: int | None = None  # where a stop string cut the text
+        self.error: str | None = None  # why the engine failed it (``FinishReason.ERROR``)
         self.stats = RequestStats()
         self.draft_context = None  # a DraftContext while the request decodes with DFlash
         self.pending_hidden: list[torch.Tensor] = []  # target hidden states not yet in it

@@ -33,7 +33,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from agentflash.engine.async_engine import AsyncEngine
+from agentflash.engine.async_engine import AsyncEngine, run_in_own_thread
 from agentflash.engine.engine import Engine, EngineConfig
 from agentflash.errors import UserError
 from agentflash.server import protocol
@@ -41,6 +41,7 @@ from agentflash.server.chat import (
     ChatJob,
     Finished,
     ReplyWriter,
+    engine_failure,
     prepare,
     reply_events,
     speculation_stats,
@@ -155,6 +156,9 @@ class Server:
         if result is None:
             self.check_engine()
             return Response(status_code=499)  # the client is gone; nobody reads this
+        failure = engine_failure(result)
+        if failure is not None:
+            raise failure
         return JSONResponse(protocol.completion(
             ident, self.config.name, created, writer.text(), writer.tool_calls(),
             writer.finish_reason(result), usage(result), speculation_stats(result)))
@@ -172,6 +176,10 @@ class Server:
                         yield protocol.sse(protocol.chunk(ident, name, created, delta))
                     continue
                 result = event.result
+                failure = engine_failure(result)
+                if failure is not None:  # the stream ends with the error, as when the engine stops
+                    yield protocol.sse(failure.body())
+                    return
                 yield protocol.sse(protocol.chunk(
                     ident, name, created, {}, writer.finish_reason(result),
                     agentflash=speculation_stats(result)))
@@ -219,7 +227,7 @@ class Server:
     @asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
         if self.engine is None:
-            self.engine = await anyio.to_thread.run_sync(load_engine, self.config)
+            self.engine = await run_in_own_thread(load_engine, self.config)
         self.engine_down = anyio.Event()
         async with AsyncEngine(self.engine) as aengine:
             self.aengine = aengine

@@ -21,7 +21,6 @@ import time
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import aclosing, contextmanager
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import anyio
@@ -52,15 +51,17 @@ def run(model: str = "demo", suites: tuple[str, ...] = ("tool_call", "prose"),
     The paths take turns ``rounds`` times, and each row is the round with the median mean
     latency, so that a slow spell of the machine lands on every path rather than on one."""
     from agentflash.bench import held_out_prompts
+    from agentflash.engine.async_engine import run_in_own_thread
     from agentflash.server.app import ServerConfig, load_engine
 
     if min(num_prompts, max_tokens, rounds) < 1 or not concurrency or min(concurrency) < 1:
         raise UserError("num_prompts, max_tokens, rounds and concurrency levels must be positive")
     config = ServerConfig(model=model, drafter=drafter, max_tokens=max_tokens)
-    # Loaded off the main thread, as the server loads its own: torch work on the main thread
-    # followed by steps in the engine's worker threads runs those steps about half as fast here
-    # (two OpenMP thread teams on two cores), which would flatter the server path.
-    engine = anyio.run(partial(anyio.to_thread.run_sync, load_engine, config))
+    # Loaded as the server loads its own, in a thread that ends with the loading: torch work on
+    # the main thread (which lives on) followed by steps on the engine thread runs those steps
+    # about half as fast here (two OpenMP thread teams on two cores), which would flatter the
+    # server path.
+    engine = anyio.run(run_in_own_thread, load_engine, config)
     bodies = [{"model": config.name, "messages": p.messages, "tools": p.tools or None,
                "max_tokens": max_tokens, "temperature": 0}
               for suite in suites for p in held_out_prompts(suite, num_prompts)]

@@ -28,7 +28,7 @@ from agentflash.backends.base import (
 from agentflash.backends.local import HermesStreamParser
 from agentflash.engine.async_engine import AsyncEngine, FinishEvent
 from agentflash.engine.engine import Engine, GenerationResult
-from agentflash.engine.request import SamplingParams
+from agentflash.engine.request import FinishReason, SamplingParams
 from agentflash.errors import UserError
 from agentflash.grammar import (
     GrammarError,
@@ -288,6 +288,14 @@ class ReplyWriter:
         if result.finish_reason == "length":
             return "length"
         return "tool_calls" if self.complete else "stop"
+
+
+def engine_failure(result: GenerationResult) -> APIError | None:
+    """The 500 of a request the engine failed (finish reason ``error``); None for any other."""
+    if result.finish_reason != FinishReason.ERROR.value:
+        return None
+    return APIError(500, f"the engine failed this request: {result.error} (see the server's log)",
+                    type="server_error", code="engine_error")
 
 
 def usage(result: GenerationResult) -> dict[str, int]:

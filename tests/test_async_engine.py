@@ -1,0 +1,198 @@
+"""The AsyncEngine: steps on its one engine thread, a failing step fails only its requests,
+cancelled and abandoned streams free their slots."""
+
+import logging
+import threading
+import time
+
+import anyio
+import pytest
+
+from agentflash.engine.async_engine import AsyncEngine, FinishEvent, TokenEvent, run_in_own_thread
+from agentflash.engine.engine import Engine, EngineConfig
+from agentflash.engine.request import SamplingParams
+from agentflash.errors import UserError
+
+LONG = SamplingParams(max_tokens=400, ignore_eos=True)
+SHORT = SamplingParams(max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    return Engine.from_pretrained(tiny_model_dir, EngineConfig(max_running=4, max_len=512))
+
+
+def prompt(n: int) -> list[int]:
+    return [100 + 7 * i + n for i in range(5 + n)]
+
+
+async def wait_idle(engine: Engine) -> None:
+    with anyio.fail_after(30):
+        while engine.has_work:
+            await anyio.sleep(0.01)
+
+
+def assert_all_slots_free(engine: Engine) -> None:
+    assert not engine.has_work and engine.cache.num_free == engine.cache.num_slots
+
+
+def test_a_failing_step_fails_its_requests_and_the_engine_serves_on(engine, caplog):
+    # A real failure: a token id past the vocabulary makes the prefill's embedding raise.
+    bad_prompt = [11, 12, engine.model.cfg.vocab_size + 10]
+    expected = engine.generate(prompt(3), SHORT)
+    results = {}
+
+    async def main():
+        async with AsyncEngine(engine) as aengine:
+            decoding = anyio.Event()
+
+            async def running():  # decoding when the bad request is admitted
+                async for event in aengine.stream(prompt(1), LONG):
+                    decoding.set()
+                    if isinstance(event, FinishEvent):
+                        results["running"] = event.result
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(running)
+                await decoding.wait()
+                results["bad"] = await aengine.generate(bad_prompt, SHORT)
+            results["later"] = await aengine.generate(prompt(3), SHORT)
+            await wait_idle(engine)
+
+    with caplog.at_level(logging.ERROR, logger="agentflash.engine"):
+        anyio.run(main)
+    bad = results["bad"]
+    assert bad.finish_reason == "error" and "IndexError" in bad.error
+    assert bad.to_dict()["error"] == bad.error
+    # the request decoding beside it either finished or failed with the step; none hangs
+    assert results["running"].finish_reason in ("error", "length")
+    assert results["later"].finish_reason == "length"
+    assert results["later"].token_ids == expected.token_ids
+    assert "error" not in results["later"].to_dict()
+    assert_all_slots_free(engine)
+    failures = [r for r in caplog.records if r.exc_info and r.exc_info[0] is IndexError]
+    assert failures and failures[0].levelno == logging.ERROR  # logged with its traceback
+
+
+def test_a_stream_whose_events_fail_ends_alone(engine, caplog):
+    result = engine.result
+
+    def fails_once(req):
+        engine.result = result
+        raise RuntimeError("injected")
+
+    async def main():
+        async with AsyncEngine(engine) as aengine:
+            engine.result = fails_once
+            with pytest.raises(AssertionError, match="without a FinishEvent"):
+                await aengine.generate(prompt(1), SHORT)
+            return await aengine.generate(prompt(1), SHORT)
+
+    with caplog.at_level(logging.ERROR, logger="agentflash.engine"):
+        later = anyio.run(main)
+    del engine.result
+    assert later.finish_reason == "length" and "cannot hand its tokens" in caplog.text
+    assert_all_slots_free(engine)
+
+
+def test_every_step_runs_on_the_one_engine_thread(engine):
+    threads = []
+    step = engine.step
+
+    def recording_step():
+        threads.append(threading.current_thread())
+        return step()
+
+    async def main():
+        async with AsyncEngine(engine) as aengine:
+
+            async def client(n):
+                # work in anyio's worker threads beside the streams, as the server's preparing
+                await anyio.to_thread.run_sync(time.sleep, 0.002)
+                async for event in aengine.stream(prompt(n), SHORT):
+                    if isinstance(event, TokenEvent):
+                        await anyio.to_thread.run_sync(time.sleep, 0)
+
+            async with anyio.create_task_group() as tg:
+                for n in range(6):
+                    tg.start_soon(client, n)
+
+    engine.step = recording_step
+    try:
+        anyio.run(main)
+    finally:
+        del engine.step
+    assert len(threads) > 12 and len(set(threads)) == 1
+    assert threads[0].name == "agentflash-engine" and threads[0] is not threading.main_thread()
+    assert not threads[0].is_alive()  # joined when the AsyncEngine closed
+
+
+def test_cancelled_streams_free_their_slots(engine):
+    finished = []
+
+    async def main():
+        async with AsyncEngine(engine) as aengine:
+
+            async def leaves_early(n):
+                async for _ in aengine.stream(prompt(n), LONG):
+                    break
+
+            async def times_out(n):
+                with anyio.move_on_after(0.05):
+                    async for _ in aengine.stream(prompt(n), LONG):
+                        pass
+
+            async def finishes(n):
+                finished.append(await aengine.generate(prompt(n), SHORT))
+
+            async with anyio.create_task_group() as tg:
+                for n in range(3):
+                    tg.start_soon(leaves_early, n)
+                    tg.start_soon(times_out, n + 3)
+                    tg.start_soon(finishes, n + 6)
+            await wait_idle(engine)
+
+    anyio.run(main)
+    assert [r.finish_reason for r in finished] == ["length"] * 3
+    assert_all_slots_free(engine)
+
+
+def test_closing_the_async_engine_fails_the_requests_still_open(engine):
+    results = []
+
+    async def main():
+        async with anyio.create_task_group() as tg:
+            async with AsyncEngine(engine) as aengine:
+                decoding = anyio.Event()
+
+                async def reader():
+                    async for event in aengine.stream(prompt(2), LONG):
+                        decoding.set()
+                        if isinstance(event, FinishEvent):
+                            results.append(event.result)
+
+                tg.start_soon(reader)
+                await decoding.wait()
+        with pytest.raises(UserError, match="not running"):
+            await aengine.generate(prompt(2), SHORT)
+
+    anyio.run(main)
+    assert results[0].finish_reason == "error" and "stopped" in results[0].error
+    assert_all_slots_free(engine)
+
+
+def test_run_in_own_thread_returns_or_raises_and_ends_its_thread():
+    def where() -> threading.Thread:
+        return threading.current_thread()
+
+    def fails() -> None:
+        raise ValueError("no such model")
+
+    async def main():
+        thread = await run_in_own_thread(where)
+        with pytest.raises(ValueError, match="no such model"):
+            await run_in_own_thread(fails)
+        return thread
+
+    thread = anyio.run(main)
+    assert thread.name == "agentflash-load" and not thread.is_alive()
