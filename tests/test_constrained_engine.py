@@ -143,3 +143,29 @@ def test_forced_run_longer_than_the_block_is_verified_in_one_forward(tiny):
     # first token from the prompt's forward, the rest of the run in one verify forward
     assert spec.stats["target_forwards"] <= 4
     assert sum(s["forced"] for s in spec.stats["segments"]) >= run - 1
+
+
+@pytest.mark.parametrize("speculation", ["off", "dflash"])
+def test_a_request_whose_grammar_breaks_fails_alone(tiny, speculation):
+    tools = random_tools(3, n=1)
+    ids = tiny.chat_prompt([{"role": "user", "content": "x"}], tools)
+    params = SamplingParams(max_tokens=30, grammar=assistant_turn(tools, "required"),
+                            speculation=speculation, block_size=4)
+    alone = tiny.generate(ids, params)
+    broken, healthy = tiny.submit(ids, params), tiny.submit(ids, params)
+
+    def corrupt(*_):
+        raise RuntimeError("matcher state lost")
+
+    steps = 0
+    while not (broken.is_finished and healthy.is_finished):
+        tiny.step()
+        steps += 1
+        if steps == 3:  # mid-generation, as a backend fault would strike
+            broken.constraint.forced_tokens = corrupt
+            broken.constraint.masks_along_draft = corrupt
+            broken.constraint.advance = corrupt
+    result = tiny.result(broken)
+    assert result.finish_reason == "error" and "matcher state lost" in result.error
+    assert tiny.result(healthy).token_ids == alone.token_ids
+    assert tiny.cache.num_free == tiny.cache.num_slots

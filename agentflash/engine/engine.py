@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -23,6 +24,8 @@ from agentflash.grammar.sources import GrammarKind
 from agentflash.router.policy import Candidate, CostModel, StepShape
 from agentflash.router.segments import SegmentKind
 from agentflash.tool_format import parse_tool_calls
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -201,6 +204,8 @@ class Engine:
         routed = {r.id for r in speculating}
         drafts = self._draft(speculating, kinds)
         drafts.update(self._forced_runs([r for r in decoding if r.id not in drafts]))
+        failed = [StepOutput(r, []) for r in decoding if r.is_finished]  # their grammar failed
+        decoding = [r for r in decoding if not r.is_finished]
         for req in admitted:
             if self.drafter is not None and req.params.speculation is not Speculation.OFF:
                 req.stats.mode = req.params.speculation.value
@@ -210,12 +215,16 @@ class Engine:
         tracked = any(r.draft_context is not None for r in decoding + admitted)
         out = self.runner.forward(rows, capture_layers=self._capture(tracked))
         self._mask_verify_logits(decoding, drafts, out.logits)
-        outputs = [
-            self._settle(req, i, drafts[req.id], out, kinds[req.id], req.id in routed)
+        outputs = failed + [
+            self._isolated(
+                req, self._settle, req, i, drafts[req.id], out, kinds[req.id], req.id in routed
+            )
             for i, req in enumerate(decoding)
+            if not req.is_finished
         ]
         outputs += [
-            self._first_token(req, len(decoding) + i, rows[len(decoding) + i], out)
+            self._isolated(req, self._first_token, req, len(decoding) + i, rows[len(decoding) + i],
+                           out)
             for i, req in enumerate(admitted)
         ]
         if decoding and not admitted:  # prompts would blur what a decode step costs
@@ -227,6 +236,18 @@ class Engine:
             )
             self.cost.observe_step(shape, time.perf_counter() - t0)
         return outputs
+
+    def _isolated(self, req: Request, work, *args) -> StepOutput:
+        """``work(*args)`` for one request; if it raises, that request alone fails."""
+        try:
+            return work(*args)
+        except Exception as err:  # the request's own state (its grammar) broke: end it alone
+            self._fail_alone(req, err)
+            return StepOutput(req, [])
+
+    def _fail_alone(self, req: Request, err: Exception) -> None:
+        log.exception("request %d failed; the other requests go on", req.id)
+        self.fail(req, f"{type(err).__name__}: {err}")
 
     def _first_token(self, req: Request, i: int, row: Row, out) -> StepOutput:
         """A newly admitted request after its prompt's forward: its first token."""
@@ -277,11 +298,20 @@ class Engine:
         rows = [i for i, r in enumerate(batch) if r.constraint is not None]
         if not rows:
             return
-        masks = masks_along_drafts(
-            [batch[i].constraint for i in rows], [drafts[batch[i].id].tokens for i in rows]
-        )
+        try:
+            masks = masks_along_drafts(
+                [batch[i].constraint for i in rows], [drafts[batch[i].id].tokens for i in rows]
+            )
+        except Exception:  # find the rows at fault: each of them fails alone
+            masks = [None] * len(rows)
+            for n, i in enumerate(rows):
+                try:
+                    masks[n] = batch[i].constraint.masks_along_draft(drafts[batch[i].id].tokens)
+                except Exception as err:
+                    self._fail_alone(batch[i], err)
         for i, mask in zip(rows, masks):
-            apply_bitmask_(logits[i, : mask.shape[0]], mask)
+            if mask is not None:
+                apply_bitmask_(logits[i, : mask.shape[0]], mask)
 
     def _route(self, decoding: list[Request], kinds: dict[int, SegmentKind]) -> list[Request]:
         """The rows that draft this step: those that asked for DFlash, and those the router
@@ -332,11 +362,15 @@ class Engine:
         sizes = {r.id: self._draft_len(r, kinds[r.id]) for r in reqs}
         drafts = {}
         for r in reqs:
-            forced = r.constraint.forced_tokens() if r.constraint is not None else []
+            try:
+                forced = r.constraint.forced_tokens() if r.constraint is not None else []
+            except Exception as err:
+                self._fail_alone(r, err)
+                continue
             if sizes[r.id] > 0 and len(forced) >= sizes[r.id]:
                 run = forced[: max(0, self._room(r) - 1)]
                 drafts[r.id] = BlockDraft(run, len(run), False)
-        reqs = [r for r in reqs if sizes[r.id] > 0 and r.id not in drafts]
+        reqs = [r for r in reqs if sizes[r.id] > 0 and r.id not in drafts and not r.is_finished]
         if not reqs:
             return drafts
         block = max(sizes[r.id] for r in reqs) + 1
@@ -355,7 +389,11 @@ class Engine:
                 continue
             from agentflash.grammar import constrained_draft
 
-            walk = constrained_draft(r.constraint, logits[i, :n], best[i, :n].tolist())
+            try:
+                walk = constrained_draft(r.constraint, logits[i, :n], best[i, :n].tolist())
+            except Exception as err:
+                self._fail_alone(r, err)
+                continue
             drafts[r.id] = BlockDraft(walk.tokens, walk.num_forced, True)
         return drafts
 
@@ -372,7 +410,11 @@ class Engine:
         """For rows that do not draft: the tokens their grammar forces, verified for free."""
         runs = {}
         for r in reqs:
-            forced = r.constraint.forced_tokens() if r.constraint is not None else []
+            try:
+                forced = r.constraint.forced_tokens() if r.constraint is not None else []
+            except Exception as err:
+                self._fail_alone(r, err)
+                continue
             room = self._room(r)
             runs[r.id] = BlockDraft(
                 forced[: max(0, room - 1)], min(len(forced), max(0, room - 1)), False
