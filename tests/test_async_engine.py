@@ -36,9 +36,17 @@ def assert_all_slots_free(engine: Engine) -> None:
     assert not engine.has_work and engine.cache.num_free == engine.cache.num_slots
 
 
-def test_a_failing_step_fails_its_requests_and_the_engine_serves_on(engine, caplog):
-    # A real failure: a token id past the vocabulary makes the prefill's embedding raise.
-    bad_prompt = [11, 12, engine.model.cfg.vocab_size + 10]
+def test_a_failing_step_fails_its_requests_and_the_engine_serves_on(engine, caplog, monkeypatch):
+    # The forward that admits this prompt raises, as a kernel or a device would.
+    bad_prompt = [11, 12, 4001]
+    forward = engine.runner.forward
+
+    def failing_forward(rows, *args, **kwargs):
+        if any(r.start == 0 and r.tokens == bad_prompt for r in rows):
+            raise IndexError("index out of range in self")
+        return forward(rows, *args, **kwargs)
+
+    monkeypatch.setattr(engine.runner, "forward", failing_forward)
     expected = engine.generate(prompt(3), SHORT)
     results = {}
 

@@ -105,6 +105,15 @@ def test_prompt_longer_than_a_slot_is_a_user_error(engine):
         engine.submit(list(range(10, 700)), SamplingParams())
 
 
+def test_prompt_token_outside_the_vocabulary_is_a_user_error_naming_it(engine):
+    vocab = engine.model.cfg.vocab_size
+    with pytest.raises(UserError, match=f"prompt token 2 is {vocab + 5}, outside the vocabulary"):
+        engine.submit([11, 12, vocab + 5], SamplingParams())
+    with pytest.raises(UserError, match="prompt token 0 is -1"):
+        engine.submit([-1], SamplingParams())
+    assert not engine.has_work
+
+
 def test_async_streams_many_requests_and_cancels_one(engine):
     ps = prompts(engine, 3)
     expected = [engine.generate(ids, SamplingParams(max_tokens=15, ignore_eos=True)) for ids in ps]

@@ -156,6 +156,12 @@ class Engine:
         """Queue a request; safe to call from any thread."""
         if not prompt_ids:
             raise UserError("the prompt is empty")
+        vocab = self.model.cfg.vocab_size
+        bad = next((i for i, t in enumerate(prompt_ids) if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise UserError(
+                f"prompt token {bad} is {prompt_ids[bad]}, outside the vocabulary (0..{vocab - 1})"
+            )
         limit = self.scheduler.cfg.max_len
         if len(prompt_ids) + 1 > limit:
             raise UserError(
