@@ -281,7 +281,7 @@ class Engine:
         req.stats.target_forwards += 1
         req.num_cached += 1 + num_accepted
         committed = self._commit(req, draft.tokens[:num_accepted] + [bonus])
-        if draft.drafted:
+        if draft.drafted and not req.is_finished:  # a finishing step's count is cut by the end
             self.cost.observe_tau(req.routing, kind, num_accepted + 1)
         self._track(req, kind, "dflash" if routed else "plain", committed, 1, draft, num_accepted)
         if req.draft_context is not None and not req.is_finished:
