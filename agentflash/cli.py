@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -27,23 +27,28 @@ ModelOpt = Annotated[str, typer.Option("--model", help="'demo' or a Hugging Face
 
 @app.command()
 def generate(
-    prompt: Annotated[Optional[str], typer.Option(help="user message")] = None,
-    messages: Annotated[Optional[Path], typer.Option(help="chat messages (JSON list)")] = None,
-    tools: Annotated[Optional[Path], typer.Option(help="OpenAI tools list (JSON)")] = None,
-    requests: Annotated[Optional[Path], typer.Option(help="one request per JSON line")] = None,
+    prompt: Annotated[str | None, typer.Option(help="user message")] = None,
+    messages: Annotated[Path | None, typer.Option(help="chat messages (JSON list)")] = None,
+    tools: Annotated[Path | None, typer.Option(help="OpenAI tools list (JSON)")] = None,
+    requests: Annotated[Path | None, typer.Option(help="one request per JSON line")] = None,
     model: ModelOpt = "demo",
-    max_tokens: Annotated[Optional[int], typer.Option("--max-tokens")] = None,
-    temperature: Annotated[Optional[float], typer.Option()] = None,
-    top_p: Annotated[Optional[float], typer.Option("--top-p")] = None,
-    seed: Annotated[Optional[int], typer.Option()] = None,
-    stop: Annotated[Optional[list[str]], typer.Option(help="stop string (repeatable)")] = None,
-    schema: Annotated[Optional[Path], typer.Option(help="JSON Schema file the reply must match")] = None,
-    regex: Annotated[Optional[str], typer.Option(help="regular expression the reply must match")] = None,
-    tool_choice: Annotated[Optional[str], typer.Option(
+    max_tokens: Annotated[int | None, typer.Option("--max-tokens")] = None,
+    temperature: Annotated[float | None, typer.Option()] = None,
+    top_p: Annotated[float | None, typer.Option("--top-p")] = None,
+    seed: Annotated[int | None, typer.Option()] = None,
+    stop: Annotated[list[str] | None, typer.Option(help="stop string (repeatable)")] = None,
+    schema: Annotated[Path | None, typer.Option(
+        help="JSON Schema file the reply must match")] = None,
+    regex: Annotated[str | None, typer.Option(
+        help="regular expression the reply must match")] = None,
+    tool_choice: Annotated[str | None, typer.Option(
         "--tool-choice", help="auto | required | none | a tool name (with --tools)")] = None,
-    mode: Annotated[str, typer.Option(help="plain | dflash | auto (dflash when a drafter is loaded)")] = "auto",
-    drafter: Annotated[str, typer.Option(help="auto | demo | none | a DFlash drafter directory")] = "auto",
-    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object per request")] = False,
+    mode: Annotated[str, typer.Option(
+        help="plain | dflash | auto (the router: dflash where it pays)")] = "auto",
+    drafter: Annotated[str, typer.Option(
+        help="auto | demo | none | a DFlash drafter directory")] = "auto",
+    as_json: Annotated[bool, typer.Option(
+        "--json", help="print one JSON object per request")] = False,
 ) -> None:
     """Generate a reply with the embedded engine."""
     from agentflash import inputs
@@ -98,13 +103,17 @@ def _load_engine(model: str, drafter: str = "auto"):
 @app.command()
 def bench(
     model: ModelOpt = "demo",
-    suites: Annotated[str, typer.Option(help="comma-separated: tool_call,code,math,prose")] = "tool_call,code,math,prose",
+    suites: Annotated[str, typer.Option(
+        help="comma-separated: tool_call,code,math,prose,json,mixed"),
+    ] = "tool_call,code,math,prose",
     num_prompts: Annotated[int, typer.Option("--num-prompts", help="prompts per suite")] = 4,
     max_tokens: Annotated[int, typer.Option("--max-tokens")] = 128,
     drafter: Annotated[str, typer.Option(help="auto | demo | none | a drafter directory")] = "auto",
-    concurrency: Annotated[Optional[str], typer.Option(
+    concurrency: Annotated[str | None, typer.Option(
         help="e.g. 1,4,8,32: plain, dflash and router rows with that many requests at once "
              "(suites may include 'mixed')")] = None,
+    rounds: Annotated[int, typer.Option(
+        help="with --concurrency: turns each mode takes; the median is shown")] = 3,
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
     """Side-by-side speed of the engine and its peers on held-out prompts."""
@@ -115,7 +124,9 @@ def bench(
         draft = None if drafter == "none" else drafter
         if concurrency:
             levels = _int_list(concurrency, "--concurrency")
-            report = bench_mod.run_concurrency(model, names, levels, max_tokens, draft)
+            report = bench_mod.run_concurrency(
+                model, names, levels, max_tokens, draft, rounds=rounds
+            )
         else:
             report = bench_mod.run(model, names, num_prompts, max_tokens, draft)
     except UserError as err:
@@ -172,11 +183,11 @@ def validate(
 @app.command("run")
 def run_workflow(
     file: Annotated[Path, typer.Argument(help="workflow YAML file")],
-    inputs: Annotated[Optional[list[str]], typer.Option("--input", "-i",
+    inputs: Annotated[list[str] | None, typer.Option("--input", "-i",
                                                         help="KEY=VALUE (repeatable)")] = None,
     as_json: Annotated[bool, typer.Option(
         "--json", help="print outputs, steps and stats as JSON")] = False,
-    model: Annotated[Optional[str], typer.Option(
+    model: Annotated[str | None, typer.Option(
         "--model", help="run on the embedded engine with this model ('demo' or a directory) "
                         "instead of the file's model section")] = None,
 ) -> None:
@@ -220,10 +231,10 @@ def serve(
     drafter: Annotated[str, typer.Option(help="auto | demo | none | a drafter directory")] = "auto",
     host: Annotated[str, typer.Option(help="address to bind (loopback by default)")] = "127.0.0.1",
     port: Annotated[int, typer.Option()] = 8000,
-    api_key: Annotated[Optional[str], typer.Option(
+    api_key: Annotated[str | None, typer.Option(
         "--api-key", envvar="AGENTFLASH_API_KEY",
         help="require 'Authorization: Bearer KEY' on /v1 (or set AGENTFLASH_API_KEY)")] = None,
-    served_name: Annotated[Optional[str], typer.Option(
+    served_name: Annotated[str | None, typer.Option(
         "--served-model-name", help="the model name clients ask for (default: demo or the "
                                     "directory's name)")] = None,
     max_tokens: Annotated[int, typer.Option("--max-tokens", help="per request, at most")] = 1024,
@@ -285,7 +296,8 @@ def train_target(
     steps: Annotated[int, typer.Option()] = 1800,
 ) -> None:
     """Train the demo tokenizer and target on the synthetic agent corpus."""
-    from agentflash.train.target import TargetTrainConfig, train_target as run
+    from agentflash.train.target import TargetTrainConfig
+    from agentflash.train.target import train_target as run
 
     run(out, TargetTrainConfig(steps=steps))
 

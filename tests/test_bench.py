@@ -66,10 +66,14 @@ def test_concurrency_rows_match_outputs_run_alone(tiny_model_dir, tmp_path):
     )
     save_drafter(drafter, tmp_path / "drafter")
     report = bench.run_concurrency(
-        str(tiny_model_dir), ["mixed"], [1, 3], max_tokens=6, drafter=str(tmp_path / "drafter")
+        str(tiny_model_dir), ["mixed"], [1, 3], max_tokens=6, drafter=str(tmp_path / "drafter"),
+        num_prompts=5, rounds=2,
     )
     assert [(r["concurrency"], r["mode"]) for r in report["rows"]] == [
         (c, m) for c in (1, 3) for m in ("plain", "dflash", "auto")
     ]
+    # every level decodes the same five prompts, a few at a time
+    assert len({r["new_tokens"] for r in report["rows"]}) == 1
+    assert all(r["new_tokens"] > 5 and r["rounds"] == 2 for r in report["rows"])
     assert all(r["identical_to_alone"] for r in report["rows"])
     assert all(r["latency_p95_s"] >= r["latency_median_s"] > 0 for r in report["rows"])
