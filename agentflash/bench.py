@@ -66,8 +66,9 @@ def held_out_prompts(kind: str, num: int, seed: int = HELD_OUT_SEED) -> list[Pro
 
 def _time_engine(
     engine: Engine, ids: list[int], max_tokens: int, speculation: str = "off", grammar=None
-) -> tuple[list[int], float, int, float]:
-    """Output, wall seconds, target forwards and seconds after the first token (decoding)."""
+) -> tuple[list[int], float, int, float, float]:
+    """Output, wall seconds, target forwards, seconds after the first token (decoding) and
+    seconds of grammar work."""
     params = SamplingParams(max_tokens=max_tokens, speculation=speculation, grammar=grammar)
     if grammar is not None:
         engine.compile(grammar)  # compiled once and cached, as for a running agent's tools
@@ -75,7 +76,8 @@ def _time_engine(
     result = engine.generate(ids, params)
     wall = time.perf_counter() - t0
     decoding = wall - result.stats["ttft_s"]
-    return result.token_ids, wall, result.stats["target_forwards"], decoding
+    return (result.token_ids, wall, result.stats["target_forwards"], decoding,
+            result.stats["grammar_s"])
 
 
 def _time_hf(
@@ -208,6 +210,8 @@ def _engine_rows(
         # after the first token: the decoding speed, without the prompt's prefill
         after_first = sum(len(o) - 1 for o in outs)
         row["decode_tokens_per_s"] = round(after_first / max(sum(r[3] for r in runs), 1e-9), 2)
+        if suffix:  # constrained rows: the share of their time the grammar took
+            row["grammar_share"] = round(sum(r[4] for r in runs) / sum(r[1] for r in runs), 4)
         rows.append(row)
     return rows
 
@@ -246,7 +250,7 @@ def print_table(report: dict[str, Any]) -> None:
         f"{report['config']['num_prompts']} prompts/suite, greedy)"
     )
     cols = ("suite", "mode", "tokens", "tokens/s", "x plain", "decode tok/s", "x plain",
-            "tau", "identical")
+            "tau", "grammar %", "identical")
     for col in cols:
         table.add_column(col, justify="right" if col not in ("suite", "mode") else "left")
     for r in report["rows"]:
@@ -260,6 +264,7 @@ def print_table(report: dict[str, Any]) -> None:
             f"{r['decode_tokens_per_s']:.1f}" if decoding else "-",
             f"{r['decode_ratio_to_plain']:.2f}" if decoding else "-",
             "-" if r["tau"] is None else f"{r['tau']:.2f}",
+            f"{100 * r['grammar_share']:.1f}" if "grammar_share" in r else "-",
             "yes" if r["identical_to_plain"] else "NO",
         )
     Console().print(table)

@@ -38,6 +38,8 @@ def test_rows_are_side_by_side_and_peers_match_plain_greedy(tiny_model_dir):
     engine_rows = [r for r in report["rows"] if r["mode"].startswith(("plain", "dflash"))]
     assert all(r["decode_tokens_per_s"] > 0 for r in engine_rows)
     assert all("decode_tokens_per_s" not in r for r in report["rows"] if r not in engine_rows)
+    constrained = [r for r in engine_rows if r["mode"].endswith("+grammar")]
+    assert constrained and all(0 < r["grammar_share"] < 1 for r in constrained)
 
 
 def test_concurrency_rows_match_outputs_run_alone(tiny_model_dir, tmp_path):

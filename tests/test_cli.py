@@ -16,6 +16,7 @@ STATS_KEYS = {
     "tau",
     "wall_s",
     "ttft_s",
+    "grammar_s",
     "tokens_per_s",
     "segments",
 }

@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -262,7 +264,8 @@ class Engine:
             req.pending_hidden.append(out.hidden[i, : len(row.tokens)])
         logits = out.logits[i, 0]  # a last_only row's one row of logits
         if req.constraint is not None:
-            apply_bitmask_(logits, req.constraint.bitmask())
+            with grammar_clock([req]):
+                apply_bitmask_(logits, req.constraint.bitmask())
         token = sample(logits, req.params.temperature, req.params.top_p, req.generator)
         committed = self._commit(req, [token])
         mode = "dflash" if req.draft_context is not None else "plain"
@@ -292,18 +295,27 @@ class Engine:
     def _commit(self, req: Request, tokens: list[int]) -> list[int]:
         committed = self.append_tokens(req, tokens)
         if req.constraint is not None:
-            req.constraint.advance(committed)
+            with grammar_clock([req]):
+                req.constraint.advance(committed)
         return committed
 
     def _mask_verify_logits(
         self, batch: list[Request], drafts: dict[int, BlockDraft], logits: torch.Tensor
     ) -> None:
         """Mask every verify position of constrained rows along their draft path, in place."""
-        from agentflash.grammar import masks_along_drafts
 
         rows = [i for i, r in enumerate(batch) if r.constraint is not None]
         if not rows:
             return
+        with grammar_clock([batch[i] for i in rows]):
+            self._mask_rows(batch, rows, drafts, logits)
+
+    def _mask_rows(
+        self, batch: list[Request], rows: list[int], drafts: dict[int, BlockDraft], logits
+    ) -> None:
+        """The masks of ``rows`` along their drafts, applied; a row whose grammar fails ends."""
+        from agentflash.grammar import masks_along_drafts
+
         try:
             masks = masks_along_drafts(
                 [batch[i].constraint for i in rows], [drafts[batch[i].id].tokens for i in rows]
@@ -369,7 +381,8 @@ class Engine:
         drafts = {}
         for r in reqs:
             try:
-                forced = r.constraint.forced_tokens() if r.constraint is not None else []
+                with grammar_clock([r]):
+                    forced = r.constraint.forced_tokens() if r.constraint is not None else []
             except Exception as err:
                 self._fail_alone(r, err)
                 continue
@@ -396,7 +409,8 @@ class Engine:
             from agentflash.grammar import constrained_draft
 
             try:
-                walk = constrained_draft(r.constraint, logits[i, :n], best[i, :n].tolist())
+                with grammar_clock([r]):
+                    walk = constrained_draft(r.constraint, logits[i, :n], best[i, :n].tolist())
             except Exception as err:
                 self._fail_alone(r, err)
                 continue
@@ -417,7 +431,8 @@ class Engine:
         runs = {}
         for r in reqs:
             try:
-                forced = r.constraint.forced_tokens() if r.constraint is not None else []
+                with grammar_clock([r]):
+                    forced = r.constraint.forced_tokens() if r.constraint is not None else []
             except Exception as err:
                 self._fail_alone(r, err)
                 continue
@@ -524,6 +539,18 @@ class Engine:
         self._finish(req)
 
 
+@contextmanager
+def grammar_clock(reqs: list[Request]) -> Iterator[None]:
+    """Charge the time of the block to the grammar work of ``reqs``, in equal shares."""
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        share = (time.perf_counter() - t0) / len(reqs)
+        for r in reqs:
+            r.stats.grammar_s += share
+
+
 def num_slots(cfg, config: EngineConfig, max_len: int, dtype: torch.dtype) -> int:
     """KV-cache slots: ``max_running``, or fewer if the memory budget holds fewer."""
     if config.kv_budget_mb is None:
@@ -562,7 +589,8 @@ def request_stats(req: Request) -> dict[str, Any]:
         "draft_forwards": s.draft_forwards,
         "tau": round(new / s.target_forwards, 3) if s.target_forwards else float(new),
         "wall_s": round(wall, 4),
-        "ttft_s": round((s.first_token_at or end) - s.started, 4),  # the prompt's prefill mostly
+        "ttft_s": round((s.first_token_at or end) - s.started, 4),
+        "grammar_s": round(s.grammar_s, 5),  # the prompt's prefill mostly
         "tokens_per_s": round(new / wall, 2) if wall > 0 else 0.0,
         "segments": [seg.to_dict() for seg in req.segments.segments],
     }

@@ -89,6 +89,7 @@ class RequestStats:
     started: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     finished_at: float | None = None
+    grammar_s: float = 0.0  # time spent on its grammar: masks, forced tokens, draft walks, commits
 
 
 class Request:
