@@ -144,3 +144,21 @@ def test_block_size_follows_expected_tau_within_bounds():
         cost.observe_tau(routing, SegmentKind.PROSE, 1)
     assert cost.block_size(routing, SegmentKind.PROSE, 16) == 4
     assert cost.block_size(routing, SegmentKind.TOOL_CALL, 3) == 3
+
+
+def test_rows_that_draft_together_share_the_drafters_fixed_cost():
+    # a device where verifying is cheap and the drafter's launch is dear
+    true_cost = np.array([2e-3, 0.05e-3, 4e-3, 0.01e-3])
+    cost = CostModel()
+    for rows in (1, 2, 4, 8) * 20:
+        for shape in (StepShape(rows, 0, 0), StepShape(rows + 15 * rows, rows, 15 * rows),
+                      StepShape(rows + 15, 1, 15)):
+            cost.observe_step(shape, float(true_cost @ shape.features()))
+    routings = [RequestRouting() for _ in range(8)]
+    for routing in routings:
+        for _ in range(10):
+            cost.observe_tau(routing, SegmentKind.TOOL_CALL, 8)
+    # one row alone among seven plain ones does not pay for the drafter; all eight together do
+    assert cost.plan(8, [Candidate(routings[0], SegmentKind.TOOL_CALL, 15)]) == [False]
+    together = [Candidate(r, SegmentKind.TOOL_CALL, 15) for r in routings]
+    assert cost.plan(8, together) == [True] * 8

@@ -10,11 +10,11 @@ The choice is a cost model fed by what the engine measures while it runs:
   fixed cost when any row drafts, and a cost per drafted slot.
 
 A step's rows share its time. Drafting a block of ``k`` slots for one row adds
-``dt = k * (per token + per slot)`` (plus the drafter's fixed cost for the first row that drafts)
-and gains that row ``tau - 1`` tokens; the step commits more tokens per second exactly when
-``(tau - 1) / dt > committed / t``, the rate of the step without it. So one request alone
-speculates when ``tau`` beats the verify-to-plain cost ratio, and in a wide batch only the rows
-whose drafts pay for the time they add to every other row's step do. A kind routed to plain
+``k * (per token + per slot)`` to the step (the drafter's fixed cost is added once, whatever the
+number of rows that draft) and gains that row ``tau - 1`` tokens. Each step drafts for the
+most predictable rows up to the count that commits the most tokens per second of step time. So
+one request alone speculates when ``tau`` beats the verify-to-plain cost ratio, and in a wide
+batch drafts must pay for the time they add to every other row's step. A kind routed to plain
 decoding is still probed with DFlash now and then, so that its tau estimate follows the text.
 """
 
@@ -134,31 +134,34 @@ class CostModel:
     def plan(self, rows: int, candidates: list[Candidate]) -> list[bool]:
         """Which candidates draft this step, in a step of ``rows`` decoding rows.
 
-        Best expected tau first: a draft is taken when the tokens it adds per second of step time
-        it adds beat the rate of the step without it; the first draft also pays the drafter's
-        fixed cost. A candidate left out counts towards its next probe.
+        Candidates are ranked (those that asked for DFlash, then by expected tau) and the step
+        drafts the top ``m`` of them for the ``m`` that commits the most tokens per second of
+        step time; the drafter's fixed cost is paid once, by however many rows draft. A candidate
+        left out counts towards its next probe.
         """
         c = self.step_cost()
-        seconds = c[0] + rows * c[1]  # the step with every row plain
-        tokens = float(rows)
         taus = [self.expected_tau(x.routing, x.kind) for x in candidates]
-        chosen = [False] * len(candidates)
-        drafting = False
         order = sorted(range(len(candidates)), key=lambda i: (not candidates[i].forced, -taus[i]))
-        for i in order:
+        must = sum(x.forced for x in candidates)
+        seconds, tokens = c[0] + rows * c[1], float(rows)  # every row plain
+        best_m, best_rate = 0, tokens / seconds
+        for m, i in enumerate(order, start=1):
             x = candidates[i]
-            added = x.slots * (c[1] + c[3]) + (0.0 if drafting else c[2])
-            gain = min(taus[i], x.slots + 1) - 1
-            if x.forced or gain * seconds > tokens * added:
-                chosen[i], drafting = True, True
-                seconds, tokens = seconds + added, tokens + gain
+            seconds += x.slots * (c[1] + c[3]) + (c[2] if m == 1 else 0.0)
+            tokens += min(taus[i], x.slots + 1) - 1
+            if m <= must or tokens / seconds > best_rate:
+                best_m, best_rate = m, tokens / seconds
+        chosen = [False] * len(candidates)
+        for rank, i in enumerate(order):
+            x = candidates[i]
+            if rank < best_m:
+                chosen[i] = True
                 x.routing.since_probe = 0
                 continue
             x.routing.since_probe += 1
             # one probe per ``probe_every`` steps of the batch, whatever the number of rows
             if x.routing.since_probe >= self.probe_every * max(1, rows):
-                chosen[i], drafting = True, True
-                seconds, tokens = seconds + added, tokens + gain
+                chosen[i] = True
                 x.routing.since_probe = 0
         return chosen
 
