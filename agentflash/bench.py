@@ -118,7 +118,7 @@ def run(
         if suite != "json":
             rows += _engine_rows(engine, suite, prompts, max_tokens, [None] * len(prompts), "")
             peers = {"transformers": {}, "prompt_lookup": {"prompt_lookup_num_tokens": 10}}
-            ref = rows[-1 - (engine.drafter is not None)]["outputs"]
+            ref = rows[-1 - 2 * (engine.drafter is not None)]["outputs"]
             for name, kwargs in peers.items():
                 outs = [_time_hf(hf_model, ids, max_tokens, eos, **kwargs) for ids in prompts]
                 rows.append(
@@ -128,7 +128,7 @@ def run(
         if grammars:
             rows += _engine_rows(engine, suite, prompts, max_tokens, grammars, "+grammar")
         if suite == "json" and importlib.util.find_spec("outlines") is not None:
-            ref = rows[-1 - (engine.drafter is not None)]["outputs"]
+            ref = rows[-1 - 2 * (engine.drafter is not None)]["outputs"]
             rows.append(_outlines_row(engine, hf_model, items, prompts, max_tokens, ref))
     for row in rows:
         base = next(
@@ -194,8 +194,9 @@ def _engine_rows(
     grammars: list,
     suffix: str,
 ) -> list[dict[str, Any]]:
-    """The engine's plain row and, with a drafter, its dflash row (identity against plain)."""
-    modes = ["off"] + (["dflash"] if engine.drafter is not None else [])
+    """The engine's plain row and, with a drafter, its dflash and router (auto) rows (identity
+    against plain)."""
+    modes = ["off"] + (["dflash", "auto"] if engine.drafter is not None else [])
     rows = []
     for speculation in modes:
         _time_engine(engine, prompts[0], 8, speculation, grammars[0])  # warm-up
@@ -205,7 +206,7 @@ def _engine_rows(
         ]
         outs = [r[0] for r in runs]
         ref = rows[0]["outputs"] if rows else outs
-        name = ("plain" if speculation == "off" else "dflash") + suffix
+        name = {"off": "plain", "dflash": "dflash", "auto": "auto"}[speculation] + suffix
         row = _row(suite, name, outs, ref, [r[1] for r in runs], [r[2] for r in runs])
         # after the first token: the decoding speed, without the prompt's prefill
         after_first = sum(len(o) - 1 for o in outs)

@@ -35,7 +35,7 @@ def test_rows_are_side_by_side_and_peers_match_plain_greedy(tiny_model_dir):
         assert row["tokens_per_s"] > 0
     assert all(r["ratio_to_plain"] == 1.0 for r in report["rows"] if r["mode"] == "plain")
     assert all("outputs" not in r for r in report["rows"])
-    engine_rows = [r for r in report["rows"] if r["mode"].startswith(("plain", "dflash"))]
+    engine_rows = [r for r in report["rows"] if r["mode"].startswith(("plain", "dflash", "auto"))]
     assert all(r["decode_tokens_per_s"] > 0 for r in engine_rows)
     assert all("decode_tokens_per_s" not in r for r in report["rows"] if r not in engine_rows)
     constrained = [r for r in engine_rows if r["mode"].endswith("+grammar")]
