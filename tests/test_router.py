@@ -72,11 +72,11 @@ def test_cost_model_follows_measurements_and_probes_plain_kinds():
     cost, routing = CostModel(probe_every=4), RequestRouting()
     assert choose(cost, routing, SegmentKind.TOOL_CALL)  # prior: predictable
     for _ in range(20):
-        cost.observe_tau(routing, SegmentKind.PROSE, 1)  # drafts keep failing on prose
+        cost.observe_draft(routing, SegmentKind.PROSE, 0, 15)  # drafts keep failing on prose
     decisions = [choose(cost, routing, SegmentKind.PROSE) for _ in range(8)]
     assert decisions == [False, False, False, True] * 2  # plain, with a probe every 4th step
     for _ in range(10):
-        cost.observe_tau(routing, SegmentKind.PROSE, 8)  # the prose became predictable
+        cost.observe_draft(routing, SegmentKind.PROSE, 12, 15)  # the prose became predictable
     assert choose(cost, routing, SegmentKind.PROSE)
 
 
@@ -104,15 +104,15 @@ def test_a_draft_must_pay_for_the_time_it_adds_to_every_row_of_the_step():
             cost.observe_step(shape, float(TRUE_COST @ shape.features()))
     routing = RequestRouting()
     for _ in range(10):
-        cost.observe_tau(routing, SegmentKind.TOOL_CALL, 4)
+        cost.observe_draft(routing, SegmentKind.TOOL_CALL, 3, 15)  # tau(15) about 4
     # alone, 3 more tokens per step beat the 2.2x longer step; beside 7 plain rows they do not
     assert choose(cost, routing, SegmentKind.TOOL_CALL, rows=1)
     assert not choose(cost, routing, SegmentKind.TOOL_CALL, rows=8)
     # of two candidates the more predictable one drafts first and pays the drafter's fixed cost
     sure, unsure = RequestRouting(), RequestRouting()
     for _ in range(10):
-        cost.observe_tau(sure, SegmentKind.MATH, 9)
-        cost.observe_tau(unsure, SegmentKind.PROSE, 2)
+        cost.observe_draft(sure, SegmentKind.MATH, 8, 15)
+        cost.observe_draft(unsure, SegmentKind.PROSE, 1, 15)
     plan = cost.plan(2, [Candidate(unsure, SegmentKind.PROSE, 15),
                          Candidate(sure, SegmentKind.MATH, 15)])
     assert plan == [False, True]
@@ -136,12 +136,26 @@ def test_overrides_are_obeyed(tiny_model_dir):
     assert auto.token_ids[:20] == off.token_ids == on.token_ids
 
 
+def test_acceptance_rate_ignores_drafts_cut_short():
+    # drafts cut to 2 tokens by the room left, always fully accepted: no evidence of rejection
+    cost, routing = CostModel(), RequestRouting()
+    before = cost.acceptance_rate(routing, SegmentKind.CODE)
+    for _ in range(10):
+        cost.observe_draft(routing, SegmentKind.CODE, 2, 2)
+    assert cost.acceptance_rate(routing, SegmentKind.CODE) > before
+    # one accepted then a rejection, every time: p = 1/2 and a 15-slot block commits about 2
+    for _ in range(40):
+        cost.observe_draft(routing, SegmentKind.MATH, 1, 15)
+    assert cost.acceptance_rate(routing, SegmentKind.MATH) == pytest.approx(0.5, abs=0.02)
+    assert cost.expected_tau(routing, SegmentKind.MATH, 15) == pytest.approx(2.0, abs=0.1)
+
+
 def test_block_size_follows_expected_tau_within_bounds():
     cost, routing = CostModel(), RequestRouting()
     assert cost.block_size(routing, SegmentKind.TOOL_CALL, 16) == 14  # prior tau 6
     assert cost.block_size(routing, SegmentKind.PROSE, 16) == 6  # prior tau 2
     for _ in range(30):
-        cost.observe_tau(routing, SegmentKind.PROSE, 1)
+        cost.observe_draft(routing, SegmentKind.PROSE, 0, 15)
     assert cost.block_size(routing, SegmentKind.PROSE, 16) == 4
     assert cost.block_size(routing, SegmentKind.TOOL_CALL, 3) == 3
 
@@ -157,7 +171,7 @@ def test_rows_that_draft_together_share_the_drafters_fixed_cost():
     routings = [RequestRouting() for _ in range(8)]
     for routing in routings:
         for _ in range(10):
-            cost.observe_tau(routing, SegmentKind.TOOL_CALL, 8)
+            cost.observe_draft(routing, SegmentKind.TOOL_CALL, 7, 15)
     # one row alone among seven plain ones does not pay for the drafter; all eight together do
     assert cost.plan(8, [Candidate(routings[0], SegmentKind.TOOL_CALL, 15)]) == [False]
     together = [Candidate(r, SegmentKind.TOOL_CALL, 15) for r in routings]

@@ -284,8 +284,8 @@ class Engine:
         req.stats.target_forwards += 1
         req.num_cached += 1 + num_accepted
         committed = self._commit(req, draft.tokens[:num_accepted] + [bonus])
-        if draft.drafted and not req.is_finished:  # a finishing step's count is cut by the end
-            self.cost.observe_tau(req.routing, kind, num_accepted + 1)
+        if draft.drafted:
+            self.cost.observe_draft(req.routing, kind, num_accepted, len(draft.tokens))
         self._track(req, kind, "dflash" if routed else "plain", committed, 1, draft, num_accepted)
         if req.draft_context is not None and not req.is_finished:
             # projected into the drafter's context when the request next drafts

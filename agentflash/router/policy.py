@@ -2,9 +2,13 @@
 
 The choice is a cost model fed by what the engine measures while it runs:
 
-- tau per segment kind and per request (tokens committed per verify step under DFlash), as
-  exponential moving averages, the request's own estimate taking over once it has seen a few
-  steps of that kind;
+- how often a drafted position is accepted, per segment kind and per request: each verified
+  draft is a run of accepted positions ended by a rejection (or by the end of the block, which
+  says nothing about the next position), so the acceptance rate is ``p = accepted / (accepted +
+  rejections)`` over decayed counts, and a block of ``k`` drafts is expected to commit
+  ``tau(k) = 1 + p + ... + p^k`` tokens. Short blocks (cut by the room left, or chosen short) do
+  not bias ``p`` down the way an average of committed counts would. The request's own counts
+  take over from the kind's once it has drafted a few times;
 - the wall time of a decode step as a linear function of its shape, fitted online (least squares
   with forgetting, pulled towards a prior): a fixed cost, a cost per verified token, the drafter's
   fixed cost when any row drafts, and a cost per drafted slot.
@@ -52,16 +56,45 @@ class StepShape:
         return np.array([1.0, self.tokens, float(self.drafted_rows > 0), self.draft_slots])
 
 
-def _ema(old: float | None, new: float, weight: float) -> float:
-    return new if old is None else (1 - weight) * old + weight * new
+@dataclass
+class Acceptance:
+    """Decayed counts of accepted draft positions and of rejections (one per verify that
+    rejected a draft token), for one segment kind."""
+
+    accepted: float = 0.0
+    rejected: float = 0.0
+    steps: int = 0
+
+    def observe(self, accepted: int, drafted: int, keep: float) -> None:
+        self.accepted = keep * self.accepted + accepted
+        self.rejected = keep * self.rejected + (accepted < drafted)
+        self.steps += 1
+
+    @property
+    def rate(self) -> float:
+        total = self.accepted + self.rejected
+        return self.accepted / total if total > 0 else 0.0
+
+
+def prior_acceptance(tau: float, weight: float = 4.0) -> Acceptance:
+    """Counts worth ``weight`` rejections whose rate gives an unbounded block ``tau`` tokens."""
+    rate = 1 - 1 / tau  # tau = 1 / (1 - p) for an endless block
+    return Acceptance(accepted=weight * rate / (1 - rate), rejected=weight)
+
+
+def expected_tokens(rate: float, slots: int) -> float:
+    """Tokens a step commits, drafts of ``slots`` positions each accepted with ``rate``:
+    ``1 + p + ... + p^slots`` (the target's own token always counts)."""
+    if rate >= 1.0:
+        return slots + 1.0
+    return (1 - rate ** (slots + 1)) / (1 - rate)
 
 
 @dataclass
 class RequestRouting:
-    """One request's own view: tau per kind, and steps since its last DFlash probe."""
+    """One request's own view: acceptance per kind, and steps since its last DFlash probe."""
 
-    tau: dict[SegmentKind, float] = field(default_factory=dict)
-    steps: dict[SegmentKind, int] = field(default_factory=dict)
+    acceptance: dict[SegmentKind, Acceptance] = field(default_factory=dict)
     since_probe: int = 0
 
 
@@ -79,22 +112,27 @@ class Candidate:
 class CostModel:
     """Measured speeds, shared by every request of one engine."""
 
-    alpha: float = 0.2  # weight of a new tau measurement in the moving averages
+    keep: float = 0.9  # weight of older acceptance counts per new verify (a request's own: 0.8)
     probe_every: int = 16  # plain steps between DFlash probes of a kind routed to plain
     forget: float = 0.97  # weight of older step measurements, per new one
     prior_weight: float = 2.0  # how many steps' worth of evidence the prior cost counts for
-    tau: dict[SegmentKind, float] = field(default_factory=lambda: dict(PRIOR_TAU))
+    acceptance: dict[SegmentKind, Acceptance] = field(
+        default_factory=lambda: {k: prior_acceptance(t) for k, t in PRIOR_TAU.items()}
+    )
     _gram: np.ndarray = field(default_factory=lambda: np.zeros((4, 4)))
     _moment: np.ndarray = field(default_factory=lambda: np.zeros(4))
     _unit: float | None = None  # seconds of a one-token plain step, from the first measurement
 
     # --- measurements --------------------------------------------------------------------
 
-    def observe_tau(self, routing: RequestRouting, kind: SegmentKind, committed: int) -> None:
-        """A DFlash step of ``kind`` committed ``committed`` tokens (accepted + 1)."""
-        self.tau[kind] = _ema(self.tau.get(kind), committed, self.alpha)
-        routing.tau[kind] = _ema(routing.tau.get(kind), committed, 0.3)
-        routing.steps[kind] = routing.steps.get(kind, 0) + 1
+    def observe_draft(
+        self, routing: RequestRouting, kind: SegmentKind, accepted: int, drafted: int
+    ) -> None:
+        """A verify of ``kind`` accepted ``accepted`` of ``drafted`` draft tokens."""
+        self.acceptance.setdefault(kind, prior_acceptance(PRIOR_TAU[kind])).observe(
+            accepted, drafted, self.keep
+        )
+        routing.acceptance.setdefault(kind, Acceptance()).observe(accepted, drafted, 0.8)
 
     def observe_step(self, shape: StepShape, seconds: float) -> None:
         """A decode step of ``shape`` took ``seconds``."""
@@ -117,13 +155,21 @@ class CostModel:
 
     # --- decisions -------------------------------------------------------------------------
 
-    def expected_tau(self, routing: RequestRouting, kind: SegmentKind) -> float:
-        shared = self.tau.get(kind, PRIOR_TAU[kind])
-        own, seen = routing.tau.get(kind), routing.steps.get(kind, 0)
+    def acceptance_rate(self, routing: RequestRouting, kind: SegmentKind) -> float:
+        """The expected chance that a drafted position of ``kind`` is accepted, for this request."""
+        shared = self.acceptance.get(kind, prior_acceptance(PRIOR_TAU[kind])).rate
+        own = routing.acceptance.get(kind)
         if own is None:
             return shared
-        trust = min(1.0, seen / 4)
-        return trust * own + (1 - trust) * shared
+        trust = min(1.0, own.steps / 4)
+        return trust * own.rate + (1 - trust) * shared
+
+    def expected_tau(
+        self, routing: RequestRouting, kind: SegmentKind, slots: int | None = None
+    ) -> float:
+        """Tokens a verify step is expected to commit with ``slots`` drafts (None: an endless
+        block, capped at 64)."""
+        return expected_tokens(self.acceptance_rate(routing, kind), 63 if slots is None else slots)
 
     def verify_cost_ratio(self, slots: int = 15) -> float:
         """Predicted wall time of a one-row DFlash step of ``slots`` drafts over a plain step."""
@@ -140,7 +186,7 @@ class CostModel:
         left out counts towards its next probe.
         """
         c = self.step_cost()
-        taus = [self.expected_tau(x.routing, x.kind) for x in candidates]
+        taus = [self.expected_tau(x.routing, x.kind, x.slots) for x in candidates]
         order = sorted(range(len(candidates)), key=lambda i: (not candidates[i].forced, -taus[i]))
         must = sum(x.forced for x in candidates)
         seconds, tokens = c[0] + rows * c[1], float(rows)  # every row plain
@@ -148,7 +194,7 @@ class CostModel:
         for m, i in enumerate(order, start=1):
             x = candidates[i]
             seconds += x.slots * (c[1] + c[3]) + (c[2] if m == 1 else 0.0)
-            tokens += min(taus[i], x.slots + 1) - 1
+            tokens += taus[i] - 1
             if m <= must or tokens / seconds > best_rate:
                 best_m, best_rate = m, tokens / seconds
         chosen = [False] * len(candidates)
