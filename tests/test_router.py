@@ -176,3 +176,15 @@ def test_rows_that_draft_together_share_the_drafters_fixed_cost():
     assert cost.plan(8, [Candidate(routings[0], SegmentKind.TOOL_CALL, 15)]) == [False]
     together = [Candidate(r, SegmentKind.TOOL_CALL, 15) for r in routings]
     assert cost.plan(8, together) == [True] * 8
+
+
+def test_a_plain_kind_is_probed_once_per_period_by_its_cheapest_row():
+    cost = CostModel(probe_every=4)
+    routings = [RequestRouting() for _ in range(3)]
+    for routing in routings:
+        for _ in range(20):
+            cost.observe_draft(routing, SegmentKind.PROSE, 0, 15)
+    rows = [Candidate(r, SegmentKind.PROSE, 3, backlog=b) for r, b in zip(routings, (90, 7, 40))]
+    plans = [cost.plan(3, rows) for _ in range(8)]
+    probes = [[i for i, yes in enumerate(p) if yes] for p in plans]
+    assert probes == [[], [], [], [1]] * 2  # one row per period: the one with the least backlog

@@ -208,9 +208,11 @@ class Engine:
             return []
         t0 = time.perf_counter()
         kinds = {r.id: r.segments.kind for r in decoding}
-        speculating = self._route(decoding, kinds)
+        drafting = [r for r in decoding if r.draft_context is not None]
+        sizes = {r.id: self._draft_len(r, kinds[r.id]) for r in drafting}
+        speculating = self._route(decoding, kinds, sizes)
         routed = {r.id for r in speculating}
-        drafts = self._draft(speculating, kinds)
+        drafts = self._draft(speculating, sizes)
         drafts.update(self._forced_runs([r for r in decoding if r.id not in drafts]))
         failed = [StepOutput(r, []) for r in decoding if r.is_finished]  # their grammar failed
         decoding = [r for r in decoding if not r.is_finished]
@@ -331,16 +333,18 @@ class Engine:
             if mask is not None:
                 apply_bitmask_(logits[i, : mask.shape[0]], mask)
 
-    def _route(self, decoding: list[Request], kinds: dict[int, SegmentKind]) -> list[Request]:
+    def _route(
+        self, decoding: list[Request], kinds: dict[int, SegmentKind], sizes: dict[int, int]
+    ) -> list[Request]:
         """The rows that draft this step: those that asked for DFlash, and those the router
         expects to commit more tokens per second of the shared step by drafting."""
-        able = [r for r in decoding if r.draft_context is not None and self._draft_len(
-            r, kinds[r.id]) > 0]
+        able = [r for r in decoding if sizes.get(r.id, 0) > 0]
         if not able:
             return []
         candidates = [
-            Candidate(r.routing, kinds[r.id], self._draft_len(r, kinds[r.id]),
-                      forced=r.params.speculation is Speculation.DFLASH)
+            Candidate(r.routing, kinds[r.id], sizes[r.id],
+                      forced=r.params.speculation is Speculation.DFLASH,
+                      backlog=sum(h.shape[0] for h in r.pending_hidden))
             for r in able
         ]
         chosen = self.cost.plan(len(decoding), candidates)
@@ -369,7 +373,7 @@ class Engine:
         )
         req.segments.feed(self.tokenizer.decode(committed, skip_special_tokens=True))
 
-    def _draft(self, reqs: list[Request], kinds: dict[int, SegmentKind]) -> dict[int, BlockDraft]:
+    def _draft(self, reqs: list[Request], sizes: dict[int, int]) -> dict[int, BlockDraft]:
         """One drafter forward for the requests that speculate this step.
 
         A constrained row whose grammar forces at least a block of tokens needs no drafter this
@@ -377,7 +381,6 @@ class Engine:
         take the drafter's argmax per slot; constrained rows walk the remaining slots under their
         grammar (every drafted token legal, forced tokens filled in for free).
         """
-        sizes = {r.id: self._draft_len(r, kinds[r.id]) for r in reqs}
         drafts = {}
         for r in reqs:
             try:

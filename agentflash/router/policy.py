@@ -19,7 +19,9 @@ number of rows that draft) and gains that row ``tau - 1`` tokens. Each step draf
 most predictable rows up to the count that commits the most tokens per second of step time. So
 one request alone speculates when ``tau`` beats the verify-to-plain cost ratio, and in a wide
 batch drafts must pay for the time they add to every other row's step. A kind routed to plain
-decoding is still probed with DFlash now and then, so that its tau estimate follows the text.
+decoding is still probed with DFlash once every ``probe_every`` steps of the engine, by the row
+that is cheapest to probe (the least target context waiting to be projected into its drafter), so
+that its acceptance estimate follows the text without every request paying for probes.
 """
 
 from __future__ import annotations
@@ -92,10 +94,9 @@ def expected_tokens(rate: float, slots: int) -> float:
 
 @dataclass
 class RequestRouting:
-    """One request's own view: acceptance per kind, and steps since its last DFlash probe."""
+    """One request's own view: acceptance per kind."""
 
     acceptance: dict[SegmentKind, Acceptance] = field(default_factory=dict)
-    since_probe: int = 0
 
 
 @dataclass
@@ -106,6 +107,7 @@ class Candidate:
     kind: SegmentKind
     slots: int  # draft tokens it would verify (block size - 1)
     forced: bool = False  # the request asked for DFlash: it drafts whatever the cost
+    backlog: int = 0  # target positions its drafter has yet to take in (the cost of a probe)
 
 
 @dataclass
@@ -113,7 +115,8 @@ class CostModel:
     """Measured speeds, shared by every request of one engine."""
 
     keep: float = 0.9  # weight of older acceptance counts per new verify (a request's own: 0.8)
-    probe_every: int = 16  # plain steps between DFlash probes of a kind routed to plain
+    probe_every: int = 32  # engine steps between DFlash probes of a kind routed to plain
+    _since_drafted: dict[SegmentKind, int] = field(default_factory=dict)
     forget: float = 0.97  # weight of older step measurements, per new one
     prior_weight: float = 2.0  # how many steps' worth of evidence the prior cost counts for
     acceptance: dict[SegmentKind, Acceptance] = field(
@@ -122,6 +125,9 @@ class CostModel:
     _gram: np.ndarray = field(default_factory=lambda: np.zeros((4, 4)))
     _moment: np.ndarray = field(default_factory=lambda: np.zeros(4))
     _unit: float | None = None  # seconds of a one-token plain step, from the first measurement
+    refit_every: int = 8  # steps between refits of the step-time model (a 4x4 solve)
+    _fit: np.ndarray | None = None
+    _since_fit: int = 0
 
     # --- measurements --------------------------------------------------------------------
 
@@ -141,9 +147,15 @@ class CostModel:
             self._unit = seconds / float(PRIOR_COST @ x)
         self._gram = self.forget * self._gram + np.outer(x, x)
         self._moment = self.forget * self._moment + x * seconds
+        self._since_fit += 1
 
     def step_cost(self) -> np.ndarray:
         """Fitted seconds per feature: fixed, per verified token, drafter, per drafted slot."""
+        if self._fit is None or self._since_fit >= self.refit_every:
+            self._fit, self._since_fit = self._solve(), 0
+        return self._fit
+
+    def _solve(self) -> np.ndarray:
         unit = self._unit if self._unit is not None else 1.0
         prior = PRIOR_COST * unit
         # ridge regression towards the prior: the prior counts as ``prior_weight`` steps of
@@ -157,7 +169,8 @@ class CostModel:
 
     def acceptance_rate(self, routing: RequestRouting, kind: SegmentKind) -> float:
         """The expected chance that a drafted position of ``kind`` is accepted, for this request."""
-        shared = self.acceptance.get(kind, prior_acceptance(PRIOR_TAU[kind])).rate
+        counts = self.acceptance.get(kind)
+        shared = (counts or prior_acceptance(PRIOR_TAU[kind])).rate
         own = routing.acceptance.get(kind)
         if own is None:
             return shared
@@ -182,8 +195,8 @@ class CostModel:
 
         Candidates are ranked (those that asked for DFlash, then by expected tau) and the step
         drafts the top ``m`` of them for the ``m`` that commits the most tokens per second of
-        step time; the drafter's fixed cost is paid once, by however many rows draft. A candidate
-        left out counts towards its next probe.
+        step time; the drafter's fixed cost is paid once, by however many rows draft. Kinds left
+        out are probed now and then.
         """
         c = self.step_cost()
         taus = [self.expected_tau(x.routing, x.kind, x.slots) for x in candidates]
@@ -199,17 +212,25 @@ class CostModel:
                 best_m, best_rate = m, tokens / seconds
         chosen = [False] * len(candidates)
         for rank, i in enumerate(order):
-            x = candidates[i]
-            if rank < best_m:
-                chosen[i] = True
-                x.routing.since_probe = 0
-                continue
-            x.routing.since_probe += 1
-            # one probe per ``probe_every`` steps of the batch, whatever the number of rows
-            if x.routing.since_probe >= self.probe_every * max(1, rows):
-                chosen[i] = True
-                x.routing.since_probe = 0
+            chosen[i] = rank < best_m
+        self._probe(candidates, chosen)
         return chosen
+
+    def _probe(self, candidates: list[Candidate], chosen: list[bool]) -> None:
+        """Count the step for every kind left undrafted; one whose count reaches
+        ``probe_every`` is probed by its cheapest candidate."""
+        drafted = {x.kind for x, yes in zip(candidates, chosen) if yes}
+        for kind in drafted:
+            self._since_drafted[kind] = 0
+        waiting: dict[SegmentKind, list[int]] = {}
+        for i, x in enumerate(candidates):
+            if x.kind not in drafted:
+                waiting.setdefault(x.kind, []).append(i)
+        for kind, index in waiting.items():
+            self._since_drafted[kind] = self._since_drafted.get(kind, 0) + 1
+            if self._since_drafted[kind] >= self.probe_every:
+                chosen[min(index, key=lambda i: candidates[i].backlog)] = True
+                self._since_drafted[kind] = 0
 
     def block_size(self, routing: RequestRouting, kind: SegmentKind, max_block: int) -> int:
         """Block to draft: about twice the expected tau (short blocks where drafts fail early,
