@@ -383,13 +383,8 @@ class Engine:
         """
         drafts = {}
         for r in reqs:
-            try:
-                with grammar_clock([r]):
-                    forced = r.constraint.forced_tokens() if r.constraint is not None else []
-            except Exception as err:
-                self._fail_alone(r, err)
-                continue
-            if sizes[r.id] > 0 and len(forced) >= sizes[r.id]:
+            forced = self._forced_tokens(r)
+            if forced is not None and sizes[r.id] > 0 and len(forced) >= sizes[r.id]:
                 run = forced[: max(0, self._room(r) - 1)]
                 drafts[r.id] = BlockDraft(run, len(run), False)
         reqs = [r for r in reqs if sizes[r.id] > 0 and r.id not in drafts and not r.is_finished]
@@ -433,17 +428,26 @@ class Engine:
         """For rows that do not draft: the tokens their grammar forces, verified for free."""
         runs = {}
         for r in reqs:
-            try:
-                with grammar_clock([r]):
-                    forced = r.constraint.forced_tokens() if r.constraint is not None else []
-            except Exception as err:
-                self._fail_alone(r, err)
+            forced = self._forced_tokens(r)
+            if forced is None:
                 continue
             room = self._room(r)
             runs[r.id] = BlockDraft(
                 forced[: max(0, room - 1)], min(len(forced), max(0, room - 1)), False
             )
         return runs
+
+    def _forced_tokens(self, req: Request) -> list[int] | None:
+        """What the request's grammar forces next ([] without one); None if its grammar failed
+        (the request then fails alone)."""
+        if req.constraint is None:
+            return []
+        try:
+            with grammar_clock([req]):
+                return req.constraint.forced_tokens()
+        except Exception as err:
+            self._fail_alone(req, err)
+            return None
 
     def _draft_len(self, req: Request, kind: SegmentKind) -> int:
         """Draft tokens for this step: the request's block size if it set one, else the router's
