@@ -150,14 +150,18 @@ def test_acceptance_rate_ignores_drafts_cut_short():
     assert cost.expected_tau(routing, SegmentKind.MATH, 15) == pytest.approx(2.0, abs=0.1)
 
 
-def test_block_size_follows_expected_tau_within_bounds():
+def test_block_size_follows_the_acceptance_rate_within_bounds():
     cost, routing = CostModel(), RequestRouting()
-    assert cost.block_size(routing, SegmentKind.TOOL_CALL, 16) == 14  # prior tau 6
-    assert cost.block_size(routing, SegmentKind.PROSE, 16) == 6  # prior tau 2
+    tool = cost.block_size(routing, SegmentKind.TOOL_CALL, 16)  # prior tau 6
+    prose = cost.block_size(routing, SegmentKind.PROSE, 16)  # prior tau 2
+    assert 16 >= tool > prose >= 3
     for _ in range(30):
         cost.observe_draft(routing, SegmentKind.PROSE, 0, 15)
-    assert cost.block_size(routing, SegmentKind.PROSE, 16) == 4
-    assert cost.block_size(routing, SegmentKind.TOOL_CALL, 3) == 3
+    assert cost.block_size(routing, SegmentKind.PROSE, 16) == 2  # one draft: it never lands
+    for _ in range(30):
+        cost.observe_draft(routing, SegmentKind.MATH, 15, 15)
+    assert cost.block_size(routing, SegmentKind.MATH, 16) == 16  # every draft lands
+    assert cost.block_size(routing, SegmentKind.TOOL_CALL, 3) <= 3
 
 
 def test_rows_that_draft_together_share_the_drafters_fixed_cost():

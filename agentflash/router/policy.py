@@ -26,7 +26,6 @@ that its acceptance estimate follows the text without every request paying for p
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -233,7 +232,14 @@ class CostModel:
                 self._since_drafted[kind] = 0
 
     def block_size(self, routing: RequestRouting, kind: SegmentKind, max_block: int) -> int:
-        """Block to draft: about twice the expected tau (short blocks where drafts fail early,
-        since every slot costs verify and draft compute), between 4 and ``max_block``."""
-        tau = self.expected_tau(routing, kind)
-        return max(min(4, max_block), min(max_block, 2 * math.ceil(tau) + 2))
+        """Block to draft (the committed token and its drafts, at most ``max_block``): the one
+        whose expected tokens per second of a one-row DFlash step are highest. Every slot costs
+        verify and draft compute, so blocks are short where drafts fail early."""
+        rate = self.acceptance_rate(routing, kind)
+        c = self.step_cost()
+        fixed, per_slot = c[0] + c[1] + c[2], c[1] + c[3]
+        slots = max(
+            range(1, max(2, max_block)),
+            key=lambda k: expected_tokens(rate, k) / (fixed + k * per_slot),
+        )
+        return min(max_block, slots + 1)
