@@ -169,3 +169,26 @@ def test_a_request_whose_grammar_breaks_fails_alone(tiny, speculation):
     assert result.finish_reason == "error" and "matcher state lost" in result.error
     assert tiny.result(healthy).token_ids == alone.token_ids
     assert tiny.cache.num_free == tiny.cache.num_slots
+
+
+def test_a_request_whose_masks_fail_is_reported_in_that_steps_outputs(tiny):
+    tools = random_tools(4, n=1)
+    ids = tiny.chat_prompt([{"role": "user", "content": "x"}], tools)
+    params = SamplingParams(max_tokens=30, grammar=assistant_turn(tools, "required"),
+                            speculation="off")
+    broken, healthy = tiny.submit(ids, params), tiny.submit(ids, params)
+    tiny.step()  # the prompts
+
+    def corrupt(*_):
+        raise RuntimeError("mask state lost")
+
+    broken.constraint.validate_draft = corrupt
+    broken.constraint.masks_along_draft = corrupt
+    outputs = tiny.step()
+    # the stream of a failed request must hear of its end in the step that ended it
+    assert [o.new_ids for o in outputs if o.request is broken] == [[]]
+    assert broken.is_finished and tiny.result(broken).finish_reason == "error"
+    while not healthy.is_finished:
+        tiny.step()
+    assert tiny.result(healthy).finish_reason in ("stop", "length")
+    assert tiny.cache.num_free == tiny.cache.num_slots

@@ -229,8 +229,9 @@ class Engine:
             self._isolated(
                 req, self._settle, req, i, drafts[req.id], out, kinds[req.id], req.id in routed
             )
+            if not req.is_finished  # else its masks failed: it ends with nothing new
+            else StepOutput(req, [])
             for i, req in enumerate(decoding)
-            if not req.is_finished
         ]
         outputs += [
             self._isolated(req, self._first_token, req, len(decoding) + i, rows[len(decoding) + i],
