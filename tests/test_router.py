@@ -136,18 +136,24 @@ def test_overrides_are_obeyed(tiny_model_dir):
     assert auto.token_ids[:20] == off.token_ids == on.token_ids
 
 
-def test_acceptance_rate_ignores_drafts_cut_short():
-    # drafts cut to 2 tokens by the room left, always fully accepted: no evidence of rejection
+def test_acceptance_ignores_drafts_cut_short_and_follows_bursts():
+    # drafts cut to 2 tokens by the room left, always fully accepted: nothing said of position 2+
     cost, routing = CostModel(), RequestRouting()
-    before = cost.acceptance_rate(routing, SegmentKind.CODE)
+    before = cost.acceptance_rates(routing, SegmentKind.CODE)
     for _ in range(10):
         cost.observe_draft(routing, SegmentKind.CODE, 2, 2)
-    assert cost.acceptance_rate(routing, SegmentKind.CODE) > before
-    # one accepted then a rejection, every time: p = 1/2 and a 15-slot block commits about 2
+    after = cost.acceptance_rates(routing, SegmentKind.CODE)
+    assert (after[:2] > before[:2]).all() and after[2:] == pytest.approx(before[2:])
+    # one accepted then a rejection, every time: a 15-slot block commits about 2
     for _ in range(40):
         cost.observe_draft(routing, SegmentKind.MATH, 1, 15)
-    assert cost.acceptance_rate(routing, SegmentKind.MATH) == pytest.approx(0.5, abs=0.02)
-    assert cost.expected_tau(routing, SegmentKind.MATH, 15) == pytest.approx(2.0, abs=0.1)
+    assert 1.8 < cost.expected_tau(routing, SegmentKind.MATH, 15) < 2.5  # priors pull a little
+    # bursty: half the drafts fail at once, the other half run the whole block
+    for i in range(40):
+        cost.observe_draft(routing, SegmentKind.TOOL_CALL, 15 * (i % 2), 15)
+    rates = cost.acceptance_rates(routing, SegmentKind.TOOL_CALL)
+    assert rates[0] == pytest.approx(0.5, abs=0.1) and rates[1:15].min() > 0.9
+    assert cost.block_size(routing, SegmentKind.TOOL_CALL, 16) == 16
 
 
 def test_block_size_follows_the_acceptance_rate_within_bounds():

@@ -2,13 +2,13 @@
 
 The choice is a cost model fed by what the engine measures while it runs:
 
-- how often a drafted position is accepted, per segment kind and per request: each verified
-  draft is a run of accepted positions ended by a rejection (or by the end of the block, which
-  says nothing about the next position), so the acceptance rate is ``p = accepted / (accepted +
-  rejections)`` over decayed counts, and a block of ``k`` drafts is expected to commit
-  ``tau(k) = 1 + p + ... + p^k`` tokens. Short blocks (cut by the room left, or chosen short) do
-  not bias ``p`` down the way an average of committed counts would. The request's own counts
-  take over from the kind's once it has drafted a few times;
+- how often a draft position is accepted, per position, per segment kind and per request: a
+  verify reaches position ``j`` when every earlier draft stood, and accepts it or not; the rate
+  ``q_j = accepted_j / reached_j`` over decayed counts, a request's own counts shrunk towards its
+  kind's and those towards a prior. A block of ``k`` drafts is expected to commit
+  ``tau(k) = 1 + q0 + q0 q1 + ...`` tokens. Blocks cut short (by the room left, or chosen short)
+  say nothing of the positions they did not reach, so they do not bias the estimate, and bursty
+  text (a tool call that is right once its key is) gets long blocks;
 - the wall time of a decode step as a linear function of its shape, fitted online (least squares
   with forgetting, pulled towards a prior): a fixed cost, a cost per verified token, the drafter's
   fixed cost when any row drafts, and a cost per drafted slot.
@@ -57,38 +57,45 @@ class StepShape:
         return np.array([1.0, self.tokens, float(self.drafted_rows > 0), self.draft_slots])
 
 
-@dataclass
-class Acceptance:
-    """Decayed counts of accepted draft positions and of rejections (one per verify that
-    rejected a draft token), for one segment kind."""
+MAX_SLOTS = 64  # the longest block a request may ask for
 
-    accepted: float = 0.0
-    rejected: float = 0.0
-    steps: int = 0
+
+class Acceptance:
+    """Decayed counts, per draft position ``j``, of verifies that reached it (every earlier draft
+    accepted, the draft at least ``j + 1`` long) and of those that accepted it, for one segment
+    kind. Acceptance is tracked per position because structured text is bursty: once a tool
+    call's key is right, the rest of it usually is too, which one rate for every position would
+    not capture. Drafts cut short say nothing of the positions they did not reach."""
+
+    def __init__(self) -> None:
+        self.reached = np.zeros(MAX_SLOTS)
+        self.accepted = np.zeros(MAX_SLOTS)
+        self.steps = 0
 
     def observe(self, accepted: int, drafted: int, keep: float) -> None:
-        self.accepted = keep * self.accepted + accepted
-        self.rejected = keep * self.rejected + (accepted < drafted)
+        reached = min(accepted + 1, drafted)  # positions 0..accepted (the rejected one included)
+        self.reached *= keep
+        self.accepted *= keep
+        self.reached[:reached] += 1
+        self.accepted[:accepted] += 1
         self.steps += 1
 
-    @property
-    def rate(self) -> float:
-        total = self.accepted + self.rejected
-        return self.accepted / total if total > 0 else 0.0
+    def rates(self, prior: np.ndarray, weight: float) -> np.ndarray:
+        """Per-position acceptance, these counts shrunk towards ``prior`` (worth ``weight``
+        verifies at each position)."""
+        return (self.accepted + weight * prior) / (self.reached + weight)
 
 
-def prior_acceptance(tau: float, weight: float = 4.0) -> Acceptance:
-    """Counts worth ``weight`` rejections whose rate gives an unbounded block ``tau`` tokens."""
-    rate = 1 - 1 / tau  # tau = 1 / (1 - p) for an endless block
-    return Acceptance(accepted=weight * rate / (1 - rate), rejected=weight)
+def prior_rates(tau: float) -> np.ndarray:
+    """Per-position rates of a kind before any measurement: one rate ``p`` everywhere, with
+    ``tau = 1 / (1 - p)`` tokens for an endless block."""
+    return np.full(MAX_SLOTS, 1 - 1 / tau)
 
 
-def expected_tokens(rate: float, slots: int) -> float:
-    """Tokens a step commits, drafts of ``slots`` positions each accepted with ``rate``:
-    ``1 + p + ... + p^slots`` (the target's own token always counts)."""
-    if rate >= 1.0:
-        return slots + 1.0
-    return (1 - rate ** (slots + 1)) / (1 - rate)
+def expected_tokens(rates: np.ndarray, slots: int) -> float:
+    """Tokens a step commits with ``slots`` drafts: ``1 + q0 + q0 q1 + ...`` (the target's own
+    token always counts; draft ``j`` stands only if every earlier one did)."""
+    return 1.0 + float(np.cumprod(rates[:slots]).sum())
 
 
 @dataclass
@@ -118,9 +125,9 @@ class CostModel:
     _since_drafted: dict[SegmentKind, int] = field(default_factory=dict)
     forget: float = 0.97  # weight of older step measurements, per new one
     prior_weight: float = 2.0  # how many steps' worth of evidence the prior cost counts for
-    acceptance: dict[SegmentKind, Acceptance] = field(
-        default_factory=lambda: {k: prior_acceptance(t) for k, t in PRIOR_TAU.items()}
-    )
+    acceptance: dict[SegmentKind, Acceptance] = field(default_factory=dict)
+    rate_prior_weight: float = 4.0  # verifies' worth of the prior, per position
+    request_weight: float = 4.0  # verifies' worth of the kind's rates in a request's own
     _gram: np.ndarray = field(default_factory=lambda: np.zeros((4, 4)))
     _moment: np.ndarray = field(default_factory=lambda: np.zeros(4))
     _unit: float | None = None  # seconds of a one-token plain step, from the first measurement
@@ -134,9 +141,7 @@ class CostModel:
         self, routing: RequestRouting, kind: SegmentKind, accepted: int, drafted: int
     ) -> None:
         """A verify of ``kind`` accepted ``accepted`` of ``drafted`` draft tokens."""
-        self.acceptance.setdefault(kind, prior_acceptance(PRIOR_TAU[kind])).observe(
-            accepted, drafted, self.keep
-        )
+        self.acceptance.setdefault(kind, Acceptance()).observe(accepted, drafted, self.keep)
         routing.acceptance.setdefault(kind, Acceptance()).observe(accepted, drafted, 0.8)
 
     def observe_step(self, shape: StepShape, seconds: float) -> None:
@@ -166,22 +171,24 @@ class CostModel:
 
     # --- decisions -------------------------------------------------------------------------
 
-    def acceptance_rate(self, routing: RequestRouting, kind: SegmentKind) -> float:
-        """The expected chance that a drafted position of ``kind`` is accepted, for this request."""
-        counts = self.acceptance.get(kind)
-        shared = (counts or prior_acceptance(PRIOR_TAU[kind])).rate
+    def acceptance_rates(self, routing: RequestRouting, kind: SegmentKind) -> np.ndarray:
+        """Per-position chance that a draft of ``kind`` stands, for this request: its own counts
+        shrunk towards the kind's, which are shrunk towards the prior."""
+        rates = prior_rates(PRIOR_TAU[kind])
+        shared = self.acceptance.get(kind)
+        if shared is not None:
+            rates = shared.rates(rates, self.rate_prior_weight)
         own = routing.acceptance.get(kind)
-        if own is None:
-            return shared
-        trust = min(1.0, own.steps / 4)
-        return trust * own.rate + (1 - trust) * shared
+        if own is not None:
+            rates = own.rates(rates, self.request_weight)
+        return rates
 
     def expected_tau(
         self, routing: RequestRouting, kind: SegmentKind, slots: int | None = None
     ) -> float:
-        """Tokens a verify step is expected to commit with ``slots`` drafts (None: an endless
-        block, capped at 64)."""
-        return expected_tokens(self.acceptance_rate(routing, kind), 63 if slots is None else slots)
+        """Tokens a verify step is expected to commit with ``slots`` drafts (None: the longest
+        block)."""
+        return expected_tokens(self.acceptance_rates(routing, kind), slots or MAX_SLOTS)
 
     def verify_cost_ratio(self, slots: int = 15) -> float:
         """Predicted wall time of a one-row DFlash step of ``slots`` drafts over a plain step."""
@@ -235,11 +242,9 @@ class CostModel:
         """Block to draft (the committed token and its drafts, at most ``max_block``): the one
         whose expected tokens per second of a one-row DFlash step are highest. Every slot costs
         verify and draft compute, so blocks are short where drafts fail early."""
-        rate = self.acceptance_rate(routing, kind)
+        rates = self.acceptance_rates(routing, kind)
         c = self.step_cost()
         fixed, per_slot = c[0] + c[1] + c[2], c[1] + c[3]
-        slots = max(
-            range(1, max(2, max_block)),
-            key=lambda k: expected_tokens(rate, k) / (fixed + k * per_slot),
-        )
+        tokens = 1.0 + np.cumprod(rates[: max(1, max_block - 1)]).cumsum()  # [k-1]: k drafts
+        slots = 1 + int(np.argmax(tokens / (fixed + per_slot * np.arange(1, len(tokens) + 1))))
         return min(max_block, slots + 1)
