@@ -192,3 +192,23 @@ def test_a_request_whose_masks_fail_is_reported_in_that_steps_outputs(tiny):
         tiny.step()
     assert tiny.result(healthy).finish_reason in ("stop", "length")
     assert tiny.cache.num_free == tiny.cache.num_slots
+
+
+def test_demo_constrained_dflash_equals_plain_on_held_out_tool_calls():
+    # the shipped model and drafter: drafts walk the grammar ahead many times per request; the
+    # live constraint must come out of every walk exactly as it went in (a regression: walks with
+    # rollbacks once left llguidance allowing '",' after a tool call's last property)
+    from agentflash.bench import held_out_prompts
+
+    engine = Engine.from_pretrained("demo")
+    for item in held_out_prompts("tool_call", 4):
+        ids = engine.chat_prompt(item.messages, item.tools)
+        source = assistant_turn(item.tools, "required")
+        plain = engine.generate(
+            ids, SamplingParams(max_tokens=64, grammar=source, speculation="off")
+        )
+        spec = engine.generate(
+            ids, SamplingParams(max_tokens=64, grammar=source, speculation="dflash")
+        )
+        assert spec.finish_reason == plain.finish_reason != "error"
+        assert spec.token_ids == plain.token_ids

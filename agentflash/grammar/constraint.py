@@ -127,6 +127,11 @@ class Constraint(abc.ABC):
     def _forced(self) -> list[int]:
         """Tokens (not the end token) that every legal continuation starts with."""
 
+    def _copy(self) -> Constraint | None:
+        """An independent constraint in this state, to walk ahead on, or None if the backend
+        cannot copy its state (walks then commit here and roll back)."""
+        return None
+
     # --- state -----------------------------------------------------------------------------
 
     @property
@@ -221,10 +226,29 @@ class Constraint(abc.ABC):
         legal = self._validate(body[:first_bad]) if first_bad else 0
         if legal < end or end == len(tokens):
             return legal
+        return end + 1 if self._accepts_after(body) else end
+
+    def _accepts_after(self, body: list[int]) -> bool:
+        """Whether the output would be complete after the legal tokens ``body``; no change."""
+        copy = self._copy()
+        if copy is not None:
+            copy._consume(body)
+            return copy._is_accepting()
         self._consume(body)
         accepting = self._is_accepting()
         self._rollback(len(body))
-        return end + 1 if accepting else end
+        return accepting
+
+    def _ends_after(self, forced: list[int]) -> bool:
+        """Whether only the end token may follow the legal tokens ``forced``; no change."""
+        copy = self._copy()
+        if copy is not None:
+            copy._consume(forced)
+            return copy._only_end_allowed()
+        self._consume(forced)
+        ends = self._only_end_allowed()
+        self._rollback(len(forced))
+        return ends
 
     def masks_along_draft(self, tokens: Sequence[int]) -> torch.Tensor:
         """One mask per verify position along a legal draft: ``[len(tokens) + 1, W]``.
@@ -246,6 +270,12 @@ class Constraint(abc.ABC):
     def _masks_one_by_one(self, tokens: list[int]) -> torch.Tensor:
         out = allocate_bitmask(len(tokens) + 1, self.vocab_size)
         self.fill_bitmask(out[0])
+        copy = self._copy()
+        if copy is not None:  # walk a copy: nothing to roll back
+            for i, token in enumerate(tokens):
+                copy._commit([token])
+                copy.fill_bitmask(out[i + 1])
+            return out
         done = 0
         try:
             for i, token in enumerate(tokens):
@@ -267,12 +297,8 @@ class Constraint(abc.ABC):
         if self._only_end_allowed():
             return [self.eos_token_id]
         forced = self._forced()
-        if forced:
-            self._consume(forced)
-            ends = self._only_end_allowed()
-            self._rollback(len(forced))
-            if ends:
-                forced.append(self.eos_token_id)
+        if forced and self._ends_after(forced):
+            forced.append(self.eos_token_id)
         return forced
 
 
@@ -287,7 +313,11 @@ def masks_along_drafts(
 ) -> list[torch.Tensor]:
     """``masks_along_draft`` for a batch of requests: ``[len(draft) + 1, W]`` per request.
 
-    Backends that can (llguidance) compute the batch in parallel, off the GIL.
+    Each mask is computed token by token along its draft, on a copy of the constraint where the
+    backend can copy (llguidance). llguidance's batched draft-mask call
+    (``unsafe_compute_mask_ptr_with_draft_token``, 1.9.1) walks and rolls back the live matchers,
+    and walks with rollbacks on a live matcher left it, after some steps, allowing a token (a
+    string-closing ``",`` after a tool call's last property) that it then refused to consume.
     """
     drafts = [list(d) for d in drafts]
     for constraint, draft in zip(constraints, drafts, strict=True):
@@ -335,6 +365,11 @@ def constrained_draft(
     best = list(proposals) if proposals is not None else draft_logits.argmax(dim=-1).tolist()
     tokens: list[int] = []
     num_forced = 0
+    copy = constraint._copy()
+    if copy is not None:  # walk a copy: nothing to roll back
+        constraint, owner = copy, None
+    else:
+        owner = constraint
     try:
         while len(tokens) < num_slots and not constraint.is_finished():
             forced = constraint.forced_tokens() if use_forced else []
@@ -348,7 +383,8 @@ def constrained_draft(
             constraint._commit(take)
             tokens += take
     finally:
-        constraint.rollback(len(tokens))
+        if owner is not None:
+            owner.rollback(len(tokens))
     return Draft(tokens, num_forced)
 
 

@@ -15,8 +15,6 @@ from agentflash.grammar.constraint import (
     CompiledGrammar,
     Constraint,
     GrammarError,
-    _bit,
-    allocate_bitmask,
 )
 from agentflash.grammar.sources import GrammarKind, GrammarSource, JsonStyle
 from agentflash.grammar.tokenizers import TokenizerInfo
@@ -27,17 +25,6 @@ JSON_STYLE_OPTIONS: dict[JsonStyle, dict[str, Any]] = {
     JsonStyle.COMPACT: {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"},
     JsonStyle.FLEXIBLE: {},
 }
-
-
-_shared_executor: llguidance.LLExecutor | None = None
-
-
-def _executor() -> llguidance.LLExecutor:
-    """The thread pool that computes batches of masks (created on first use)."""
-    global _shared_executor
-    if _shared_executor is None:
-        _shared_executor = llguidance.LLExecutor()
-    return _shared_executor
 
 
 def build_tokenizer(info: TokenizerInfo) -> llguidance.LLTokenizer:
@@ -148,33 +135,14 @@ class LLGuidanceConstraint(Constraint):
             # a parser resource limit, not the user's fault
             raise RuntimeError(f"llguidance could not compute the mask: {error}")
 
-    @classmethod
-    def _masks_along_drafts(
-        cls, constraints: Sequence[Constraint], drafts: list[list[int]]
-    ) -> list[torch.Tensor]:
-        # one call fills every request's rows, walking each draft and rolling it back in Rust
-        vocab_size = constraints[0].vocab_size
-        assert all(c.vocab_size == vocab_size for c in constraints)
-        sizes = [len(d) + 1 for d in drafts]
-        out = allocate_bitmask(sum(sizes), vocab_size)
-        jobs, offset = [], 0
-        for constraint, draft, size in zip(constraints, drafts, sizes, strict=True):
-            assert isinstance(constraint, LLGuidanceConstraint)
-            eos = constraint.eos_token_id
-            body = draft[:-1] if draft and draft[-1] == eos else draft
-            if constraint.is_finished() or not body:  # nothing to walk: the first row, then
-                constraint.fill_bitmask(out[offset])  # the end token's row if it was drafted
-                out[offset + 1 : offset + size, eos // 32] = _bit(eos)
-            else:
-                jobs.append((constraint._m, offset, body))
-                if body is not draft:
-                    out[offset + size - 1, eos // 32] = _bit(eos)
-            offset += size
-        if jobs:
-            _executor().unsafe_compute_mask_ptr_with_draft_token(
-                jobs, out.data_ptr(), out.shape[1] * out.element_size(), out.shape[0]
-            )
-        return list(out.split(sizes))
+    def _copy(self) -> LLGuidanceConstraint:
+        # Walks ahead (drafts, masks along them, forced-token checks) run on a copy of the
+        # matcher: committing and rolling back on the live one left it, after some walks,
+        # computing masks that let a token through that it then refused to consume (llguidance
+        # 1.9.1; a tool call's last property took '",' as if more properties followed).
+        copy = LLGuidanceConstraint(self._m.deep_copy(), self.vocab_size, self.eos_token_id)
+        copy._num_fed, copy._ended = self._num_fed, self._ended
+        return copy
 
     def _forced(self) -> list[int]:
         forced = self._m.compute_ff_tokens()
