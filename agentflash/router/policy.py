@@ -92,17 +92,13 @@ def prior_rates(tau: float) -> np.ndarray:
     return np.full(MAX_SLOTS, 1 - 1 / tau)
 
 
-def expected_tokens(rates: np.ndarray, slots: int) -> float:
-    """Tokens a step commits with ``slots`` drafts: ``1 + q0 + q0 q1 + ...`` (the target's own
-    token always counts; draft ``j`` stands only if every earlier one did)."""
-    return 1.0 + float(np.cumprod(rates[:slots]).sum())
-
-
 @dataclass
 class RequestRouting:
     """One request's own view: acceptance per kind."""
 
     acceptance: dict[SegmentKind, Acceptance] = field(default_factory=dict)
+    # what the router derived from the counts, kept until they change (it asks every step)
+    cache: dict[tuple, tuple] = field(default_factory=dict)
 
 
 @dataclass
@@ -133,6 +129,7 @@ class CostModel:
     _unit: float | None = None  # seconds of a one-token plain step, from the first measurement
     refit_every: int = 8  # steps between refits of the step-time model (a 4x4 solve)
     _fit: np.ndarray | None = None
+    _fits: int = 0
     _since_fit: int = 0
 
     # --- measurements --------------------------------------------------------------------
@@ -157,6 +154,7 @@ class CostModel:
         """Fitted seconds per feature: fixed, per verified token, drafter, per drafted slot."""
         if self._fit is None or self._since_fit >= self.refit_every:
             self._fit, self._since_fit = self._solve(), 0
+            self._fits += 1
         return self._fit
 
     def _solve(self) -> np.ndarray:
@@ -170,6 +168,20 @@ class CostModel:
         return np.maximum(cost, 0.05 * prior)  # noise must not make a feature free
 
     # --- decisions -------------------------------------------------------------------------
+
+    def _version(self, routing: RequestRouting, kind: SegmentKind) -> tuple[int, int]:
+        shared, own = self.acceptance.get(kind), routing.acceptance.get(kind)
+        return (shared.steps if shared else -1, own.steps if own else -1)
+
+    def _tokens_by_slots(self, routing: RequestRouting, kind: SegmentKind) -> np.ndarray:
+        """[MAX_SLOTS]: entry ``k - 1`` is ``tau(k)``, cached until the counts change."""
+        version = self._version(routing, kind)
+        hit = routing.cache.get(("tau", kind))
+        if hit is not None and hit[0] == version:
+            return hit[1]
+        tokens = 1.0 + np.cumprod(self.acceptance_rates(routing, kind)).cumsum()
+        routing.cache[("tau", kind)] = (version, tokens)
+        return tokens
 
     def acceptance_rates(self, routing: RequestRouting, kind: SegmentKind) -> np.ndarray:
         """Per-position chance that a draft of ``kind`` stands, for this request: its own counts
@@ -188,7 +200,7 @@ class CostModel:
     ) -> float:
         """Tokens a verify step is expected to commit with ``slots`` drafts (None: the longest
         block)."""
-        return expected_tokens(self.acceptance_rates(routing, kind), slots or MAX_SLOTS)
+        return float(self._tokens_by_slots(routing, kind)[min(slots or MAX_SLOTS, MAX_SLOTS) - 1])
 
     def verify_cost_ratio(self, slots: int = 15) -> float:
         """Predicted wall time of a one-row DFlash step of ``slots`` drafts over a plain step."""
@@ -242,9 +254,15 @@ class CostModel:
         """Block to draft (the committed token and its drafts, at most ``max_block``): the one
         whose expected tokens per second of a one-row DFlash step are highest. Every slot costs
         verify and draft compute, so blocks are short where drafts fail early."""
-        rates = self.acceptance_rates(routing, kind)
         c = self.step_cost()
+        key = ("block", kind, max_block)
+        version = (self._version(routing, kind), self._fits)
+        hit = routing.cache.get(key)
+        if hit is not None and hit[0] == version:
+            return hit[1]
         fixed, per_slot = c[0] + c[1] + c[2], c[1] + c[3]
-        tokens = 1.0 + np.cumprod(rates[: max(1, max_block - 1)]).cumsum()  # [k-1]: k drafts
+        tokens = self._tokens_by_slots(routing, kind)[: max(1, max_block - 1)]  # k drafts: [k-1]
         slots = 1 + int(np.argmax(tokens / (fixed + per_slot * np.arange(1, len(tokens) + 1))))
-        return min(max_block, slots + 1)
+        size = min(max_block, slots + 1)
+        routing.cache[key] = (version, size)
+        return size
