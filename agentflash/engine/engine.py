@@ -345,7 +345,7 @@ class Engine:
         candidates = [
             Candidate(r.routing, kinds[r.id], sizes[r.id],
                       forced=r.params.speculation is Speculation.DFLASH,
-                      backlog=sum(h.shape[0] for h in r.pending_hidden))
+                      backlog=r.num_cached - r.draft_context.length)  # positions to project
             for r in able
         ]
         chosen = self.cost.plan(len(decoding), candidates)
