@@ -15,7 +15,8 @@ finished the only "allowed" token is the end token itself (so masked logits neve
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -230,25 +231,30 @@ class Constraint(abc.ABC):
 
     def _accepts_after(self, body: list[int]) -> bool:
         """Whether the output would be complete after the legal tokens ``body``; no change."""
-        copy = self._copy()
-        if copy is not None:
-            copy._consume(body)
-            return copy._is_accepting()
-        self._consume(body)
-        accepting = self._is_accepting()
-        self._rollback(len(body))
-        return accepting
+        with self._walk() as ahead:
+            ahead._commit(body)
+            return ahead._is_accepting()
 
     def _ends_after(self, forced: list[int]) -> bool:
         """Whether only the end token may follow the legal tokens ``forced``; no change."""
+        with self._walk() as ahead:
+            ahead._commit(forced)
+            return ahead._only_end_allowed()
+
+    @contextmanager
+    def _walk(self) -> Iterator[Constraint]:
+        """A constraint to commit tokens on ahead of the request: a copy where the backend can
+        copy (llguidance: walks committed and rolled back on the live matcher once left it
+        allowing a token it then refused), else this one, rolled back afterwards."""
         copy = self._copy()
         if copy is not None:
-            copy._consume(forced)
-            return copy._only_end_allowed()
-        self._consume(forced)
-        ends = self._only_end_allowed()
-        self._rollback(len(forced))
-        return ends
+            yield copy
+            return
+        start = self.num_tokens
+        try:
+            yield self
+        finally:
+            self.rollback(self.num_tokens - start)
 
     def masks_along_draft(self, tokens: Sequence[int]) -> torch.Tensor:
         """One mask per verify position along a legal draft: ``[len(tokens) + 1, W]``.
@@ -259,31 +265,13 @@ class Constraint(abc.ABC):
         """
         return masks_along_drafts([self], [tokens])[0]
 
-    @classmethod
-    def _masks_along_drafts(
-        cls, constraints: Sequence[Constraint], drafts: list[list[int]]
-    ) -> list[torch.Tensor]:
-        """``masks_along_draft`` for several constraints of this class, drafts already checked;
-        backends that can compute them in parallel override this."""
-        return [c._masks_one_by_one(d) for c, d in zip(constraints, drafts, strict=True)]
-
     def _masks_one_by_one(self, tokens: list[int]) -> torch.Tensor:
         out = allocate_bitmask(len(tokens) + 1, self.vocab_size)
         self.fill_bitmask(out[0])
-        copy = self._copy()
-        if copy is not None:  # walk a copy: nothing to roll back
+        with self._walk() as ahead:
             for i, token in enumerate(tokens):
-                copy._commit([token])
-                copy.fill_bitmask(out[i + 1])
-            return out
-        done = 0
-        try:
-            for i, token in enumerate(tokens):
-                self._commit([token])
-                done += 1
-                self.fill_bitmask(out[i + 1])
-        finally:
-            self.rollback(done)
+                ahead._commit([token])
+                ahead.fill_bitmask(out[i + 1])
         return out
 
     def forced_tokens(self) -> list[int]:
@@ -327,15 +315,7 @@ def masks_along_drafts(
                 f"draft token {draft[legal]} at position {legal} is not "
                 "allowed by the grammar; cut drafts with validate_draft"
             )
-    out: list[torch.Tensor | None] = [None] * len(drafts)
-    groups: dict[type, list[int]] = {}
-    for i, constraint in enumerate(constraints):
-        groups.setdefault(type(constraint), []).append(i)
-    for cls, index in groups.items():
-        masks = cls._masks_along_drafts([constraints[i] for i in index], [drafts[i] for i in index])
-        for i, mask in zip(index, masks, strict=True):
-            out[i] = mask
-    return out  # type: ignore[return-value]
+    return [c._masks_one_by_one(d) for c, d in zip(constraints, drafts, strict=True)]
 
 
 @dataclass(frozen=True)
@@ -356,8 +336,8 @@ def constrained_draft(
 
     At each slot: if the grammar forces tokens, they fill the next slots at no model cost;
     otherwise the slot takes the argmax of its masked logits (its plain argmax when that is
-    legal, which needs no mask). The constraint is advanced as the walk goes and rolled back at
-    the end (its state is unchanged). Every drafted token is legal; the walk stops after the end
+    legal, which needs no mask). The walk runs ahead of the constraint (``Constraint._walk``), whose
+    state is unchanged. Every drafted token is legal; the walk stops after the end
     token. Slot k's logits propose the k-th drafted token; forced tokens fill slots without
     reading their logits. ``proposals`` is the per-slot argmax if the caller has it already.
     """
@@ -365,26 +345,18 @@ def constrained_draft(
     best = list(proposals) if proposals is not None else draft_logits.argmax(dim=-1).tolist()
     tokens: list[int] = []
     num_forced = 0
-    copy = constraint._copy()
-    if copy is not None:  # walk a copy: nothing to roll back
-        constraint, owner = copy, None
-    else:
-        owner = constraint
-    try:
-        while len(tokens) < num_slots and not constraint.is_finished():
-            forced = constraint.forced_tokens() if use_forced else []
+    with constraint._walk() as ahead:
+        while len(tokens) < num_slots and not ahead.is_finished():
+            forced = ahead.forced_tokens() if use_forced else []
             if forced:
                 take = forced[: num_slots - len(tokens)]
                 num_forced += len(take)
-            elif constraint.validate_draft([best[len(tokens)]]) == 1:
+            elif ahead.validate_draft([best[len(tokens)]]) == 1:
                 take = [best[len(tokens)]]
             else:
-                take = [_masked_argmax(constraint, draft_logits[len(tokens)])]
-            constraint._commit(take)
+                take = [_masked_argmax(ahead, draft_logits[len(tokens)])]
+            ahead._commit(take)
             tokens += take
-    finally:
-        if owner is not None:
-            owner.rollback(len(tokens))
     return Draft(tokens, num_forced)
 
 
