@@ -117,3 +117,32 @@ def test_seeded_sampling_gives_the_same_tokens_with_and_without_speculation(engi
     ids = list(range(100, 130))
     kw = dict(max_tokens=30, temperature=0.8, top_p=0.9, seed=11, ignore_eos=True)
     assert dflash(engine, ids, **kw).token_ids == plain(engine, ids, **kw).token_ids
+
+
+
+def test_short_blocks_verify_the_head_of_a_full_drafter_block(engine, monkeypatch):
+    """The drafter always fills the block it was trained on; a row asking for a shorter block
+    verifies that block's first drafts (a block of fewer masks is text the drafter never saw)."""
+    drafted, verified = [], []
+
+    def spy(drafter, embed, logits, last_tokens, contexts, block_size=None):
+        out = real_draft(drafter, embed, logits, last_tokens, contexts, block_size)
+        drafted.append((block_size, out.argmax(-1)[0].tolist()))
+        return out
+
+    def forward(rows, *args, **kwargs):
+        verified.append(list(rows[0].tokens))
+        return real_forward(rows, *args, **kwargs)
+
+    real_draft, real_forward = engine_mod.draft_logits, engine.runner.forward
+    monkeypatch.setattr(engine_mod, "draft_logits", spy)
+    monkeypatch.setattr(engine.runner, "forward", forward)
+    ids = list(range(200, 230))
+    out = dflash(engine, ids, max_tokens=30, ignore_eos=True, block_size=4)
+    monkeypatch.undo()
+    assert drafted and {size for size, _ in drafted} == {engine.drafter.cfg.block_size}
+    blocks = [v for v in verified[1:] if len(v) > 1]  # after the prompt: the verify forwards
+    assert len(blocks) == len(drafted)
+    for block, (_, draft) in zip(blocks, drafted):
+        assert block[1:] == draft[: len(block) - 1] and len(block) <= 4
+    assert out.token_ids == plain(engine, ids, max_tokens=30, ignore_eos=True).token_ids
