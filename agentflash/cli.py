@@ -312,19 +312,28 @@ def train_drafter(
     num_anchors: Annotated[int, typer.Option("--num-anchors", help="blocks per sequence")] = 64,
     num_conversations: Annotated[int, typer.Option(
         "--num-conversations", help="corpus prompts the target answers for training")] = 2500,
+    mix: Annotated[str, typer.Option(
+        help="shares of tool_call,code,math,prose among those prompts")] = "60,12,16,12",
+    init: Annotated[str | None, typer.Option(
+        help="start from this drafter's weights (a directory, or demo)")] = None,
+    lr: Annotated[float, typer.Option()] = 6e-4,
 ) -> None:
     """Train a DFlash drafter on the target's own answers (SpecForge recipe)."""
     from agentflash.train.corpus import CorpusConfig
     from agentflash.train.drafter import DrafterTrainConfig
     from agentflash.train.drafter import train_drafter as run
 
-    n = num_conversations
-    corpus = CorpusConfig(seed=1, num_tool_call=n * 6 // 10, num_code=n * 12 // 100,
-                          num_math=n * 16 // 100, num_prose=n * 12 // 100)
+    shares = _int_list(mix, "--mix")
+    if len(shares) != 4:
+        fail(f"--mix needs four shares (tool_call,code,math,prose), got {mix!r}")
+    n, total = num_conversations, sum(shares)
+    tool, code, math, prose = (n * k // total for k in shares)
+    corpus = CorpusConfig(seed=1, num_tool_call=tool, num_code=code, num_math=math,
+                          num_prose=prose)
     try:
         cfg = DrafterTrainConfig(num_layers=num_layers, block_size=block_size, steps=steps,
                                  num_anchors=num_anchors, max_response_tokens=256,
-                                 num_val_per_kind=8, corpus=corpus)
+                                 num_val_per_kind=16, corpus=corpus, lr=lr, init=init)
         run(target, out, cfg)
     except (UserError, ValueError) as err:
         fail(str(err))

@@ -2,6 +2,7 @@
 
 import json
 import random
+import shutil
 
 import pytest
 import torch
@@ -265,3 +266,17 @@ def test_validation_tau_is_what_draft_and_verify_decoding_achieves(run, tiny_mod
 class NoCache:
     def write(self, k, v):
         return k, v
+
+
+def test_init_starts_a_new_run_from_a_trained_drafter(run, tiny_model_dir, tmp_path):
+    shutil.copy(run / "responses.json", tmp_path / "responses.json")  # the same answers
+    trained_loss = [e["loss"] for e in read_log(run) if "loss" in e][-1]
+    fresh_loss = [e["loss"] for e in read_log(run) if "loss" in e][0]
+    train_drafter(tiny_model_dir, tmp_path, tiny_config(steps=1, init=str(run), val_every=100))
+    first = [e["loss"] for e in read_log(tmp_path) if "loss" in e]
+    assert len(first) == 1 and abs(first[0] - trained_loss) < abs(first[0] - fresh_loss)
+    other = tmp_path / "other"
+    other.mkdir()
+    shutil.copy(run / "responses.json", other / "responses.json")
+    with pytest.raises(UserError, match=f"{run}.*num_layers"):
+        train_drafter(tiny_model_dir, other, tiny_config(steps=1, init=str(run), num_layers=2))

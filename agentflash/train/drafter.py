@@ -68,6 +68,7 @@ class DrafterTrainConfig:
     save_every: int = 100
     seed: int = 0
     device: str = "cpu"
+    init: str | None = None  # a drafter directory (or "demo") whose weights start a new run
     corpus: corpus_mod.CorpusConfig = field(
         default_factory=lambda: corpus_mod.CorpusConfig(
             seed=1, num_tool_call=6000, num_code=1000, num_math=1500, num_prose=1500
@@ -445,6 +446,8 @@ def train_drafter(
     )
     ckpt_dir = out_dir / "checkpoints"
     start = _resume(ckpt_dir, drafter, opt, dcfg)
+    if start == 0 and cfg.init is not None:
+        _init_from(cfg.init, drafter, dcfg)
     num_params = sum(p.numel() for p in drafter.parameters())
     print(
         f"drafter: {num_params / 1e6:.2f}M parameters, {dcfg.num_layers} layers reading target "
@@ -537,6 +540,20 @@ def _save_checkpoint(ckpt_dir: Path, step: int, drafter, opt, dcfg: DrafterConfi
     tmp = ckpt_dir / "latest.pt.tmp"
     torch.save(state, tmp)
     tmp.replace(ckpt_dir / "latest.pt")
+
+
+def _init_from(source: str, drafter, dcfg: DrafterConfig) -> None:
+    """Start from the weights of the drafter in ``source`` (a directory or ``demo``), whose
+    shape must be the one this run trains."""
+    from agentflash.dflash.checkpoint import load_drafter
+    from agentflash.models.loading import DEMO_DIR
+
+    path = DEMO_DIR / "drafter" if source == "demo" else Path(source).expanduser()
+    init = load_drafter(path, dtype=torch.float32)
+    if asdict(init.cfg) != asdict(dcfg):
+        diff = {k: v for k, v in asdict(init.cfg).items() if asdict(dcfg)[k] != v}
+        raise UserError(f"{path}: --init drafter differs from the one to train in {diff}")
+    drafter.load_state_dict(init.state_dict())
 
 
 def _resume(ckpt_dir: Path, drafter, opt, dcfg: DrafterConfig) -> int:
