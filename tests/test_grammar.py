@@ -453,8 +453,11 @@ def test_constrained_draft_is_legal_and_leaves_the_state(tok, closers, backend):
         draft = constrained_draft(constraint, logits)
         assert snapshot(constraint) == before
         assert constraint.validate_draft(draft.tokens) == len(draft.tokens) > 0
+        # the masks made on the way are the verify masks along the draft
+        assert torch.equal(draft.masks, constraint.masks_along_draft(draft.tokens))
         plain = constrained_draft(constraint, logits, use_forced=False)
         assert plain.num_forced == 0
+        assert torch.equal(plain.masks, constraint.masks_along_draft(plain.tokens))
         # without forcing, each slot is the argmax of its masked logits
         for slot, token in enumerate(plain.tokens):
             masked = apply_bitmask_(logits[slot].clone(), constraint.bitmask())

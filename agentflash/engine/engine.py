@@ -55,6 +55,7 @@ class BlockDraft:
     tokens: list[int]
     forced: int  # how many of them the grammar forced (free: no model proposed them)
     drafted: bool  # whether the drafter ran for this row this step
+    masks: torch.Tensor | None = None  # verify masks along the tokens, if the draft made them
 
 
 @dataclass
@@ -316,9 +317,14 @@ class Engine:
     def _mask_rows(
         self, batch: list[Request], rows: list[int], drafts: dict[int, BlockDraft], logits
     ) -> None:
-        """The masks of ``rows`` along their drafts, applied; a row whose grammar fails ends."""
+        """The masks of ``rows`` along their drafts, applied; a row whose grammar fails ends.
+        Constrained drafts bring their masks; the others' are walked here."""
         from agentflash.grammar import masks_along_drafts
 
+        for i in [i for i in rows if drafts[batch[i].id].masks is not None]:
+            apply_bitmask_(logits[i, : len(drafts[batch[i].id].tokens) + 1],
+                           drafts[batch[i].id].masks)
+        rows = [i for i in rows if drafts[batch[i].id].masks is None]
         try:
             masks = masks_along_drafts(
                 [batch[i].constraint for i in rows], [drafts[batch[i].id].tokens for i in rows]
@@ -417,7 +423,7 @@ class Engine:
             except Exception as err:
                 self._fail_alone(r, err)
                 continue
-            drafts[r.id] = BlockDraft(walk.tokens, walk.num_forced, True)
+            drafts[r.id] = BlockDraft(walk.tokens, walk.num_forced, True, walk.masks)
         return drafts
 
     def _flush_context(self, reqs: list[Request]) -> None:

@@ -320,10 +320,12 @@ def masks_along_drafts(
 
 @dataclass(frozen=True)
 class Draft:
-    """Tokens drafted under a grammar and how many of them the grammar forced."""
+    """Tokens drafted under a grammar, how many of them the grammar forced, and the verify masks
+    along them (computed on the way: the walk needs each slot's mask anyway)."""
 
     tokens: list[int]
     num_forced: int
+    masks: torch.Tensor  # [len(tokens) + 1, W]: row i is the mask after tokens[:i]
 
 
 def constrained_draft(
@@ -335,34 +337,54 @@ def constrained_draft(
     """Walk a block of drafter logits ``[K, V]`` left to right under the grammar.
 
     At each slot: if the grammar forces tokens, they fill the next slots at no model cost;
-    otherwise the slot takes the argmax of its masked logits (its plain argmax when that is
-    legal, which needs no mask). The walk runs ahead of the constraint (``Constraint._walk``), whose
-    state is unchanged. Every drafted token is legal; the walk stops after the end
-    token. Slot k's logits propose the k-th drafted token; forced tokens fill slots without
-    reading their logits. ``proposals`` is the per-slot argmax if the caller has it already.
+    otherwise the slot takes its plain argmax when the slot's mask allows it, else the argmax of
+    its allowed tokens (looked for among its best few first). The walk runs ahead of the
+    constraint (``Constraint._walk``), whose state is unchanged. Every drafted token is legal;
+    the walk stops after the end token. Slot k's logits propose the k-th drafted token; forced
+    tokens fill slots without reading their logits. ``proposals`` is the per-slot argmax if the
+    caller has it already. The masks it returns equal ``masks_along_draft(tokens)``: the verify
+    forward needs no second walk.
     """
     num_slots = draft_logits.shape[0]
     best = list(proposals) if proposals is not None else draft_logits.argmax(dim=-1).tolist()
+    masks = allocate_bitmask(num_slots + 1, constraint.vocab_size)
     tokens: list[int] = []
     num_forced = 0
+    ranked: list[list[int]] = []  # each slot's best few tokens, ranked once for the whole block
     with constraint._walk() as ahead:
         while len(tokens) < num_slots and not ahead.is_finished():
             forced = ahead.forced_tokens() if use_forced else []
+            for token in forced[: num_slots - len(tokens)]:
+                ahead.fill_bitmask(masks[len(tokens)])
+                ahead._commit([token])
+                tokens.append(token)
+                num_forced += 1
             if forced:
-                take = forced[: num_slots - len(tokens)]
-                num_forced += len(take)
-            elif ahead.validate_draft([best[len(tokens)]]) == 1:
-                take = [best[len(tokens)]]
-            else:
-                take = [_masked_argmax(ahead, draft_logits[len(tokens)])]
-            ahead._commit(take)
-            tokens += take
-    return Draft(tokens, num_forced)
+                continue
+            row = masks[len(tokens)]
+            ahead.fill_bitmask(row)
+            token = best[len(tokens)]
+            if not _allows(row, token, ahead.vocab_size):
+                if not ranked:
+                    k = min(8, draft_logits.shape[-1])
+                    ranked = draft_logits.detach().topk(k, dim=-1).indices.tolist()
+                token = next((t for t in ranked[len(tokens)] if _allows(row, t, ahead.vocab_size)),
+                             None)
+                if token is None:
+                    token = _masked_argmax(row, draft_logits[len(tokens)], ahead.vocab_size)
+            ahead._commit([token])
+            tokens.append(token)
+        ahead.fill_bitmask(masks[len(tokens)])
+    return Draft(tokens, num_forced, masks[: len(tokens) + 1])
 
 
-def _masked_argmax(constraint: Constraint, logits: torch.Tensor) -> int:
+def _allows(row: torch.Tensor, token: int, vocab_size: int) -> bool:
+    return 0 <= token < vocab_size and (int(row[token // 32]) >> (token % 32)) & 1 == 1
+
+
+def _masked_argmax(row: torch.Tensor, logits: torch.Tensor, vocab_size: int) -> int:
     # compare only the legal tokens' scores: cheaper than masking a whole row of a large vocab
-    allowed = np.flatnonzero(unpack_bitmask(constraint.bitmask(), constraint.vocab_size).numpy())
+    allowed = np.flatnonzero(unpack_bitmask(row, vocab_size).numpy())
     assert len(allowed), "no legal token: the grammar is stuck"
     ids = torch.from_numpy(allowed)
     return int(ids[int(logits.detach()[ids.to(logits.device)].argmax())])
