@@ -105,3 +105,30 @@ def test_a_forward_costs_its_real_tokens(model, batch_single_tokens):
     assert verify_last == [("mlp", 19), ("lm_head", 4)]
     assert prefill_and_decode == [("mlp", 43), ("lm_head", 4)]
     assert mixed == [("mlp", 57), ("lm_head", 18)]  # the prompt's last token, not its 40
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    shapes=st.lists(st.one_of(prefill, decode, decode, block), min_size=2, max_size=6),
+    seed=st.integers(0, 2**16),
+)
+def test_a_rows_logits_are_bitwise_those_it_has_alone(model, shapes, seed):
+    """On the CPU a row's logits do not depend on the rows beside it, to the last bit: greedy
+    output then never depends on the requests that share a step (not even at a near tie)."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def tokens(n):
+        return torch.randint(0, model.cfg.vocab_size, (n,), generator=gen).tolist()
+
+    alone, mixed = runner(model, False), runner(model, False)
+    rows = [Row(slot, start, tokens(n), lo) for slot, (start, n, lo) in enumerate(shapes)]
+    for r in rows:
+        prefix = tokens(r.start)
+        for rn in (alone, mixed):
+            if prefix:
+                rn.forward([Row(r.slot, 0, prefix)])
+    out = mixed.forward(rows)
+    for i, r in enumerate(rows):
+        own = alone.forward([r]).logits[0]
+        n = own.shape[0]
+        assert torch.equal(out.logits[i, :n], own)

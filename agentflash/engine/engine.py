@@ -38,6 +38,9 @@ class EngineConfig:
     max_running: int = 8  # requests decoding together; each owns a KV-cache slot
     max_len: int = 2048  # tokens per request (prompt + output)
     kv_budget_mb: float | None = None  # caps the slots to what fits; None: max_running slots
+    # CPU: a row's logits bitwise the same whatever shares its step (ModelRunner); costs a
+    # lone one-token forward about 10%
+    batch_invariant: bool = True
 
     def __post_init__(self) -> None:
         if self.kv_budget_mb is not None and self.kv_budget_mb <= 0:
@@ -112,7 +115,7 @@ class Engine:
         dtype = next(model.parameters()).dtype
         slots = num_slots(model.cfg, config, max_len, dtype)
         self.cache = KVCache(model.cfg, slots, max_len, torch.device(config.device), dtype)
-        self.runner = ModelRunner(model, self.cache)
+        self.runner = ModelRunner(model, self.cache, batch_invariant=config.batch_invariant)
         self.scheduler = Scheduler(SchedulerConfig(slots, max_len), self.cache)
         self.eos_ids = end_of_turn_ids(tokenizer)
         self.cost = CostModel()  # what the router has measured of this engine's speed

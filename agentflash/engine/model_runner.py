@@ -13,7 +13,13 @@ from itertools import accumulate
 import torch
 
 from agentflash.engine.kv_cache import KVCache
-from agentflash.models.qwen3 import PackedRows, Qwen3Model, SingleTokenRows, Span
+from agentflash.models.qwen3 import (
+    PackedRows,
+    Qwen3Model,
+    SingleTokenRows,
+    Span,
+    batch_invariant_,
+)
 
 
 @dataclass
@@ -39,15 +45,28 @@ class ForwardOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: Qwen3Model, cache: KVCache, batch_single_tokens: bool | None = None):
+    def __init__(
+        self,
+        model: Qwen3Model,
+        cache: KVCache,
+        batch_single_tokens: bool | None = None,
+        batch_invariant: bool = True,
+    ):
         """``batch_single_tokens``: attend the one-token rows in one call over their gathered
         slots rather than one call per row. The default does so off the CPU, where calls are
-        dear; on the CPU gathering the slots costs more than the calls it saves."""
+        dear; on the CPU gathering the slots costs more than the calls it saves.
+
+        ``batch_invariant``: on the CPU, make the model's projections batch-invariant
+        (``batch_invariant_``): a row's logits are then bitwise those it has alone, so greedy
+        output does not depend on the requests it shares a step with (attention runs per row
+        already)."""
         self.model, self.cache = model, cache
         self.device = next(model.parameters()).device
         if batch_single_tokens is None:
             batch_single_tokens = self.device.type != "cpu"
         self.batch_single_tokens = batch_single_tokens
+        if batch_invariant and self.device.type == "cpu" and not batch_single_tokens:
+            batch_invariant_(model)
 
     @torch.inference_mode()
     def forward(

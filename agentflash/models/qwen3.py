@@ -99,12 +99,42 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + rotated * sin
 
 
+class Linear(nn.Linear):
+    """``nn.Linear`` that can give a row the same output whatever rows share its matmul.
+
+    CPU GEMM kernels pick their blocking by the number of rows, so a row's output changed in
+    its last bits with the batch around it (and greedy decoding followed the change at a near
+    tie). With the weight stored column-major, the CPU kernels gave bitwise the same rows for
+    every row count from 2 up (measured from 2 to 300); a single row, which takes a
+    matrix-vector path, is padded to two. ``batch_invariant_`` switches a model to this.
+    """
+
+    pad_single_row = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.pad_single_row and x.numel() == x.shape[-1]:
+            return F.linear(torch.cat((x, x), dim=-2), self.weight, self.bias).narrow(-2, 0, 1)
+        return F.linear(x, self.weight, self.bias)
+
+
+def batch_invariant_(model: nn.Module) -> nn.Module:
+    """Make every ``Linear`` of ``model`` give each row the output it has alone (see ``Linear``);
+    in place, the same parameter names and shapes. For CPU inference."""
+    for module in model.modules():
+        if isinstance(module, Linear):
+            weight = module.weight.data
+            if weight.stride() != (1, weight.shape[0]):
+                module.weight.data = weight.t().contiguous().t()
+            module.pad_single_row = True
+    return model
+
+
 class MLP(nn.Module):
     def __init__(self, hidden: int, inter: int):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.gate_proj = Linear(hidden, inter, bias=False)
+        self.up_proj = Linear(hidden, inter, bias=False)
+        self.down_proj = Linear(inter, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -118,10 +148,10 @@ class Attention(nn.Module):
             cfg.num_kv_heads,
             cfg.head_dim,
         )
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
-        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self.q_proj = Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=bias)
+        self.k_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
+        self.v_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
+        self.o_proj = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -253,7 +283,7 @@ class Qwen3Model(nn.Module):
             DecoderLayer(cfg, attn_bias) for _ in range(cfg.num_layers)
         )
         self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
