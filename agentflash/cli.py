@@ -317,6 +317,9 @@ def train_drafter(
     init: Annotated[str | None, typer.Option(
         help="start from this drafter's weights (a directory, or demo)")] = None,
     lr: Annotated[float, typer.Option()] = 6e-4,
+    constrained_tool_calls: Annotated[float, typer.Option(
+        "--constrained-tool-calls",
+        help="share of tool-call prompts answered under the tools' grammar, as served")] = 0.0,
 ) -> None:
     """Train a DFlash drafter on the target's own answers (SpecForge recipe)."""
     from agentflash.train.corpus import CorpusConfig
@@ -333,7 +336,8 @@ def train_drafter(
     try:
         cfg = DrafterTrainConfig(num_layers=num_layers, block_size=block_size, steps=steps,
                                  num_anchors=num_anchors, max_response_tokens=256,
-                                 num_val_per_kind=16, corpus=corpus, lr=lr, init=init)
+                                 num_val_per_kind=16, corpus=corpus, lr=lr, init=init,
+                                 constrained_tool_calls=constrained_tool_calls)
         run(target, out, cfg)
     except (UserError, ValueError) as err:
         fail(str(err))

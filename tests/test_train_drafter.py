@@ -280,3 +280,40 @@ def test_init_starts_a_new_run_from_a_trained_drafter(run, tiny_model_dir, tmp_p
     shutil.copy(run / "responses.json", other / "responses.json")
     with pytest.raises(UserError, match=f"{run}.*num_layers"):
         train_drafter(tiny_model_dir, other, tiny_config(steps=1, init=str(run), num_layers=2))
+
+
+def test_tool_call_answers_can_be_regenerated_as_served_under_the_tools_grammar(
+    tiny_model_dir, tmp_path
+):
+    """With ``constrained_tool_calls=1`` every tool-call turn is answered under tool_choice
+    auto's grammar (what the engine serves when tools are given); the rest stay free."""
+    from agentflash.grammar import assistant_turn, compile_grammar
+    from agentflash.models.loading import load_tokenizer
+
+    target, _, _ = load_model(tiny_model_dir)
+    tok = load_tokenizer(tiny_model_dir)
+    seen = []
+    real = train_mod.regenerate
+
+    def spy(engine, prompts, max_tokens, label):
+        seen.extend(prompts)
+        return real(engine, prompts, max_tokens, label)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(corpus_mod, "generate", lambda cfg: conversations(2))
+        mp.setattr(train_mod, "regenerate", spy)
+        train, val = train_mod.build_samples(
+            target, tok, tiny_config(constrained_tool_calls=1.0, max_response_tokens=40),
+            tmp_path / "responses.json",
+        )
+    grammars = [(kind, g) for _, kind, g in seen]
+    assert {kind for kind, g in grammars if g is not None} == {"tool_call"}
+    assert all(g is not None for kind, g in grammars if kind == "tool_call")
+    grammar = compile_grammar(assistant_turn([WEATHER], "auto"), tok,
+                              vocab_size=target.cfg.vocab_size, eos_token_id=tok.eos_token_id)
+    for sample in train + val:
+        if sample.kind == "tool_call":
+            answer = sample.ids[sample.prompt_len:]
+            assert grammar.new_constraint().validate_draft(answer) == len(answer)
+    with pytest.raises(ValueError, match="constrained_tool_calls"):
+        tiny_config(constrained_tool_calls=1.5)

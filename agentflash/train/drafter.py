@@ -69,6 +69,9 @@ class DrafterTrainConfig:
     seed: int = 0
     device: str = "cpu"
     init: str | None = None  # a drafter directory (or "demo") whose weights start a new run
+    # share of tool-call conversations answered as the engine serves them when tools are given:
+    # tool_choice auto, call bodies constrained to the tools' schemas
+    constrained_tool_calls: float = 0.0
     corpus: corpus_mod.CorpusConfig = field(
         default_factory=lambda: corpus_mod.CorpusConfig(
             seed=1, num_tool_call=6000, num_code=1000, num_math=1500, num_prose=1500
@@ -80,6 +83,10 @@ class DrafterTrainConfig:
             raise ValueError(f"block_size must be at least 2, got {self.block_size}")
         if self.num_anchors < 1 or self.batch_size < 1 or self.steps < 1:
             raise ValueError("num_anchors, batch_size and steps must be positive")
+        if not 0.0 <= self.constrained_tool_calls <= 1.0:
+            raise ValueError(
+                f"constrained_tool_calls must be in [0, 1], got {self.constrained_tool_calls}"
+            )
         if self.max_response_tokens < 2 or self.max_seq_len <= self.max_response_tokens:
             raise ValueError("max_seq_len must exceed max_response_tokens, which must be >= 2")
 
@@ -126,21 +133,37 @@ def turn_prompts(convo: dict, tokenizer) -> list[list[int]]:
 
 
 def regenerate(
-    engine, prompts: list[tuple[list[int], str]], max_tokens: int, label: str
+    engine, prompts: list[tuple], max_tokens: int, label: str
 ) -> list[Sample]:
-    """The target's greedy answers to ``prompts`` (ids, kind), decoded together by ``engine``."""
+    """The target's greedy answers to ``prompts`` (ids, kind[, grammar source or None]),
+    decoded together by ``engine``."""
     from rich.progress import Progress
 
     from agentflash.engine.request import SamplingParams
 
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-    requests = [(engine.submit(ids, params), ids, kind) for ids, kind in prompts]
+    requests = []
+    for ids, kind, *rest in prompts:
+        grammar = rest[0] if rest else None
+        if grammar is not None:
+            engine.compile(grammar)  # compiled before the batch runs (and cached)
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, grammar=grammar)
+        requests.append((engine.submit(ids, params), ids, kind))
     with Progress(transient=True) as progress:
         task = progress.add_task(f"regenerating {label}", total=len(requests))
         while engine.has_work:
             finished = sum(1 for out in engine.step() if out.request.is_finished)
             progress.update(task, advance=finished)
     return [Sample(ids + list(req.output_ids), len(ids), kind) for req, ids, kind in requests]
+
+
+def _served_grammar(convo: dict, index: int, share: float):
+    """The grammar the engine would serve this conversation's turns under when it has tools
+    (tool_choice auto), for the first ``share`` of every hundred tool-call conversations."""
+    if convo["kind"] != "tool_call" or not convo["tools"] or index % 100 >= round(share * 100):
+        return None
+    from agentflash.grammar import assistant_turn
+
+    return assistant_turn(convo["tools"], "auto")
 
 
 def target_fingerprint(target: Qwen3Model) -> list[float]:
@@ -159,6 +182,7 @@ def build_samples(
         "max_response_tokens": cfg.max_response_tokens,
         "max_seq_len": cfg.max_seq_len,
         "num_val_per_kind": cfg.num_val_per_kind,
+        "constrained_tool_calls": cfg.constrained_tool_calls,
     }
     if cache_path.exists():
         cached = json.loads(cache_path.read_text(encoding="utf-8"))
@@ -176,8 +200,8 @@ def build_samples(
     splits = []
     for label, convos in (("train", train_convos), ("val", val_convos)):
         prompts = [
-            (ids, c["kind"])
-            for c in convos
+            (ids, c["kind"], _served_grammar(c, n, cfg.constrained_tool_calls))
+            for n, c in enumerate(convos)
             for ids in turn_prompts(c, tokenizer)
             if len(ids) <= limit
         ]
