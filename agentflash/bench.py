@@ -66,9 +66,9 @@ def held_out_prompts(kind: str, num: int, seed: int = HELD_OUT_SEED) -> list[Pro
 
 def _time_engine(
     engine: Engine, ids: list[int], max_tokens: int, speculation: str = "off", grammar=None
-) -> tuple[list[int], float, int, float, float]:
-    """Output, wall seconds, target forwards, seconds after the first token (decoding) and
-    seconds of grammar work."""
+) -> tuple[list[int], float, int, float, float, list[dict[str, Any]]]:
+    """Output, wall seconds, target forwards, seconds after the first token (decoding), seconds
+    of grammar work and the output's segments."""
     params = SamplingParams(max_tokens=max_tokens, speculation=speculation, grammar=grammar)
     if grammar is not None:
         engine.compile(grammar)  # compiled once and cached, as for a running agent's tools
@@ -77,7 +77,7 @@ def _time_engine(
     wall = time.perf_counter() - t0
     decoding = wall - result.stats["ttft_s"]
     return (result.token_ids, wall, result.stats["target_forwards"], decoding,
-            result.stats["grammar_s"])
+            result.stats["grammar_s"], result.stats["segments"])
 
 
 def _time_hf(
@@ -213,6 +213,11 @@ def _engine_rows(
         row["decode_tokens_per_s"] = round(after_first / max(sum(r[3] for r in runs), 1e-9), 2)
         if suffix:  # constrained rows: the share of their time the grammar took
             row["grammar_share"] = round(sum(r[4] for r in runs) / sum(r[1] for r in runs), 4)
+        bodies = [seg for r in runs for seg in r[5] if seg["kind"] == "tool_call"]
+        body_tokens = sum(seg["tokens"] for seg in bodies)
+        body_forwards = sum(seg["target_forwards"] for seg in bodies)
+        if body_forwards:  # tau inside <tool_call> bodies alone
+            row["tool_call_body_tau"] = round(body_tokens / body_forwards, 3)
         rows.append(row)
     return rows
 
@@ -251,7 +256,7 @@ def print_table(report: dict[str, Any]) -> None:
         f"{report['config']['num_prompts']} prompts/suite, greedy)"
     )
     cols = ("suite", "mode", "tokens", "tokens/s", "x plain", "decode tok/s", "x plain",
-            "tau", "grammar %", "identical")
+            "tau", "body tau", "grammar %", "identical")
     for col in cols:
         table.add_column(col, justify="right" if col not in ("suite", "mode") else "left")
     for r in report["rows"]:
@@ -265,6 +270,7 @@ def print_table(report: dict[str, Any]) -> None:
             f"{r['decode_tokens_per_s']:.1f}" if decoding else "-",
             f"{r['decode_ratio_to_plain']:.2f}" if decoding else "-",
             "-" if r["tau"] is None else f"{r['tau']:.2f}",
+            f"{r['tool_call_body_tau']:.2f}" if "tool_call_body_tau" in r else "-",
             f"{100 * r['grammar_share']:.1f}" if "grammar_share" in r else "-",
             "yes" if r["identical_to_plain"] else "NO",
         )

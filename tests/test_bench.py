@@ -40,6 +40,9 @@ def test_rows_are_side_by_side_and_peers_match_plain_greedy(tiny_model_dir):
     assert all("decode_tokens_per_s" not in r for r in report["rows"] if r not in engine_rows)
     constrained = [r for r in engine_rows if r["mode"].endswith("+grammar")]
     assert constrained and all(0 < r["grammar_share"] < 1 for r in constrained)
+    calls = next(r for r in constrained if r["suite"] == "tool_call")
+    assert calls["tool_call_body_tau"] >= 1.0  # tau inside the call bodies
+    assert "tool_call_body_tau" not in next(r for r in constrained if r["suite"] == "json")
 
 
 def test_concurrency_rows_match_outputs_run_alone(tiny_model_dir, tmp_path):
