@@ -132,3 +132,23 @@ def test_a_rows_logits_are_bitwise_those_it_has_alone(model, shapes, seed):
         own = alone.forward([r]).logits[0]
         n = own.shape[0]
         assert torch.equal(out.logits[i, :n], own)
+
+
+@settings(max_examples=20, deadline=None)
+@given(start=st.integers(1, 60), n=st.integers(2, 16), seed=st.integers(0, 2**16))
+def test_a_verify_block_gives_bitwise_the_logits_of_one_token_decoding(model, start, n, seed):
+    """Speculation does not change greedy output even at a near tie: each position of a verify
+    block has, to the last bit, the logits (and cache) that feeding its tokens one by one gives."""
+    gen = torch.Generator().manual_seed(seed)
+    prefix, block = (torch.randint(0, model.cfg.vocab_size, (k,), generator=gen).tolist()
+                     for k in (start, n))
+    verify, decode = runner(model, False), runner(model, False)
+    for rn in (verify, decode):
+        rn.forward([Row(0, 0, prefix)])
+    out = verify.forward([Row(0, start, block)], capture_layers=CAPTURE)
+    for i, token in enumerate(block):
+        one = decode.forward([Row(0, start + i, [token])], capture_layers=CAPTURE)
+        assert torch.equal(out.logits[0, i], one.logits[0, 0])
+        assert torch.equal(out.hidden[0, i], one.hidden[0, 0])
+    for got, want in zip(cached(verify, 0, start + n), cached(decode, 0, start + n)):
+        assert torch.equal(got, want)

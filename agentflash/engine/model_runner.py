@@ -57,15 +57,19 @@ class ModelRunner:
         dear; on the CPU gathering the slots costs more than the calls it saves.
 
         ``batch_invariant``: on the CPU, make the model's projections batch-invariant
-        (``batch_invariant_``): a row's logits are then bitwise those it has alone, so greedy
-        output does not depend on the requests it shares a step with (attention runs per row
-        already)."""
+        (``batch_invariant_``) and attend the tokens of a verify block one query at a time: a
+        row's logits are then bitwise those it has alone, and a verify block's those of one-token
+        decoding, so greedy output depends neither on the requests a step is shared with nor on
+        speculation."""
         self.model, self.cache = model, cache
         self.device = next(model.parameters()).device
         if batch_single_tokens is None:
             batch_single_tokens = self.device.type != "cpu"
         self.batch_single_tokens = batch_single_tokens
-        if batch_invariant and self.device.type == "cpu" and not batch_single_tokens:
+        self.batch_invariant = (
+            batch_invariant and self.device.type == "cpu" and not batch_single_tokens
+        )
+        if self.batch_invariant:
             batch_invariant_(model)
 
     @torch.inference_mode()
@@ -115,7 +119,11 @@ class ModelRunner:
         spans, begin = [], num_single
         for r in packed[num_single:]:
             end = begin + len(r.tokens)
-            spans.append(Span(r.slot, r.start, begin, end, self._causal_mask(r.start, end - begin)))
+            t = end - begin
+            if self.batch_invariant and r.start > 0 and t > 1:
+                spans.append(Span(r.slot, r.start, begin, end, None, per_query=True))
+            else:
+                spans.append(Span(r.slot, r.start, begin, end, self._causal_mask(r.start, t)))
             begin = end
         single = self._single_token_rows(packed[:num_single]) if num_single else None
         return PackedRows(single, spans)

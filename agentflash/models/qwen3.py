@@ -205,6 +205,10 @@ class Span:
     begin: int
     end: int
     mask: torch.Tensor | None  # [T, start + T] causal after the prefix; None when not needed
+    # attend each new token on its own, as if it were fed alone: a query's result then does
+    # not depend on the block around it (a verify block gives bitwise the logits of one-token
+    # decoding); else one masked call for the whole row
+    per_query: bool = False
 
 
 @dataclass(frozen=True)
@@ -251,6 +255,19 @@ class LayerCache:
         k_slot, v_slot = self.k_pool[span.slot], self.v_pool[span.slot]  # [KV, max_len, D]
         k_slot.narrow(1, span.start, t).copy_(k[0])
         v_slot.narrow(1, span.start, t).copy_(v[0])
+        if span.per_query:  # query i sees start + i + 1 keys, exactly as a one-token row would
+            return torch.cat(
+                [
+                    F.scaled_dot_product_attention(
+                        q.narrow(2, i, 1),
+                        k_slot[None, :, : span.start + i + 1],
+                        v_slot[None, :, : span.start + i + 1],
+                        enable_gqa=True,
+                    )
+                    for i in range(t)
+                ],
+                dim=2,
+            )
         if span.start > 0:  # the cached prefix and the new tokens: [1, KV, start + T, D]
             k, v = k_slot[None, :, : span.start + t], v_slot[None, :, : span.start + t]
         causal = span.start == 0 and t > 1
