@@ -1,6 +1,8 @@
 """The segment router: kinds switch inside one generation, the cost model decides per step,
 and per-request overrides are obeyed."""
 
+import json
+
 import numpy as np
 import pytest
 from conftest import tiny_dflash_engine
@@ -73,8 +75,9 @@ def test_cost_model_follows_measurements_and_probes_plain_kinds():
     assert choose(cost, routing, SegmentKind.TOOL_CALL)  # prior: predictable
     for _ in range(20):
         cost.observe_draft(routing, SegmentKind.PROSE, 0, 15)  # drafts keep failing on prose
-    decisions = [choose(cost, routing, SegmentKind.PROSE) for _ in range(8)]
-    assert decisions == [False, False, False, True] * 2  # plain, with a probe every 4th step
+    decisions = [choose(cost, routing, SegmentKind.PROSE) for _ in range(12)]
+    # plain, with a probe after 4 steps, then (the probe failing) after 8
+    assert decisions == [False] * 3 + [True] + [False] * 7 + [True]
     for _ in range(10):
         cost.observe_draft(routing, SegmentKind.PROSE, 12, 15)  # the prose became predictable
     assert choose(cost, routing, SegmentKind.PROSE)
@@ -195,6 +198,41 @@ def test_a_plain_kind_is_probed_once_per_period_by_its_cheapest_row():
         for _ in range(20):
             cost.observe_draft(routing, SegmentKind.PROSE, 0, 15)
     rows = [Candidate(r, SegmentKind.PROSE, 3, backlog=b) for r, b in zip(routings, (90, 7, 40))]
-    plans = [cost.plan(3, rows) for _ in range(8)]
+    plans = [cost.plan(3, rows) for _ in range(12)]
     probes = [[i for i, yes in enumerate(p) if yes] for p in plans]
-    assert probes == [[], [], [], [1]] * 2  # one row per period: the one with the least backlog
+    # one row per period, the one with the least backlog; the period doubles while prose loses
+    assert probes == [[]] * 3 + [[1]] + [[]] * 7 + [[1]]
+    assert cost._probe_interval[SegmentKind.PROSE] == 16
+
+
+def test_probes_back_off_while_a_kind_loses_and_reset_once_it_pays():
+    cost, routing = CostModel(probe_every=2, max_probe_every=8), RequestRouting()
+    for _ in range(20):
+        cost.observe_draft(routing, SegmentKind.PROSE, 0, 15)
+    probed = [i for i in range(40) if choose(cost, routing, SegmentKind.PROSE)]
+    assert probed == [1, 5, 13, 21, 29, 37]  # after 2, 4, 8, 8, ... steps
+    for _ in range(10):
+        cost.observe_draft(routing, SegmentKind.PROSE, 14, 15)  # prose became predictable
+    assert choose(cost, routing, SegmentKind.PROSE)
+    assert cost._probe_interval[SegmentKind.PROSE] == 2
+
+
+def test_a_drafters_validation_tau_is_the_routers_starting_estimate(tmp_path):
+    from agentflash.engine.engine import Engine
+    from agentflash.errors import UserError
+    from agentflash.models.loading import DEMO_DIR, read_validation_tau
+    from agentflash.router.policy import PRIOR_TAU, prior_rates
+
+    shipped = json.loads((DEMO_DIR / "drafter" / "train_drafter.json").read_text())["val_tau"]
+    engine = Engine.from_pretrained("demo")
+    fresh = RequestRouting()
+    assert engine.cost.prior_tau[SegmentKind.PROSE] == shipped["prose"]
+    assert engine.cost.prior_tau[SegmentKind.SCHEMA] == shipped["tool_call"]  # JSON, like calls
+    np.testing.assert_allclose(
+        engine.cost.acceptance_rates(fresh, SegmentKind.CODE), prior_rates(shipped["code"])
+    )
+    assert CostModel().prior_tau == PRIOR_TAU  # a drafter without a training record
+    assert read_validation_tau(tmp_path) is None
+    (tmp_path / "train_drafter.json").write_text(json.dumps({"val_tau": {"code": "fast"}}))
+    with pytest.raises(UserError, match="train_drafter.json: val_tau"):
+        read_validation_tau(tmp_path)

@@ -261,6 +261,9 @@ class DFlashDrafter(nn.Module):
         self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)  # a buffer, not a checkpoint key
+        # tau per kind of text on its training run's held-out answers (``train_drafter.json``),
+        # when the checkpoint ships it: the router's starting estimate
+        self.validation_tau: dict[str, float] | None = None
 
     def rope(
         self, positions: torch.Tensor, dtype: torch.dtype

@@ -23,7 +23,7 @@ from agentflash.engine.scheduler import Scheduler, SchedulerConfig
 from agentflash.errors import UserError
 from agentflash.grammar.constraint import apply_bitmask_
 from agentflash.grammar.sources import GrammarKind
-from agentflash.router.policy import Candidate, CostModel, StepShape
+from agentflash.router.policy import Candidate, CostModel, StepShape, priors_from_validation
 from agentflash.router.segments import SegmentKind
 from agentflash.tool_format import parse_tool_calls
 
@@ -119,6 +119,8 @@ class Engine:
         self.scheduler = Scheduler(SchedulerConfig(slots, max_len), self.cache)
         self.eos_ids = end_of_turn_ids(tokenizer)
         self.cost = CostModel()  # what the router has measured of this engine's speed
+        if drafter is not None and drafter.validation_tau:
+            self.cost.prior_tau.update(priors_from_validation(drafter.validation_tau))
         self._inbox: deque[Request] = deque()  # filled from any thread, drained by step()
         self._cancels: deque[Request] = deque()
 

@@ -21,7 +21,24 @@ def load_drafter_for(target: Qwen3Model, drafter: str | Path, device: str | torc
     path = DEMO_DIR / "drafter" if str(drafter) == "demo" else Path(drafter).expanduser()
     net = load_drafter(path, device=device, dtype=next(target.parameters()).dtype)
     validate_against_target(net.cfg, target.cfg, where=str(path))
+    net.validation_tau = read_validation_tau(path)
     return net
+
+
+def read_validation_tau(drafter_dir: Path) -> dict[str, float] | None:
+    """``val_tau`` of the drafter's ``train_drafter.json`` (written by ``agentflash train
+    drafter``), or None when the directory has none (a published z-lab drafter)."""
+    path = Path(drafter_dir) / "train_drafter.json"
+    if not path.exists():
+        return None
+    taus = read_json(path, "train_drafter.json").get("val_tau")
+    if taus is None:
+        return None
+    if not isinstance(taus, dict) or not all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 1 for v in taus.values()
+    ):
+        raise UserError(f"{path}: val_tau must map kinds of text to numbers >= 1, got {taus!r}")
+    return {str(k): float(v) for k, v in taus.items()}
 
 
 def resolve_model_dir(name_or_path: str | Path) -> Path:

@@ -21,7 +21,8 @@ one request alone speculates when ``tau`` beats the verify-to-plain cost ratio, 
 batch drafts must pay for the time they add to every other row's step. A kind routed to plain
 decoding is still probed with DFlash once every ``probe_every`` steps of the engine, by the row
 that is cheapest to probe (the least target context waiting to be projected into its drafter), so
-that its acceptance estimate follows the text without every request paying for probes.
+that its acceptance estimate follows the text without every request paying for probes; the
+period doubles with each probe after which the kind stays plain.
 """
 
 from __future__ import annotations
@@ -112,13 +113,30 @@ class Candidate:
     backlog: int = 0  # target positions its drafter has yet to take in (the cost of a probe)
 
 
+def priors_from_validation(val_tau: dict[str, float]) -> dict[SegmentKind, float]:
+    """Starting tau per segment kind from a drafter's validation tau per kind of text
+    (``tool_call``, ``code``, ``math``, ``prose``; schema-bound answers are JSON like tool calls).
+    Kinds it does not name keep ``PRIOR_TAU``."""
+    out = {}
+    for kind in SegmentKind:
+        name = "tool_call" if kind is SegmentKind.SCHEMA else kind.value
+        if name in val_tau:
+            out[kind] = min(max(float(val_tau[name]), 1.0), float(MAX_SLOTS))
+    return out
+
+
 @dataclass
 class CostModel:
     """Measured speeds, shared by every request of one engine."""
 
+    # tau per kind before any measurement (a drafter's own validation tau, where it has one)
+    prior_tau: dict[SegmentKind, float] = field(default_factory=lambda: dict(PRIOR_TAU))
+
     keep: float = 0.9  # weight of older acceptance counts per new verify (a request's own: 0.8)
-    probe_every: int = 32  # engine steps between DFlash probes of a kind routed to plain
+    probe_every: int = 32  # engine steps between DFlash probes of a kind routed to plain...
+    max_probe_every: int = 256  # ...doubling after each probe that left it plain, up to this
     _since_drafted: dict[SegmentKind, int] = field(default_factory=dict)
+    _probe_interval: dict[SegmentKind, int] = field(default_factory=dict)
     forget: float = 0.97  # weight of older step measurements, per new one
     prior_weight: float = 2.0  # how many steps' worth of evidence the prior cost counts for
     acceptance: dict[SegmentKind, Acceptance] = field(default_factory=dict)
@@ -186,7 +204,7 @@ class CostModel:
     def acceptance_rates(self, routing: RequestRouting, kind: SegmentKind) -> np.ndarray:
         """Per-position chance that a draft of ``kind`` stands, for this request: its own counts
         shrunk towards the kind's, which are shrunk towards the prior."""
-        rates = prior_rates(PRIOR_TAU[kind])
+        rates = prior_rates(self.prior_tau[kind])
         shared = self.acceptance.get(kind)
         if shared is not None:
             rates = shared.rates(rates, self.rate_prior_weight)
@@ -235,20 +253,25 @@ class CostModel:
         return chosen
 
     def _probe(self, candidates: list[Candidate], chosen: list[bool]) -> None:
-        """Count the step for every kind left undrafted; one whose count reaches
-        ``probe_every`` is probed by its cheapest candidate."""
+        """Count the step for every kind left undrafted; one whose count reaches its interval
+        is probed by its cheapest candidate. The interval starts at ``probe_every`` and doubles
+        with every probe after which the kind stayed plain (up to ``max_probe_every``): a probe
+        costs a drafted step, and a kind that keeps losing needs fewer of them."""
         drafted = {x.kind for x, yes in zip(candidates, chosen) if yes}
         for kind in drafted:
             self._since_drafted[kind] = 0
+            self._probe_interval[kind] = self.probe_every
         waiting: dict[SegmentKind, list[int]] = {}
         for i, x in enumerate(candidates):
             if x.kind not in drafted:
                 waiting.setdefault(x.kind, []).append(i)
         for kind, index in waiting.items():
             self._since_drafted[kind] = self._since_drafted.get(kind, 0) + 1
-            if self._since_drafted[kind] >= self.probe_every:
+            interval = self._probe_interval.get(kind, self.probe_every)
+            if self._since_drafted[kind] >= interval:
                 chosen[min(index, key=lambda i: candidates[i].backlog)] = True
                 self._since_drafted[kind] = 0
+                self._probe_interval[kind] = min(2 * interval, self.max_probe_every)
 
     def block_size(self, routing: RequestRouting, kind: SegmentKind, max_block: int) -> int:
         """Block to draft (the committed token and its drafts, at most ``max_block``): the one
