@@ -313,7 +313,6 @@ class Engine:
         self, batch: list[Request], drafts: dict[int, BlockDraft], logits: torch.Tensor
     ) -> None:
         """Mask every verify position of constrained rows along their draft path, in place."""
-
         rows = [i for i, r in enumerate(batch) if r.constraint is not None]
         if not rows:
             return
@@ -327,10 +326,14 @@ class Engine:
         Constrained drafts bring their masks; the others' are walked here."""
         from agentflash.grammar import masks_along_drafts
 
-        for i in [i for i in rows if drafts[batch[i].id].masks is not None]:
-            apply_bitmask_(logits[i, : len(drafts[batch[i].id].tokens) + 1],
-                           drafts[batch[i].id].masks)
-        rows = [i for i in rows if drafts[batch[i].id].masks is None]
+        walked = []
+        for i in rows:
+            draft = drafts[batch[i].id]
+            if draft.masks is None:
+                walked.append(i)
+            else:
+                apply_bitmask_(logits[i, : draft.masks.shape[0]], draft.masks)
+        rows = walked
         try:
             masks = masks_along_drafts(
                 [batch[i].constraint for i in rows], [drafts[batch[i].id].tokens for i in rows]
@@ -613,8 +616,8 @@ def request_stats(req: Request) -> dict[str, Any]:
         "draft_forwards": s.draft_forwards,
         "tau": round(new / s.target_forwards, 3) if s.target_forwards else float(new),
         "wall_s": round(wall, 4),
-        "ttft_s": round((s.first_token_at or end) - s.started, 4),
-        "grammar_s": round(s.grammar_s, 5),  # the prompt's prefill mostly
+        "ttft_s": round((s.first_token_at or end) - s.started, 4),  # the prompt's prefill mostly
+        "grammar_s": round(s.grammar_s, 5),
         "tokens_per_s": round(new / wall, 2) if wall > 0 else 0.0,
         "segments": [seg.to_dict() for seg in req.segments.segments],
     }

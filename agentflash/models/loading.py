@@ -18,11 +18,16 @@ def load_drafter_for(target: Qwen3Model, drafter: str | Path, device: str | torc
     """A DFlash drafter (``demo`` or a directory) checked against the target it will serve."""
     from agentflash.dflash.checkpoint import load_drafter, validate_against_target
 
-    path = DEMO_DIR / "drafter" if str(drafter) == "demo" else Path(drafter).expanduser()
+    path = drafter_dir(drafter)
     net = load_drafter(path, device=device, dtype=next(target.parameters()).dtype)
     validate_against_target(net.cfg, target.cfg, where=str(path))
     net.validation_tau = read_validation_tau(path)
     return net
+
+
+def drafter_dir(drafter: str | Path) -> Path:
+    """``demo`` names the bundled drafter; anything else is a directory path."""
+    return DEMO_DIR / "drafter" if str(drafter) == "demo" else Path(drafter).expanduser()
 
 
 def read_validation_tau(drafter_dir: Path) -> dict[str, float] | None:

@@ -144,8 +144,6 @@ def regenerate(
     requests = []
     for ids, kind, *rest in prompts:
         grammar = rest[0] if rest else None
-        if grammar is not None:
-            engine.compile(grammar)  # compiled before the batch runs (and cached)
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, grammar=grammar)
         requests.append((engine.submit(ids, params), ids, kind))
     with Progress(transient=True) as progress:
@@ -570,9 +568,9 @@ def _init_from(source: str, drafter, dcfg: DrafterConfig) -> None:
     """Start from the weights of the drafter in ``source`` (a directory or ``demo``), whose
     shape must be the one this run trains."""
     from agentflash.dflash.checkpoint import load_drafter
-    from agentflash.models.loading import DEMO_DIR
+    from agentflash.models.loading import drafter_dir
 
-    path = DEMO_DIR / "drafter" if source == "demo" else Path(source).expanduser()
+    path = drafter_dir(source)
     init = load_drafter(path, dtype=torch.float32)
     if asdict(init.cfg) != asdict(dcfg):
         diff = {k: v for k, v in asdict(init.cfg).items() if asdict(dcfg)[k] != v}
