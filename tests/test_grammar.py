@@ -483,6 +483,38 @@ def test_constrained_draft_follows_the_drafter_where_it_is_legal(tok):
     assert draft.tokens == target and draft.num_forced >= 3
 
 
+def test_constrained_draft_counts_drafted_tokens_and_runs_on_while_forced(tok):
+    schema = {
+        "type": "object",
+        "properties": {
+            "unit": {"enum": ["celsius_degrees_scale", "fahrenheit_degrees_scale"]},
+            "days": {"type": "integer"},
+        },
+        "required": ["unit", "days"],
+        "additionalProperties": False,
+    }
+    constraint = compile_grammar(json_schema(schema), tok).new_constraint()
+    slots = 8
+    logits = torch.randn(slots, len(tok), generator=torch.Generator().manual_seed(3))
+    draft = constrained_draft(constraint, logits, max_drafted=1, max_tokens=60)
+    assert torch.equal(draft.masks, constraint.masks_along_draft(draft.tokens))
+    # replay: which tokens the grammar forced, which the drafter chose
+    chosen = []
+    for i, token in enumerate(draft.tokens):
+        forced = constraint.forced_tokens()
+        if not forced or forced[0] != token:
+            chosen.append(i)
+        constraint.advance([token])
+    constraint.rollback(len(draft.tokens))
+    assert len(chosen) == 1 == len(draft.tokens) - draft.num_forced  # one pick: the enum value
+    assert chosen[0] < slots < len(draft.tokens)  # the forced rest of the literal runs past them
+    assert tok.decode(draft.tokens).endswith('_degrees_scale", "days":')
+    # the slots' cap still holds without max_tokens, and the drafted cap with it
+    assert len(constrained_draft(constraint, logits).tokens) <= slots
+    capped = constrained_draft(constraint, logits, max_drafted=0, max_tokens=60)
+    assert capped.num_forced == len(capped.tokens) and tok.decode(capped.tokens).endswith('"')
+
+
 # --- bitmask helpers ---------------------------------------------------------------------------
 
 

@@ -394,8 +394,10 @@ class Engine:
 
         A constrained row whose grammar forces at least a block of tokens needs no drafter this
         step: it verifies the whole forced run, even past the block. Unconstrained rows
-        take the drafter's argmax per slot; constrained rows walk the remaining slots under their
-        grammar (every drafted token legal, forced tokens filled in for free).
+        take the drafter's argmax per slot; constrained rows walk the drafter's slots under their
+        grammar (every drafted token legal, forced tokens filled in for free): the router's size
+        counts the tokens the drafter proposes, and a forced run where the walk ends goes into
+        the draft whole (on the demo tool calls: tau 7 -> 9 on the bodies).
         """
         drafts = {}
         for r in reqs:
@@ -428,7 +430,8 @@ class Engine:
 
             try:
                 with grammar_clock([r]):
-                    walk = constrained_draft(r.constraint, logits[i, :n], best[i, :n].tolist())
+                    walk = constrained_draft(r.constraint, logits[i], best[i].tolist(),
+                                             max_drafted=n, max_tokens=self._room(r) - 1)
             except Exception as err:
                 self._fail_alone(r, err)
                 continue

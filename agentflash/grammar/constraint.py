@@ -333,6 +333,8 @@ def constrained_draft(
     draft_logits: torch.Tensor,
     proposals: Sequence[int] | None = None,
     use_forced: bool = True,
+    max_drafted: int | None = None,
+    max_tokens: int | None = None,
 ) -> Draft:
     """Walk a block of drafter logits ``[K, V]`` left to right under the grammar.
 
@@ -340,42 +342,61 @@ def constrained_draft(
     otherwise the slot takes its plain argmax when the slot's mask allows it, else the argmax of
     its allowed tokens (looked for among its best few first). The walk runs ahead of the
     constraint (``Constraint._walk``), whose state is unchanged. Every drafted token is legal;
-    the walk stops after the end token. Slot k's logits propose the k-th drafted token; forced
-    tokens fill slots without reading their logits. ``proposals`` is the per-slot argmax if the
-    caller has it already. The masks it returns equal ``masks_along_draft(tokens)``: the verify
-    forward needs no second walk.
+    the walk stops after the end token. Slot k's logits propose the k-th token of the draft;
+    forced tokens fill slots without reading their logits. ``proposals`` is the per-slot argmax if
+    the caller has it already. The masks it returns equal ``masks_along_draft(tokens)``: the
+    verify forward needs no second walk.
+
+    ``max_drafted`` caps the tokens the drafter proposes (default: its ``K`` slots); forced
+    tokens do not count against it. ``max_tokens`` caps the draft, forced tokens included
+    (default ``K``); above ``K``, a forced run may go on past the drafter's last slot, since a
+    forced token costs the verify forward only its position.
     """
     num_slots = draft_logits.shape[0]
+    max_drafted = num_slots if max_drafted is None else min(max_drafted, num_slots)
+    max_tokens = num_slots if max_tokens is None else max_tokens
     best = list(proposals) if proposals is not None else draft_logits.argmax(dim=-1).tolist()
-    masks = allocate_bitmask(num_slots + 1, constraint.vocab_size)
+    masks = allocate_bitmask(min(max_tokens, num_slots) + 1, constraint.vocab_size)
     tokens: list[int] = []
     num_forced = 0
     ranked: list[list[int]] = []  # each slot's best few tokens, ranked once for the whole block
     with constraint._walk() as ahead:
-        while len(tokens) < num_slots and not ahead.is_finished():
+        while len(tokens) < max_tokens and not ahead.is_finished():
             forced = ahead.forced_tokens() if use_forced else []
-            for token in forced[: num_slots - len(tokens)]:
+            forced = forced[: max_tokens - len(tokens)]
+            if len(tokens) + len(forced) >= masks.shape[0]:
+                masks = _grow(masks, len(tokens) + len(forced) + 1)
+            for token in forced:
                 ahead.fill_bitmask(masks[len(tokens)])
                 ahead._commit([token])
                 tokens.append(token)
                 num_forced += 1
             if forced:
                 continue
-            row = masks[len(tokens)]
+            slot = len(tokens)
+            if slot >= num_slots or slot - num_forced >= max_drafted:
+                break
+            row = masks[slot]
             ahead.fill_bitmask(row)
-            token = best[len(tokens)]
+            token = best[slot]
             if not _allows(row, token, ahead.vocab_size):
                 if not ranked:
                     k = min(8, draft_logits.shape[-1])
                     ranked = draft_logits.detach().topk(k, dim=-1).indices.tolist()
-                token = next((t for t in ranked[len(tokens)] if _allows(row, t, ahead.vocab_size)),
-                             None)
+                token = next((t for t in ranked[slot] if _allows(row, t, ahead.vocab_size)), None)
                 if token is None:
-                    token = _masked_argmax(row, draft_logits[len(tokens)], ahead.vocab_size)
+                    token = _masked_argmax(row, draft_logits[slot], ahead.vocab_size)
             ahead._commit([token])
             tokens.append(token)
         ahead.fill_bitmask(masks[len(tokens)])
     return Draft(tokens, num_forced, masks[: len(tokens) + 1])
+
+
+def _grow(masks: torch.Tensor, rows: int) -> torch.Tensor:
+    """``masks`` with at least ``rows`` rows (the new ones zeroed), doubling to amortise."""
+    grown = allocate_bitmask(max(rows, 2 * masks.shape[0]), masks.shape[1] * 32)
+    grown[: masks.shape[0]] = masks
+    return grown
 
 
 def _allows(row: torch.Tensor, token: int, vocab_size: int) -> bool:
