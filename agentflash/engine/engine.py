@@ -397,7 +397,7 @@ class Engine:
         take the drafter's argmax per slot; constrained rows walk the drafter's slots under their
         grammar (every drafted token legal, forced tokens filled in for free): the router's size
         counts the tokens the drafter proposes, and a forced run where the walk ends goes into
-        the draft whole (on the demo tool calls: tau 7 -> 9 on the bodies).
+        the draft whole.
         """
         drafts = {}
         for r in reqs:
