@@ -18,8 +18,19 @@ def model(tiny_model_dir):
     return load_model(tiny_model_dir)[0]
 
 
-def runner(model, batch_single_tokens: bool, slots: int = 6) -> ModelRunner:
-    cache = KVCache(model.cfg, slots, MAX_LEN, torch.device("cpu"), torch.float32)
+@pytest.fixture(scope="module")
+def mha_model(tmp_path_factory, demo_tokenizer_dir):
+    """One key head per query head: exact attention's lone query rows are padded."""
+    from conftest import save_tiny_qwen3
+    from transformers import AutoTokenizer
+
+    vocab = len(AutoTokenizer.from_pretrained(demo_tokenizer_dir))
+    path = save_tiny_qwen3(tmp_path_factory.mktemp("mha"), vocab, num_key_value_heads=4)
+    return load_model(path)[0]
+
+
+def runner(model, batch_single_tokens: bool, slots: int = 6, max_len: int = MAX_LEN) -> ModelRunner:
+    cache = KVCache(model.cfg, slots, max_len, torch.device("cpu"), torch.float32)
     return ModelRunner(model, cache, batch_single_tokens)
 
 
@@ -139,10 +150,21 @@ def test_a_rows_logits_are_bitwise_those_it_has_alone(model, shapes, seed):
 def test_a_verify_block_gives_bitwise_the_logits_of_one_token_decoding(model, start, n, seed):
     """Speculation does not change greedy output even at a near tie: each position of a verify
     block has, to the last bit, the logits (and cache) that feeding its tokens one by one gives."""
+    check_verify_against_decoding(model, start, n, seed, MAX_LEN)
+
+
+@settings(max_examples=10, deadline=None)
+@given(start=st.integers(1, 80), n=st.integers(2, 16), seed=st.integers(0, 2**16))
+def test_verify_is_decoding_bitwise_with_one_key_head_per_query_head(mha_model, start, n, seed):
+    # a slot of 100 positions: its cache holds whole chunks of exact attention (128)
+    check_verify_against_decoding(mha_model, start, min(n, 100 - start), seed, 100)
+
+
+def check_verify_against_decoding(model, start: int, n: int, seed: int, max_len: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     prefix, block = (torch.randint(0, model.cfg.vocab_size, (k,), generator=gen).tolist()
                      for k in (start, n))
-    verify, decode = runner(model, False), runner(model, False)
+    verify, decode = runner(model, False, max_len=max_len), runner(model, False, max_len=max_len)
     for rn in (verify, decode):
         rn.forward([Row(0, 0, prefix)])
     out = verify.forward([Row(0, start, block)], capture_layers=CAPTURE)

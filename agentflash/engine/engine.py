@@ -39,8 +39,8 @@ class EngineConfig:
     max_len: int = 2048  # tokens per request (prompt + output)
     kv_budget_mb: float | None = None  # caps the slots to what fits; None: max_running slots
     # CPU: a row's logits bitwise the same whatever shares its step, and a verify block's
-    # those of one-token decoding (ModelRunner); costs a lone one-token forward about 10% and
-    # a DFlash step 0.6-1 ms
+    # those of one-token decoding (ModelRunner); costs a lone one-token forward about 10% (its
+    # row is padded to two); exact attention costs about what SDPA does
     batch_invariant: bool = True
 
     def __post_init__(self) -> None:

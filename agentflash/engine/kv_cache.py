@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from agentflash.models.qwen3 import LayerCache, ModelConfig, PackedRows
+from agentflash.models.qwen3 import EXACT_CHUNK, LayerCache, ModelConfig, PackedRows
 
 
 class KVCache:
@@ -19,11 +19,21 @@ class KVCache:
         device: torch.device,
         dtype: torch.dtype,
     ):
-        shape = (num_slots, cfg.num_kv_heads, max_len, cfg.head_dim)
+        # positions held per slot: max_len rounded up to whole chunks of exact attention
+        capacity = -(-max_len // EXACT_CHUNK) * EXACT_CHUNK
+        shape = (num_slots, cfg.num_kv_heads, capacity, cfg.head_dim)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
         self.num_slots, self.max_len = num_slots, max_len
+        self.keys_transposed = False
         self._free = list(range(num_slots - 1, -1, -1))
+
+    def transpose_keys_(self) -> None:
+        """Store the keys transposed ([slots, KV, D, capacity] in memory, the same
+        [slots, KV, capacity, D] view), as ``exact_attention`` needs; the cache must be empty."""
+        if not self.keys_transposed:
+            self.k = [k.transpose(2, 3).contiguous().transpose(2, 3) for k in self.k]
+            self.keys_transposed = True
 
     @property
     def num_free(self) -> int:

@@ -19,6 +19,7 @@ from agentflash.models.qwen3 import (
     SingleTokenRows,
     Span,
     batch_invariant_,
+    exact_bias,
 )
 
 
@@ -57,11 +58,12 @@ class ModelRunner:
         dear; on the CPU gathering the slots costs more than the calls it saves.
 
         ``batch_invariant``: on the CPU, make the model's projections batch-invariant
-        (``batch_invariant_``) and attend the tokens of a verify block one query at a time: a
-        row's logits are then bitwise those it has alone, and a verify block's those of one-token
-        decoding, so greedy output depends neither on the requests a step is shared with nor on
-        speculation."""
+        (``batch_invariant_``) and attend every row after a cached prefix with
+        ``exact_attention`` (the cache's keys stored transposed for it): a row's logits are then
+        bitwise those it has alone, and a verify block's those of one-token decoding, so greedy
+        output depends neither on the requests a step is shared with nor on speculation."""
         self.model, self.cache = model, cache
+        self._group = model.cfg.num_heads // model.cfg.num_kv_heads  # query heads per key head
         self.device = next(model.parameters()).device
         if batch_single_tokens is None:
             batch_single_tokens = self.device.type != "cpu"
@@ -71,6 +73,7 @@ class ModelRunner:
         )
         if self.batch_invariant:
             batch_invariant_(model)
+            cache.transpose_keys_()
 
     @torch.inference_mode()
     def forward(
@@ -120,8 +123,9 @@ class ModelRunner:
         for r in packed[num_single:]:
             end = begin + len(r.tokens)
             t = end - begin
-            if self.batch_invariant and r.start > 0 and t > 1:
-                spans.append(Span(r.slot, r.start, begin, end, None, per_query=True))
+            if self.batch_invariant and r.start > 0:  # decoding and verify rows alike
+                bias = exact_bias(r.start, t, self._group, self.device)
+                spans.append(Span(r.slot, r.start, begin, end, None, exact_bias=bias))
             else:
                 spans.append(Span(r.slot, r.start, begin, end, self._causal_mask(r.start, t)))
             begin = end
