@@ -217,6 +217,19 @@ def test_probes_back_off_while_a_kind_loses_and_reset_once_it_pays():
     assert cost._probe_interval[SegmentKind.PROSE] == 2
 
 
+def test_a_bad_stretch_ages_while_the_kind_decodes_plain():
+    """Counts age with the steps a kind spends plain: after a stretch of failed drafts the
+    estimate drifts back to the prior, and a kind whose prior pays drafts again, probe or not."""
+    def first_draft(age_plain):
+        cost, routing = CostModel(probe_every=10_000, age_plain=age_plain), RequestRouting()
+        for _ in range(6):
+            cost.observe_draft(routing, SegmentKind.CODE, 0, 15)  # a stretch the drafter misses
+        return next((i for i in range(300) if choose(cost, routing, SegmentKind.CODE)), None)
+
+    assert 0 < first_draft(0.97) < 100
+    assert first_draft(1.0) is None  # without ageing, only probes would ever draft it again
+
+
 def test_a_drafters_validation_tau_is_the_routers_starting_estimate(tmp_path):
     from agentflash.engine.engine import Engine
     from agentflash.errors import UserError

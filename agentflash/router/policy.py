@@ -22,7 +22,10 @@ batch drafts must pay for the time they add to every other row's step. A kind ro
 decoding is still probed with DFlash once every ``probe_every`` steps of the engine, by the row
 that is cheapest to probe (the least target context waiting to be projected into its drafter), so
 that its acceptance estimate follows the text without every request paying for probes; the
-period doubles with each probe after which the kind stays plain.
+period doubles with each probe after which the kind stays plain. The counts of a kind decoded
+plain also age with every step (``age_plain``), so one bad stretch does not keep a kind plain
+for the rest of a generation: its estimate drifts back to the prior, and it drafts again where
+the prior pays at the current batch.
 """
 
 from __future__ import annotations
@@ -81,6 +84,13 @@ class Acceptance:
         self.accepted[:accepted] += 1
         self.steps += 1
 
+    def age(self, keep: float) -> None:
+        """Discount the counts without a new verify (a step decoded plain): the text moves on,
+        and the estimate drifts back towards the prior it is shrunk to."""
+        self.reached *= keep
+        self.accepted *= keep
+        self.steps += 1  # the rates changed: what was derived from them is stale
+
     def rates(self, prior: np.ndarray, weight: float) -> np.ndarray:
         """Per-position acceptance, these counts shrunk towards ``prior`` (worth ``weight``
         verifies at each position)."""
@@ -135,6 +145,7 @@ class CostModel:
     keep: float = 0.9  # weight of older acceptance counts per new verify (a request's own: 0.8)
     probe_every: int = 32  # engine steps between DFlash probes of a kind routed to plain...
     max_probe_every: int = 256  # ...doubling after each probe that left it plain, up to this
+    age_plain: float = 0.97  # weight kept by a kind's acceptance counts per step it decodes plain
     _since_drafted: dict[SegmentKind, int] = field(default_factory=dict)
     _probe_interval: dict[SegmentKind, int] = field(default_factory=dict)
     forget: float = 0.97  # weight of older step measurements, per new one
@@ -266,6 +277,11 @@ class CostModel:
             if x.kind not in drafted:
                 waiting.setdefault(x.kind, []).append(i)
         for kind, index in waiting.items():
+            for acceptance in [self.acceptance.get(kind)] + [
+                candidates[i].routing.acceptance.get(kind) for i in index
+            ]:
+                if acceptance is not None:
+                    acceptance.age(self.age_plain)
             self._since_drafted[kind] = self._since_drafted.get(kind, 0) + 1
             interval = self._probe_interval.get(kind, self.probe_every)
             if self._since_drafted[kind] >= interval:
