@@ -36,7 +36,7 @@ def runner(model, batch_single_tokens: bool, slots: int = 6, max_len: int = MAX_
 
 def cached(runner: ModelRunner, slot: int, length: int) -> list[torch.Tensor]:
     """Every layer's keys and values of ``slot`` up to ``length``."""
-    return [pool[slot, :, :length] for pool in runner.cache.k + runner.cache.v]
+    return runner.cache.cached(slot, length)
 
 
 # A row: its cached prefix length, its number of new tokens and whether it wants its last logits

@@ -25,15 +25,30 @@ class KVCache:
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
         self.num_slots, self.max_len = num_slots, max_len
-        self.keys_transposed = False
+        self.exact = False  # laid out for exact attention
         self._free = list(range(num_slots - 1, -1, -1))
 
-    def transpose_keys_(self) -> None:
-        """Store the keys transposed ([slots, KV, D, capacity] in memory, the same
-        [slots, KV, capacity, D] view), as ``exact_attention`` needs; the cache must be empty."""
-        if not self.keys_transposed:
-            self.k = [k.transpose(2, 3).contiguous().transpose(2, 3) for k in self.k]
-            self.keys_transposed = True
+    def lay_out_for_exact_attention_(self) -> None:
+        """Store the keys transposed ([slots, KV, D, capacity] in memory under the same
+        [slots, KV, capacity, D] view) and the values in chunks of positions
+        ([slots, capacity / EXACT_CHUNK, KV, EXACT_CHUNK, D]), as ``exact_attention`` reads
+        them; the cache must be empty."""
+        if self.exact:
+            return
+        self.k = [k.transpose(2, 3).contiguous().transpose(2, 3) for k in self.k]
+        slots, kv, capacity, d = self.v[0].shape
+        shape = (slots, capacity // EXACT_CHUNK, kv, EXACT_CHUNK, d)
+        self.v = [v.new_zeros(shape) for v in self.v]
+        self.exact = True
+
+    def cached(self, slot: int, length: int) -> list[torch.Tensor]:
+        """Every layer's keys, then every layer's values, of ``slot`` up to ``length`` [KV, len, D]
+        (copies)."""
+        keys = [k[slot, :, :length].clone() for k in self.k]
+        if not self.exact:
+            return keys + [v[slot, :, :length].clone() for v in self.v]
+        # [chunks, KV, C, D] -> [KV, chunks * C, D]
+        return keys + [v[slot].transpose(0, 1).flatten(1, 2)[:, :length] for v in self.v]
 
     @property
     def num_free(self) -> int:
@@ -49,4 +64,4 @@ class KVCache:
 
     def layer_views(self, rows: PackedRows) -> list[LayerCache]:
         """Every layer's view of the slots that one packed forward reads and writes."""
-        return [LayerCache(k, v, rows) for k, v in zip(self.k, self.v)]
+        return [LayerCache(k, v, rows, self.exact) for k, v in zip(self.k, self.v)]

@@ -14,12 +14,12 @@ import torch
 
 from agentflash.engine.kv_cache import KVCache
 from agentflash.models.qwen3 import (
+    ExactMasks,
     PackedRows,
     Qwen3Model,
     SingleTokenRows,
     Span,
     batch_invariant_,
-    exact_bias,
 )
 
 
@@ -59,7 +59,7 @@ class ModelRunner:
 
         ``batch_invariant``: on the CPU, make the model's projections batch-invariant
         (``batch_invariant_``) and attend every row after a cached prefix with
-        ``exact_attention`` (the cache's keys stored transposed for it): a row's logits are then
+        ``exact_attention`` (the cache laid out for it): a row's logits are then
         bitwise those it has alone, and a verify block's those of one-token decoding, so greedy
         output depends neither on the requests a step is shared with nor on speculation."""
         self.model, self.cache = model, cache
@@ -73,7 +73,8 @@ class ModelRunner:
         )
         if self.batch_invariant:
             batch_invariant_(model)
-            cache.transpose_keys_()
+            cache.lay_out_for_exact_attention_()
+            self._masks = ExactMasks(cache.k[0].shape[2], self._group, self.device)
 
     @torch.inference_mode()
     def forward(
@@ -124,7 +125,7 @@ class ModelRunner:
             end = begin + len(r.tokens)
             t = end - begin
             if self.batch_invariant and r.start > 0:  # decoding and verify rows alike
-                bias = exact_bias(r.start, t, self._group, self.device)
+                bias = self._masks(r.start, t)
                 spans.append(Span(r.slot, r.start, begin, end, None, exact_bias=bias))
             else:
                 spans.append(Span(r.slot, r.start, begin, end, self._causal_mask(r.start, t)))

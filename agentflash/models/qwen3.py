@@ -205,7 +205,7 @@ class Span:
     begin: int
     end: int
     mask: torch.Tensor | None  # [T, start + T] causal after the prefix; None when not needed
-    # attend with ``exact_attention`` under this additive mask [rows, L] (``exact_bias``): a
+    # attend with ``exact_attention`` under this additive mask [rows, L] (``ExactMasks``): a
     # query's result then does not depend on the block around it (a verify block gives bitwise
     # the logits of one-token decoding); None: one SDPA call for the row
     exact_bias: torch.Tensor | None = None
@@ -236,9 +236,14 @@ class LayerCache:
     its slot's cached prefix and its own new tokens, causally; no row pays for another's length.
     """
 
-    def __init__(self, k_pool: torch.Tensor, v_pool: torch.Tensor, rows: PackedRows):
-        self.k_pool, self.v_pool = k_pool, v_pool  # [num_slots, KV, max_len, D]
-        self.rows = rows
+    def __init__(
+        self, k_pool: torch.Tensor, v_pool: torch.Tensor, rows: PackedRows, exact: bool = False
+    ):
+        # [num_slots, KV, max_len, D]; with ``exact`` (``KVCache.lay_out_for_exact_attention_``)
+        # the keys are stored transposed under that view and the values are
+        # [num_slots, max_len / EXACT_CHUNK, KV, EXACT_CHUNK, D]
+        self.k_pool, self.v_pool = k_pool, v_pool
+        self.rows, self.exact = rows, exact
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [1, H, N, D]; k, v: [1, KV, N, D] -> [1, H, N, D]
@@ -254,9 +259,12 @@ class LayerCache:
         q, k, v = (x.narrow(2, span.begin, t) for x in (q, k, v))  # [1, *, T, D]
         k_slot, v_slot = self.k_pool[span.slot], self.v_pool[span.slot]  # [KV, max_len, D]
         k_slot.narrow(1, span.start, t).copy_(k[0])
-        v_slot.narrow(1, span.start, t).copy_(v[0])
-        if span.exact_bias is not None:
+        if self.exact:
+            write_value_chunks(v_slot, span.start, v[0])
+            if span.start == 0:  # a prompt from the start: plain causal attention
+                return F.scaled_dot_product_attention(q, k, v, is_causal=t > 1, enable_gqa=True)
             return exact_attention(q, k_slot, v_slot, span.exact_bias)
+        v_slot.narrow(1, span.start, t).copy_(v[0])
         if span.start > 0:  # the cached prefix and the new tokens: [1, KV, start + T, D]
             k, v = k_slot[None, :, : span.start + t], v_slot[None, :, : span.start + t]
         causal = span.start == 0 and t > 1
@@ -280,34 +288,55 @@ class LayerCache:
 EXACT_CHUNK = 64  # keys per partial product in ``exact_attention``
 
 
-def exact_bias(start: int, num_new: int, group: int, device: torch.device) -> torch.Tensor:
-    """The additive mask [rows, L] of ``exact_attention`` for ``num_new`` queries cached from
-    ``start``, ``group`` query heads per key head: row ``j * num_new + i`` is query ``i`` of head
-    ``j`` of a group and sees keys ``0 .. start + i``. L is ``start + num_new`` rounded up to
-    ``EXACT_CHUNK``; a lone row is doubled (see ``exact_attention``)."""
-    width = -(-(start + num_new) // EXACT_CHUNK) * EXACT_CHUNK
-    last = start + torch.arange(num_new, device=device).repeat(group)  # [rows]
-    if last.numel() == 1:
-        last = last.repeat(2)
-    hidden = torch.arange(width, device=device) > last[:, None]
-    return torch.zeros(hidden.shape, device=device).masked_fill_(hidden, float("-inf"))
+class ExactMasks:
+    """Additive masks [rows, L] for ``exact_attention``, cut as views from one step vector.
+
+    For ``t`` queries cached from ``start``, with ``group`` query heads per key head, row
+    ``j * t + i`` is query ``i`` of a group's head ``j`` and sees keys ``0 .. start + i``; L is
+    ``start + t`` rounded up to ``EXACT_CHUNK``. A lone row is doubled (see ``exact_attention``).
+    A one-token row's mask is a view: no tensor is built per row and step.
+    """
+
+    def __init__(self, capacity: int, group: int, device: torch.device):
+        self.capacity, self.group = capacity, group
+        inf = torch.full((capacity,), float("-inf"), device=device)
+        self._steps = torch.cat((torch.zeros(capacity, device=device), inf))  # [2 * capacity]
+
+    def __call__(self, start: int, t: int) -> torch.Tensor:
+        width = -(-(start + t) // EXACT_CHUNK) * EXACT_CHUNK
+        windows = self._steps.unfold(0, width, 1)  # window o: 0 up to key capacity - 1 - o
+        first = self.capacity - start - t  # the window of query t - 1; query i's is + (t-1-i)
+        if t == 1:
+            return windows[first][None].expand(max(self.group, 2), width)
+        return windows[first : first + t].flip(0).repeat(self.group, 1)
+
+
+def write_value_chunks(v_chunks: torch.Tensor, start: int, v: torch.Tensor) -> None:
+    """Write values v [KV, T, D] at positions ``start ..`` of a slot stored in chunks
+    [max_len / EXACT_CHUNK, KV, EXACT_CHUNK, D]."""
+    pos, end = start, start + v.shape[1]
+    while pos < end:
+        chunk, offset = divmod(pos, EXACT_CHUNK)
+        n = min(end - pos, EXACT_CHUNK - offset)
+        v_chunks[chunk, :, offset : offset + n] = v[:, pos - start : pos - start + n]
+        pos += n
 
 
 def exact_attention(
-    q: torch.Tensor, k_slot: torch.Tensor, v_slot: torch.Tensor, bias: torch.Tensor
+    q: torch.Tensor, k_slot: torch.Tensor, v_chunks: torch.Tensor, bias: torch.Tensor
 ) -> torch.Tensor:
     """Causal attention of one row's new queries over its slot, each query's result bitwise the
     same whatever block it comes in (a verify block's are those of one-token decoding).
 
-    q [1, H, T, D]; k_slot, v_slot [KV, capacity, D], the keys stored transposed
-    (``KVCache.transpose_keys_``); bias from ``exact_bias``. Measured on the CPU kernels: a query
-    row's scores are bitwise the same for any number of rows from 2 when the keys are stored
-    transposed; softmax is unchanged by extra masked keys; and the weighted sum of values is
-    taken as a sum of ``EXACT_CHUNK``-key partial products, so extra masked keys only add exact
-    zeros (one product over all keys rounds differently with the row count). A lone query row is
-    doubled: the one-row kernels round differently. Costs about 50 us a call at 400 keys where
-    SDPA takes 20-35 us, and a 16-token verify block 120-180 us where 16 one-query SDPA calls
-    took 560 us (2 threads, demo model's heads).
+    q [1, H, T, D]; k_slot [KV, capacity, D] with the keys stored transposed; v_chunks
+    [capacity / EXACT_CHUNK, KV, EXACT_CHUNK, D]; bias from ``ExactMasks``. Measured on the CPU
+    kernels: a query row's scores are bitwise the same for any number of rows from 2 when the
+    keys are stored transposed; softmax is unchanged by extra masked keys; and the weighted sum
+    of values is taken as a sum of ``EXACT_CHUNK``-key partial products, so extra masked keys
+    only add exact zeros (one product over all keys rounds differently with the row count). A
+    lone query row is doubled: the one-row kernels round differently. Costs about 55 us a call
+    at 400 keys where SDPA takes 20-35 us, and a 16-token verify block 120 us where 16
+    one-query SDPA calls took 560 us (2 threads, demo model's heads).
     """
     kv, d = k_slot.shape[0], k_slot.shape[-1]
     rows, width = bias.shape
@@ -317,16 +346,10 @@ def exact_attention(
         queries = torch.cat((queries, queries), dim=1)
     keys = k_slot.transpose(1, 2)[:, :, :width]  # [KV, D, L], rows contiguous
     probs = torch.softmax(torch.baddbmm(bias, queries, keys, alpha=d**-0.5), dim=-1)
-    chunks = width // EXACT_CHUNK
-    out = torch.stack(
-        [
-            torch.bmm(
-                probs[h].view(rows, chunks, EXACT_CHUNK).transpose(0, 1),  # [n, rows, C]
-                v_slot[h, :width].view(chunks, EXACT_CHUNK, d),  # [n, C, D]
-            ).sum(0)
-            for h in range(kv)
-        ]
-    )  # [KV, rows, D]
+    n = width // EXACT_CHUNK
+    probs = probs.view(kv, rows, n, EXACT_CHUNK).permute(2, 0, 1, 3).reshape(n * kv, rows, -1)
+    values = v_chunks[:n].view(n * kv, EXACT_CHUNK, d)
+    out = torch.bmm(probs, values).view(n, kv, rows, d).sum(0)  # [KV, rows, D]
     return out[:, : q.shape[1] // kv * t].reshape(1, -1, t, d)  # the real rows, as [1, H, T, D]
 
 
