@@ -248,6 +248,7 @@ class Engine:
         if decoding and not admitted:  # prompts would blur what a decode step costs
             drafted = [d for d in drafts.values() if d.drafted]
             shape = StepShape(
+                rows=len(rows),
                 tokens=sum(len(r.tokens) for r in rows),
                 drafted_rows=len(drafted),
                 draft_slots=sum(len(d.tokens) - d.forced for d in drafted),
