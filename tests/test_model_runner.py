@@ -145,6 +145,38 @@ def test_a_rows_logits_are_bitwise_those_it_has_alone(model, shapes, seed):
         assert torch.equal(out.logits[i, :n], own)
 
 
+@settings(max_examples=15, deadline=None)
+@given(
+    starts=st.lists(st.integers(1, 100), min_size=2, max_size=6),
+    slot_seed=st.integers(0, 2**16),
+)
+def test_one_token_rows_attend_together_and_get_bitwise_what_they_get_alone(
+    model, starts, slot_seed
+):
+    """Decoding rows share one batch of exact attention calls (slots with no row in between
+    are computed and dropped); each row's logits and cache are still bitwise its own alone."""
+    from agentflash.models.qwen3 import ExactTokenRows
+
+    gen = torch.Generator().manual_seed(slot_seed)
+    slots = torch.randperm(len(starts) + 1, generator=gen)[: len(starts)].tolist()  # one gap
+    alone, mixed = runner(model, False, slots=8), runner(model, False, slots=8)
+    rows = []
+    for slot, start in zip(slots, starts):
+        prefix = torch.randint(0, model.cfg.vocab_size, (start,), generator=gen).tolist()
+        for rn in (alone, mixed):
+            rn.forward([Row(slot, 0, prefix)])
+        rows.append(Row(slot, start, [int(torch.randint(0, 99, (1,), generator=gen))]))
+    assert isinstance(mixed._layout(rows).single, ExactTokenRows)
+    out = mixed.forward(rows, capture_layers=CAPTURE)
+    for i, r in enumerate(rows):
+        own = alone.forward([r], capture_layers=CAPTURE)
+        assert torch.equal(out.logits[i, :1], own.logits[0])
+        assert torch.equal(out.hidden[i, :1], own.hidden[0])
+        for got, want in zip(mixed.cache.cached(r.slot, r.start + 1),
+                             alone.cache.cached(r.slot, r.start + 1)):
+            assert torch.equal(got, want)
+
+
 @settings(max_examples=20, deadline=None)
 @given(start=st.integers(1, 60), n=st.integers(2, 16), seed=st.integers(0, 2**16))
 def test_a_verify_block_gives_bitwise_the_logits_of_one_token_decoding(model, start, n, seed):

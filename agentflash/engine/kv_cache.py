@@ -31,13 +31,13 @@ class KVCache:
     def lay_out_for_exact_attention_(self) -> None:
         """Store the keys transposed ([slots, KV, D, capacity] in memory under the same
         [slots, KV, capacity, D] view) and the values in chunks of positions
-        ([slots, capacity / EXACT_CHUNK, KV, EXACT_CHUNK, D]), as ``exact_attention`` reads
+        ([capacity / EXACT_CHUNK, slots, KV, EXACT_CHUNK, D]), as ``exact_attention`` reads
         them; the cache must be empty."""
         if self.exact:
             return
         self.k = [k.transpose(2, 3).contiguous().transpose(2, 3) for k in self.k]
         slots, kv, capacity, d = self.v[0].shape
-        shape = (slots, capacity // EXACT_CHUNK, kv, EXACT_CHUNK, d)
+        shape = (capacity // EXACT_CHUNK, slots, kv, EXACT_CHUNK, d)
         self.v = [v.new_zeros(shape) for v in self.v]
         self.exact = True
 
@@ -48,7 +48,7 @@ class KVCache:
         if not self.exact:
             return keys + [v[slot, :, :length].clone() for v in self.v]
         # [chunks, KV, C, D] -> [KV, chunks * C, D]
-        return keys + [v[slot].transpose(0, 1).flatten(1, 2)[:, :length] for v in self.v]
+        return keys + [v[:, slot].transpose(0, 1).flatten(1, 2)[:, :length] for v in self.v]
 
     @property
     def num_free(self) -> int:

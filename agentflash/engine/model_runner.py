@@ -14,7 +14,9 @@ import torch
 
 from agentflash.engine.kv_cache import KVCache
 from agentflash.models.qwen3 import (
+    EXACT_CHUNK,
     ExactMasks,
+    ExactTokenRows,
     PackedRows,
     Qwen3Model,
     SingleTokenRows,
@@ -110,16 +112,29 @@ class ModelRunner:
 
     def _packing_order(self, rows: list[Row]) -> list[int]:
         """Rows in packed order: the one-token rows first when they attend together."""
-        if not self.batch_single_tokens:
+        if not (self.batch_single_tokens or self.batch_invariant):
             return list(range(len(rows)))
-        return sorted(range(len(rows)), key=lambda i: len(rows[i].tokens) > 1)
+        return sorted(range(len(rows)), key=lambda i: not self._single(rows[i]))
+
+    def _single(self, row: Row) -> bool:
+        """Whether ``row`` may attend together with other one-token rows."""
+        return len(row.tokens) == 1 and (self.batch_single_tokens or row.start > 0)
 
     def _layout(self, packed: list[Row]) -> PackedRows:
         """Which packed tokens belong to which slot, and the masks their attention needs."""
         num_single = 0
-        if self.batch_single_tokens:
-            num_single = next((i for i, r in enumerate(packed) if len(r.tokens) > 1), len(packed))
+        if self.batch_single_tokens or self.batch_invariant:
+            num_single = next((i for i, r in enumerate(packed) if not self._single(r)), len(packed))
             num_single = num_single if num_single > 1 else 0  # a lone row needs no gathering
+        single = None
+        if num_single and self.batch_single_tokens:
+            single = self._single_token_rows(packed[:num_single])
+        elif num_single:  # exact rows: batched over the slots up to theirs, if not too sparse
+            upto = 1 + max(r.slot for r in packed[:num_single])
+            if upto <= 2 * num_single:
+                single = self._exact_token_rows(packed[:num_single], upto)
+            else:
+                num_single = 0
         spans, begin = [], num_single
         for r in packed[num_single:]:
             end = begin + len(r.tokens)
@@ -130,8 +145,21 @@ class ModelRunner:
             else:
                 spans.append(Span(r.slot, r.start, begin, end, self._causal_mask(r.start, t)))
             begin = end
-        single = self._single_token_rows(packed[:num_single]) if num_single else None
         return PackedRows(single, spans)
+
+    def _exact_token_rows(self, rows: list[Row], upto: int) -> ExactTokenRows:
+        """One-token rows for ``exact_attention_rows``: each slot's queries see its row's cached
+        prefix; a slot without a row sees its first key (computed, finite, dropped)."""
+        positions = torch.tensor([r.start for r in rows], device=self.device)  # [B1]
+        slots = torch.tensor([r.slot for r in rows], device=self.device)
+        width = -(-(max(r.start for r in rows) + 1) // EXACT_CHUNK) * EXACT_CHUNK
+        last = torch.zeros(upto, dtype=torch.long, device=self.device)
+        last[slots] = positions
+        hidden = torch.arange(width, device=self.device) > last[:, None]  # [upto, L]
+        bias = torch.zeros(hidden.shape, device=self.device).masked_fill_(hidden, float("-inf"))
+        kv, m = self.model.cfg.num_kv_heads, max(self._group, 2)
+        bias = bias[:, None, None].expand(upto, kv, m, width).reshape(upto * kv, m, width)
+        return ExactTokenRows(slots, positions, upto, bias)
 
     def _causal_mask(self, start: int, t: int) -> torch.Tensor | None:
         """[T, start + T]: new token i sees the prefix and the new tokens up to itself; None when

@@ -222,10 +222,23 @@ class SingleTokenRows:
 
 
 @dataclass(frozen=True)
+class ExactTokenRows:
+    """Rows of one token each after a cached prefix, packed first, attended together with
+    ``exact_attention_rows``: slots ``0 .. upto - 1`` in one batch (a slot with no row is
+    computed and dropped), keys padded to ``width``."""
+
+    slots: torch.Tensor  # [B1]
+    positions: torch.Tensor  # [B1] where each row's token is cached
+    upto: int  # slots computed: one past the highest slot of a row
+    bias: torch.Tensor  # [upto * KV, rows, width]: what each slot's query rows see
+
+
+@dataclass(frozen=True)
 class PackedRows:
     """How the tokens of one packed forward [1, N] split into rows of the slot cache."""
 
-    single: SingleTokenRows | None  # tokens 0..B1-1, when single-token rows attend together
+    # tokens 0..B1-1, when single-token rows attend together
+    single: SingleTokenRows | ExactTokenRows | None
     spans: list[Span]  # every other row, attended alone
 
 
@@ -241,14 +254,17 @@ class LayerCache:
     ):
         # [num_slots, KV, max_len, D]; with ``exact`` (``KVCache.lay_out_for_exact_attention_``)
         # the keys are stored transposed under that view and the values are
-        # [num_slots, max_len / EXACT_CHUNK, KV, EXACT_CHUNK, D]
+        # [max_len / EXACT_CHUNK, num_slots, KV, EXACT_CHUNK, D]
         self.k_pool, self.v_pool = k_pool, v_pool
         self.rows, self.exact = rows, exact
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [1, H, N, D]; k, v: [1, KV, N, D] -> [1, H, N, D]
         outs = [self._attend_span(span, q, k, v) for span in self.rows.spans]
-        if self.rows.single is not None:
+        if isinstance(self.rows.single, ExactTokenRows):
+            exact = exact_attention_rows(q, k, v, self.k_pool, self.v_pool, self.rows.single)
+            outs.insert(0, exact)
+        elif self.rows.single is not None:
             outs.insert(0, self._attend_single(self.rows.single, q, k, v))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
@@ -257,13 +273,14 @@ class LayerCache:
     ) -> torch.Tensor:
         t = span.end - span.begin
         q, k, v = (x.narrow(2, span.begin, t) for x in (q, k, v))  # [1, *, T, D]
-        k_slot, v_slot = self.k_pool[span.slot], self.v_pool[span.slot]  # [KV, max_len, D]
+        k_slot = self.k_pool[span.slot]  # [KV, max_len, D]
         k_slot.narrow(1, span.start, t).copy_(k[0])
         if self.exact:
-            write_value_chunks(v_slot, span.start, v[0])
+            write_value_chunks(self.v_pool, span.slot, span.start, v[0])
             if span.start == 0:  # a prompt from the start: plain causal attention
                 return F.scaled_dot_product_attention(q, k, v, is_causal=t > 1, enable_gqa=True)
-            return exact_attention(q, k_slot, v_slot, span.exact_bias)
+            return exact_attention(q, k_slot, self.v_pool, span.slot, span.exact_bias)
+        v_slot = self.v_pool[span.slot]
         v_slot.narrow(1, span.start, t).copy_(v[0])
         if span.start > 0:  # the cached prefix and the new tokens: [1, KV, start + T, D]
             k, v = k_slot[None, :, : span.start + t], v_slot[None, :, : span.start + t]
@@ -311,32 +328,34 @@ class ExactMasks:
         return windows[first : first + t].flip(0).repeat(self.group, 1)
 
 
-def write_value_chunks(v_chunks: torch.Tensor, start: int, v: torch.Tensor) -> None:
-    """Write values v [KV, T, D] at positions ``start ..`` of a slot stored in chunks
-    [max_len / EXACT_CHUNK, KV, EXACT_CHUNK, D]."""
+def write_value_chunks(v_pool: torch.Tensor, slot: int, start: int, v: torch.Tensor) -> None:
+    """Write values v [KV, T, D] at positions ``start ..`` of ``slot`` in a pool stored in chunks
+    [max_len / EXACT_CHUNK, slots, KV, EXACT_CHUNK, D]."""
     pos, end = start, start + v.shape[1]
     while pos < end:
         chunk, offset = divmod(pos, EXACT_CHUNK)
         n = min(end - pos, EXACT_CHUNK - offset)
-        v_chunks[chunk, :, offset : offset + n] = v[:, pos - start : pos - start + n]
+        v_pool[chunk, slot, :, offset : offset + n] = v[:, pos - start : pos - start + n]
         pos += n
 
 
 def exact_attention(
-    q: torch.Tensor, k_slot: torch.Tensor, v_chunks: torch.Tensor, bias: torch.Tensor
+    q: torch.Tensor, k_slot: torch.Tensor, v_pool: torch.Tensor, slot: int, bias: torch.Tensor
 ) -> torch.Tensor:
     """Causal attention of one row's new queries over its slot, each query's result bitwise the
-    same whatever block it comes in (a verify block's are those of one-token decoding).
+    same whatever block it comes in (a verify block's are those of one-token decoding) and
+    whatever rows share the step (``exact_attention_rows`` gives a one-token row the same).
 
-    q [1, H, T, D]; k_slot [KV, capacity, D] with the keys stored transposed; v_chunks
-    [capacity / EXACT_CHUNK, KV, EXACT_CHUNK, D]; bias from ``ExactMasks``. Measured on the CPU
-    kernels: a query row's scores are bitwise the same for any number of rows from 2 when the
-    keys are stored transposed; softmax is unchanged by extra masked keys; and the weighted sum
-    of values is taken as a sum of ``EXACT_CHUNK``-key partial products, so extra masked keys
-    only add exact zeros (one product over all keys rounds differently with the row count). A
-    lone query row is doubled: the one-row kernels round differently. Costs about 55 us a call
-    at 400 keys where SDPA takes 20-35 us, and a 16-token verify block 120 us where 16
-    one-query SDPA calls took 560 us (2 threads, demo model's heads).
+    q [1, H, T, D]; k_slot [KV, capacity, D] with the keys stored transposed; v_pool
+    [capacity / EXACT_CHUNK, slots, KV, EXACT_CHUNK, D]; bias from ``ExactMasks``. Measured on
+    the CPU kernels: a query row's scores are bitwise the same for any number of rows from 2 and
+    any number of keys when the keys are stored transposed; softmax is unchanged by extra masked
+    keys; and the weighted sum of values is a sum, chunk after chunk, of ``EXACT_CHUNK``-key
+    partial products, so extra masked keys only add exact zeros (one product over all keys
+    rounds differently with the row count). A lone query row is doubled: the one-row kernels
+    round differently. About 50-75 us a call at 400 keys where SDPA takes 20-35 us, and a
+    16-token verify block 120-180 us where 16 one-query SDPA calls took 560 us (2 threads,
+    demo model's heads).
     """
     kv, d = k_slot.shape[0], k_slot.shape[-1]
     rows, width = bias.shape
@@ -347,10 +366,60 @@ def exact_attention(
     keys = k_slot.transpose(1, 2)[:, :, :width]  # [KV, D, L], rows contiguous
     probs = torch.softmax(torch.baddbmm(bias, queries, keys, alpha=d**-0.5), dim=-1)
     n = width // EXACT_CHUNK
-    probs = probs.view(kv, rows, n, EXACT_CHUNK).permute(2, 0, 1, 3).reshape(n * kv, rows, -1)
-    values = v_chunks[:n].view(n * kv, EXACT_CHUNK, d)
-    out = torch.bmm(probs, values).view(n, kv, rows, d).sum(0)  # [KV, rows, D]
+    parts = torch.stack(
+        [
+            torch.bmm(
+                probs[h].view(rows, n, EXACT_CHUNK).transpose(0, 1),  # [n, rows, C]
+                v_pool[:n, slot, h],  # [n, C, D]
+            )
+            for h in range(kv)
+        ],
+        dim=1,
+    )  # [n, KV, rows, D]
+    out = parts.sum(0)  # [KV, rows, D]
     return out[:, : q.shape[1] // kv * t].reshape(1, -1, t, d)  # the real rows, as [1, H, T, D]
+
+
+def exact_attention_rows(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    rows: ExactTokenRows,
+) -> torch.Tensor:
+    """``exact_attention`` for the one-token rows packed first (``rows``), in one batch over
+    slots ``0 .. upto - 1``: the same products, row by row, so each row's result is bitwise what
+    it gets alone, for a few calls a layer instead of a few per row. Writes their keys and
+    values. q [1, H, N, D]; k, v [1, KV, N, D]; returns [1, H, B1, D]."""
+    b1 = rows.slots.shape[0]
+    kv, d = k.shape[1], k.shape[-1]
+    group = q.shape[1] // kv
+    k_pool[rows.slots, :, rows.positions] = k[0, :, :b1].transpose(0, 1)  # [B1, KV, D]
+    chunk, offset = rows.positions // EXACT_CHUNK, rows.positions % EXACT_CHUNK
+    v_pool[chunk, rows.slots, :, offset] = v[0, :, :b1].transpose(0, 1)
+    width = rows.bias.shape[-1]
+    m = rows.bias.shape[1]  # query rows per slot and key head: the group, at least 2
+    mine = q[0, :, :b1].transpose(0, 1).reshape(b1, kv, group, d)  # [B1, KV, G, D]
+    queries = q.new_zeros(rows.upto, kv, m, d)
+    queries[rows.slots, :, :group] = mine
+    if group < m:  # lone rows are doubled, as alone
+        queries[rows.slots, :, group:] = mine
+    slots = rows.upto * kv
+    keys = k_pool[: rows.upto].transpose(2, 3).reshape(slots, d, -1)[:, :, :width]
+    scores = torch.baddbmm(rows.bias, queries.view(slots, m, d), keys, alpha=d**-0.5)
+    probs = torch.softmax(scores, dim=-1)  # [slots * KV, m, L]
+    parts = torch.stack(
+        [
+            torch.bmm(
+                probs[:, :, c * EXACT_CHUNK : (c + 1) * EXACT_CHUNK],  # [slots * KV, m, C]
+                v_pool[c, : rows.upto].reshape(slots, EXACT_CHUNK, d),
+            )
+            for c in range(width // EXACT_CHUNK)
+        ]
+    )  # [n, slots * KV, m, D]
+    out = parts.sum(0).view(rows.upto, kv, m, d).index_select(0, rows.slots)[:, :, :group]
+    return out.reshape(b1, kv * group, d).transpose(0, 1)[None]  # [1, H, B1, D]
 
 
 class Qwen3Model(nn.Module):
