@@ -152,6 +152,7 @@ class CostModel:
     probe_every: int = 32  # engine steps between DFlash probes of a kind routed to plain...
     max_probe_every: int = 256  # ...doubling after each probe that left it plain, up to this
     age_plain: float = 0.97  # weight kept by a kind's acceptance counts per step it decodes plain
+    age_every: int = 8  # ...applied every this many steps
     _since_drafted: dict[SegmentKind, int] = field(default_factory=dict)
     _probe_interval: dict[SegmentKind, int] = field(default_factory=dict)
     forget: float = 0.97  # weight of older step measurements, per new one
@@ -286,12 +287,14 @@ class CostModel:
             if x.kind not in drafted:
                 waiting.setdefault(x.kind, []).append(i)
         for kind, index in waiting.items():
-            for acceptance in [self.acceptance.get(kind)] + [
-                candidates[i].routing.acceptance.get(kind) for i in index
-            ]:
-                if acceptance is not None:
-                    acceptance.age(self.age_plain)
             self._since_drafted[kind] = self._since_drafted.get(kind, 0) + 1
+            if self._since_drafted[kind] % self.age_every == 0:  # a few steps' ageing at once:
+                # ageing makes every row's estimates stale, and they are not free to redo
+                for acceptance in [self.acceptance.get(kind)] + [
+                    candidates[i].routing.acceptance.get(kind) for i in index
+                ]:
+                    if acceptance is not None:
+                        acceptance.age(self.age_plain**self.age_every)
             interval = self._probe_interval.get(kind, self.probe_every)
             if self._since_drafted[kind] >= interval:
                 chosen[min(index, key=lambda i: candidates[i].backlog)] = True
