@@ -206,3 +206,24 @@ def check_verify_against_decoding(model, start: int, n: int, seed: int, max_len:
         assert torch.equal(out.hidden[0, i], one.hidden[0, 0])
     for got, want in zip(cached(verify, 0, start + n), cached(decode, 0, start + n)):
         assert torch.equal(got, want)
+
+
+def test_fused_projections_keep_names_and_share_the_weights(tiny_model_dir):
+    from agentflash.models.qwen3 import batch_invariant_
+
+    plain, fast = load_model(tiny_model_dir)[0], load_model(tiny_model_dir)[0]
+    names = list(plain.state_dict())
+    batch_invariant_(fast)
+    assert list(fast.state_dict()) == names  # nothing added, nothing renamed
+    attn = fast.model.layers[0].self_attn
+    fused = attn._fused.weight
+    assert attn.q_proj.weight.data_ptr() == fused.data_ptr()  # a view, not a copy
+    assert attn.k_proj.weight.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr()
+    ids = torch.randint(0, plain.cfg.vocab_size, (1, 12))
+    out = {}
+    for name, model in (("plain", plain), ("fast", fast)):
+        cache = KVCache(model.cfg, 1, MAX_LEN, torch.device("cpu"), torch.float32)
+        run = ModelRunner(model, cache, batch_single_tokens=False,
+                          batch_invariant=name == "fast")
+        out[name] = run.forward([Row(0, 0, ids[0].tolist())]).logits
+    torch.testing.assert_close(out["fast"], out["plain"], atol=1e-5, rtol=1e-5)

@@ -118,15 +118,47 @@ class Linear(nn.Linear):
 
 
 def batch_invariant_(model: nn.Module) -> nn.Module:
-    """Make every ``Linear`` of ``model`` give each row the output it has alone (see ``Linear``);
-    in place, the same parameter names and shapes. For CPU inference."""
+    """Make every ``Linear`` of ``model`` give each row the output it has alone (see ``Linear``),
+    and let the projections that read the same input run as one (``fused``); in place, the same
+    parameter names and shapes. For CPU inference."""
     for module in model.modules():
         if isinstance(module, Linear):
             weight = module.weight.data
             if weight.stride() != (1, weight.shape[0]):
                 module.weight.data = weight.t().contiguous().t()
             module.pad_single_row = True
+    for module in list(model.modules()):
+        # not a registered submodule: the parameter names stay the checkpoint's
+        if isinstance(module, Attention):
+            qkv = fused([module.q_proj, module.k_proj, module.v_proj])
+            object.__setattr__(module, "_fused", qkv)
+        elif isinstance(module, MLP):
+            object.__setattr__(module, "_fused", fused([module.gate_proj, module.up_proj]))
     return model
+
+
+def fused(linears: list[Linear]) -> Linear:
+    """One batch-invariant ``Linear`` whose outputs are those of ``linears`` side by side (a
+    matmul call instead of several: on the CPU a call costs more than these small products).
+    The originals keep their names and become views of its weight, so nothing is stored
+    twice."""
+    weight = torch.cat([lin.weight.data for lin in linears])
+    weight = weight.t().contiguous().t()  # column-major, as ``batch_invariant_`` stores them
+    biases = [lin.bias for lin in linears]
+    out = Linear(weight.shape[1], weight.shape[0], bias=biases[0] is not None)
+    out.weight.data = weight
+    if out.bias is not None:
+        out.bias.data = torch.cat([b.data for b in biases])
+    out.pad_single_row = True
+    begin = 0
+    for lin in linears:
+        end = begin + lin.out_features
+        lin.weight.data = weight[begin:end]
+        if lin.bias is not None:
+            lin.bias.data = out.bias.data[begin:end]
+        begin = end
+    out.requires_grad_(False)
+    return out
 
 
 class MLP(nn.Module):
@@ -136,11 +168,18 @@ class MLP(nn.Module):
         self.up_proj = Linear(hidden, inter, bias=False)
         self.down_proj = Linear(inter, hidden, bias=False)
 
+    _fused: Linear | None = None  # gate_proj and up_proj as one (``batch_invariant_``)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._fused is not None:
+            gate, up = self._fused(x).split(self.up_proj.out_features, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Attention(nn.Module):
+    _fused: Linear | None = None  # q_proj, k_proj and v_proj as one (``batch_invariant_``)
+
     def __init__(self, cfg: ModelConfig, bias: bool = False):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
@@ -166,9 +205,14 @@ class Attention(nn.Module):
         mask: torch.Tensor | None,
     ) -> torch.Tensor:
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if self._fused is not None:
+            kv_width = self.num_kv_heads * self.head_dim
+            q, k, v = self._fused(x).split([self.num_heads * self.head_dim, kv_width, kv_width], -1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(b, t, self.num_heads, self.head_dim)
+        k = k.view(b, t, self.num_kv_heads, self.head_dim)
+        v = v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rotary(q.transpose(1, 2), cos, sin)  # [B, H, T, D]
