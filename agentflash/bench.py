@@ -195,15 +195,18 @@ def _engine_rows(
     suffix: str,
 ) -> list[dict[str, Any]]:
     """The engine's plain row and, with a drafter, its dflash and router (auto) rows (identity
-    against plain)."""
+    against plain). The modes take turns prompt by prompt, so a slow stretch of the machine
+    falls on all of them alike."""
     modes = ["off"] + (["dflash", "auto"] if engine.drafter is not None else [])
-    rows = []
     for speculation in modes:
         _time_engine(engine, prompts[0], 8, speculation, grammars[0])  # warm-up
-        runs = [
-            _time_engine(engine, ids, max_tokens, speculation, g)
-            for ids, g in zip(prompts, grammars)
-        ]
+    by_mode: dict[str, list] = {m: [] for m in modes}
+    for ids, g in zip(prompts, grammars):
+        for speculation in modes:
+            by_mode[speculation].append(_time_engine(engine, ids, max_tokens, speculation, g))
+    rows = []
+    for speculation in modes:
+        runs = by_mode[speculation]
         outs = [r[0] for r in runs]
         ref = rows[0]["outputs"] if rows else outs
         name = {"off": "plain", "dflash": "dflash", "auto": "auto"}[speculation] + suffix
