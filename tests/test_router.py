@@ -83,7 +83,8 @@ def test_cost_model_follows_measurements_and_probes_plain_kinds():
     assert choose(cost, routing, SegmentKind.PROSE)
 
 
-TRUE_COST = np.array([2e-3, 0.3e-3, 0.15e-3, 1.5e-3, 0.06e-3])  # fixed, row, token, drafter, slot
+# fixed, row, token, drafter, drafted row, slot
+TRUE_COST = np.array([2e-3, 0.3e-3, 0.15e-3, 1.5e-3, 0.2e-3, 0.06e-3])
 
 
 def test_step_cost_is_fitted_from_measured_steps():
@@ -94,9 +95,9 @@ def test_step_cost_is_fitted_from_measured_steps():
         slots = drafted * int(rng.integers(3, 16))
         shape = StepShape(rows=rows, tokens=rows + slots, drafted_rows=drafted, draft_slots=slots)
         cost.observe_step(shape, float(TRUE_COST @ shape.features()))
-    assert cost.step_cost() == pytest.approx(TRUE_COST, rel=0.15)  # the prior pulls a little
+    assert cost.step_cost() == pytest.approx(TRUE_COST, rel=0.35)  # the prior pulls a little
     plain = TRUE_COST[0] + TRUE_COST[1] + TRUE_COST[2]
-    spec = plain + TRUE_COST[3] + 15 * (TRUE_COST[2] + TRUE_COST[4])
+    spec = plain + TRUE_COST[3] + TRUE_COST[4] + 15 * (TRUE_COST[2] + TRUE_COST[5])
     assert cost.verify_cost_ratio(15) == pytest.approx(spec / plain, rel=0.05)
 
 
@@ -125,17 +126,18 @@ def test_a_draft_must_pay_for_the_time_it_adds_to_every_row_of_the_step():
 
 def test_a_rows_own_cost_is_not_charged_to_the_tokens_of_a_verify_block():
     # the CPU engine: every decoding row pays its own attention calls, a verified token little
-    true_cost = np.array([2e-3, 0.6e-3, 0.02e-3, 1.5e-3, 0.02e-3])
+    true_cost = np.array([2e-3, 0.6e-3, 0.02e-3, 1.5e-3, 0.3e-3, 0.02e-3])
     cost = CostModel()
     for rows in (1, 2, 4, 8) * 20:
         for slots in (0, 3, 7, 15):
             shape = StepShape(rows, rows + slots, int(slots > 0), slots)
             cost.observe_step(shape, float(true_cost @ shape.features()))
     fitted = cost.step_cost()
-    assert fitted[[0, 1, 3]] == pytest.approx(true_cost[[0, 1, 3]], rel=0.2)
-    # a drafted slot is a verified token too: only their sum shows in these steps (the prior
-    # pulls it up a little), and it stays far below a row's cost
-    assert fitted[2] + fitted[4] < 0.2 * fitted[1]
+    assert fitted[1] == pytest.approx(true_cost[1], rel=0.2)
+    # a drafted slot is a verified token too, and one row drafts with the drafter's launch:
+    # only sums show in these steps; the per-slot cost stays far below a row's
+    assert fitted[2] + fitted[5] < 0.2 * fitted[1]
+    assert fitted[3] + fitted[4] == pytest.approx(true_cost[3] + true_cost[4], rel=0.2)
     routing = RequestRouting()
     for _ in range(10):
         cost.observe_draft(routing, SegmentKind.TOOL_CALL, 3, 15)  # tau(15) about 4
@@ -195,7 +197,7 @@ def test_block_size_follows_the_acceptance_rate_within_bounds():
 
 def test_rows_that_draft_together_share_the_drafters_fixed_cost():
     # a device where verifying is cheap and the drafter's launch is dear
-    true_cost = np.array([2e-3, 0.05e-3, 0.05e-3, 4e-3, 0.01e-3])
+    true_cost = np.array([2e-3, 0.05e-3, 0.05e-3, 4e-3, 0.05e-3, 0.01e-3])
     cost = CostModel()
     for rows in (1, 2, 4, 8) * 20:
         for shape in (StepShape(rows, rows, 0, 0),

@@ -12,7 +12,8 @@ The choice is a cost model fed by what the engine measures while it runs:
 - the wall time of a decode step as a linear function of its shape, fitted online (least squares
   with forgetting, pulled towards a prior): a fixed cost, a cost per decoding row (on the CPU a
   row's own attention calls), a cost per verified token, the drafter's fixed cost when any row
-  drafts, and a cost per drafted slot.
+  drafts, a cost per drafted row (its verify block attends on its own, while one-token rows
+  attend together) and a cost per drafted slot.
 
 A step's rows share its time. Drafting a block of ``k`` slots for one row adds
 ``k * (per token + per slot)`` to the step (the drafter's fixed cost is added once, whatever the
@@ -48,8 +49,9 @@ PRIOR_TAU = {
 # Step cost per feature, in units of a one-row plain step (measured on the demo model's CPU: a
 # decoding row costs about 0.15 of it whatever its length (its own attention calls), a verified
 # token 0.05, the drafter about 0.6).
-PRIOR_COST = np.array([0.8, 0.15, 0.05, 0.6, 0.02])  # fixed, row, token, drafter, drafted slot
-COST_SCALE = np.array([1.0, 8.0, 16.0, 1.0, 16.0])  # a feature's typical size, for the ridge
+# fixed, row, verified token, drafter, drafted row, drafted slot
+PRIOR_COST = np.array([0.8, 0.15, 0.05, 0.5, 0.1, 0.02])
+COST_SCALE = np.array([1.0, 8.0, 16.0, 1.0, 4.0, 16.0])  # a feature's typical size, for the ridge
 
 
 @dataclass(frozen=True)
@@ -63,7 +65,14 @@ class StepShape:
 
     def features(self) -> np.ndarray:
         return np.array(
-            [1.0, self.rows, self.tokens, float(self.drafted_rows > 0), self.draft_slots]
+            [
+                1.0,
+                self.rows,
+                self.tokens,
+                float(self.drafted_rows > 0),
+                self.drafted_rows,
+                self.draft_slots,
+            ]
         )
 
 
@@ -160,10 +169,10 @@ class CostModel:
     acceptance: dict[SegmentKind, Acceptance] = field(default_factory=dict)
     rate_prior_weight: float = 4.0  # verifies' worth of the prior, per position
     request_weight: float = 4.0  # verifies' worth of the kind's rates in a request's own
-    _gram: np.ndarray = field(default_factory=lambda: np.zeros((5, 5)))
-    _moment: np.ndarray = field(default_factory=lambda: np.zeros(5))
+    _gram: np.ndarray = field(default_factory=lambda: np.zeros((6, 6)))
+    _moment: np.ndarray = field(default_factory=lambda: np.zeros(6))
     _unit: float | None = None  # seconds of a one-token plain step, from the first measurement
-    refit_every: int = 8  # steps between refits of the step-time model (a 5x5 solve)
+    refit_every: int = 8  # steps between refits of the step-time model (a 6x6 solve)
     _fit: np.ndarray | None = None
     _fits: int = 0
     _since_fit: int = 0
@@ -188,7 +197,7 @@ class CostModel:
 
     def step_cost(self) -> np.ndarray:
         """Fitted seconds per feature: fixed, per row, per verified token, drafter, per drafted
-        slot."""
+        row, per drafted slot."""
         if self._fit is None or self._since_fit >= self.refit_every:
             self._fit, self._since_fit = self._solve(), 0
             self._fits += 1
@@ -242,9 +251,9 @@ class CostModel:
     def verify_cost_ratio(self, slots: int = 15) -> float:
         """Predicted wall time of a one-row DFlash step of ``slots`` drafts over a plain step."""
         c = self.step_cost()
-        fixed, row, token, drafter, slot = c
+        fixed, row, token, drafter, drafted_row, slot = c
         plain = fixed + row + token
-        return (plain + drafter + slots * (token + slot)) / plain
+        return (plain + drafter + drafted_row + slots * (token + slot)) / plain
 
     def plan(self, rows: int, candidates: list[Candidate]) -> list[bool]:
         """Which candidates draft this step, in a step of ``rows`` decoding rows.
@@ -258,12 +267,12 @@ class CostModel:
         taus = [self.expected_tau(x.routing, x.kind, x.slots) for x in candidates]
         order = sorted(range(len(candidates)), key=lambda i: (not candidates[i].forced, -taus[i]))
         must = sum(x.forced for x in candidates)
-        fixed, row, token, drafter, slot = c
+        fixed, row, token, drafter, drafted_row, slot = c
         seconds, tokens = fixed + rows * (row + token), float(rows)  # every row plain
         best_m, best_rate = 0, tokens / seconds
         for m, i in enumerate(order, start=1):
             x = candidates[i]
-            seconds += x.slots * (token + slot) + (drafter if m == 1 else 0.0)
+            seconds += drafted_row + x.slots * (token + slot) + (drafter if m == 1 else 0.0)
             tokens += taus[i] - 1
             if m <= must or tokens / seconds > best_rate:
                 best_m, best_rate = m, tokens / seconds
@@ -311,7 +320,8 @@ class CostModel:
         hit = routing.cache.get(key)
         if hit is not None and hit[0] == version:
             return hit[1]
-        fixed, per_slot = c[0] + c[1] + c[2] + c[3], c[2] + c[4]
+        fixed, row, token, drafter, drafted_row, slot = c
+        fixed, per_slot = fixed + row + token + drafter + drafted_row, token + slot
         tokens = self._tokens_by_slots(routing, kind)[: max(1, max_block - 1)]  # k drafts: [k-1]
         slots = 1 + int(np.argmax(tokens / (fixed + per_slot * np.arange(1, len(tokens) + 1))))
         size = min(max_block, slots + 1)
