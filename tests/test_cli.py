@@ -13,6 +13,7 @@ STATS_KEYS = {
     "new_tokens",
     "target_forwards",
     "draft_forwards",
+    "lookup_drafts",
     "tau",
     "wall_s",
     "ttft_s",

@@ -137,6 +137,7 @@ def test_short_blocks_verify_the_head_of_a_full_drafter_block(engine, monkeypatc
     real_draft, real_forward = engine_mod.draft_logits, engine.runner.forward
     monkeypatch.setattr(engine_mod, "draft_logits", spy)
     monkeypatch.setattr(engine.runner, "forward", forward)
+    monkeypatch.setattr(engine.cost, "lookup_slots", lambda *args: 0)  # drafter blocks only
     ids = list(range(200, 230))
     out = dflash(engine, ids, max_tokens=30, ignore_eos=True, block_size=4)
     monkeypatch.undo()
@@ -146,3 +147,13 @@ def test_short_blocks_verify_the_head_of_a_full_drafter_block(engine, monkeypatc
     for block, (_, draft) in zip(blocks, drafted):
         assert block[1:] == draft[: len(block) - 1] and len(block) <= 4
     assert out.token_ids == plain(engine, ids, max_tokens=30, ignore_eos=True).token_ids
+
+
+def test_a_looping_output_is_drafted_from_itself_and_stays_exact(engine):
+    """A random drafter never lands; the random target's greedy output soon loops. Rows then
+    verify what their own text suggests, and the output is still plain decoding's."""
+    ids = [300, 301, 302] * 6
+    out = dflash(engine, ids, max_tokens=60, ignore_eos=True)
+    assert out.stats["lookup_drafts"] > 0
+    assert out.stats["target_forwards"] < 60 / 2  # the loop is verified many tokens at a time
+    assert out.token_ids == plain(engine, ids, max_tokens=60, ignore_eos=True).token_ids

@@ -3,7 +3,12 @@
 import pytest
 import torch
 
-from agentflash.dflash.speculate import greedy_accept, greedy_accept_batch, sample_accept
+from agentflash.dflash.speculate import (
+    greedy_accept,
+    greedy_accept_batch,
+    lookup_draft,
+    sample_accept,
+)
 
 
 def logits_with_argmax(tokens: list[int], vocab: int = 10) -> torch.Tensor:
@@ -118,3 +123,18 @@ def test_sample_accept_takes_the_draft_only_when_the_target_draws_it():
     assert sample_accept(torch.tensor([1, 2]), probs, gen) == (2, 0)
     assert sample_accept(torch.tensor([1, 0]), probs, gen) == (1, 2)
     assert sample_accept(torch.tensor([2, 2]), probs, gen) == (0, 1)
+
+
+def test_lookup_drafts_what_followed_the_latest_match_of_the_longest_suffix():
+    # the suffix (1, 2, 3) occurred twice; the latest occurrence's continuation wins
+    assert lookup_draft([1, 2, 3, 7, 1, 2, 3, 4, 5, 6, 9, 1, 2, 3], 3) == [4, 5, 6]
+    # (5, 2, 3) never occurred: the 2-gram (2, 3) did
+    assert lookup_draft([2, 3, 8, 8, 5, 2, 3], 2) == [8, 8]
+    assert lookup_draft([1, 2, 3, 4], 4) == []  # nothing repeats
+    assert lookup_draft([4, 4, 9, 1, 2, 3], 3, window=4) == []  # the match is out of the window
+
+
+def test_a_lookup_that_runs_into_the_end_goes_on_as_a_loop():
+    assert lookup_draft([7, 3, 5, 3, 5, 3, 5], 5) == [3, 5, 3, 5, 3]  # period 2
+    assert lookup_draft([9, 8, 8, 8], 4) == [8, 8, 8, 8]  # period 1
+    assert lookup_draft([1, 2, 3, 1, 2, 3], 7) == [1, 2, 3, 1, 2, 3, 1]  # period 3

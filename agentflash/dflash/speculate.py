@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from agentflash.dflash.drafter import DFlashDrafter, DraftContext
@@ -114,3 +115,35 @@ def draft_block(
 ) -> torch.Tensor:
     """Greedy draft tokens [B, block_size-1] for one block per request (see ``draft_logits``)."""
     return draft_logits(drafter, embed, logits, last_tokens, contexts, block_size).argmax(-1)
+
+
+def lookup_draft(
+    tokens: list[int], num: int, ngrams: tuple[int, ...] = (3, 2), window: int = 1024
+) -> list[int]:
+    """Draft by looking the text up in itself: the ``num`` tokens that followed the latest
+    earlier occurrence of its last ``n`` tokens (the longest ``n`` of ``ngrams`` that occurs),
+    within the last ``window`` tokens; [] if none does.
+
+    The drafter has never seen a model repeat itself; looking up the text catches what it
+    cannot: a loop of the same value, a key list written again, a line copied. A match that
+    runs into the end of the text goes on as the loop it is.
+    """
+    seq = np.asarray(tokens[-window:])
+    length = len(seq)
+    for n in ngrams:
+        if length <= n:
+            continue
+        suffix = seq[length - n :]
+        match = np.ones(length - n, dtype=bool)  # start s: s + n <= length - 1, before the end
+        for j in range(n):
+            match &= seq[j : length - n + j] == suffix[j]
+        starts = np.flatnonzero(match)
+        if starts.size:
+            # what followed, copied on past the end where the match runs into it (a loop of
+            # period p repeats: token i of the draft is token i - p of the text so far)
+            out = seq[int(starts[-1]) + n :].tolist()[:num]
+            period = length - (int(starts[-1]) + n)
+            while len(out) < num:
+                out.append(out[len(out) - period])
+            return out
+    return []

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from agentflash.dflash.speculate import draft_logits
+from agentflash.dflash.speculate import draft_logits, lookup_draft
 from agentflash.engine.detokenizer import Detokenizer
 from agentflash.engine.kv_cache import KVCache
 from agentflash.engine.model_runner import ModelRunner, Row
@@ -60,6 +60,7 @@ class BlockDraft:
     forced: int  # how many of them the grammar forced (free: no model proposed them)
     drafted: bool  # whether the drafter ran for this row this step
     masks: torch.Tensor | None = None  # verify masks along the tokens, if the draft made them
+    looked_up: bool = False  # the tokens came from the request's own text (``lookup_draft``)
 
 
 @dataclass
@@ -219,7 +220,7 @@ class Engine:
         sizes = {r.id: self._draft_len(r, kinds[r.id]) for r in drafting}
         speculating = self._route(decoding, kinds, sizes)
         routed = {r.id for r in speculating}
-        drafts = self._draft(speculating, sizes)
+        drafts = self._draft(speculating, sizes, kinds)
         drafts.update(self._forced_runs([r for r in decoding if r.id not in drafts]))
         failed = [StepOutput(r, []) for r in decoding if r.is_finished]  # their grammar failed
         decoding = [r for r in decoding if not r.is_finished]
@@ -297,6 +298,8 @@ class Engine:
         committed = self._commit(req, draft.tokens[:num_accepted] + [bonus])
         if draft.drafted:
             self.cost.observe_draft(req.routing, kind, num_accepted, len(draft.tokens))
+        elif draft.looked_up:
+            self.cost.observe_lookup(req.routing, num_accepted, len(draft.tokens))
         self._track(req, kind, "dflash" if routed else "plain", committed, 1, draft, num_accepted)
         if req.draft_context is not None and not req.is_finished:
             # projected into the drafter's context when the request next drafts
@@ -390,7 +393,9 @@ class Engine:
         )
         req.segments.feed(self.tokenizer.decode(committed, skip_special_tokens=True))
 
-    def _draft(self, reqs: list[Request], sizes: dict[int, int]) -> dict[int, BlockDraft]:
+    def _draft(
+        self, reqs: list[Request], sizes: dict[int, int], kinds: dict[int, SegmentKind]
+    ) -> dict[int, BlockDraft]:
         """One drafter forward for the requests that speculate this step.
 
         A constrained row whose grammar forces at least a block of tokens needs no drafter this
@@ -407,6 +412,11 @@ class Engine:
                 run = forced[: max(0, self._room(r) - 1)]
                 drafts[r.id] = BlockDraft(run, len(run), False)
         reqs = [r for r in reqs if sizes[r.id] > 0 and r.id not in drafts and not r.is_finished]
+        for r in reqs:
+            looked_up = self._lookup(r, sizes[r.id], kinds[r.id])
+            if looked_up is not None:
+                drafts[r.id] = looked_up
+        reqs = [r for r in reqs if r.id not in drafts and not r.is_finished]
         if not reqs:
             return drafts
         # the drafter fills at least its trained block (its slots attend to each other, so a
@@ -438,6 +448,29 @@ class Engine:
                 continue
             drafts[r.id] = BlockDraft(walk.tokens, walk.num_forced, True, walk.masks)
         return drafts
+
+    def _lookup(self, req: Request, size: int, kind: SegmentKind) -> BlockDraft | None:
+        """The request's own text as its draft (``lookup_draft``), as many tokens as the router
+        finds best, when it expects them to commit more per second than the drafter's
+        (cut at the first token the grammar forbids)."""
+        # as long as the drafter's block, or the block the request asked for
+        longest = size if req.params.block_size else max(size, self.drafter.cfg.block_size - 1)
+        found = lookup_draft(req.all_ids, min(longest, self._room(req) - 1))
+        take = self.cost.lookup_slots(req.routing, kind, size, len(found))
+        if take == 0:
+            return None
+        found = found[:take]
+        if req.constraint is not None:
+            try:
+                with grammar_clock([req]):
+                    found = found[: req.constraint.validate_draft(found)]
+            except Exception as err:
+                self._fail_alone(req, err)
+                return None
+        if not found:
+            return None
+        req.stats.lookup_drafts += 1
+        return BlockDraft(found, 0, False, looked_up=True)
 
     def _flush_context(self, reqs: list[Request]) -> None:
         """Project the target hidden states committed since each request last drafted."""
@@ -618,6 +651,7 @@ def request_stats(req: Request) -> dict[str, Any]:
         "new_tokens": new,
         "target_forwards": s.target_forwards,
         "draft_forwards": s.draft_forwards,
+        "lookup_drafts": s.lookup_drafts,
         "tau": round(new / s.target_forwards, 3) if s.target_forwards else float(new),
         "wall_s": round(wall, 4),
         "ttft_s": round((s.first_token_at or end) - s.started, 4),  # the prompt's prefill mostly

@@ -28,6 +28,11 @@ period doubles with each probe after which the kind stays plain. The counts of a
 plain also age with every step (``age_plain``), so one bad stretch does not keep a kind plain
 for the rest of a generation: its estimate drifts back to the prior, and it drafts again where
 the prior pays at the current batch.
+
+A row that drafts may verify what its own text suggests instead (``lookup_draft``: what followed
+the latest earlier occurrence of its last tokens) when that is expected to commit more per second
+than the drafter's block (``lookup_slots``): the drafter has never seen a model loop, a lookup
+costs no drafter forward, and its acceptance is tracked per request like the drafter's.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ PRIOR_TAU = {
 # Step cost per feature, in units of a one-row plain step (measured on the demo model's CPU: a
 # decoding row costs about 0.15 of it whatever its length (its own attention calls), a verified
 # token 0.05, the drafter about 0.6).
+LOOKUP_PRIOR_RATE = 0.5  # per-position acceptance of a draft looked up in the text, at first
 # fixed, row, verified token, drafter, drafted row, drafted slot
 PRIOR_COST = np.array([0.8, 0.15, 0.05, 0.5, 0.1, 0.02])
 COST_SCALE = np.array([1.0, 8.0, 16.0, 1.0, 4.0, 16.0])  # a feature's typical size, for the ridge
@@ -123,6 +129,7 @@ class RequestRouting:
     """One request's own view: acceptance per kind."""
 
     acceptance: dict[SegmentKind, Acceptance] = field(default_factory=dict)
+    lookup: Acceptance = field(default_factory=lambda: Acceptance())  # its text looked up in itself
     # what the router derived from the counts, kept until they change (it asks every step)
     cache: dict[tuple, tuple] = field(default_factory=dict)
 
@@ -185,6 +192,30 @@ class CostModel:
         """A verify of ``kind`` accepted ``accepted`` of ``drafted`` draft tokens."""
         self.acceptance.setdefault(kind, Acceptance()).observe(accepted, drafted, self.keep)
         routing.acceptance.setdefault(kind, Acceptance()).observe(accepted, drafted, 0.8)
+
+    def observe_lookup(self, routing: RequestRouting, accepted: int, drafted: int) -> None:
+        """A verify of a draft looked up in the request's own text accepted ``accepted``."""
+        routing.lookup.observe(accepted, drafted, 0.8)
+
+    def lookup_slots(
+        self, routing: RequestRouting, kind: SegmentKind, slots: int, found: int
+    ) -> int:
+        """How many of the ``found`` tokens the request's own text suggests a row should verify
+        instead of the drafter's ``slots``: the count with the most expected tokens per second
+        of a one-row step (a lookup costs no drafter forward), or 0 where the drafter's draft is
+        expected to do better. The lookup starts from a prior of one token in two (tau 2), so
+        the drafter keeps a row until its drafts fail where the text repeats itself."""
+        if found == 0 or slots == 0:
+            return 0
+        fixed, row, token, drafter, drafted_row, slot = self.step_cost()
+        rates = routing.lookup.rates(np.full(MAX_SLOTS, LOOKUP_PRIOR_RATE), self.request_weight)
+        tokens = 1.0 + np.cumprod(rates[: min(found, MAX_SLOTS)]).cumsum()  # k looked up: [k-1]
+        cost = fixed + row + token + drafted_row + token * np.arange(1, len(tokens) + 1)
+        best = int(np.argmax(tokens / cost))
+        drafted = self.expected_tau(routing, kind, slots) / (
+            fixed + row + token + drafter + drafted_row + slots * (token + slot)
+        )
+        return best + 1 if tokens[best] / cost[best] > drafted else 0
 
     def observe_step(self, shape: StepShape, seconds: float) -> None:
         """A decode step of ``shape`` took ``seconds``."""
