@@ -266,6 +266,13 @@ def test_a_row_drafts_from_its_own_text_where_the_drafter_fails_and_the_text_rep
     for _ in range(8):
         cost.observe_lookup(routing, 15, 15)  # the loop goes on, every looked-up token stands
     assert cost.lookup_slots(routing, SegmentKind.TOOL_CALL, 3, 15) > 3  # past the drafter's
+    # the plan counts on the lookup too: a row whose drafter fails but whose text repeats
+    # keeps drafting, where one without a lookup record goes plain
+    assert choose(cost, routing, SegmentKind.TOOL_CALL, rows=1, slots=7)
+    untried = RequestRouting()
+    for _ in range(8):
+        cost.observe_draft(untried, SegmentKind.TOOL_CALL, 0, 7)
+    assert not choose(cost, untried, SegmentKind.TOOL_CALL, rows=1, slots=7)
     for _ in range(12):
         cost.observe_lookup(routing, 0, 15)  # the text moved on...
         cost.observe_draft(routing, SegmentKind.TOOL_CALL, 7, 7)  # ...where the drafter lands

@@ -197,6 +197,15 @@ class CostModel:
         """A verify of a draft looked up in the request's own text accepted ``accepted``."""
         routing.lookup.observe(accepted, drafted, 0.8)
 
+    def _lookup_tau(self, routing: RequestRouting, slots: int) -> float:
+        """Tokens a verify of ``slots`` tokens looked up in the request's text is expected to
+        commit, once the request has tried it (0 before: the prior alone must not make rows
+        draft)."""
+        if routing.lookup.steps == 0:
+            return 0.0
+        rates = routing.lookup.rates(np.full(MAX_SLOTS, LOOKUP_PRIOR_RATE), self.request_weight)
+        return 1.0 + float(np.cumprod(rates[:slots]).sum())
+
     def lookup_slots(
         self, routing: RequestRouting, kind: SegmentKind, slots: int, found: int
     ) -> int:
@@ -289,13 +298,17 @@ class CostModel:
     def plan(self, rows: int, candidates: list[Candidate]) -> list[bool]:
         """Which candidates draft this step, in a step of ``rows`` decoding rows.
 
-        Candidates are ranked (those that asked for DFlash, then by expected tau) and the step
+        Candidates are ranked (those that asked for DFlash, then by expected tau: the drafter's, or
+        the lookup's where the request has drafted from its own text) and the step
         drafts the top ``m`` of them for the ``m`` that commits the most tokens per second of
         step time; the drafter's fixed cost is paid once, by however many rows draft. Kinds left
         out are probed now and then.
         """
         c = self.step_cost()
-        taus = [self.expected_tau(x.routing, x.kind, x.slots) for x in candidates]
+        taus = [
+            max(self.expected_tau(x.routing, x.kind, x.slots), self._lookup_tau(x.routing, x.slots))
+            for x in candidates
+        ]
         order = sorted(range(len(candidates)), key=lambda i: (not candidates[i].forced, -taus[i]))
         must = sum(x.forced for x in candidates)
         fixed, row, token, drafter, drafted_row, slot = c
