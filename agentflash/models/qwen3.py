@@ -434,8 +434,8 @@ def exact_attention_rows(
 ) -> torch.Tensor:
     """``exact_attention`` for the one-token rows packed first (``rows``), in one batch over
     slots ``0 .. upto - 1``: the same products, row by row, so each row's result is bitwise what
-    it gets alone, for a few calls a layer instead of a few per row. Writes their keys and
-    values. q [1, H, N, D]; k, v [1, KV, N, D]; returns [1, H, B1, D]."""
+    it gets alone, for one call per 64-key chunk of the longest row instead of a few per row.
+    Writes their keys and values. q [1, H, N, D]; k, v [1, KV, N, D]; returns [1, H, B1, D]."""
     b1 = rows.slots.shape[0]
     kv, d = k.shape[1], k.shape[-1]
     group = q.shape[1] // kv
