@@ -61,7 +61,8 @@ class ModelRunner:
 
         ``batch_invariant``: on the CPU, make the model's projections batch-invariant
         (``batch_invariant_``) and attend every row after a cached prefix with
-        ``exact_attention`` (the cache laid out for it): a row's logits are then
+        ``exact_attention`` (the cache laid out for it; the one-token rows of a forward together,
+        in one batch over their slots, without gathering them): a row's logits are then
         bitwise those it has alone, and a verify block's those of one-token decoding, so greedy
         output depends neither on the requests a step is shared with nor on speculation."""
         self.model, self.cache = model, cache
