@@ -405,9 +405,9 @@ class Engine:
         counts the tokens the drafter proposes, and a forced run where the walk ends goes into
         the draft whole.
         """
-        drafts = {}
+        drafts, forced_now = {}, {}
         for r in reqs:
-            forced = self._forced_tokens(r)
+            forced = forced_now[r.id] = self._forced_tokens(r)
             if forced is not None and sizes[r.id] > 0 and len(forced) >= sizes[r.id]:
                 run = forced[: max(0, self._room(r) - 1)]
                 drafts[r.id] = BlockDraft(run, len(run), False)
@@ -442,7 +442,8 @@ class Engine:
             try:
                 with grammar_clock([r]):
                     walk = constrained_draft(r.constraint, logits[i], best[i].tolist(),
-                                             max_drafted=n, max_tokens=self._room(r) - 1)
+                                             max_drafted=n, max_tokens=self._room(r) - 1,
+                                             forced_now=forced_now[r.id])
             except Exception as err:
                 self._fail_alone(r, err)
                 continue
@@ -455,7 +456,11 @@ class Engine:
         (cut at the first token the grammar forbids)."""
         # as long as the drafter's block, or the block the request asked for
         longest = size if req.params.block_size else max(size, self.drafter.cfg.block_size - 1)
-        found = lookup_draft(req.all_ids, min(longest, self._room(req) - 1))
+        longest = min(longest, self._room(req) - 1)
+        # no search when even the longest lookup would lose to the drafter (the common case)
+        if self.cost.lookup_slots(req.routing, kind, size, longest) == 0:
+            return None
+        found = lookup_draft(req.all_ids, longest)
         take = self.cost.lookup_slots(req.routing, kind, size, len(found))
         if take == 0:
             return None

@@ -156,8 +156,7 @@ class ModelRunner:
         width = -(-(max(r.start for r in rows) + 1) // EXACT_CHUNK) * EXACT_CHUNK
         last = torch.zeros(upto, dtype=torch.long, device=self.device)
         last[slots] = positions
-        hidden = torch.arange(width, device=self.device) > last[:, None]  # [upto, L]
-        bias = torch.zeros(hidden.shape, device=self.device).masked_fill_(hidden, float("-inf"))
+        bias = self._masks.up_to(last, width)  # [upto, L]
         kv, m = self.model.cfg.num_kv_heads, max(self._group, 2)
         bias = bias[:, None, None].expand(upto, kv, m, width).reshape(upto * kv, m, width)
         return ExactTokenRows(slots, positions, upto, bias)

@@ -335,6 +335,7 @@ def constrained_draft(
     use_forced: bool = True,
     max_drafted: int | None = None,
     max_tokens: int | None = None,
+    forced_now: Sequence[int] | None = None,
 ) -> Draft:
     """Walk a block of drafter logits ``[K, V]`` left to right under the grammar.
 
@@ -350,7 +351,8 @@ def constrained_draft(
     ``max_drafted`` caps the tokens the drafter proposes (default: its ``K`` slots); forced
     tokens do not count against it. ``max_tokens`` caps the draft, forced tokens included
     (default ``K``); above ``K``, a forced run may go on past the drafter's last slot, since a
-    forced token costs the verify forward only its position.
+    forced token costs the verify forward only its position. ``forced_now`` is
+    ``constraint.forced_tokens()`` if the caller has it already.
     """
     num_slots = draft_logits.shape[0]
     max_drafted = num_slots if max_drafted is None else min(max_drafted, num_slots)
@@ -362,7 +364,12 @@ def constrained_draft(
     ranked: list[list[int]] = []  # each slot's best few tokens, ranked once for the whole block
     with constraint._walk() as ahead:
         while len(tokens) < max_tokens and not ahead.is_finished():
-            forced = ahead.forced_tokens() if use_forced else []
+            if not use_forced:
+                forced = []
+            elif forced_now is not None and not tokens:  # the walk's start: the caller's
+                forced, forced_now = list(forced_now), None
+            else:
+                forced = ahead.forced_tokens()
             forced = forced[: max_tokens - len(tokens)]
             if len(tokens) + len(forced) >= masks.shape[0]:
                 masks = _grow(masks, len(tokens) + len(forced) + 1)

@@ -371,6 +371,10 @@ class ExactMasks:
             return windows[first][None].expand(max(self.group, 2), width)
         return windows[first : first + t].flip(0).repeat(self.group, 1)
 
+    def up_to(self, last: torch.Tensor, width: int) -> torch.Tensor:
+        """[len(last), width]: row i sees keys ``0 .. last[i]``."""
+        return self._steps.unfold(0, width, 1)[self.capacity - 1 - last]
+
 
 def write_value_chunks(v_pool: torch.Tensor, slot: int, start: int, v: torch.Tensor) -> None:
     """Write values v [KV, T, D] at positions ``start ..`` of ``slot`` in a pool stored in chunks

@@ -54,7 +54,7 @@ PRIOR_TAU = {
 # Step cost per feature, in units of a one-row plain step (measured on the demo model's CPU: a
 # decoding row costs about 0.15 of it whatever its length (its own attention calls), a verified
 # token 0.05, the drafter about 0.6).
-LOOKUP_PRIOR_RATE = 0.5  # per-position acceptance of a draft looked up in the text, at first
+LOOKUP_PRIOR_TAU = 2.0  # a draft looked up in the text, before the request has tried one
 # fixed, row, verified token, drafter, drafted row, drafted slot
 PRIOR_COST = np.array([0.8, 0.15, 0.05, 0.5, 0.1, 0.02])
 COST_SCALE = np.array([1.0, 8.0, 16.0, 1.0, 4.0, 16.0])  # a feature's typical size, for the ridge
@@ -203,8 +203,10 @@ class CostModel:
         draft)."""
         if routing.lookup.steps == 0:
             return 0.0
-        rates = routing.lookup.rates(np.full(MAX_SLOTS, LOOKUP_PRIOR_RATE), self.request_weight)
-        return 1.0 + float(np.cumprod(rates[:slots]).sum())
+        return 1.0 + float(np.cumprod(self._lookup_rates(routing)[:slots]).sum())
+
+    def _lookup_rates(self, routing: RequestRouting) -> np.ndarray:
+        return routing.lookup.rates(prior_rates(LOOKUP_PRIOR_TAU), self.request_weight)
 
     def lookup_slots(
         self, routing: RequestRouting, kind: SegmentKind, slots: int, found: int
@@ -217,7 +219,7 @@ class CostModel:
         if found == 0 or slots == 0:
             return 0
         fixed, row, token, drafter, drafted_row, slot = self.step_cost()
-        rates = routing.lookup.rates(np.full(MAX_SLOTS, LOOKUP_PRIOR_RATE), self.request_weight)
+        rates = self._lookup_rates(routing)
         tokens = 1.0 + np.cumprod(rates[: min(found, MAX_SLOTS)]).cumsum()  # k looked up: [k-1]
         cost = fixed + row + token + drafted_row + token * np.arange(1, len(tokens) + 1)
         best = int(np.argmax(tokens / cost))
