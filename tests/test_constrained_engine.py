@@ -145,6 +145,33 @@ def test_forced_run_longer_than_the_block_is_verified_in_one_forward(tiny):
     assert sum(s["forced"] for s in spec.stats["segments"]) >= run - 1
 
 
+def test_the_drafter_fills_the_slots_after_a_forced_run_shorter_than_its_block(tiny):
+    literal = "status: ok, code "  # forced whole: shorter than the drafter's 7 slots
+    ids = tiny.chat_prompt([{"role": "user", "content": "x"}])
+    source = regex(literal + "[0-9]{12}")
+    params = SamplingParams(max_tokens=40, grammar=source, speculation="dflash", block_size=3)
+    rows = []
+    forward = tiny.runner.forward
+
+    def spy(batch, *args, **kwargs):
+        rows.extend(batch)
+        return forward(batch, *args, **kwargs)
+
+    tiny.runner.forward = spy
+    try:
+        spec = tiny.generate(ids, params)
+    finally:
+        del tiny.runner.forward
+    plain = tiny.generate(ids, SamplingParams(max_tokens=40, grammar=source, speculation="off"))
+    assert spec.token_ids == plain.token_ids and spec.text.startswith(literal)
+    # the grammar forces the literal but its last space (" 1" is one token): the first token
+    # comes from the prompt's forward, the first verify row holds the forced rest of the
+    # literal and then the two tokens the drafter proposes
+    head = tiny.tokenizer(literal.rstrip(), add_special_tokens=False)["input_ids"]
+    assert 3 < len(head) < 7
+    assert rows[1].tokens[: len(head)] == head and len(rows[1].tokens) == len(head) + 2
+
+
 @pytest.mark.parametrize("speculation", ["off", "dflash"])
 def test_a_request_whose_grammar_breaks_fails_alone(tiny, speculation):
     tools = random_tools(3, n=1)

@@ -398,17 +398,21 @@ class Engine:
     ) -> dict[int, BlockDraft]:
         """One drafter forward for the requests that speculate this step.
 
-        A constrained row whose grammar forces at least a block of tokens needs no drafter this
-        step: it verifies the whole forced run, even past the block. Unconstrained rows
+        A constrained row whose grammar forces a run that fills every slot the drafter would
+        fill needs no drafter this step: it verifies the whole forced run, even past the block.
+        A shorter run leaves the drafter the slots after it. Unconstrained rows
         take the drafter's argmax per slot; constrained rows walk the drafter's slots under their
         grammar (every drafted token legal, forced tokens filled in for free): the router's size
         counts the tokens the drafter proposes, and a forced run where the walk ends goes into
         the draft whole.
         """
+        if not reqs:
+            return {}
         drafts, forced_now = {}, {}
+        slots = self.drafter.cfg.block_size - 1
         for r in reqs:
             forced = forced_now[r.id] = self._forced_tokens(r)
-            if forced is not None and sizes[r.id] > 0 and len(forced) >= sizes[r.id]:
+            if forced is not None and sizes[r.id] > 0 and len(forced) >= max(slots, sizes[r.id]):
                 run = forced[: max(0, self._room(r) - 1)]
                 drafts[r.id] = BlockDraft(run, len(run), False)
         reqs = [r for r in reqs if sizes[r.id] > 0 and r.id not in drafts and not r.is_finished]
