@@ -8,7 +8,7 @@ import pytest
 from conftest import tiny_dflash_engine
 
 from agentflash.engine.request import SamplingParams
-from agentflash.router.policy import Candidate, CostModel, RequestRouting, StepShape
+from agentflash.router.policy import Acceptance, Candidate, CostModel, RequestRouting, StepShape
 from agentflash.router.segments import SegmentKind, SegmentTracker
 
 
@@ -277,6 +277,35 @@ def test_a_row_drafts_from_its_own_text_where_the_drafter_fails_and_the_text_rep
         cost.observe_lookup(routing, 0, 15)  # the text moved on...
         cost.observe_draft(routing, SegmentKind.TOOL_CALL, 7, 7)  # ...where the drafter lands
     assert cost.lookup_slots(routing, SegmentKind.TOOL_CALL, 7, 15) == 0
+
+
+def test_looked_up_drafts_that_stand_whole_grow_past_the_lengths_tried():
+    cost, routing = CostModel(), RequestRouting()
+    for _ in range(8):
+        cost.observe_draft(routing, SegmentKind.TOOL_CALL, 0, 7)  # the drafter misses a loop
+    lengths = []
+    for _ in range(6):
+        take = cost.lookup_slots(routing, SegmentKind.TOOL_CALL, 7, 15)
+        lengths.append(take)
+        cost.observe_lookup(routing, take, take)  # every looked-up token stands
+    # positions no lookup reached yet are as likely as the deepest one reached, so the drafts
+    # grow to the whole block; with a flat prior they stayed where the first ones stopped
+    assert lengths[0] < 15 and lengths[-1] == 15
+    assert lengths == sorted(lengths)
+    for _ in range(6):
+        cost.observe_lookup(routing, 2, 15)  # the loop breaks after two tokens, every time
+    assert cost.lookup_slots(routing, SegmentKind.TOOL_CALL, 7, 15) <= 6  # and shrink back
+
+
+def test_chained_rates_shrink_each_position_towards_the_one_before():
+    acc = Acceptance()
+    assert (acc.chained_rates(0.5, 4.0) == 0.5).all()  # nothing seen: the prior everywhere
+    for _ in range(3):
+        acc.observe(3, 3, 1.0)  # three positions reached and accepted, three times
+    rates = acc.chained_rates(0.5, 4.0)
+    assert rates[0] == (3 + 4 * 0.5) / (3 + 4)
+    assert rates[1] == (3 + 4 * rates[0]) / (3 + 4) and rates[1] > rates[0]
+    assert (rates[3:] == rates[2]).all()  # past the deepest position reached: its rate
 
 
 def test_a_drafters_validation_tau_is_the_routers_starting_estimate(tmp_path):

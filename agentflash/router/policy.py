@@ -117,6 +117,23 @@ class Acceptance:
         verifies at each position)."""
         return (self.accepted + weight * prior) / (self.reached + weight)
 
+    def chained_rates(self, first: float, weight: float) -> np.ndarray:
+        """Per-position acceptance with each position's counts shrunk towards the rate of the
+        position before it (the first position's towards ``first``, each worth ``weight``
+        verifies): a position no verify has reached is as likely as the deepest one reached.
+        For drafts as long as these rates make them (a lookup), a flat prior would hold every
+        position past the longest draft tried at the prior, and the drafts short however often
+        they stand whole."""
+        out = np.empty(MAX_SLOTS)
+        reached = np.flatnonzero(self.reached > 0)
+        deepest = int(reached[-1]) + 1 if reached.size else 0
+        rate = first
+        for j in range(deepest):
+            rate = (self.accepted[j] + weight * rate) / (self.reached[j] + weight)
+            out[j] = rate
+        out[deepest:] = rate
+        return out
+
 
 def prior_rates(tau: float) -> np.ndarray:
     """Per-position rates of a kind before any measurement: one rate ``p`` everywhere, with
@@ -206,7 +223,7 @@ class CostModel:
         return 1.0 + float(np.cumprod(self._lookup_rates(routing)[:slots]).sum())
 
     def _lookup_rates(self, routing: RequestRouting) -> np.ndarray:
-        return routing.lookup.rates(prior_rates(LOOKUP_PRIOR_TAU), self.request_weight)
+        return routing.lookup.chained_rates(1 - 1 / LOOKUP_PRIOR_TAU, self.request_weight)
 
     def lookup_slots(
         self, routing: RequestRouting, kind: SegmentKind, slots: int, found: int
