@@ -285,6 +285,47 @@ def test_masks_along_draft_equal_token_by_token_masks(tok, closers, backend, see
         constraint.advance(output[pos : pos + 3])
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("seed", range(3))
+def test_greedy_verify_equals_greedy_acceptance_on_logits_masked_everywhere(
+    tok, closers, backend, seed
+):
+    from agentflash.dflash.speculate import greedy_accept
+    from agentflash.grammar import greedy_verify
+
+    pytest.importorskip("outlines_core")
+    rng = random.Random(seed)
+    schema = random_schema(rng, kind="object", number_bounds=backend is Backend.LLGUIDANCE)
+    grammar = compile_grammar(json_schema(schema), tok, backend=backend, vocab_size=len(tok) + 40)
+    output = walk(tok, closers, grammar, seed)
+    constraint = grammar.new_constraint()
+    gen = torch.Generator().manual_seed(seed)
+    outcomes = set()
+    for pos in range(0, len(output), 2):
+        draft = output[pos : pos + rng.randint(0, 8)]
+        logits = torch.randn(len(draft) + 1, len(tok) + 40, generator=gen)
+        masks = constraint.masks_along_draft(draft)
+        for j, token in enumerate(draft):
+            roll = rng.random()
+            if roll < 0.6:  # the target agrees with the draft
+                logits[j, token] = 10.0
+            elif roll < 0.8:  # it prefers another token (mostly illegal: the draft stands)
+                logits[j, token] = 9.0
+                logits[j, rng.randrange(logits.shape[1])] = 11.0
+            else:  # it prefers another legal token, where there is one: the draft is cut
+                legal = [t for t in allowed_token_ids(masks[j], logits.shape[1]) if t != token]
+                logits[j, rng.choice(legal or [token])] = 11.0
+        masked = apply_bitmask_(logits.clone(), masks)
+        before = snapshot(constraint)
+        expected = greedy_accept(torch.tensor(draft, dtype=torch.long), masked)
+        assert greedy_verify(constraint, draft, logits) == expected
+        assert greedy_verify(constraint, draft, logits, masks) == expected  # the walk's masks
+        assert snapshot(constraint) == before
+        outcomes.add(expected[0] == len(draft))
+        constraint.advance(output[pos : pos + 2])
+    assert outcomes == {True, False}  # whole drafts and cut ones both checked
+
+
 def test_batched_masks_equal_single_masks(tok, closers):
     grammars = [
         compile_grammar(json_schema(random_schema(random.Random(s), kind="object")), tok)

@@ -21,7 +21,7 @@ from agentflash.engine.request import FinishReason, Request, SamplingParams, Spe
 from agentflash.engine.sampling import accept, sample
 from agentflash.engine.scheduler import Scheduler, SchedulerConfig
 from agentflash.errors import UserError
-from agentflash.grammar.constraint import apply_bitmask_
+from agentflash.grammar.constraint import apply_bitmask_, greedy_verify
 from agentflash.grammar.sources import GrammarKind
 from agentflash.router.policy import Candidate, CostModel, StepShape, priors_from_validation
 from agentflash.router.segments import SegmentKind
@@ -275,10 +275,14 @@ class Engine:
         if req.draft_context is not None:
             req.pending_hidden.append(out.hidden[i, : len(row.tokens)])
         logits = out.logits[i, 0]  # a last_only row's one row of logits
-        if req.constraint is not None:
+        if req.constraint is not None and req.params.is_greedy:
             with grammar_clock([req]):
-                apply_bitmask_(logits, req.constraint.bitmask())
-        token = sample(logits, req.params.temperature, req.params.top_p, req.generator)
+                _, token = greedy_verify(req.constraint, [], logits[None])
+        else:
+            if req.constraint is not None:
+                with grammar_clock([req]):
+                    apply_bitmask_(logits, req.constraint.bitmask())
+            token = sample(logits, req.params.temperature, req.params.top_p, req.generator)
         committed = self._commit(req, [token])
         mode = "dflash" if req.draft_context is not None else "plain"
         self._track(req, req.segments.kind, mode, committed, 0)
@@ -290,9 +294,14 @@ class Engine:
         """A decoding request after the verify forward: accept a prefix of its draft, commit it
         with the target's next token, and keep the hidden states its drafter will need."""
         logits = out.logits[i, : len(draft.tokens) + 1]  # [T+1, V]: row j predicts after slot j
-        num_accepted, bonus = accept(
-            torch.tensor(draft.tokens, dtype=torch.long), logits, req.params, req.generator
-        )
+        if req.constraint is not None and req.params.is_greedy:  # masks made where needed
+            with grammar_clock([req]):
+                num_accepted, bonus = greedy_verify(req.constraint, draft.tokens, logits,
+                                                    draft.masks)
+        else:  # sampling rows' logits were masked at every position (_mask_verify_logits)
+            num_accepted, bonus = accept(
+                torch.tensor(draft.tokens, dtype=torch.long), logits, req.params, req.generator
+            )
         req.stats.target_forwards += 1
         req.num_cached += 1 + num_accepted
         committed = self._commit(req, draft.tokens[:num_accepted] + [bonus])
@@ -316,8 +325,11 @@ class Engine:
     def _mask_verify_logits(
         self, batch: list[Request], drafts: dict[int, BlockDraft], logits: torch.Tensor
     ) -> None:
-        """Mask every verify position of constrained rows along their draft path, in place."""
-        rows = [i for i, r in enumerate(batch) if r.constraint is not None]
+        """Mask every verify position of constrained sampling rows along their draft path, in
+        place (greedy rows need few masks: ``greedy_verify`` makes them as it settles)."""
+        rows = [
+            i for i, r in enumerate(batch) if r.constraint is not None and not r.params.is_greedy
+        ]
         if not rows:
             return
         with grammar_clock([batch[i] for i in rows]):

@@ -21,6 +21,7 @@ from agentflash.grammar.constraint import (
     apply_bitmask_,
     bitmask_width,
     constrained_draft,
+    greedy_verify,
     masks_along_drafts,
     unpack_bitmask,
 )
@@ -69,6 +70,7 @@ __all__ = [
     "clear_cache",
     "compile_grammar",
     "constrained_draft",
+    "greedy_verify",
     "ebnf",
     "json_schema",
     "json_schema_file",

@@ -191,14 +191,17 @@ class Constraint(abc.ABC):
         assert out.dtype == torch.int32 and out.is_cpu and out.is_contiguous() and out.dim() == 1
         assert out.numel() == bitmask_width(self.vocab_size), "mask row has the wrong width"
         out.zero_()
+        words = out.numpy()  # a view: one word is read and written (cheaper than tensor indexing)
         word, bit = self.eos_token_id // 32, _bit(self.eos_token_id)
         if self._ended:
-            out[word] = bit
+            words[word] = bit
             return
         self._fill(out)
         # the end token's bit follows this class's rule, whatever the backend's own convention
-        value = int(out[word])
-        out[word] = value | bit if self._is_accepting() else value & ~bit
+        if self._is_accepting():
+            words[word] |= bit
+        else:
+            words[word] &= ~bit
 
     def bitmask(self) -> torch.Tensor:
         """The current mask as a new int32 tensor [W]."""
@@ -265,6 +268,17 @@ class Constraint(abc.ABC):
         """
         return masks_along_drafts([self], [tokens])[0]
 
+    def mask_after(self, tokens: Sequence[int]) -> torch.Tensor:
+        """The mask [W] after the legal ``tokens`` (the current one for none); no change."""
+        out = allocate_bitmask(1, self.vocab_size)[0]
+        if not tokens:
+            self.fill_bitmask(out)
+            return out
+        with self._walk() as ahead:
+            ahead._commit(list(tokens))
+            ahead.fill_bitmask(out)
+        return out
+
     def _masks_one_by_one(self, tokens: list[int]) -> torch.Tensor:
         out = allocate_bitmask(len(tokens) + 1, self.vocab_size)
         self.fill_bitmask(out[0])
@@ -316,6 +330,34 @@ def masks_along_drafts(
                 "allowed by the grammar; cut drafts with validate_draft"
             )
     return [c._masks_one_by_one(d) for c, d in zip(constraints, drafts, strict=True)]
+
+
+def greedy_verify(
+    constraint: Constraint,
+    draft: Sequence[int],
+    logits: torch.Tensor,
+    masks: torch.Tensor | None = None,
+) -> tuple[int, int]:
+    """Greedy acceptance of the legal ``draft`` [T] under the grammar: exactly what
+    ``greedy_accept`` gives on ``logits`` [T+1, V] masked at every verify position along the
+    draft, with only the masks it needs. Where the target's own argmax is the drafted token,
+    that token is legal and masking cannot change the argmax, so no mask is needed; a mask is
+    made (``mask_after`` the draft so far) only where they differ, and then the legal argmax
+    decides. ``masks`` [T+1, W]: the masks along the draft if its walk made them. Returns
+    ``(num_accepted, next_token)``; the constraint is unchanged."""
+    top = logits.argmax(-1).tolist()
+    assert len(top) == len(draft) + 1, "verify yields one more row than there are drafts"
+    for j, token in enumerate(top):
+        drafted = draft[j] if j < len(draft) else None
+        if token == drafted:
+            continue
+        row = masks[j] if masks is not None else constraint.mask_after(draft[:j])
+        if not _allows(row, token, constraint.vocab_size):
+            token = _masked_argmax(row, logits[j], constraint.vocab_size)
+            if token == drafted:
+                continue
+        return j, token
+    raise AssertionError("unreachable: the last position has no draft to match")
 
 
 @dataclass(frozen=True)
