@@ -320,6 +320,8 @@ def train_drafter(
     constrained_tool_calls: Annotated[float, typer.Option(
         "--constrained-tool-calls",
         help="share of tool-call prompts answered under the tools' grammar, as served")] = 0.0,
+    corpus_seed: Annotated[int, typer.Option(
+        "--corpus-seed", help="seed of the corpus prompts (another seed: other prompts)")] = 1,
 ) -> None:
     """Train a DFlash drafter on the target's own answers (SpecForge recipe)."""
     from agentflash.train.corpus import CorpusConfig
@@ -331,7 +333,7 @@ def train_drafter(
         fail(f"--mix needs four shares (tool_call,code,math,prose), got {mix!r}")
     n, total = num_conversations, sum(shares)
     tool, code, math, prose = (n * k // total for k in shares)
-    corpus = CorpusConfig(seed=1, num_tool_call=tool, num_code=code, num_math=math,
+    corpus = CorpusConfig(seed=corpus_seed, num_tool_call=tool, num_code=code, num_math=math,
                           num_prose=prose)
     try:
         cfg = DrafterTrainConfig(num_layers=num_layers, block_size=block_size, steps=steps,
