@@ -496,6 +496,10 @@ def test_constrained_draft_is_legal_and_leaves_the_state(tok, closers, backend):
         assert constraint.validate_draft(draft.tokens) == len(draft.tokens) > 0
         # the masks made on the way are the verify masks along the draft
         assert torch.equal(draft.masks, constraint.masks_along_draft(draft.tokens))
+        # a walk without masks (greedy verification) drafts the same tokens
+        bare = constrained_draft(constraint, logits, with_masks=False)
+        assert (bare.tokens, bare.num_forced, bare.masks) == (draft.tokens, draft.num_forced, None)
+        assert snapshot(constraint) == before
         plain = constrained_draft(constraint, logits, use_forced=False)
         assert plain.num_forced == 0
         assert torch.equal(plain.masks, constraint.masks_along_draft(plain.tokens))
@@ -505,6 +509,20 @@ def test_constrained_draft_is_legal_and_leaves_the_state(tok, closers, backend):
             assert token == int(masked.argmax())
             constraint.advance([token])
         constraint.rollback(len(plain.tokens))
+
+
+def test_no_forced_bytes_means_no_forced_tokens(tok, closers):
+    # LLGuidanceConstraint._forced asks for forced tokens only after forced bytes (far cheaper)
+    seen = set()
+    for seed in range(6):
+        grammar = compile_grammar(json_schema(random_schema(random.Random(seed))), tok)
+        constraint = grammar.new_constraint()
+        for token in walk(tok, closers, grammar, seed):
+            matcher = constraint._m
+            seen.add((bool(matcher.compute_ff_bytes()), bool(matcher.compute_ff_tokens())))
+            constraint.advance([token])
+    assert (False, True) not in seen
+    assert {(False, False), (True, True)} <= seen
 
 
 def test_constrained_draft_follows_the_drafter_where_it_is_legal(tok):

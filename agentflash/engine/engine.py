@@ -459,7 +459,8 @@ class Engine:
                 with grammar_clock([r]):
                     walk = constrained_draft(r.constraint, logits[i], best[i].tolist(),
                                              max_drafted=n, max_tokens=self._room(r) - 1,
-                                             forced_now=forced_now[r.id])
+                                             forced_now=forced_now[r.id],
+                                             with_masks=not r.params.is_greedy)
             except Exception as err:
                 self._fail_alone(r, err)
                 continue

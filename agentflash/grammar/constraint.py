@@ -363,11 +363,11 @@ def greedy_verify(
 @dataclass(frozen=True)
 class Draft:
     """Tokens drafted under a grammar, how many of them the grammar forced, and the verify masks
-    along them (computed on the way: the walk needs each slot's mask anyway)."""
+    along them if the walk was asked for them."""
 
     tokens: list[int]
     num_forced: int
-    masks: torch.Tensor  # [len(tokens) + 1, W]: row i is the mask after tokens[:i]
+    masks: torch.Tensor | None  # [len(tokens) + 1, W]: row i is the mask after tokens[:i]
 
 
 def constrained_draft(
@@ -378,6 +378,7 @@ def constrained_draft(
     max_drafted: int | None = None,
     max_tokens: int | None = None,
     forced_now: Sequence[int] | None = None,
+    with_masks: bool = True,
 ) -> Draft:
     """Walk a block of drafter logits ``[K, V]`` left to right under the grammar.
 
@@ -394,41 +395,53 @@ def constrained_draft(
     tokens do not count against it. ``max_tokens`` caps the draft, forced tokens included
     (default ``K``); above ``K``, a forced run may go on past the drafter's last slot, since a
     forced token costs the verify forward only its position. ``forced_now`` is
-    ``constraint.forced_tokens()`` if the caller has it already.
+    ``constraint.forced_tokens()`` if the caller has it already. ``with_masks=False`` (greedy
+    verification, ``greedy_verify``, makes the few masks it needs) checks a drafted token
+    alone, and makes a slot's mask only where that token is illegal; ``masks`` is then None.
     """
     num_slots = draft_logits.shape[0]
     max_drafted = num_slots if max_drafted is None else min(max_drafted, num_slots)
     max_tokens = num_slots if max_tokens is None else max_tokens
     best = list(proposals) if proposals is not None else draft_logits.argmax(dim=-1).tolist()
-    masks = allocate_bitmask(min(max_tokens, num_slots) + 1, constraint.vocab_size)
+    masks = allocate_bitmask(min(max_tokens, num_slots) + 1 if with_masks else 1,
+                             constraint.vocab_size)
     tokens: list[int] = []
     num_forced = 0
+    after_run = False  # the last tokens were a forced run (as long as the grammar forces)
     ranked: list[list[int]] = []  # each slot's best few tokens, ranked once for the whole block
     with constraint._walk() as ahead:
         while len(tokens) < max_tokens and not ahead.is_finished():
-            if not use_forced:
+            if not use_forced or after_run:
                 forced = []
             elif forced_now is not None and not tokens:  # the walk's start: the caller's
                 forced, forced_now = list(forced_now), None
             else:
                 forced = ahead.forced_tokens()
             forced = forced[: max_tokens - len(tokens)]
-            if len(tokens) + len(forced) >= masks.shape[0]:
+            if with_masks and len(tokens) + len(forced) >= masks.shape[0]:
                 masks = _grow(masks, len(tokens) + len(forced) + 1)
             for token in forced:
-                ahead.fill_bitmask(masks[len(tokens)])
+                if with_masks:
+                    ahead.fill_bitmask(masks[len(tokens)])
                 ahead._commit([token])
                 tokens.append(token)
                 num_forced += 1
+            after_run = bool(forced)
             if forced:
                 continue
             slot = len(tokens)
             if slot >= num_slots or slot - num_forced >= max_drafted:
                 break
-            row = masks[slot]
-            ahead.fill_bitmask(row)
             token = best[slot]
-            if not _allows(row, token, ahead.vocab_size):
+            row = masks[slot if with_masks else 0]
+            if with_masks:
+                ahead.fill_bitmask(row)
+                legal = _allows(row, token, ahead.vocab_size)
+            else:  # one token checked costs a fraction of a mask
+                legal = ahead.validate_draft([token]) == 1
+                if not legal:
+                    ahead.fill_bitmask(row)
+            if not legal:
                 if not ranked:
                     k = min(8, draft_logits.shape[-1])
                     ranked = draft_logits.detach().topk(k, dim=-1).indices.tolist()
@@ -437,6 +450,8 @@ def constrained_draft(
                     token = _masked_argmax(row, draft_logits[slot], ahead.vocab_size)
             ahead._commit([token])
             tokens.append(token)
+        if not with_masks:
+            return Draft(tokens, num_forced, None)
         ahead.fill_bitmask(masks[len(tokens)])
     return Draft(tokens, num_forced, masks[: len(tokens) + 1])
 
