@@ -276,8 +276,9 @@ class Engine:
             req.pending_hidden.append(out.hidden[i, : len(row.tokens)])
         logits = out.logits[i, 0]  # a last_only row's one row of logits
         if req.constraint is not None and req.params.is_greedy:
+            top = [int(logits.argmax())]  # the model's choice; the grammar's work is below
             with grammar_clock([req]):
-                _, token = greedy_verify(req.constraint, [], logits[None])
+                _, token = greedy_verify(req.constraint, [], logits[None], top=top)
         else:
             if req.constraint is not None:
                 with grammar_clock([req]):
@@ -295,9 +296,10 @@ class Engine:
         with the target's next token, and keep the hidden states its drafter will need."""
         logits = out.logits[i, : len(draft.tokens) + 1]  # [T+1, V]: row j predicts after slot j
         if req.constraint is not None and req.params.is_greedy:  # masks made where needed
+            top = logits.argmax(-1).tolist()  # the model's choices; the grammar's work is below
             with grammar_clock([req]):
                 num_accepted, bonus = greedy_verify(req.constraint, draft.tokens, logits,
-                                                    draft.masks)
+                                                    draft.masks, top)
         else:  # sampling rows' logits were masked at every position (_mask_verify_logits)
             num_accepted, bonus = accept(
                 torch.tensor(draft.tokens, dtype=torch.long), logits, req.params, req.generator

@@ -337,15 +337,17 @@ def greedy_verify(
     draft: Sequence[int],
     logits: torch.Tensor,
     masks: torch.Tensor | None = None,
+    top: Sequence[int] | None = None,
 ) -> tuple[int, int]:
     """Greedy acceptance of the legal ``draft`` [T] under the grammar: exactly what
     ``greedy_accept`` gives on ``logits`` [T+1, V] masked at every verify position along the
     draft, with only the masks it needs. Where the target's own argmax is the drafted token,
     that token is legal and masking cannot change the argmax, so no mask is needed; a mask is
     made (``mask_after`` the draft so far) only where they differ, and then the legal argmax
-    decides. ``masks`` [T+1, W]: the masks along the draft if its walk made them. Returns
-    ``(num_accepted, next_token)``; the constraint is unchanged."""
-    top = logits.argmax(-1).tolist()
+    decides. ``masks`` [T+1, W]: the masks along the draft if its walk made them; ``top``: the
+    logits' argmax per position if the caller has it. Returns ``(num_accepted, next_token)``;
+    the constraint is unchanged."""
+    top = logits.argmax(-1).tolist() if top is None else list(top)
     assert len(top) == len(draft) + 1, "verify yields one more row than there are drafts"
     for j, token in enumerate(top):
         drafted = draft[j] if j < len(draft) else None
