@@ -326,6 +326,22 @@ def test_greedy_verify_equals_greedy_acceptance_on_logits_masked_everywhere(
     assert outcomes == {True, False}  # whole drafts and cut ones both checked
 
 
+def test_a_mask_is_made_only_for_a_token_the_grammar_refuses(tok, closers):
+    grammar = compile_grammar(json_schema(random_schema(random.Random(7), kind="object")), tok)
+    output = walk(tok, closers, grammar, 7)
+    constraint = grammar.new_constraint()
+    rng = random.Random(0)
+    for cut in range(0, len(output), 2):
+        before = snapshot(constraint)
+        mask = constraint.mask_after(output[:cut])
+        for token in [output[cut]] + rng.sample(range(len(tok)), 5):
+            got = constraint.mask_unless_allowed(output[:cut], token)
+            allowed = token in allowed_token_ids(mask, len(tok) + 40)
+            assert (got is None) == allowed
+            assert got is None or torch.equal(got, mask)
+        assert snapshot(constraint) == before
+
+
 def test_batched_masks_equal_single_masks(tok, closers):
     grammars = [
         compile_grammar(json_schema(random_schema(random.Random(s), kind="object")), tok)

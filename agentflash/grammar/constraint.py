@@ -279,6 +279,19 @@ class Constraint(abc.ABC):
             ahead.fill_bitmask(out)
         return out
 
+    def mask_unless_allowed(self, tokens: Sequence[int], token: int) -> torch.Tensor | None:
+        """None if ``token`` may follow the legal ``tokens``; else the mask [W] after them (a
+        token checked alone costs a fraction of a mask). No change."""
+        if not tokens:
+            return None if self.validate_draft([token]) == 1 else self.mask_after(())
+        with self._walk() as ahead:
+            ahead._commit(list(tokens))
+            if ahead.validate_draft([token]) == 1:
+                return None
+            out = allocate_bitmask(1, self.vocab_size)[0]
+            ahead.fill_bitmask(out)
+            return out
+
     def _masks_one_by_one(self, tokens: list[int]) -> torch.Tensor:
         out = allocate_bitmask(len(tokens) + 1, self.vocab_size)
         self.fill_bitmask(out[0])
@@ -343,18 +356,21 @@ def greedy_verify(
     ``greedy_accept`` gives on ``logits`` [T+1, V] masked at every verify position along the
     draft, with only the masks it needs. Where the target's own argmax is the drafted token,
     that token is legal and masking cannot change the argmax, so no mask is needed; a mask is
-    made (``mask_after`` the draft so far) only where they differ, and then the legal argmax
-    decides. ``masks`` [T+1, W]: the masks along the draft if its walk made them; ``top``: the
-    logits' argmax per position if the caller has it. Returns ``(num_accepted, next_token)``;
-    the constraint is unchanged."""
+    made (``mask_unless_allowed``: after the draft so far) only where they differ and the
+    target's choice is illegal, and then the legal argmax decides. ``masks`` [T+1, W]: the
+    masks along the draft if its walk made them; ``top``: the logits' argmax per position if
+    the caller has it. Returns ``(num_accepted, next_token)``; the constraint is unchanged."""
     top = logits.argmax(-1).tolist() if top is None else list(top)
     assert len(top) == len(draft) + 1, "verify yields one more row than there are drafts"
     for j, token in enumerate(top):
         drafted = draft[j] if j < len(draft) else None
         if token == drafted:
             continue
-        row = masks[j] if masks is not None else constraint.mask_after(draft[:j])
-        if not _allows(row, token, constraint.vocab_size):
+        if masks is not None:
+            row = masks[j] if not _allows(masks[j], token, constraint.vocab_size) else None
+        else:
+            row = constraint.mask_unless_allowed(draft[:j], token)
+        if row is not None:  # the target's choice is illegal: the legal argmax decides
             token = _masked_argmax(row, logits[j], constraint.vocab_size)
             if token == drafted:
                 continue
