@@ -233,9 +233,13 @@ class Engine:
         tracked = any(r.draft_context is not None for r in decoding + admitted)
         out = self.runner.forward(rows, capture_layers=self._capture(tracked))
         self._mask_verify_logits(decoding, drafts, out.logits)
+        # greedy rows' choices, every position of every row in one call (sampling rows and
+        # constrained rows' masked positions read their logits again)
+        top = out.logits.argmax(-1).tolist()
         outputs = failed + [
             self._isolated(
-                req, self._settle, req, i, drafts[req.id], out, kinds[req.id], req.id in routed
+                req, self._settle, req, i, drafts[req.id], out, kinds[req.id], req.id in routed,
+                top[i],
             )
             if not req.is_finished  # else its masks failed: it ends with nothing new
             else StepOutput(req, [])
@@ -243,7 +247,7 @@ class Engine:
         ]
         outputs += [
             self._isolated(req, self._first_token, req, len(decoding) + i, rows[len(decoding) + i],
-                           out)
+                           out, top[len(decoding) + i][0])
             for i, req in enumerate(admitted)
         ]
         if decoding and not admitted:  # prompts would blur what a decode step costs
@@ -269,16 +273,18 @@ class Engine:
         log.exception("request %d failed; the other requests go on", req.id)
         self.fail(req, f"{type(err).__name__}: {err}")
 
-    def _first_token(self, req: Request, i: int, row: Row, out) -> StepOutput:
-        """A newly admitted request after its prompt's forward: its first token."""
+    def _first_token(self, req: Request, i: int, row: Row, out, top: int) -> StepOutput:
+        """A newly admitted request after its prompt's forward: its first token (``top``: its
+        logits' argmax)."""
         req.num_cached = len(row.tokens)
         if req.draft_context is not None:
             req.pending_hidden.append(out.hidden[i, : len(row.tokens)])
         logits = out.logits[i, 0]  # a last_only row's one row of logits
-        if req.constraint is not None and req.params.is_greedy:
-            top = [int(logits.argmax())]  # the model's choice; the grammar's work is below
+        if req.params.is_greedy and req.constraint is None:
+            token = top
+        elif req.params.is_greedy:
             with grammar_clock([req]):
-                _, token = greedy_verify(req.constraint, [], logits[None], top=top)
+                _, token = greedy_verify(req.constraint, [], logits[None], top=[top])
         else:
             if req.constraint is not None:
                 with grammar_clock([req]):
@@ -290,13 +296,26 @@ class Engine:
         return StepOutput(req, committed)
 
     def _settle(
-        self, req: Request, i: int, draft: BlockDraft, out, kind: SegmentKind, routed: bool
+        self,
+        req: Request,
+        i: int,
+        draft: BlockDraft,
+        out,
+        kind: SegmentKind,
+        routed: bool,
+        top: list[int],
     ) -> StepOutput:
         """A decoding request after the verify forward: accept a prefix of its draft, commit it
-        with the target's next token, and keep the hidden states its drafter will need."""
+        with the target's next token, and keep the hidden states its drafter will need.
+        ``top``: the argmax of the row's logits at each position."""
         logits = out.logits[i, : len(draft.tokens) + 1]  # [T+1, V]: row j predicts after slot j
-        if req.constraint is not None and req.params.is_greedy:  # masks made where needed
-            top = logits.argmax(-1).tolist()  # the model's choices; the grammar's work is below
+        top = top[: len(draft.tokens) + 1]
+        if req.params.is_greedy and req.constraint is None:  # greedy_accept, on the argmaxes
+            num_accepted = next(
+                (j for j, t in enumerate(draft.tokens) if t != top[j]), len(draft.tokens)
+            )
+            bonus = top[num_accepted]
+        elif req.params.is_greedy:  # masks made where needed
             with grammar_clock([req]):
                 num_accepted, bonus = greedy_verify(req.constraint, draft.tokens, logits,
                                                     draft.masks, top)
