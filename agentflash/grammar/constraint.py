@@ -489,6 +489,8 @@ def _masked_argmax(row: torch.Tensor, logits: torch.Tensor, vocab_size: int) -> 
     # compare only the legal tokens' scores: cheaper than masking a whole row of a large vocab
     allowed = np.flatnonzero(unpack_bitmask(row, vocab_size).numpy())
     assert len(allowed), "no legal token: the grammar is stuck"
+    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64):
+        return int(allowed[int(logits.detach().numpy()[allowed].argmax())])  # no tensor ops
     ids = torch.from_numpy(allowed)
     return int(ids[int(logits.detach()[ids.to(logits.device)].argmax())])
 
