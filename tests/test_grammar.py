@@ -342,6 +342,28 @@ def test_a_mask_is_made_only_for_a_token_the_grammar_refuses(tok, closers):
         assert snapshot(constraint) == before
 
 
+def test_the_legal_argmax_is_the_first_best_allowed_token():
+    from agentflash.grammar.constraint import _masked_argmax
+
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(60):
+        row = torch.randint(-(2**31), 2**31 - 1, (128,), dtype=torch.int32, generator=gen)
+        if trial % 3 == 0:  # a single legal token
+            row = torch.zeros(128, dtype=torch.int32)
+            row[trial] = 1 << (trial % 31)
+        logits = torch.randn(4096, generator=gen)
+        if trial % 4 == 0:
+            logits = logits.round()  # ties: the lowest id of the best wins, as argmax does
+        if trial % 5 == 0:
+            logits[:] = float("-inf")  # nothing to choose by score: the first legal token
+        legal = allowed_token_ids(row, 4096)
+        best = max(logits[legal].tolist())
+        expected = next(t for t in legal if logits[t] == best)
+        assert _masked_argmax(row, logits, 4096) == expected
+        assert _masked_argmax(row, logits.double(), 4096) == expected
+        assert _masked_argmax(row, logits.bfloat16(), 4096) in legal  # the tensor path
+
+
 def test_batched_masks_equal_single_masks(tok, closers):
     grammars = [
         compile_grammar(json_schema(random_schema(random.Random(s), kind="object")), tok)
