@@ -342,6 +342,24 @@ def test_a_mask_is_made_only_for_a_token_the_grammar_refuses(tok, closers):
         assert snapshot(constraint) == before
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_allows_is_a_one_token_validate(tok, closers, backend):
+    pytest.importorskip("outlines_core")
+    schema = random_schema(random.Random(3), kind="object", number_bounds=False)
+    grammar = compile_grammar(json_schema(schema), tok, backend=backend, vocab_size=len(tok) + 40)
+    constraint = grammar.new_constraint()
+    rng = random.Random(1)
+    checked = set()
+    for token in walk(tok, closers, grammar, 3) + [None]:
+        candidates = [grammar.eos_token_id, -1, len(tok) + 39] + rng.sample(range(len(tok)), 8)
+        for t in candidates + ([token] if token is not None else []):
+            assert constraint.allows(t) == (constraint.validate_draft([t]) == 1)
+            checked.add(constraint.allows(t))
+        if token is not None:
+            constraint.advance([token])
+    assert checked == {True, False}
+
+
 def test_the_legal_argmax_is_the_first_best_allowed_token():
     from agentflash.grammar.constraint import _masked_argmax
 

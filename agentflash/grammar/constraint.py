@@ -232,6 +232,15 @@ class Constraint(abc.ABC):
             return legal
         return end + 1 if self._accepts_after(body) else end
 
+    def allows(self, token: int) -> bool:
+        """Whether ``token`` may come next: ``validate_draft([token]) == 1``, without its list
+        work (the walks ask this once a drafted slot)."""
+        if self._ended or not 0 <= token < self.vocab_size:
+            return False
+        if token == self.eos_token_id:
+            return self._is_accepting()
+        return self._validate([token]) == 1
+
     def _accepts_after(self, body: list[int]) -> bool:
         """Whether the output would be complete after the legal tokens ``body``; no change."""
         with self._walk() as ahead:
@@ -283,10 +292,10 @@ class Constraint(abc.ABC):
         """None if ``token`` may follow the legal ``tokens``; else the mask [W] after them (a
         token checked alone costs a fraction of a mask). No change."""
         if not tokens:
-            return None if self.validate_draft([token]) == 1 else self.mask_after(())
+            return None if self.allows(token) else self.mask_after(())
         with self._walk() as ahead:
             ahead._commit(list(tokens))
-            if ahead.validate_draft([token]) == 1:
+            if ahead.allows(token):
                 return None
             out = allocate_bitmask(1, self.vocab_size)[0]
             ahead.fill_bitmask(out)
@@ -456,7 +465,7 @@ def constrained_draft(
                 ahead.fill_bitmask(row)
                 legal = _allows(row, token, ahead.vocab_size)
             else:  # one token checked costs a fraction of a mask
-                legal = ahead.validate_draft([token]) == 1
+                legal = ahead.allows(token)
                 if not legal:
                     ahead.fill_bitmask(row)
             if not legal:
