@@ -15,7 +15,7 @@ Nothing here knows about requests, caches or the engine.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -29,12 +29,17 @@ def greedy_accept(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tu
     ``draft_tokens`` [T], ``target_logits`` [T+1, V]. Returns ``(num_accepted, bonus_token)``
     with ``0 <= num_accepted <= T``.
     """
-    t = draft_tokens.shape[0]
-    assert target_logits.shape[0] == t + 1, "verify yields one more row than there are drafts"
-    target = target_logits.argmax(-1)  # [T+1]
-    matches = (draft_tokens == target[:t]).int()  # [T]
-    num_accepted = int(matches.cumprod(0).sum())
-    return num_accepted, int(target[num_accepted])
+    assert target_logits.shape[0] == draft_tokens.shape[0] + 1, (
+        "verify yields one more row than there are drafts"
+    )
+    return accept_choices(draft_tokens.tolist(), target_logits.argmax(-1).tolist())
+
+
+def accept_choices(draft: Sequence[int], choices: Sequence[int]) -> tuple[int, int]:
+    """``greedy_accept`` from the target's choice (argmax) at each verify position: ``draft``
+    [T], ``choices`` [T+1] (the engine takes every row's argmaxes in one call)."""
+    num_accepted = next((j for j, t in enumerate(draft) if t != choices[j]), len(draft))
+    return num_accepted, choices[num_accepted]
 
 
 def greedy_accept_batch(

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from agentflash.dflash.speculate import draft_logits, lookup_draft
+from agentflash.dflash.speculate import accept_choices, draft_logits, lookup_draft
 from agentflash.engine.detokenizer import Detokenizer
 from agentflash.engine.kv_cache import KVCache
 from agentflash.engine.model_runner import ModelRunner, Row
@@ -310,11 +310,8 @@ class Engine:
         ``top``: the argmax of the row's logits at each position."""
         logits = out.logits[i, : len(draft.tokens) + 1]  # [T+1, V]: row j predicts after slot j
         top = top[: len(draft.tokens) + 1]
-        if req.params.is_greedy and req.constraint is None:  # greedy_accept, on the argmaxes
-            num_accepted = next(
-                (j for j, t in enumerate(draft.tokens) if t != top[j]), len(draft.tokens)
-            )
-            bonus = top[num_accepted]
+        if req.params.is_greedy and req.constraint is None:
+            num_accepted, bonus = accept_choices(draft.tokens, top)
         elif req.params.is_greedy:  # masks made where needed
             with grammar_clock([req]):
                 num_accepted, bonus = greedy_verify(req.constraint, draft.tokens, logits,

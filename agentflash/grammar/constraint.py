@@ -369,7 +369,8 @@ def greedy_verify(
     target's choice is illegal, and then the legal argmax decides. ``masks`` [T+1, W]: the
     masks along the draft if its walk made them; ``top``: the logits' argmax per position if
     the caller has it. Returns ``(num_accepted, next_token)``; the constraint is unchanged."""
-    top = logits.argmax(-1).tolist() if top is None else list(top)
+    if top is None:
+        top = logits.argmax(-1).tolist()
     assert len(top) == len(draft) + 1, "verify yields one more row than there are drafts"
     for j, token in enumerate(top):
         drafted = draft[j] if j < len(draft) else None

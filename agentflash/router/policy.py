@@ -220,10 +220,18 @@ class CostModel:
         draft)."""
         if routing.lookup.steps == 0:
             return 0.0
-        return 1.0 + float(np.cumprod(self._lookup_rates(routing)[:slots]).sum())
+        return float(self._lookup_tokens(routing)[min(slots, MAX_SLOTS) - 1])
 
-    def _lookup_rates(self, routing: RequestRouting) -> np.ndarray:
-        return routing.lookup.chained_rates(1 - 1 / LOOKUP_PRIOR_TAU, self.request_weight)
+    def _lookup_tokens(self, routing: RequestRouting) -> np.ndarray:
+        """[MAX_SLOTS]: entry ``k - 1`` is the expected tau of ``k`` looked-up tokens, cached
+        until the request's lookup counts change (the plan and the lookup ask every step)."""
+        hit = routing.cache.get(("lookup",))
+        if hit is not None and hit[0] == routing.lookup.steps:
+            return hit[1]
+        rates = routing.lookup.chained_rates(1 - 1 / LOOKUP_PRIOR_TAU, self.request_weight)
+        tokens = 1.0 + np.cumprod(rates).cumsum()
+        routing.cache[("lookup",)] = (routing.lookup.steps, tokens)
+        return tokens
 
     def lookup_slots(
         self, routing: RequestRouting, kind: SegmentKind, slots: int, found: int
@@ -236,8 +244,7 @@ class CostModel:
         if found == 0 or slots == 0:
             return 0
         fixed, row, token, drafter, drafted_row, slot = self.step_cost()
-        rates = self._lookup_rates(routing)
-        tokens = 1.0 + np.cumprod(rates[: min(found, MAX_SLOTS)]).cumsum()  # k looked up: [k-1]
+        tokens = self._lookup_tokens(routing)[: min(found, MAX_SLOTS)]  # k looked up: [k-1]
         cost = fixed + row + token + drafted_row + token * np.arange(1, len(tokens) + 1)
         best = int(np.argmax(tokens / cost))
         drafted = self.expected_tau(routing, kind, slots) / (
