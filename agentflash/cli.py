@@ -139,13 +139,14 @@ def bench(
         bench_mod.print_table(report)
 
 
-def _int_list(text: str, flag: str) -> list[int]:
+def _int_list(text: str, flag: str, minimum: int = 1) -> list[int]:
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise UserError(f"{flag} takes comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise UserError(f"{flag} takes positive integers, got {text!r}")
+    if not values or min(values) < minimum:
+        kind = "positive integers" if minimum == 1 else f"integers from {minimum}"
+        raise UserError(f"{flag} takes {kind}, got {text!r}")
     return values
 
 
@@ -322,24 +323,34 @@ def train_drafter(
         help="share of tool-call prompts answered under the tools' grammar, as served")] = 0.0,
     corpus_seed: Annotated[int, typer.Option(
         "--corpus-seed", help="seed of the corpus prompts (another seed: other prompts)")] = 1,
+    target_layer_ids: Annotated[str | None, typer.Option(
+        "--target-layer-ids",
+        help="target layers the drafter reads, e.g. 1,3,5 (default: evenly spaced from 1 to "
+             "L-3); with --init, a drafter reading some of them is widened")] = None,
 ) -> None:
     """Train a DFlash drafter on the target's own answers (SpecForge recipe)."""
     from agentflash.train.corpus import CorpusConfig
     from agentflash.train.drafter import DrafterTrainConfig
     from agentflash.train.drafter import train_drafter as run
 
-    shares = _int_list(mix, "--mix")
-    if len(shares) != 4:
-        fail(f"--mix needs four shares (tool_call,code,math,prose), got {mix!r}")
-    n, total = num_conversations, sum(shares)
-    tool, code, math, prose = (n * k // total for k in shares)
-    corpus = CorpusConfig(seed=corpus_seed, num_tool_call=tool, num_code=code, num_math=math,
-                          num_prose=prose)
     try:
+        shares = _int_list(mix, "--mix")
+        if len(shares) != 4:
+            raise UserError(f"--mix needs four shares (tool_call,code,math,prose), got {mix!r}")
+        layer_ids = (
+            tuple(_int_list(target_layer_ids, "--target-layer-ids", minimum=0))
+            if target_layer_ids
+            else ()
+        )
+        n, total = num_conversations, sum(shares)
+        tool, code, math, prose = (n * k // total for k in shares)
+        corpus = CorpusConfig(seed=corpus_seed, num_tool_call=tool, num_code=code, num_math=math,
+                              num_prose=prose)
         cfg = DrafterTrainConfig(num_layers=num_layers, block_size=block_size, steps=steps,
                                  num_anchors=num_anchors, max_response_tokens=256,
                                  num_val_per_kind=16, corpus=corpus, lr=lr, init=init,
-                                 constrained_tool_calls=constrained_tool_calls)
+                                 constrained_tool_calls=constrained_tool_calls,
+                                 target_layer_ids=layer_ids)
         run(target, out, cfg)
     except (UserError, ValueError) as err:
         fail(str(err))

@@ -154,3 +154,18 @@ def test_missing_model_and_missing_files(tmp_path):
     assert code == 2 and "tools file does not exist" in err
     code, _, err = run("generate", "--prompt", "x", "--messages", str(tmp_path / "m.json"))
     assert code == 2 and "exactly one of" in err
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--mix", "1,2,3"], "--mix needs four shares"),
+        (["--target-layer-ids", "1,x"], "--target-layer-ids takes comma-separated integers"),
+        (["--target-layer-ids", "-1,2"], "--target-layer-ids takes integers from 0"),
+    ],
+)
+def test_train_drafter_names_a_bad_flag_before_any_work(tmp_path, flags, message):
+    code, _, err = run("train", "drafter", "--target", str(tmp_path), "--out",
+                       str(tmp_path / "out"), *flags)
+    assert code == 2 and message in err
+    assert not (tmp_path / "out").exists()

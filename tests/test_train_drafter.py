@@ -282,6 +282,47 @@ def test_init_starts_a_new_run_from_a_trained_drafter(run, tiny_model_dir, tmp_p
         train_drafter(tiny_model_dir, other, tiny_config(steps=1, init=str(run), num_layers=2))
 
 
+def test_a_drafter_widened_to_more_target_layers_drafts_as_before(run, tiny_model_dir, tmp_path):
+    """``widen_context``: the new layers' fc columns are zero, so the widened drafter's draft
+    logits from the wider context are the narrow one's; ``--init`` widens a drafter that reads a
+    subset of the run's layers, and refuses one that does not."""
+    narrow = load_drafter(run, dtype=torch.float32)
+    wide = train_mod.widen_context(narrow, (0, 2, 3))
+    assert wide.cfg.target_layer_ids == (0, 2, 3)
+    h = narrow.cfg.hidden_size
+    assert wide.fc.weight.shape == (h, 3 * h)
+    assert torch.equal(wide.fc.weight[:, h : 2 * h], narrow.fc.weight)
+    target, _, _ = load_model(tiny_model_dir)
+    ids = list(range(5, 25))
+    _, captured = target(torch.tensor([ids]), torch.arange(len(ids))[None],
+                         [NoCache()] * target.cfg.num_layers, None, (0, 2, 3))
+    hidden = torch.cat(captured, -1)  # [1, n, 3H]: layers 0, 2 and 3 side by side
+    block = target.embed(torch.tensor([[ids[-1]] + [narrow.cfg.mask_token_id] * 3]))
+    positions = torch.arange(len(ids), len(ids) + 4)[None, None]
+    logits = []
+    for drafter, context in ((narrow, hidden[..., h : 2 * h]), (wide, hidden)):
+        with torch.no_grad():
+            kv = drafter.context_kv(context, torch.arange(len(ids))[None])
+            logits.append(target.logits(drafter(block[:, None], positions, kv)))
+    assert torch.allclose(logits[0], logits[1], atol=1e-5)
+    assert not torch.equal(hidden[..., :h], torch.zeros_like(hidden[..., :h]))  # real inputs
+
+    shutil.copy(run / "responses.json", tmp_path / "responses.json")
+    trained_loss = [e["loss"] for e in read_log(run) if "loss" in e][-1]
+    fresh_loss = [e["loss"] for e in read_log(run) if "loss" in e][0]
+    train_drafter(tiny_model_dir, tmp_path, tiny_config(steps=1, init=str(run), val_every=100,
+                                                        target_layer_ids=(0, 2)))
+    first = [e["loss"] for e in read_log(tmp_path) if "loss" in e]
+    assert abs(first[0] - trained_loss) < abs(first[0] - fresh_loss)
+    assert load_drafter(tmp_path).cfg.target_layer_ids == (0, 2)
+    other = tmp_path / "other"
+    other.mkdir()
+    shutil.copy(run / "responses.json", other / "responses.json")
+    with pytest.raises(UserError, match=f"{run}.*target_layer_ids"):
+        train_drafter(tiny_model_dir, other, tiny_config(steps=1, init=str(run),
+                                                         target_layer_ids=(0, 1)))
+
+
 def test_tool_call_answers_can_be_regenerated_as_served_under_the_tools_grammar(
     tiny_model_dir, tmp_path
 ):

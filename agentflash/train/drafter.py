@@ -26,7 +26,7 @@ import math
 import random
 import time
 from collections import defaultdict
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -566,16 +566,42 @@ def _save_checkpoint(ckpt_dir: Path, step: int, drafter, opt, dcfg: DrafterConfi
 
 def _init_from(source: str, drafter, dcfg: DrafterConfig) -> None:
     """Start from the weights of the drafter in ``source`` (a directory or ``demo``), whose
-    shape must be the one this run trains."""
+    shape must be the one this run trains, except that it may read fewer target layers: a
+    drafter reading a subset of this run's layers is widened (``widen_context``), and drafts as
+    it did until training teaches it the new ones."""
     from agentflash.dflash.checkpoint import load_drafter
     from agentflash.models.loading import drafter_dir
 
     path = drafter_dir(source)
     init = load_drafter(path, dtype=torch.float32)
-    if asdict(init.cfg) != asdict(dcfg):
-        diff = {k: v for k, v in asdict(init.cfg).items() if asdict(dcfg)[k] != v}
+    mine, theirs = asdict(dcfg), asdict(init.cfg)
+    diff = {k: v for k, v in theirs.items() if mine[k] != v}
+    if set(diff) == {"target_layer_ids"} and set(init.cfg.target_layer_ids) < set(
+        dcfg.target_layer_ids
+    ):
+        init = widen_context(init, dcfg.target_layer_ids)
+    elif diff:
         raise UserError(f"{path}: --init drafter differs from the one to train in {diff}")
     drafter.load_state_dict(init.state_dict())
+
+
+def widen_context(drafter: DFlashDrafter, layer_ids: tuple[int, ...]) -> DFlashDrafter:
+    """A copy of ``drafter`` that reads target layers ``layer_ids`` (a superset of its own) and
+    computes exactly what it did: ``fc``'s columns for the new layers are zero, so their hidden
+    states add nothing to the context until training gives them weight."""
+    old = drafter.cfg.target_layer_ids
+    if not set(old) <= set(layer_ids):
+        raise ValueError(f"target layers {list(layer_ids)} do not include {list(old)}")
+    wide = DFlashDrafter(replace(drafter.cfg, target_layer_ids=tuple(layer_ids)))
+    state = drafter.state_dict()
+    hidden = drafter.cfg.hidden_size
+    fc = state["fc.weight"].new_zeros(hidden, hidden * len(layer_ids))
+    for j, layer in enumerate(old):  # the context is the captured layers side by side, in order
+        i = layer_ids.index(layer)
+        fc[:, i * hidden : (i + 1) * hidden] = state["fc.weight"][:, j * hidden : (j + 1) * hidden]
+    state["fc.weight"] = fc
+    wide.load_state_dict(state)
+    return wide.to(drafter.fc.weight.dtype)
 
 
 def _resume(ckpt_dir: Path, drafter, opt, dcfg: DrafterConfig) -> int:
