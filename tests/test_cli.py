@@ -10,6 +10,7 @@ from agentflash.cli import app
 STATS_KEYS = {
     "mode",
     "prompt_tokens",
+    "cached_prompt_tokens",
     "new_tokens",
     "target_forwards",
     "draft_forwards",

@@ -227,3 +227,24 @@ def test_fused_projections_keep_names_and_share_the_weights(tiny_model_dir):
                           batch_invariant=name == "fast")
         out[name] = run.forward([Row(0, 0, ids[0].tolist())]).logits
     torch.testing.assert_close(out["fast"], out["plain"], atol=1e-5, rtol=1e-5)
+
+
+@settings(max_examples=30, deadline=None)
+@given(length=st.integers(2, 100), data=st.data(), seed=st.integers(0, 2**16))
+def test_a_prompt_prefilled_after_a_cached_prefix_is_bitwise_the_prompt_prefilled_whole(
+    model, length, data, seed
+):
+    """What lets the engine's prefix cache skip a prompt's cached beginning without changing a
+    token: on the CPU every row attends exactly, so the cut does not show."""
+    cut = data.draw(st.integers(1, length - 1))
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(10, 4000, (length,), generator=gen).tolist()
+    r = runner(model, batch_single_tokens=False)
+    assert r.batch_invariant
+    whole = r.forward([Row(0, 0, tokens, last_only=True)], capture_layers=CAPTURE)
+    r.forward([Row(1, 0, tokens[:cut])], capture_layers=CAPTURE)
+    rest = r.forward([Row(1, cut, tokens[cut:], last_only=True)], capture_layers=CAPTURE)
+    assert torch.equal(rest.logits[0, 0], whole.logits[0, 0])
+    assert torch.equal(rest.hidden[0], whole.hidden[0, cut:])
+    for a, b in zip(cached(r, 1, length), cached(r, 0, length), strict=True):
+        assert torch.equal(a, b)

@@ -17,6 +17,7 @@ from agentflash.dflash.speculate import accept_choices, draft_logits, lookup_dra
 from agentflash.engine.detokenizer import Detokenizer
 from agentflash.engine.kv_cache import KVCache
 from agentflash.engine.model_runner import ModelRunner, Row
+from agentflash.engine.prefix_cache import PrefixCache, PrefixHit
 from agentflash.engine.request import FinishReason, Request, SamplingParams, Speculation, Status
 from agentflash.engine.sampling import accept, sample
 from agentflash.engine.scheduler import Scheduler, SchedulerConfig
@@ -40,8 +41,13 @@ class EngineConfig:
     kv_budget_mb: float | None = None  # caps the slots to what fits; None: max_running slots
     # CPU: a row's logits bitwise the same whatever shares its step, and a verify block's
     # those of one-token decoding (ModelRunner); costs a lone one-token forward about 10% (its
-    # row is padded to two); exact attention costs about what SDPA does
+    # row is padded to two); exact attention costs about what SDPA does (a prompt's prefill
+    # about 13% more), and a prompt prefilled after a cached prefix has bitwise the keys and
+    # values it has prefilled whole
     batch_invariant: bool = True
+    # prompts' keys and values kept after their prefill (``PrefixCache``), so that a prompt that
+    # begins the same way (an agent's next turn) prefills only what is new; 0: none
+    prefix_cache_mb: float = 64.0
 
     def __post_init__(self) -> None:
         if self.kv_budget_mb is not None and self.kv_budget_mb <= 0:
@@ -50,6 +56,8 @@ class EngineConfig:
             raise ValueError(f"max_running must be at least 1, got {self.max_running}")
         if self.max_len < 2:
             raise ValueError(f"max_len must be at least 2, got {self.max_len}")
+        if self.prefix_cache_mb < 0:
+            raise ValueError(f"prefix_cache_mb must be 0 or more, got {self.prefix_cache_mb}")
 
 
 @dataclass(frozen=True)
@@ -119,6 +127,7 @@ class Engine:
         self.cache = KVCache(model.cfg, slots, max_len, torch.device(config.device), dtype)
         self.runner = ModelRunner(model, self.cache, batch_invariant=config.batch_invariant)
         self.scheduler = Scheduler(SchedulerConfig(slots, max_len), self.cache)
+        self.prefix_cache = PrefixCache(int(config.prefix_cache_mb * 2**20))
         self.eos_ids = end_of_turn_ids(tokenizer)
         self.cost = CostModel()  # what the router has measured of this engine's speed
         if drafter is not None and drafter.validation_tau:
@@ -228,8 +237,9 @@ class Engine:
             if self.drafter is not None and req.params.speculation is not Speculation.OFF:
                 req.stats.mode = req.params.speculation.value
                 req.draft_context = self.drafter.new_context()
+        hits = {r.id: self._reuse_prefix(r) for r in admitted}
         rows = [Row(r.slot, r.num_cached, r.uncached_ids() + drafts[r.id].tokens) for r in decoding]
-        rows += [Row(r.slot, 0, r.uncached_ids(), last_only=True) for r in admitted]
+        rows += [Row(r.slot, r.num_cached, r.uncached_ids(), last_only=True) for r in admitted]
         tracked = any(r.draft_context is not None for r in decoding + admitted)
         out = self.runner.forward(rows, capture_layers=self._capture(tracked))
         self._mask_verify_logits(decoding, drafts, out.logits)
@@ -247,7 +257,7 @@ class Engine:
         ]
         outputs += [
             self._isolated(req, self._first_token, req, len(decoding) + i, rows[len(decoding) + i],
-                           out, top[len(decoding) + i][0])
+                           out, top[len(decoding) + i][0], hits[req.id])
             for i, req in enumerate(admitted)
         ]
         if decoding and not admitted:  # prompts would blur what a decode step costs
@@ -273,12 +283,16 @@ class Engine:
         log.exception("request %d failed; the other requests go on", req.id)
         self.fail(req, f"{type(err).__name__}: {err}")
 
-    def _first_token(self, req: Request, i: int, row: Row, out, top: int) -> StepOutput:
+    def _first_token(
+        self, req: Request, i: int, row: Row, out, top: int, hit: PrefixHit | None
+    ) -> StepOutput:
         """A newly admitted request after its prompt's forward: its first token (``top``: its
-        logits' argmax)."""
-        req.num_cached = len(row.tokens)
+        logits' argmax). ``hit``: the cached beginning of its prompt it started from."""
+        req.num_cached = row.start + len(row.tokens)
+        hidden = out.hidden[i, : len(row.tokens)] if out.hidden is not None else None
         if req.draft_context is not None:
-            req.pending_hidden.append(out.hidden[i, : len(row.tokens)])
+            req.pending_hidden.append(hidden)
+        self._keep_prompt(req, hidden, hit)
         logits = out.logits[i, 0]  # a last_only row's one row of logits
         if req.params.is_greedy and req.constraint is None:
             token = top
@@ -294,6 +308,34 @@ class Engine:
         mode = "dflash" if req.draft_context is not None else "plain"
         self._track(req, req.segments.kind, mode, committed, 0)
         return StepOutput(req, committed)
+
+    def _reuse_prefix(self, req: Request) -> PrefixHit | None:
+        """Start a newly admitted request's cache slot (and drafter context) from the longest
+        cached beginning of its prompt, if any."""
+        hit = self.prefix_cache.lookup(req.prompt_ids, with_hidden=req.draft_context is not None)
+        if hit is None:
+            return None
+        self.cache.write(req.slot, [t[:, : hit.length] for t in hit.entry.kv])
+        req.num_cached = req.stats.cached_prompt_tokens = hit.length
+        if req.draft_context is not None:
+            req.pending_hidden.append(hit.entry.hidden[: hit.length])
+        return hit
+
+    def _keep_prompt(
+        self, req: Request, hidden: torch.Tensor | None, hit: PrefixHit | None
+    ) -> None:
+        """Offer the prefilled prompt's keys and values to the prefix cache, with its hidden
+        states when the forward captured them (``hidden``: those of the tokens it fed)."""
+        cache = self.prefix_cache
+        if cache.budget_bytes <= 0 or len(req.prompt_ids) < cache.min_tokens:
+            return
+        if hidden is not None and hit is not None:
+            cached = hit.entry.hidden
+            hidden = torch.cat((cached[: hit.length], hidden)) if cached is not None else None
+        if cache.covers(req.prompt_ids, with_hidden=hidden is not None):
+            return  # nothing new to copy
+        kv = self.cache.cached(req.slot, len(req.prompt_ids))
+        cache.insert(req.prompt_ids, kv, hidden.clone() if hidden is not None else None)
 
     def _settle(
         self,
@@ -688,6 +730,7 @@ def request_stats(req: Request) -> dict[str, Any]:
     return {
         "mode": s.mode,
         "prompt_tokens": len(req.prompt_ids),
+        "cached_prompt_tokens": s.cached_prompt_tokens,  # reused from the prefix cache
         "new_tokens": new,
         "target_forwards": s.target_forwards,
         "draft_forwards": s.draft_forwards,

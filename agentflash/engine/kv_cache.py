@@ -7,7 +7,13 @@ from __future__ import annotations
 
 import torch
 
-from agentflash.models.qwen3 import EXACT_CHUNK, LayerCache, ModelConfig, PackedRows
+from agentflash.models.qwen3 import (
+    EXACT_CHUNK,
+    LayerCache,
+    ModelConfig,
+    PackedRows,
+    write_value_chunks,
+)
 
 
 class KVCache:
@@ -47,8 +53,22 @@ class KVCache:
         keys = [k[slot, :, :length].clone() for k in self.k]
         if not self.exact:
             return keys + [v[slot, :, :length].clone() for v in self.v]
-        # [chunks, KV, C, D] -> [KV, chunks * C, D]
-        return keys + [v[:, slot].transpose(0, 1).flatten(1, 2)[:, :length] for v in self.v]
+        chunks = -(-length // EXACT_CHUNK)  # [chunks, KV, C, D] -> [KV, chunks * C, D]
+        values = [v[:chunks, slot].transpose(0, 1).flatten(1, 2)[:, :length] for v in self.v]
+        return keys + [v.contiguous() for v in values]
+
+    def write(self, slot: int, kv: list[torch.Tensor]) -> None:
+        """Put ``kv`` (as ``cached`` returns it: every layer's keys, then values [KV, len, D]) at
+        positions ``0 .. len - 1`` of ``slot``."""
+        num_layers = len(self.k)
+        assert len(kv) == 2 * num_layers, "keys and values of every layer"
+        length = kv[0].shape[1]
+        for k_pool, v_pool, keys, values in zip(self.k, self.v, kv[:num_layers], kv[num_layers:]):
+            k_pool[slot, :, :length] = keys
+            if self.exact:
+                write_value_chunks(v_pool, slot, 0, values)
+            else:
+                v_pool[slot, :, :length] = values
 
     @property
     def num_free(self) -> int:

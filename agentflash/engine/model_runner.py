@@ -60,11 +60,13 @@ class ModelRunner:
         dear; on the CPU gathering the slots costs more than the calls it saves.
 
         ``batch_invariant``: on the CPU, make the model's projections batch-invariant
-        (``batch_invariant_``) and attend every row after a cached prefix with
-        ``exact_attention`` (the cache laid out for it; the one-token rows of a forward together,
-        in one batch over their slots, without gathering them): a row's logits are then
-        bitwise those it has alone, and a verify block's those of one-token decoding, so greedy
-        output depends neither on the requests a step is shared with nor on speculation."""
+        (``batch_invariant_``) and attend every row with ``exact_attention`` (the cache laid out
+        for it; the one-token rows of a forward together, in one batch over their slots, without
+        gathering them): a row's logits are then bitwise those it has alone, a verify block's
+        those of one-token decoding, and a prompt's keys and values the same however it is cut
+        (a prompt prefilled after a cached prefix of it: ``PrefixCache``), so greedy output
+        depends neither on the requests a step is shared with, nor on speculation, nor on what
+        the prefix cache held."""
         self.model, self.cache = model, cache
         self._group = model.cfg.num_heads // model.cfg.num_kv_heads  # query heads per key head
         self.device = next(model.parameters()).device
@@ -140,7 +142,7 @@ class ModelRunner:
         for r in packed[num_single:]:
             end = begin + len(r.tokens)
             t = end - begin
-            if self.batch_invariant and r.start > 0:  # decoding and verify rows alike
+            if self.batch_invariant:  # prompts, decoding and verify rows alike
                 bias = self._masks(r.start, t)
                 spans.append(Span(r.slot, r.start, begin, end, None, exact_bias=bias))
             else:

@@ -86,6 +86,7 @@ class RequestStats:
     mode: str = "plain"
     target_forwards: int = 0
     draft_forwards: int = 0
+    cached_prompt_tokens: int = 0  # the prompt's beginning taken from the prefix cache
     lookup_drafts: int = 0  # verifies of a draft looked up in its own text
     started: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None

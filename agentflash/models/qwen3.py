@@ -251,7 +251,8 @@ class Span:
     mask: torch.Tensor | None  # [T, start + T] causal after the prefix; None when not needed
     # attend with ``exact_attention`` under this additive mask [rows, L] (``ExactMasks``): a
     # query's result then does not depend on the block around it (a verify block gives bitwise
-    # the logits of one-token decoding); None: one SDPA call for the row
+    # the logits of one-token decoding, a prompt the same keys and values however it is cut);
+    # None: one SDPA call for the row
     exact_bias: torch.Tensor | None = None
 
 
@@ -321,8 +322,6 @@ class LayerCache:
         k_slot.narrow(1, span.start, t).copy_(k[0])
         if self.exact:
             write_value_chunks(self.v_pool, span.slot, span.start, v[0])
-            if span.start == 0:  # a prompt from the start: plain causal attention
-                return F.scaled_dot_product_attention(q, k, v, is_causal=t > 1, enable_gqa=True)
             return exact_attention(q, k_slot, self.v_pool, span.slot, span.exact_bias)
         v_slot = self.v_pool[span.slot]
         v_slot.narrow(1, span.start, t).copy_(v[0])

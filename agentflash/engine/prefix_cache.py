@@ -1,0 +1,112 @@
+"""Prompts' keys and values kept after their prefill, so that a prompt that begins the same way
+(an agent's next turn: the same system prompt, tools and history, then what is new) prefills
+only what follows the longest cached beginning.
+
+An entry is a copy of one prompt's keys and values in every layer, and, when the step captured
+them, the target hidden states the drafter reads, so that a DFlash request resumes its drafter
+context too. Entries are evicted least recently used first, within a byte budget. On the CPU
+the engine's prefill is batch-invariant (``ModelRunner``): a prompt's keys and values are
+bitwise the same whether it was prefilled whole or after a cached prefix, so a hit changes no
+output, only the time to the first token.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class PrefixEntry:
+    tokens: np.ndarray  # [P] the prompt's token ids
+    kv: list[torch.Tensor]  # every layer's keys, then values [KV, P, D] (``KVCache.cached``)
+    hidden: torch.Tensor | None  # [P, K*H] the drafter's target layers; None when not captured
+
+    @property
+    def num_bytes(self) -> int:
+        tensors = self.kv + ([self.hidden] if self.hidden is not None else [])
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    entry: PrefixEntry
+    length: int  # positions of the entry the prompt reuses
+
+
+class PrefixCache:
+    def __init__(self, budget_bytes: int, min_tokens: int = 32):
+        """``min_tokens``: the shortest prefix worth reusing (shorter ones are prefilled)."""
+        self.budget_bytes, self.min_tokens = budget_bytes, min_tokens
+        self._entries: OrderedDict[int, PrefixEntry] = OrderedDict()  # least recent first
+        self._next_key = 0
+        self.num_bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def lookup(self, prompt: list[int], with_hidden: bool) -> PrefixHit | None:
+        """The entry sharing the longest beginning with ``prompt`` (at most all but its last
+        token: the prompt's forward needs one token to give logits), if at least ``min_tokens``
+        long; ``with_hidden``: only entries that carry hidden states."""
+        tokens = np.asarray(prompt, dtype=np.int64)
+        best_key, best = None, 0
+        for key, entry in self._entries.items():
+            if with_hidden and entry.hidden is None:
+                continue
+            n = _common_length(entry.tokens, tokens[:-1])
+            if n > best:
+                best_key, best = key, n
+        if best_key is None or best < self.min_tokens:
+            return None
+        self._entries.move_to_end(best_key)
+        return PrefixHit(self._entries[best_key], best)
+
+    def covers(self, prompt: list[int], with_hidden: bool) -> bool:
+        """Whether an entry holds all of ``prompt`` (with hidden states if ``with_hidden``);
+        it becomes the most recent."""
+        tokens = np.asarray(prompt, dtype=np.int64)
+        for key, entry in self._entries.items():
+            if len(entry.tokens) >= len(tokens) and (entry.hidden is not None or not with_hidden):
+                if _common_length(entry.tokens, tokens) == len(tokens):
+                    self._entries.move_to_end(key)
+                    return True
+        return False
+
+    def insert(self, prompt: list[int], kv: list[torch.Tensor], hidden: torch.Tensor | None):
+        """Keep ``prompt``'s keys and values (and hidden states), unless an entry covers them;
+        entries that are a beginning of it, with no more than it carries, are dropped."""
+        if len(prompt) < self.min_tokens or self.budget_bytes <= 0:
+            return
+        if self.covers(prompt, with_hidden=hidden is not None):
+            return
+        tokens = np.asarray(prompt, dtype=np.int64)
+        for key, entry in list(self._entries.items()):
+            n = _common_length(entry.tokens, tokens)
+            if n == len(entry.tokens) and (entry.hidden is None or hidden is not None):
+                self._drop(key)  # the new entry covers it
+        entry = PrefixEntry(tokens, kv, hidden)
+        if entry.num_bytes > self.budget_bytes:
+            return
+        while self.num_bytes + entry.num_bytes > self.budget_bytes:
+            self._drop(next(iter(self._entries)))
+        self._entries[self._next_key] = entry
+        self._next_key += 1
+        self.num_bytes += entry.num_bytes
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self.num_bytes = 0
+
+    def _drop(self, key: int) -> None:
+        self.num_bytes -= self._entries.pop(key).num_bytes
+
+
+def _common_length(a: np.ndarray, b: np.ndarray) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if len(differ) else n

@@ -1,0 +1,138 @@
+"""The prefix cache: a prompt that begins like a cached one prefills only the rest, and gets
+exactly the tokens it gets without the cache."""
+
+import pytest
+import torch
+from conftest import tiny_dflash_engine
+
+from agentflash.engine.prefix_cache import PrefixCache
+from agentflash.engine.request import SamplingParams
+
+KV_LAYERS = 2
+
+
+def kv(length: int, value: float = 1.0) -> list[torch.Tensor]:
+    return [torch.full((2, length, 4), value) for _ in range(2 * KV_LAYERS)]
+
+
+def entry_bytes(length: int, hidden: bool = False) -> int:
+    return 4 * (2 * KV_LAYERS * 2 * length * 4 + (length * 8 if hidden else 0))
+
+
+def test_lookup_takes_the_longest_shared_beginning_but_never_the_last_token():
+    cache = PrefixCache(budget_bytes=10**6, min_tokens=4)
+    cache.insert(list(range(10)), kv(10), None)
+    cache.insert([0, 1, 2, 3, 4, 5, 99, 98], kv(8), None)
+    hit = cache.lookup(list(range(20)), with_hidden=False)
+    assert hit.length == 10 and list(hit.entry.tokens) == list(range(10))
+    assert cache.lookup([0, 1, 2, 3, 4, 5, 99, 7, 7], with_hidden=False).length == 7
+    assert cache.lookup(list(range(10)), with_hidden=False).length == 9  # one left to feed
+    assert cache.lookup([0, 1, 2, 7, 7, 7], with_hidden=False) is None  # under min_tokens
+    assert cache.lookup([5, 1, 2, 3, 4, 5], with_hidden=False) is None
+
+
+def test_lookup_for_a_drafting_request_needs_hidden_states():
+    cache = PrefixCache(budget_bytes=10**6, min_tokens=2)
+    cache.insert([1, 2, 3, 4], kv(4), None)
+    assert cache.lookup([1, 2, 3, 4, 5], with_hidden=True) is None
+    cache.insert([1, 2, 3], kv(3), torch.zeros(3, 8))  # kept: it carries what the other lacks
+    hit = cache.lookup([1, 2, 3, 4, 5], with_hidden=True)
+    assert hit.length == 3 and hit.entry.hidden is not None
+    assert cache.lookup([1, 2, 3, 4, 5], with_hidden=False).length == 4
+
+
+def test_covered_entries_go_and_the_least_recent_is_evicted_within_the_budget():
+    cache = PrefixCache(budget_bytes=2 * entry_bytes(10) + 1, min_tokens=2)
+    cache.insert([1, 2, 3, 4], kv(4), None)
+    cache.insert(list(range(1, 11)), kv(10), None)  # covers [1, 2, 3, 4]
+    assert len(cache) == 1 and cache.num_bytes == entry_bytes(10)
+    cache.insert([1, 2, 3], kv(3), None)  # covered by what is there
+    assert len(cache) == 1
+    cache.insert(list(range(20, 30)), kv(10), None)
+    cache.lookup(list(range(1, 12)), with_hidden=False)  # the first is now the most recent
+    cache.insert(list(range(40, 50)), kv(10), None)
+    assert len(cache) == 2 and cache.num_bytes <= cache.budget_bytes
+    assert cache.lookup(list(range(20, 31)), with_hidden=False) is None  # evicted
+    assert cache.lookup(list(range(1, 12)), with_hidden=False).length == 10
+    cache.insert(list(range(100, 200)), kv(100), None)  # larger than the budget: not kept
+    assert len(cache) == 2
+    cache.clear()
+    assert len(cache) == 0 and cache.num_bytes == 0
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    return tiny_dflash_engine(tiny_model_dir)
+
+
+def two_turns(engine):
+    first = engine.chat_prompt([{"role": "system", "content": "You are an agent. " * 8},
+                                {"role": "user", "content": "Book a table for two."}])
+    second = first + engine.tokenizer("<tool_call>\n{}\n</tool_call><|im_end|>\n<|im_start|>"
+                                      "user\nIt is booked. Anything else?<|im_end|>\n"
+                                      "<|im_start|>assistant\n")["input_ids"]
+    return first, second
+
+
+@pytest.mark.parametrize("speculation", ["off", "dflash", "auto"])
+def test_the_next_turn_prefills_only_what_is_new_and_writes_the_same_tokens(engine, speculation):
+    first, second = two_turns(engine)
+    block = 8 if speculation == "dflash" else None  # not the router's: it learns as it runs
+    params = SamplingParams(max_tokens=24, ignore_eos=True, speculation=speculation,
+                            block_size=block)
+    engine.prefix_cache.clear()
+    engine.generate(first, params)
+    warm = engine.generate(second, params)
+    engine.prefix_cache.clear()
+    cold = engine.generate(second, params)
+    assert warm.stats["cached_prompt_tokens"] == len(first)
+    assert cold.stats["cached_prompt_tokens"] == 0
+    assert warm.token_ids == cold.token_ids
+    if speculation == "dflash":  # the drafter's context resumed from the cached hidden states
+        assert warm.stats["tau"] == cold.stats["tau"]
+        assert warm.stats["draft_forwards"] == cold.stats["draft_forwards"]
+
+
+def test_a_drafting_request_skips_entries_without_hidden_states(engine):
+    first, second = two_turns(engine)
+    engine.prefix_cache.clear()
+    engine.generate(first, SamplingParams(max_tokens=4, speculation="off"))  # nothing captured
+    params = SamplingParams(max_tokens=16, ignore_eos=True, speculation="dflash", block_size=8)
+    missed = engine.generate(second, params)
+    assert missed.stats["cached_prompt_tokens"] == 0
+    hit = engine.generate(second, params)  # the first dflash request left its hidden states
+    assert hit.stats["cached_prompt_tokens"] == len(second) - 1
+    assert hit.token_ids == missed.token_ids and hit.stats["tau"] == missed.stats["tau"]
+
+
+def test_requests_sharing_a_system_prompt_in_one_batch_match_their_runs_alone(engine):
+    system = {"role": "system", "content": "Answer briefly and call tools when needed. " * 6}
+    prompts = [engine.chat_prompt([system, {"role": "user", "content": f"Question {i}?"}])
+               for i in range(7)]
+    params = SamplingParams(max_tokens=12, ignore_eos=True, speculation="auto")
+    alone = []
+    for ids in prompts:
+        engine.prefix_cache.clear()
+        alone.append(engine.generate(ids, params).token_ids)
+    engine.prefix_cache.clear()
+    reqs = [engine.submit(ids, params) for ids in prompts]  # 4 run at once, 3 queue
+    while not all(r.is_finished for r in reqs):
+        engine.step()
+    assert [r.output_ids for r in reqs] == alone
+    assert any(r.stats.cached_prompt_tokens > 0 for r in reqs)
+    assert engine.scheduler.cache.num_free == engine.scheduler.cfg.max_running
+    assert engine.prefix_cache.num_bytes <= engine.prefix_cache.budget_bytes
+
+
+def test_a_zero_budget_keeps_nothing(tiny_model_dir):
+    from agentflash.engine.engine import Engine, EngineConfig
+    from agentflash.models.loading import load_model, load_tokenizer
+
+    model, _, _ = load_model(tiny_model_dir)
+    engine = Engine(model, load_tokenizer(tiny_model_dir), EngineConfig(prefix_cache_mb=0))
+    first, second = two_turns(engine)
+    engine.generate(first, SamplingParams(max_tokens=4))
+    assert engine.generate(second, SamplingParams(max_tokens=4)).stats["cached_prompt_tokens"] == 0
+    assert len(engine.prefix_cache) == 0
+    with pytest.raises(ValueError, match="prefix_cache_mb"):
+        EngineConfig(prefix_cache_mb=-1)
