@@ -259,10 +259,12 @@ def test_chunk_reader_closes_calls_as_their_arguments_complete():
     assert [e.index for e in bad] == [1]  # call 1 ended when call 2 began, unfinished
     assert "not valid JSON" in bad[0].call.error
     reader.read({"choices": [{"delta": {}, "finish_reason": "length"}],
-                 "usage": {"prompt_tokens": 5, "completion_tokens": 9}})
+                 "usage": {"prompt_tokens": 5, "completion_tokens": 9,
+                           "prompt_tokens_details": {"cached_tokens": 4}}})
     (last,) = reader.close()
     assert last.index == 2 and last.call.id == "c"
     stats = reader.stats(1.0)
     assert reader.finish_reason == "length" and stats["new_tokens"] == 9
+    assert stats["prompt_tokens"] == 5 and stats["cached_prompt_tokens"] == 4
     assert stats["mode"] == "remote"
 

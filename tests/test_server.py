@@ -89,6 +89,18 @@ def test_plain_chat_equals_the_in_process_engine(client, reference):
     assert {"mode", "tau", "draft_forwards", "segments"} <= set(stats)
 
 
+def test_a_repeated_prompt_reports_its_cached_tokens_and_the_same_reply(client):
+    ask = user("Please explain, in a few words, what a tool call is, why agents use them and "
+               "what goes wrong when the arguments of a call do not parse.")
+    first = client.chat.completions.create(model="demo", messages=ask, max_tokens=12,
+                                           temperature=0)
+    again = client.chat.completions.create(model="demo", messages=ask, max_tokens=12,
+                                           temperature=0)
+    assert again.usage.prompt_tokens == first.usage.prompt_tokens >= 32
+    assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens - 1
+    assert again.choices[0].message.content == first.choices[0].message.content
+
+
 def test_models_and_health(client, url):
     assert [m.id for m in client.models.list().data] == ["demo"]
     health = httpx.get(url.removesuffix("/v1") + "/health").json()

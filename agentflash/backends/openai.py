@@ -322,7 +322,9 @@ class _ChunkReader:
         stats = {"mode": "remote", "target_forwards": 0, "draft_forwards": 0, "tau": 0.0,
                  "wall_s": round(wall_s, 4), "segments": []}
         new = int(self.usage.get("completion_tokens", 0) or 0)
+        details = self.usage.get("prompt_tokens_details") or {}
         stats.update(prompt_tokens=int(self.usage.get("prompt_tokens", 0) or 0), new_tokens=new,
+                     cached_prompt_tokens=int(details.get("cached_tokens", 0) or 0),
                      tokens_per_s=round(new / wall_s, 2) if wall_s > 0 else 0.0)
         stats.update(self.engine_stats)
         return stats

@@ -298,11 +298,13 @@ def engine_failure(result: GenerationResult) -> APIError | None:
                     type="server_error", code="engine_error")
 
 
-def usage(result: GenerationResult) -> dict[str, int]:
+def usage(result: GenerationResult) -> dict[str, Any]:
     prompt = int(result.stats.get("prompt_tokens", 0))
     completion = len(result.token_ids)
+    cached = int(result.stats.get("cached_prompt_tokens", 0))  # from the engine's prefix cache
     return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def speculation_stats(result: GenerationResult) -> dict[str, Any]:
