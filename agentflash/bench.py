@@ -21,7 +21,7 @@ from agentflash.engine.request import SamplingParams
 from agentflash.errors import UserError
 from agentflash.train import corpus
 
-SUITES = ("tool_call", "code", "math", "prose")  # "json" and "mixed" are extra suites
+SUITES = ("tool_call", "code", "math", "prose")  # "json", "mixed" and "agent" are extra suites
 HELD_OUT_SEED = 1_000_003  # the training corpus uses seed 0
 
 
@@ -32,6 +32,9 @@ class Prompt:
     tools: list[dict[str, Any]]
     expected: list[dict[str, Any]] | None = None  # the corpus' tool calls, for tool_call prompts
     schema: dict[str, Any] | None = None  # the answer's JSON schema, for json prompts
+    # tool_call prompts: the conversation up to its second assistant turn (the calls and the
+    # tools' results added), what an agent sends next
+    next_turn: list[dict[str, Any]] | None = None
 
 
 def held_out_prompts(kind: str, num: int, seed: int = HELD_OUT_SEED) -> list[Prompt]:
@@ -49,6 +52,9 @@ def held_out_prompts(kind: str, num: int, seed: int = HELD_OUT_SEED) -> list[Pro
     if kind == "mixed":
         per_kind = [held_out_prompts(k, num, seed) for k in SUITES]
         return [p for group in zip(*per_kind) for p in group][:num]
+    if kind == "agent":  # two turns of tool use: the calls, then the answer to their results
+        calls = held_out_prompts("tool_call", 4 * num, seed)
+        return [p for p in calls if p.next_turn][:num]
     if kind not in corpus.KINDS:
         raise UserError(f"unknown suite {kind!r} (known: {', '.join(SUITES)})")
     rng = random.Random(seed + SUITES.index(kind))
@@ -60,24 +66,38 @@ def held_out_prompts(kind: str, num: int, seed: int = HELD_OUT_SEED) -> list[Pro
         calls = msgs[first].get("tool_calls")
         if kind == "tool_call" and not calls:
             continue  # keep the suite about writing calls
-        prompts.append(Prompt(kind, msgs[:first], convo["tools"], calls))
+        later = [i for i, m in enumerate(msgs) if m["role"] == "assistant" and i > first]
+        second = later[0] if later else None
+        next_turn = msgs[:second] if calls and second is not None else None
+        prompts.append(Prompt(kind, msgs[:first], convo["tools"], calls, next_turn=next_turn))
     return prompts
 
 
 def _time_engine(
-    engine: Engine, ids: list[int], max_tokens: int, speculation: str = "off", grammar=None
-) -> tuple[list[int], float, int, float, float, list[dict[str, Any]]]:
+    engine: Engine,
+    ids: list[int],
+    max_tokens: int,
+    speculation: str = "off",
+    grammar=None,
+    keep_prefix_cache: bool = False,
+) -> tuple[list[int], float, int, float, float, list[dict[str, Any]], int]:
     """Output, wall seconds, target forwards, seconds after the first token (decoding), seconds
-    of grammar work and the output's segments."""
+    of grammar work, the output's segments and the prompt tokens taken from the prefix cache.
+
+    The prefix cache is emptied first unless ``keep_prefix_cache``: the modes run the same
+    prompts, and one must not start where another left off."""
     params = SamplingParams(max_tokens=max_tokens, speculation=speculation, grammar=grammar)
     if grammar is not None:
         engine.compile(grammar)  # compiled once and cached, as for a running agent's tools
+    if not keep_prefix_cache:
+        engine.prefix_cache.clear()
     t0 = time.perf_counter()
     result = engine.generate(ids, params)
     wall = time.perf_counter() - t0
     decoding = wall - result.stats["ttft_s"]
     return (result.token_ids, wall, result.stats["target_forwards"], decoding,
-            result.stats["grammar_s"], result.stats["segments"])
+            result.stats["grammar_s"], result.stats["segments"],
+            result.stats["cached_prompt_tokens"])
 
 
 def _time_hf(
@@ -115,6 +135,9 @@ def run(
     for suite in suites:
         items = held_out_prompts(suite, num_prompts)
         prompts = [engine.chat_prompt(p.messages, p.tools) for p in items]
+        if suite == "agent":
+            rows += _agent_rows(engine, items, prompts, max_tokens)
+            continue
         if suite != "json":
             rows += _engine_rows(engine, suite, prompts, max_tokens, [None] * len(prompts), "")
             peers = {"transformers": {}, "prompt_lookup": {"prompt_lookup_num_tokens": 10}}
@@ -206,23 +229,58 @@ def _engine_rows(
             by_mode[speculation].append(_time_engine(engine, ids, max_tokens, speculation, g))
     rows = []
     for speculation in modes:
-        runs = by_mode[speculation]
-        outs = [r[0] for r in runs]
-        ref = rows[0]["outputs"] if rows else outs
         name = {"off": "plain", "dflash": "dflash", "auto": "auto"}[speculation] + suffix
-        row = _row(suite, name, outs, ref, [r[1] for r in runs], [r[2] for r in runs])
-        # after the first token: the decoding speed, without the prompt's prefill
-        after_first = sum(len(o) - 1 for o in outs)
-        row["decode_tokens_per_s"] = round(after_first / max(sum(r[3] for r in runs), 1e-9), 2)
-        if suffix:  # constrained rows: the share of their time the grammar took
-            row["grammar_share"] = round(sum(r[4] for r in runs) / sum(r[1] for r in runs), 4)
-        bodies = [seg for r in runs for seg in r[5] if seg["kind"] == "tool_call"]
-        body_tokens = sum(seg["tokens"] for seg in bodies)
-        body_forwards = sum(seg["target_forwards"] for seg in bodies)
-        if body_forwards:  # tau inside <tool_call> bodies alone
-            row["tool_call_body_tau"] = round(body_tokens / body_forwards, 3)
-        rows.append(row)
+        rows.append(_mode_row(suite, name, by_mode[speculation], rows, grammar=bool(suffix)))
     return rows
+
+
+def _agent_rows(
+    engine: Engine, items: list[Prompt], prompts: list[list[int]], max_tokens: int
+) -> list[dict[str, Any]]:
+    """Two turns of tool use per conversation, both timed: the calls, then (the conversation
+    with the calls and the tools' results) the answer. With the prefix cache, the second turn
+    prefills only what the first did not; the rows ``..., no prefix cache`` empty it between
+    the turns. The modes take turns conversation by conversation."""
+    modes = [("plain", "off", True), ("dflash", "dflash", True), ("auto", "auto", True),
+             ("plain, no prefix cache", "off", False), ("dflash, no prefix cache", "dflash", False)]
+    if engine.drafter is None:
+        modes = [m for m in modes if m[1] == "off"]
+    turns = [(ids, engine.chat_prompt(p.next_turn, p.tools)) for p, ids in zip(items, prompts)]
+    for _, speculation, _ in modes:
+        _time_engine(engine, turns[0][0], 8, speculation)  # warm-up
+    by_mode: dict[str, list] = {name: [] for name, _, _ in modes}
+    for first, second in turns:
+        for name, speculation, keep in modes:
+            by_mode[name].append(_time_engine(engine, first, max_tokens, speculation))
+            by_mode[name].append(
+                _time_engine(engine, second, max_tokens, speculation, keep_prefix_cache=keep)
+            )
+    rows: list[dict[str, Any]] = []
+    for name, _, _ in modes:
+        rows.append(_mode_row("agent", name, by_mode[name], rows))
+    return rows
+
+
+def _mode_row(
+    suite: str, name: str, runs: list[tuple], rows: list[dict[str, Any]], grammar: bool = False
+) -> dict[str, Any]:
+    """An engine row from its runs (``_time_engine``); identity against ``rows[0]``, if any."""
+    outs = [r[0] for r in runs]
+    ref = rows[0]["outputs"] if rows else outs
+    row = _row(suite, name, outs, ref, [r[1] for r in runs], [r[2] for r in runs])
+    # after the first token: the decoding speed, without the prompt's prefill
+    after_first = sum(len(o) - 1 for o in outs)
+    row["decode_tokens_per_s"] = round(after_first / max(sum(r[3] for r in runs), 1e-9), 2)
+    row["ttft_ms"] = round(1000 * sum(r[1] - r[3] for r in runs) / len(runs), 2)  # mean
+    row["cached_prompt_tokens"] = sum(r[6] for r in runs)
+    if grammar:  # constrained rows: the share of their time the grammar took
+        row["grammar_share"] = round(sum(r[4] for r in runs) / sum(r[1] for r in runs), 4)
+    bodies = [seg for r in runs for seg in r[5] if seg["kind"] == "tool_call"]
+    body_tokens = sum(seg["tokens"] for seg in bodies)
+    body_forwards = sum(seg["target_forwards"] for seg in bodies)
+    if body_forwards:  # tau inside <tool_call> bodies alone
+        row["tool_call_body_tau"] = round(body_tokens / body_forwards, 3)
+    return row
 
 
 def _row(
@@ -259,7 +317,7 @@ def print_table(report: dict[str, Any]) -> None:
         f"{report['config']['num_prompts']} prompts/suite, greedy)"
     )
     cols = ("suite", "mode", "tokens", "tokens/s", "x plain", "decode tok/s", "x plain",
-            "tau", "body tau", "grammar %", "identical")
+            "ttft ms", "tau", "body tau", "grammar %", "identical")
     for col in cols:
         table.add_column(col, justify="right" if col not in ("suite", "mode") else "left")
     for r in report["rows"]:
@@ -272,6 +330,7 @@ def print_table(report: dict[str, Any]) -> None:
             f"{r['ratio_to_plain']:.2f}",
             f"{r['decode_tokens_per_s']:.1f}" if decoding else "-",
             f"{r['decode_ratio_to_plain']:.2f}" if decoding else "-",
+            f"{r['ttft_ms']:.1f}" if decoding else "-",
             "-" if r["tau"] is None else f"{r['tau']:.2f}",
             f"{r['tool_call_body_tau']:.2f}" if "tool_call_body_tau" in r else "-",
             f"{100 * r['grammar_share']:.1f}" if "grammar_share" in r else "-",
@@ -327,6 +386,7 @@ def _run_at(
     submitted as one finishes); returns outputs, wall time, latencies and target forwards."""
     queue = list(prompts)
     reqs, live = [], []
+    engine.prefix_cache.clear()  # the modes and rounds run the same prompts
     t0 = time.perf_counter()
     while queue or live:
         while queue and len(live) < level:

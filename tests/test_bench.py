@@ -82,3 +82,15 @@ def test_concurrency_rows_match_outputs_run_alone(tiny_model_dir, tmp_path):
     assert all(r["new_tokens"] > 5 and r["rounds"] == 2 for r in report["rows"])
     assert all(r["identical_to_alone"] for r in report["rows"])
     assert all(r["latency_p95_s"] >= r["latency_median_s"] > 0 for r in report["rows"])
+
+
+def test_agent_rows_reuse_the_first_turn_and_match_without_the_cache(tiny_model_dir):
+    prompts = bench.held_out_prompts("agent", 2)
+    assert all(p.next_turn[: len(p.messages)] == p.messages for p in prompts)
+    assert all(p.next_turn[-1]["role"] == "tool" for p in prompts)
+    report = bench.run(str(tiny_model_dir), ["agent"], num_prompts=1, max_tokens=6)
+    rows = {r["mode"]: r for r in report["rows"]}
+    assert list(rows) == ["plain", "plain, no prefix cache"]  # no drafter for the tiny model
+    assert rows["plain"]["cached_prompt_tokens"] > 0  # the second turn's first prompt
+    assert rows["plain, no prefix cache"]["cached_prompt_tokens"] == 0
+    assert all(r["identical_to_plain"] and r["ttft_ms"] > 0 for r in rows.values())
