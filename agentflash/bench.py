@@ -380,24 +380,33 @@ MODES = {"plain": "off", "dflash": "dflash", "auto": "auto"}
 
 
 def _run_at(
-    engine: Engine, prompts: list[list[int]], level: int, max_tokens: int, speculation: str
+    engine: Engine, convos: list[list[list[int]]], level: int, max_tokens: int, speculation: str
 ) -> tuple[list[list[int]], float, list[float], int]:
-    """Every prompt through the engine, ``level`` requests in flight at a time (a new one is
-    submitted as one finishes); returns outputs, wall time, latencies and target forwards."""
-    queue = list(prompts)
-    reqs, live = [], []
+    """Every conversation's turns (prompts) through the engine, ``level`` conversations in
+    flight at a time: a turn is submitted as the one before it finishes, a new conversation as
+    one ends. Returns outputs (turn by turn, conversation by conversation), wall time, latencies
+    and target forwards."""
+    queue = list(enumerate(convos))
+    reqs: dict[tuple[int, int], Any] = {}
+    live: list[tuple[int, int]] = []  # (conversation, turn) in flight
     engine.prefix_cache.clear()  # the modes and rounds run the same prompts
+    params = SamplingParams(max_tokens=max_tokens, speculation=speculation)
     t0 = time.perf_counter()
     while queue or live:
         while queue and len(live) < level:
-            params = SamplingParams(max_tokens=max_tokens, speculation=speculation)
-            live.append(engine.submit(queue.pop(0), params))
-            reqs.append(live[-1])
+            c, turns = queue.pop(0)
+            reqs[c, 0] = engine.submit(turns[0], params)
+            live.append((c, 0))
         engine.step()
-        live = [r for r in live if not r.is_finished]
+        for c, t in [key for key in live if reqs[key].is_finished]:
+            live.remove((c, t))
+            if t + 1 < len(convos[c]):  # the agent's next turn
+                reqs[c, t + 1] = engine.submit(convos[c][t + 1], params)
+                live.append((c, t + 1))
     wall = time.perf_counter() - t0
-    latencies = [r.stats.finished_at - r.stats.started for r in reqs]
-    return [r.output_ids for r in reqs], wall, latencies, sum(r.stats.target_forwards for r in reqs)
+    done = [reqs[key] for key in sorted(reqs)]
+    latencies = [r.stats.finished_at - r.stats.started for r in done]
+    return [r.output_ids for r in done], wall, latencies, sum(r.stats.target_forwards for r in done)
 
 
 def run_concurrency(
@@ -414,8 +423,10 @@ def run_concurrency(
     Every level decodes the same ``num_prompts`` prompts (default: the highest level) with
     ``level`` requests in flight at a time. The modes take turns ``rounds`` times and each row is
     its median round by tokens/s, so that a slow spell of the machine lands on every mode. Suite
-    ``mixed`` interleaves prompts of every kind. Outputs are checked against each prompt run
-    alone with plain greedy decoding.
+    ``mixed`` interleaves prompts of every kind; in suite ``agent`` a prompt is a conversation
+    of two turns, the second submitted when the first ends (its prompt begins with the first's:
+    the prefix cache holds it). Outputs are checked against each prompt run alone with plain
+    greedy decoding.
     """
     from agentflash.engine.engine import EngineConfig
 
@@ -427,19 +438,21 @@ def run_concurrency(
         raise UserError("the concurrency benchmark compares dflash rows: load a drafter")
     rows = []
     for suite in suites:
-        prompts = [
-            engine.chat_prompt(p.messages, p.tools) for p in held_out_prompts(suite, num_prompts)
+        convos = [
+            [engine.chat_prompt(m, p.tools) for m in _turns(p, suite)]
+            for p in held_out_prompts(suite, num_prompts)
         ]
-        alone = [
-            engine.generate(ids, SamplingParams(max_tokens=max_tokens, speculation="off")).token_ids
-            for ids in prompts
-        ]
+        alone = []
+        for ids in [turn for turns in convos for turn in turns]:
+            engine.prefix_cache.clear()
+            params = SamplingParams(max_tokens=max_tokens, speculation="off")
+            alone.append(engine.generate(ids, params).token_ids)
         for level in levels:
             measured: dict[str, list[dict[str, Any]]] = {mode: [] for mode in MODES}
             for _ in range(rounds):
                 for mode, speculation in MODES.items():
-                    _run_at(engine, prompts[:1], 1, 8, speculation)  # warm the allocator
-                    runs = _run_at(engine, prompts, level, max_tokens, speculation)
+                    _run_at(engine, convos[:1], 1, 8, speculation)  # warm the allocator
+                    runs = _run_at(engine, convos, level, max_tokens, speculation)
                     measured[mode].append(_concurrency_row(suite, level, mode, alone, *runs))
             for tries in measured.values():
                 tries.sort(key=lambda r: r["tokens_per_s"])
@@ -464,6 +477,11 @@ def run_concurrency(
         },
         "rows": rows,
     }
+
+
+def _turns(prompt: Prompt, suite: str) -> list[list[dict[str, Any]]]:
+    """The messages of each turn a conversation of ``suite`` sends."""
+    return [prompt.messages, prompt.next_turn] if suite == "agent" else [prompt.messages]
 
 
 def _concurrency_row(

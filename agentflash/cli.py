@@ -104,14 +104,14 @@ def _load_engine(model: str, drafter: str = "auto"):
 def bench(
     model: ModelOpt = "demo",
     suites: Annotated[str, typer.Option(
-        help="comma-separated: tool_call,code,math,prose,json,mixed"),
+        help="comma-separated: tool_call,code,math,prose,json,mixed,agent"),
     ] = "tool_call,code,math,prose",
     num_prompts: Annotated[int, typer.Option("--num-prompts", help="prompts per suite")] = 4,
     max_tokens: Annotated[int, typer.Option("--max-tokens")] = 128,
     drafter: Annotated[str, typer.Option(help="auto | demo | none | a drafter directory")] = "auto",
     concurrency: Annotated[str | None, typer.Option(
         help="e.g. 1,4,8,32: plain, dflash and router rows with that many requests at once "
-             "(suites may include 'mixed')")] = None,
+             "(suites may include 'mixed' and 'agent')")] = None,
     rounds: Annotated[int, typer.Option(
         help="with --concurrency: turns each mode takes; the median is shown")] = 3,
     as_json: Annotated[bool, typer.Option("--json")] = False,

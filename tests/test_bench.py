@@ -82,6 +82,15 @@ def test_concurrency_rows_match_outputs_run_alone(tiny_model_dir, tmp_path):
     assert all(r["new_tokens"] > 5 and r["rounds"] == 2 for r in report["rows"])
     assert all(r["identical_to_alone"] for r in report["rows"])
     assert all(r["latency_p95_s"] >= r["latency_median_s"] > 0 for r in report["rows"])
+    # agents: a conversation's second turn follows its first, on the same engine
+    report = bench.run_concurrency(
+        str(tiny_model_dir), ["agent"], [2], max_tokens=4, drafter=str(tmp_path / "drafter"),
+        num_prompts=3, rounds=1,
+    )
+    # six outputs (checked one by one, strictly, against the six turns run alone)
+    assert all(r["identical_to_alone"] for r in report["rows"])
+    assert all(6 <= r["new_tokens"] <= 6 * 4 for r in report["rows"])
+
 
 
 def test_agent_rows_reuse_the_first_turn_and_match_without_the_cache(tiny_model_dir):
