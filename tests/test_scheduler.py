@@ -96,3 +96,17 @@ def test_waiting_requests_are_prefilled_together_within_the_token_budget(engine)
     alone = [engine.generate(p, SamplingParams(max_tokens=3, ignore_eos=True)).token_ids
              for p in prompts]
     assert [r.output_ids for r in reqs] == alone
+
+
+def test_new_requests_take_the_lowest_free_slots(engine):
+    """Running requests stay packed in the first slots, whatever order the last ones ended in:
+    the one-token rows of a step attend in one batch over slots 0 .. the highest."""
+    cache = engine.cache
+    held = [cache.allocate() for _ in range(cache.num_slots)]
+    assert held == list(range(cache.num_slots))
+    for slot in (3, 1, 2, 0):
+        cache.release(slot)
+    assert [cache.allocate() for _ in range(2)] == [0, 1]
+    for slot in set(held) - {2, 3}:
+        cache.release(slot)
+    assert cache.num_free == cache.num_slots

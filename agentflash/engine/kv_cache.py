@@ -5,6 +5,8 @@ Cropping a request's cache (after a rejected draft) is setting its length; nothi
 
 from __future__ import annotations
 
+import heapq
+
 import torch
 
 from agentflash.models.qwen3 import (
@@ -32,7 +34,7 @@ class KVCache:
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
         self.num_slots, self.max_len = num_slots, max_len
         self.exact = False  # laid out for exact attention
-        self._free = list(range(num_slots - 1, -1, -1))
+        self._free = list(range(num_slots))  # a heap: the lowest free slot is taken first
 
     def lay_out_for_exact_attention_(self) -> None:
         """Store the keys transposed ([slots, KV, D, capacity] in memory under the same
@@ -75,12 +77,16 @@ class KVCache:
         return len(self._free)
 
     def allocate(self) -> int:
+        """The lowest free slot: the running requests stay in the first slots, which the
+        one-token rows of a step attend in one batch (``ModelRunner``: slots ``0 .. highest``;
+        scattered over a wide cache they fell back to a call per row: 8 prose streams after a
+        32-stream burst went from about 1,200 to 900 tok/s)."""
         assert self._free, "allocate() called with no free slot"
-        return self._free.pop()
+        return heapq.heappop(self._free)
 
     def release(self, slot: int) -> None:
         assert slot not in self._free, f"slot {slot} released twice"
-        self._free.append(slot)
+        heapq.heappush(self._free, slot)
 
     def layer_views(self, rows: PackedRows) -> list[LayerCache]:
         """Every layer's view of the slots that one packed forward reads and writes."""
