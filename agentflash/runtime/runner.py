@@ -76,6 +76,8 @@ class RunResult:
             "turns": len(gens),
             "modes": sorted({s.get("mode", "?") for s in gens}),
             "prompt_tokens": sum(s.get("prompt_tokens", 0) for s in gens),
+            # of which the engine's prefix cache supplied (a turn re-sends the turns before it)
+            "cached_prompt_tokens": sum(s.get("cached_prompt_tokens", 0) for s in gens),
             "new_tokens": new,
             "target_forwards": forwards,
             "draft_forwards": sum(s.get("draft_forwards", 0) for s in gens),

@@ -185,6 +185,7 @@ def generation_attributes(stats: dict[str, Any], finish_reason: str) -> dict[str
               for key in SEGMENT_COUNTS if any(key in seg for seg in segments)}
     return {**totals,
         "gen_ai.usage.input_tokens": stats.get("prompt_tokens"),
+        "agentflash.cached_input_tokens": stats.get("cached_prompt_tokens"),
         "gen_ai.usage.output_tokens": stats.get("new_tokens"),
         "gen_ai.response.finish_reasons": [finish_reason],
         "agentflash.finish_reason": finish_reason,
