@@ -136,3 +136,22 @@ def test_a_zero_budget_keeps_nothing(tiny_model_dir):
     assert len(engine.prefix_cache) == 0
     with pytest.raises(ValueError, match="prefix_cache_mb"):
         EngineConfig(prefix_cache_mb=-1)
+
+
+def test_without_exact_attention_the_cache_still_serves_the_next_turn(tiny_model_dir):
+    """Off the CPU the engine attends with SDPA (``batch_invariant=False``, as here): a hit then
+    equals a full prefill up to rounding, like batching; the slot layout is the plain one."""
+    from agentflash.engine.engine import Engine, EngineConfig
+    from agentflash.models.loading import load_model, load_tokenizer
+
+    model, _, _ = load_model(tiny_model_dir)
+    engine = Engine(model, load_tokenizer(tiny_model_dir), EngineConfig(batch_invariant=False))
+    assert not engine.cache.exact
+    first, second = two_turns(engine)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    engine.generate(first, params)
+    warm = engine.generate(second, params)
+    engine.prefix_cache.clear()
+    cold = engine.generate(second, params)
+    assert warm.stats["cached_prompt_tokens"] == len(first)
+    assert warm.token_ids == cold.token_ids
