@@ -72,7 +72,7 @@ def test_a_mixed_batch_gives_each_row_what_it_gets_alone(
     wants_last = [last_only or r.last_only for r in rows]
     num_logits = [1 if last else len(r.tokens) for r, last in zip(rows, wants_last)]
     assert out.logits.shape[:2] == (len(rows), max(num_logits))
-    assert out.hidden.shape[:2] == (len(rows), max(len(r.tokens) for r in rows))
+    assert [h.shape[0] for h in out.hidden] == [len(r.tokens) for r in rows]
     for i, (r, prefix, last) in enumerate(zip(rows, prefixes, wants_last)):
         # alone: the whole sequence in one causal forward from position 0
         n, end = len(r.tokens), r.start + len(r.tokens)
@@ -81,7 +81,7 @@ def test_a_mixed_batch_gives_each_row_what_it_gets_alone(
         want = expected.logits[0, end - 1 : end] if last else expected.logits[0, r.start :]
         torch.testing.assert_close(logits, want, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(
-            out.hidden[i, :n], expected.hidden[0, r.start :], atol=1e-5, rtol=1e-5
+            out.hidden[i], expected.hidden[0][r.start :], atol=1e-5, rtol=1e-5
         )
         for got, want in zip(cached(mixed, r.slot, end), cached(whole, r.slot, end)):
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
@@ -171,7 +171,7 @@ def test_one_token_rows_attend_together_and_get_bitwise_what_they_get_alone(
     for i, r in enumerate(rows):
         own = alone.forward([r], capture_layers=CAPTURE)
         assert torch.equal(out.logits[i, :1], own.logits[0])
-        assert torch.equal(out.hidden[i, :1], own.hidden[0])
+        assert torch.equal(out.hidden[i], own.hidden[0])
         for got, want in zip(mixed.cache.cached(r.slot, r.start + 1),
                              alone.cache.cached(r.slot, r.start + 1)):
             assert torch.equal(got, want)
@@ -203,7 +203,7 @@ def check_verify_against_decoding(model, start: int, n: int, seed: int, max_len:
     for i, token in enumerate(block):
         one = decode.forward([Row(0, start + i, [token])], capture_layers=CAPTURE)
         assert torch.equal(out.logits[0, i], one.logits[0, 0])
-        assert torch.equal(out.hidden[0, i], one.hidden[0, 0])
+        assert torch.equal(out.hidden[0][i], one.hidden[0][0])
     for got, want in zip(cached(verify, 0, start + n), cached(decode, 0, start + n)):
         assert torch.equal(got, want)
 
@@ -245,6 +245,6 @@ def test_a_prompt_prefilled_after_a_cached_prefix_is_bitwise_the_prompt_prefille
     r.forward([Row(1, 0, tokens[:cut])], capture_layers=CAPTURE)
     rest = r.forward([Row(1, cut, tokens[cut:], last_only=True)], capture_layers=CAPTURE)
     assert torch.equal(rest.logits[0, 0], whole.logits[0, 0])
-    assert torch.equal(rest.hidden[0], whole.hidden[0, cut:])
+    assert torch.equal(rest.hidden[0], whole.hidden[0][cut:])
     for a, b in zip(cached(r, 1, length), cached(r, 0, length), strict=True):
         assert torch.equal(a, b)

@@ -55,4 +55,5 @@ def test_captured_hidden_states_are_hf_hidden_states(pair):
     ids = torch.randint(0, ours.cfg.vocab_size, (1, 12))
     hf = theirs(ids, output_hidden_states=True).hidden_states
     out = runner(ours).forward([Row(0, 0, ids[0].tolist())], capture_layers=(0, 2))
-    torch.testing.assert_close(out.hidden, torch.cat([hf[1], hf[3]], dim=-1), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out.hidden[0], torch.cat([hf[1], hf[3]], dim=-1)[0], atol=1e-4,
+                               rtol=1e-4)

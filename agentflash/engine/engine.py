@@ -289,7 +289,7 @@ class Engine:
         """A newly admitted request after its prompt's forward: its first token (``top``: its
         logits' argmax). ``hit``: the cached beginning of its prompt it started from."""
         req.num_cached = row.start + len(row.tokens)
-        hidden = out.hidden[i, : len(row.tokens)] if out.hidden is not None else None
+        hidden = out.hidden[i] if out.hidden is not None else None
         if req.draft_context is not None:
             req.pending_hidden.append(hidden)
         self._keep_prompt(req, hidden, hit)
@@ -372,7 +372,7 @@ class Engine:
         self._track(req, kind, "dflash" if routed else "plain", committed, 1, draft, num_accepted)
         if req.draft_context is not None and not req.is_finished:
             # projected into the drafter's context when the request next drafts
-            req.pending_hidden.append(out.hidden[i, : 1 + num_accepted])
+            req.pending_hidden.append(out.hidden[i][: 1 + num_accepted])
         return StepOutput(req, committed)
 
     def _commit(self, req: Request, tokens: list[int]) -> list[int]:

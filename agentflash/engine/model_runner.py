@@ -37,14 +37,16 @@ class Row:
 
 @dataclass
 class ForwardOutput:
-    """A forward's outputs by row, padded with zeros to the longest.
+    """A forward's outputs by row.
 
-    ``logits`` holds row i's at ``[i, :len(row i)]`` or, when the row (or the forward) is
-    ``last_only``, its last token's alone at ``[i, 0]``.
+    ``logits`` holds row i's at ``[i, :len(row i)]`` (padded with zeros to the longest) or, when
+    the row (or the forward) is ``last_only``, its last token's alone at ``[i, 0]``.
     """
 
     logits: torch.Tensor  # [B, T, V], T the most logits of a row
-    hidden: torch.Tensor | None  # [B, L, K*H], L the longest row: captured layers, concatenated
+    # per row [its tokens, K*H]: the captured layers, concatenated (views of one packed tensor:
+    # a step that holds a long prompt beside one-token rows pads nothing)
+    hidden: list[torch.Tensor] | None
 
 
 class ModelRunner:
@@ -110,7 +112,10 @@ class ModelRunner:
             hidden = hidden[:, wanted]  # the lm_head runs on these tokens only
         logits_begins = list(accumulate(counts[:-1], initial=0))
         logits = _pad(self.model.logits(hidden[0]), logits_begins, counts)  # [B, T, V]
-        context = _pad(torch.cat(captured, dim=-1)[0], begins, lengths) if captured else None
+        context = None
+        if captured:
+            packed_hidden = torch.cat(captured, dim=-1)[0]  # [N, K*H]
+            context = [packed_hidden[b : b + n] for b, n in zip(begins, lengths)]
         return ForwardOutput(logits, context)
 
     def _packing_order(self, rows: list[Row]) -> list[int]:
