@@ -242,6 +242,9 @@ def serve(
     max_concurrent: Annotated[int, typer.Option(
         "--max-concurrent", help="requests in flight; more get a 429")] = 64,
     max_body_bytes: Annotated[int, typer.Option("--max-body-bytes")] = 1 << 20,
+    prefix_cache_mb: Annotated[float, typer.Option(
+        "--prefix-cache-mb", help="prompts kept for the next prompt that begins the same way "
+                                  "(0: none)")] = 64.0,
 ) -> None:
     """Serve the engine behind the OpenAI chat-completions API (/v1/chat/completions)."""
     try:
@@ -250,7 +253,8 @@ def serve(
 
         config = ServerConfig(model=model, drafter=drafter, host=host, port=port, api_key=api_key,
                               served_name=served_name, max_tokens=max_tokens,
-                              max_concurrent=max_concurrent, max_body_bytes=max_body_bytes)
+                              max_concurrent=max_concurrent, max_body_bytes=max_body_bytes,
+                              prefix_cache_mb=prefix_cache_mb)
         typer.echo(f"agentflash serve: {config.name} on http://{host}:{port}/v1"
                    f"{' (API key required)' if api_key else ''}", err=True)
         run_server(config)

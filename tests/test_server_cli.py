@@ -60,6 +60,8 @@ def test_serve_runs_on_loopback_with_the_key_from_the_environment(tiny_model_dir
 def test_serve_names_a_bad_flag():
     result = CliRunner().invoke(app, ["serve", "--model", "demo", "--max-tokens", "0"])
     assert result.exit_code == 2 and "max_tokens must be a positive integer" in result.stderr
+    result = CliRunner().invoke(app, ["serve", "--model", "demo", "--prefix-cache-mb", "-1"])
+    assert result.exit_code == 2 and "prefix_cache_mb must be 0 or more" in result.stderr
 
 
 def test_bench_server_reports_every_path_with_identical_tokens(tiny_model_dir):

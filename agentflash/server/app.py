@@ -67,12 +67,18 @@ class ServerConfig:
     max_concurrent: int = 64  # requests in flight; more get a 429
     max_running: int = 8  # requests the engine decodes in one batch (the rest wait in its queue)
     max_len: int = 2048  # tokens per request, prompt and reply
+    # prompts' keys and values kept for the prompts that begin the same way (a client's next
+    # turn re-sends its history); 0: none
+    prefix_cache_mb: float = 64.0
 
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "max_tokens", "max_concurrent", "max_running", "max_len"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise UserError(f"server {name} must be a positive integer, got {value!r}")
+        cache_mb = self.prefix_cache_mb
+        if not isinstance(cache_mb, int | float) or isinstance(cache_mb, bool) or cache_mb < 0:
+            raise UserError(f"server prefix_cache_mb must be 0 or more, got {cache_mb!r}")
         if not 0 <= self.port <= 65535:
             raise UserError(f"server port must be in [0, 65535], got {self.port}")
         if self.api_key is not None and not self.api_key.strip():
@@ -89,7 +95,9 @@ def load_engine(config: ServerConfig) -> Engine:
     """The engine a config names (weights loaded now)."""
     drafter = None if config.drafter == "none" else config.drafter
     return Engine.from_pretrained(
-        config.model, EngineConfig(max_running=config.max_running, max_len=config.max_len),
+        config.model,
+        EngineConfig(max_running=config.max_running, max_len=config.max_len,
+                     prefix_cache_mb=config.prefix_cache_mb),
         drafter=drafter)
 
 
