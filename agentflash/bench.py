@@ -456,7 +456,10 @@ def run_concurrency(
                     measured[mode].append(_concurrency_row(suite, level, mode, alone, *runs))
             for tries in measured.values():
                 tries.sort(key=lambda r: r["tokens_per_s"])
-                rows.append({**tries[len(tries) // 2], "rounds": rounds})
+                # every round's tokens/s: the machine's spread, beside the median
+                spread = [r["tokens_per_s"] for r in tries]
+                rows.append({**tries[len(tries) // 2], "rounds": rounds,
+                             "tokens_per_s_rounds": spread})
     for row in rows:
         base = next(
             r
@@ -518,7 +521,8 @@ def print_concurrency_table(report: dict[str, Any]) -> None:
         title=f"agentflash bench --concurrency ({cfg['model']}, {cfg['num_prompts']} prompts per "
         f"suite, median of {cfg['rounds']} rounds, greedy)"
     )
-    cols = ("suite", "streams", "mode", "tokens/s", "x plain", "p50 s", "p95 s", "tau", "identical")
+    cols = ("suite", "streams", "mode", "tokens/s", "rounds' range", "x plain", "p50 s",
+            "p95 s", "tau", "identical")
     for col in cols:
         table.add_column(col, justify="left" if col in ("suite", "mode") else "right")
     for r in report["rows"]:
@@ -527,6 +531,7 @@ def print_concurrency_table(report: dict[str, Any]) -> None:
             str(r["concurrency"]),
             r["mode"],
             f"{r['tokens_per_s']:.1f}",
+            f"{min(r['tokens_per_s_rounds']):.0f}-{max(r['tokens_per_s_rounds']):.0f}",
             f"{r['ratio_to_plain']:.2f}",
             f"{r['latency_median_s']:.2f}",
             f"{r['latency_p95_s']:.2f}",

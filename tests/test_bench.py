@@ -80,6 +80,8 @@ def test_concurrency_rows_match_outputs_run_alone(tiny_model_dir, tmp_path):
     # every level decodes the same five prompts, a few at a time
     assert len({r["new_tokens"] for r in report["rows"]}) == 1
     assert all(r["new_tokens"] > 5 and r["rounds"] == 2 for r in report["rows"])
+    for r in report["rows"]:  # the median of the rounds, and every round beside it
+        assert len(r["tokens_per_s_rounds"]) == 2 and r["tokens_per_s"] in r["tokens_per_s_rounds"]
     assert all(r["identical_to_alone"] for r in report["rows"])
     assert all(r["latency_p95_s"] >= r["latency_median_s"] > 0 for r in report["rows"])
     # agents: a conversation's second turn follows its first, on the same engine
