@@ -81,13 +81,17 @@ class PrefixCache:
         entries that are a beginning of it, with no more than it carries, are dropped."""
         if len(prompt) < self.min_tokens or self.budget_bytes <= 0:
             return
-        if self.covers(prompt, with_hidden=hidden is not None):
-            return
         tokens = np.asarray(prompt, dtype=np.int64)
-        for key, entry in list(self._entries.items()):
+        covered = []  # entries the new one covers: one pass over them all
+        for key, entry in self._entries.items():
             n = _common_length(entry.tokens, tokens)
+            if n == len(tokens) and (hidden is None or entry.hidden is not None):
+                self._entries.move_to_end(key)  # it covers the new one
+                return
             if n == len(entry.tokens) and (entry.hidden is None or hidden is not None):
-                self._drop(key)  # the new entry covers it
+                covered.append(key)
+        for key in covered:
+            self._drop(key)
         entry = PrefixEntry(tokens, kv, hidden)
         if entry.num_bytes > self.budget_bytes:
             return
