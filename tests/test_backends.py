@@ -171,7 +171,8 @@ def test_local_backend_needs_opening(tiny_model_dir):
         anyio.run(main)
 
 
-def test_local_backend_hides_tools_under_tool_choice_none(tiny_model_dir):
+def test_local_backend_shows_tools_under_every_tool_choice(tiny_model_dir):
+    """Under ``none`` too (as OpenAI-compatible servers do): the grammar forbids calls."""
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
     messages = [{"role": "user", "content": "hi"}]
     backend = LocalBackend(tiny_model_dir)
@@ -187,7 +188,7 @@ def test_local_backend_hides_tools_under_tool_choice_none(tiny_model_dir):
                                                     decoding=Decoding(max_tokens=2)))
             return seen
 
-    assert anyio.run(prompts) == [tools, []]
+    assert anyio.run(prompts) == [tools, tools]
 
 
 def test_local_backend_raises_when_the_engine_fails_a_turn(tiny_model_dir):

@@ -194,7 +194,8 @@ def test_streamed_events_carry_calls_as_they_close_and_the_engine_stats(server):
     plain = stream(OpenAIBackend(url, "demo"), ModelRequest(
         [{"role": "user", "content": "Hello"}], [WEATHER], ToolChoice.NONE,
         decoding=Decoding(max_tokens=24)))
-    assert "tools" not in request_body("demo", ModelRequest([], [WEATHER], ToolChoice.NONE))
+    body = request_body("demo", ModelRequest([], [WEATHER], ToolChoice.NONE))
+    assert body["tools"] == [WEATHER] and body["tool_choice"] == "none"
     assert all(isinstance(e, (TextDelta, ModelFinish)) for e in plain)
 
 

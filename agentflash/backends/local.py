@@ -31,7 +31,6 @@ from agentflash.backends.base import (
     ToolCall,
     ToolCallDelta,
     ToolCallReady,
-    ToolChoice,
 )
 from agentflash.errors import UserError
 from agentflash.runtime.errors import RunError
@@ -301,16 +300,16 @@ class LocalBackend(Backend):
     def _engine_stream(self, request: ModelRequest) -> AsyncIterator[Any]:
         """The one place a turn reaches the engine.
 
-        Decoding settings go to the engine's router and drafter. The request's ``tool_choice``
-        and ``output_schema`` are for the grammar layer, which constrains decoding once the engine
-        takes a grammar per request; until then the runner checks every reply against them and
-        reports a violation as an error. Under ``tool_choice: none`` the tools are not shown.
+        Decoding settings go to the engine's router and drafter; the request's ``tool_choice``
+        and ``output_schema`` become the turn's grammar. The tools are shown under every tool
+        choice, ``none`` included (as OpenAI-compatible servers render them): the grammar keeps
+        the reply free of calls, the model still reads what it called before, and the prompt
+        begins like the turn's earlier ones, so the prefix cache serves it.
         """
         if request.decoding.speculation is Speculation.DFLASH and self._engine.drafter is None:
             raise UserError("decoding.speculation 'dflash' needs a drafter: set model.drafter to "
                             "demo or a drafter directory (or use speculation auto or off)")
-        tools = [] if request.tool_choice is ToolChoice.NONE else request.tools
-        prompt_ids = self._engine.chat_prompt(request.messages, tools)
+        prompt_ids = self._engine.chat_prompt(request.messages, request.tools)
         return self._aengine.stream(prompt_ids, sampling_params(request))
 
 

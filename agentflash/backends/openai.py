@@ -196,7 +196,8 @@ def from_spec(spec: ModelSpec) -> Backend:
 def request_body(model: str, request: ModelRequest) -> dict[str, Any]:
     """The ``/chat/completions`` body of one model turn.
 
-    As on the embedded engine, ``tool_choice: none`` shows no tools. The output schema becomes a
+    The tools go with every tool choice, ``none`` included (the server keeps the reply free of
+    calls; the model still reads the tools it called before). The output schema becomes a
     ``json_schema`` response format. DFlash settings other than the defaults go in the
     ``agentflash`` extension object, which ``agentflash serve`` reads and other servers ignore.
     """
@@ -206,7 +207,7 @@ def request_body(model: str, request: ModelRequest) -> dict[str, Any]:
                             "stream": True, "stream_options": {"include_usage": True}}
     if d.seed is not None:
         body["seed"] = d.seed
-    if request.tools and request.tool_choice is not ToolChoice.NONE:
+    if request.tools:
         body["tools"] = request.tools
         body["tool_choice"] = _tool_choice(request.tool_choice)
     if request.output_schema is not None:
