@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 
 from agentflash.backends import is_available
 from agentflash.backends.base import BackendKind, ForceTool
+from agentflash.backends.local import LocalBackend
 from agentflash.backends.scripted import ScriptedBackend
 from agentflash.cli import app
 from agentflash.errors import UserError
@@ -139,6 +140,28 @@ def test_agents_tools_and_decoding_are_built_from_the_file(tmp_path):
     assert (a.decoding.temperature, a.decoding.max_tokens, a.decoding.seed) == (0.5, 10, 7)
     assert b.decoding.max_tokens == 40 and b.max_turns == 2
     assert b.handoff_description == "Writes things."
+
+
+def test_the_model_section_sizes_the_local_engines_prefix_cache(tmp_path, tiny_model_dir):
+    wf = load_workflow(write(tmp_path, f"""\
+        version: 1
+        name: cache
+        model: {{path: {tiny_model_dir}, drafter: none, prefix_cache_mb: 0.5}}
+        agents:
+          a: {{instructions: You help.}}
+        steps:
+          - {{id: one, agent: a, input: go}}
+        """))
+    assert wf.model.prefix_cache_mb == 0.5
+
+    async def budget() -> int:
+        async with LocalBackend.from_spec(wf.model) as backend:
+            return backend._engine.prefix_cache.budget_bytes
+
+    assert anyio.run(budget) == 2**19
+    assert load_workflow(write(tmp_path, DAG)).model.prefix_cache_mb == 64  # the default
+    with pytest.raises(UserError, match="prefix_cache_mb must be 0 or more"):
+        LocalBackend("demo", prefix_cache_mb=-1)
 
 
 DAG = """\

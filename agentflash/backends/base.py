@@ -186,6 +186,7 @@ class ModelSpec:
     model: str | None = None  # remote backends: the served model's name
     api_key_env: str | None = None  # remote backends: the variable that holds the key
     base_dir: Path | None = None  # relative paths are resolved against it (the workflow's folder)
+    prefix_cache_mb: float = 64.0  # local backend: the engine's prefix cache (0: off)
 
     def resolve(self, path: str) -> str:
         """``path`` made absolute against ``base_dir``, unless it is a name like ``demo``."""

@@ -238,30 +238,37 @@ class LocalBackend(Backend):
 
     ``model`` is ``demo`` or a Hugging Face model directory; ``drafter`` is ``auto`` (the demo
     drafter with the demo model when it is shipped), ``demo``, ``none`` or a DFlash drafter
-    directory. ``engine`` serves an already built ``Engine`` instead.
+    directory. ``prefix_cache_mb`` sizes the engine's prefix cache (0: off). ``engine`` serves an
+    already built ``Engine`` instead.
     """
 
-    def __init__(self, model: str | Path = "demo", *, drafter: str = "auto", engine: Any = None):
+    def __init__(self, model: str | Path = "demo", *, drafter: str = "auto",
+                 prefix_cache_mb: float = 64.0, engine: Any = None):
+        if not prefix_cache_mb >= 0:
+            raise UserError(f"prefix_cache_mb must be 0 or more, got {prefix_cache_mb!r}")
         self.model = str(model)
         self.drafter = check_drafter(drafter)
+        self.prefix_cache_mb = prefix_cache_mb
         self.model_name = "demo" if self.model == "demo" else Path(self.model).name
         self._engine = engine
         self._aengine: Any = None
 
     @classmethod
     def from_spec(cls, spec: ModelSpec) -> LocalBackend:
-        return cls(spec.resolve(spec.path), drafter=spec.resolve(spec.drafter))
+        return cls(spec.resolve(spec.path), drafter=spec.resolve(spec.drafter),
+                   prefix_cache_mb=spec.prefix_cache_mb)
 
     async def __aenter__(self) -> LocalBackend:
         from agentflash.engine.async_engine import AsyncEngine, run_in_own_thread
-        from agentflash.engine.engine import Engine
+        from agentflash.engine.engine import Engine, EngineConfig
 
         assert self._aengine is None, "this LocalBackend is already open"
         if self._engine is None:
 
             def build() -> Engine:  # here too: filling the KV cache starts an OpenMP team
                 net, tokenizer, model_dir, draft = load_weights(self.model, self.drafter)
-                return Engine(net, tokenizer, model_dir=model_dir, drafter=draft)
+                config = EngineConfig(prefix_cache_mb=self.prefix_cache_mb)
+                return Engine(net, tokenizer, config, model_dir=model_dir, drafter=draft)
 
             self._engine = await run_in_own_thread(build)
         self._aengine = AsyncEngine(self._engine)
