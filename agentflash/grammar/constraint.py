@@ -412,12 +412,11 @@ def constrained_draft(
 
     At each slot: if the grammar forces tokens, they fill the next slots at no model cost;
     otherwise the slot takes its plain argmax when the slot's mask allows it, else the argmax of
-    its allowed tokens (looked for among its best few first). The walk runs ahead of the
-    constraint (``Constraint._walk``), whose state is unchanged. Every drafted token is legal;
-    the walk stops after the end token. Slot k's logits propose the k-th token of the draft;
-    forced tokens fill slots without reading their logits. ``proposals`` is the per-slot argmax if
-    the caller has it already. The masks it returns equal ``masks_along_draft(tokens)``: the
-    verify forward needs no second walk.
+    its allowed tokens. The walk runs ahead of the constraint (``Constraint._walk``), whose
+    state is unchanged. Every drafted token is legal; the walk stops after the end token. Slot
+    k's logits propose the k-th token of the draft; forced tokens fill slots without reading
+    their logits. ``proposals`` is the per-slot argmax if the caller has it already. The masks
+    it returns equal ``masks_along_draft(tokens)``: the verify forward needs no second walk.
 
     ``max_drafted`` caps the tokens the drafter proposes (default: its ``K`` slots); forced
     tokens do not count against it. ``max_tokens`` caps the draft, forced tokens included
@@ -436,7 +435,6 @@ def constrained_draft(
     tokens: list[int] = []
     num_forced = 0
     after_run = False  # the last tokens were a forced run (as long as the grammar forces)
-    ranked: list[list[int]] = []  # each slot's best few tokens, ranked once for the whole block
     with constraint._walk() as ahead:
         while len(tokens) < max_tokens and not ahead.is_finished():
             if not use_forced or after_run:
@@ -469,13 +467,8 @@ def constrained_draft(
                 legal = ahead.allows(token)
                 if not legal:
                     ahead.fill_bitmask(row)
-            if not legal:
-                if not ranked:
-                    k = min(8, draft_logits.shape[-1])
-                    ranked = draft_logits.detach().topk(k, dim=-1).indices.tolist()
-                token = next((t for t in ranked[slot] if _allows(row, t, ahead.vocab_size)), None)
-                if token is None:
-                    token = _masked_argmax(row, draft_logits[slot], ahead.vocab_size)
+            if not legal:  # the slot's best legal token (no ranking of the whole block first)
+                token = _masked_argmax(row, draft_logits[slot], ahead.vocab_size)
             ahead._commit([token])
             tokens.append(token)
         if not with_masks:
