@@ -321,6 +321,13 @@ def test_greedy_verify_equals_greedy_acceptance_on_logits_masked_everywhere(
         assert greedy_verify(constraint, draft, logits) == expected
         assert greedy_verify(constraint, draft, logits, masks) == expected  # the walk's masks
         assert snapshot(constraint) == before
+        # commit: the same answer, and the constraint as if it had advanced over it
+        for given in (None, masks):
+            live, replay = grammar.new_constraint(), grammar.new_constraint()
+            live.advance(output[:pos])
+            assert greedy_verify(live, draft, logits, given, commit=True) == expected
+            replay.advance([*output[:pos], *draft[: expected[0]], expected[1]][: len(output)])
+            assert snapshot(live) == snapshot(replay)
         outcomes.add(expected[0] == len(draft))
         constraint.advance(output[pos : pos + 2])
     assert outcomes == {True, False}  # whole drafts and cut ones both checked

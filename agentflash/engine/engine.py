@@ -294,17 +294,19 @@ class Engine:
             req.pending_hidden.append(hidden)
         self._keep_prompt(req, hidden, hit)
         logits = out.logits[i, 0]  # a last_only row's one row of logits
+        in_grammar = False  # the constraint has committed the token already
         if req.params.is_greedy and req.constraint is None:
             token = top
         elif req.params.is_greedy:
             with grammar_clock([req]):
-                _, token = greedy_verify(req.constraint, [], logits[None], top=[top])
+                _, token = greedy_verify(req.constraint, [], logits[None], top=[top], commit=True)
+            in_grammar = True
         else:
             if req.constraint is not None:
                 with grammar_clock([req]):
                     apply_bitmask_(logits, req.constraint.bitmask())
             token = sample(logits, req.params.temperature, req.params.top_p, req.generator)
-        committed = self._commit(req, [token])
+        committed = self._commit(req, [token], in_grammar)
         mode = "dflash" if req.draft_context is not None else "plain"
         self._track(req, req.segments.kind, mode, committed, 0)
         return StepOutput(req, committed)
@@ -352,19 +354,21 @@ class Engine:
         ``top``: the argmax of the row's logits at each position."""
         logits = out.logits[i, : len(draft.tokens) + 1]  # [T+1, V]: row j predicts after slot j
         top = top[: len(draft.tokens) + 1]
+        in_grammar = False  # the constraint has committed the accepted tokens already
         if req.params.is_greedy and req.constraint is None:
             num_accepted, bonus = accept_choices(draft.tokens, top)
-        elif req.params.is_greedy:  # masks made where needed
+        elif req.params.is_greedy:  # masks made where needed; the grammar advances as it goes
             with grammar_clock([req]):
                 num_accepted, bonus = greedy_verify(req.constraint, draft.tokens, logits,
-                                                    draft.masks, top)
+                                                    draft.masks, top, commit=True)
+            in_grammar = True
         else:  # sampling rows' logits were masked at every position (_mask_verify_logits)
             num_accepted, bonus = accept(
                 torch.tensor(draft.tokens, dtype=torch.long), logits, req.params, req.generator
             )
         req.stats.target_forwards += 1
         req.num_cached += 1 + num_accepted
-        committed = self._commit(req, draft.tokens[:num_accepted] + [bonus])
+        committed = self._commit(req, draft.tokens[:num_accepted] + [bonus], in_grammar)
         if draft.drafted:
             self.cost.observe_draft(req.routing, kind, num_accepted, len(draft.tokens))
         elif draft.looked_up:
@@ -375,9 +379,12 @@ class Engine:
             req.pending_hidden.append(out.hidden[i][: 1 + num_accepted])
         return StepOutput(req, committed)
 
-    def _commit(self, req: Request, tokens: list[int]) -> list[int]:
+    def _commit(self, req: Request, tokens: list[int], in_grammar: bool = False) -> list[int]:
+        """Append ``tokens`` (``append_tokens``) and advance the request's grammar over what was
+        appended, unless ``in_grammar``: its constraint committed them all already (where a stop
+        condition cuts them short, the request finishes and its constraint is not read again)."""
         committed = self.append_tokens(req, tokens)
-        if req.constraint is not None:
+        if req.constraint is not None and not in_grammar:
             with grammar_clock([req]):
                 req.constraint.advance(committed)
         return committed

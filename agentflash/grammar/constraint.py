@@ -360,6 +360,7 @@ def greedy_verify(
     logits: torch.Tensor,
     masks: torch.Tensor | None = None,
     top: Sequence[int] | None = None,
+    commit: bool = False,
 ) -> tuple[int, int]:
     """Greedy acceptance of the legal ``draft`` [T] under the grammar: exactly what
     ``greedy_accept`` gives on ``logits`` [T+1, V] masked at every verify position along the
@@ -368,24 +369,43 @@ def greedy_verify(
     made (``mask_unless_allowed``: after the draft so far) only where they differ and the
     target's choice is illegal, and then the legal argmax decides. ``masks`` [T+1, W]: the
     masks along the draft if its walk made them; ``top``: the logits' argmax per position if
-    the caller has it. Returns ``(num_accepted, next_token)``; the constraint is unchanged."""
+    the caller has it. Returns ``(num_accepted, next_token)``; the constraint is unchanged, or,
+    with ``commit``, has committed the accepted drafts and the next token (what the request
+    commits next: no walk on a copy up to the first mismatch, no second pass to commit)."""
     if top is None:
         top = logits.argmax(-1).tolist()
     assert len(top) == len(draft) + 1, "verify yields one more row than there are drafts"
+    done = 0  # with ``commit``: the drafts committed so far
     for j, token in enumerate(top):
         drafted = draft[j] if j < len(draft) else None
         if token == drafted:
             continue
         if masks is not None:
             row = masks[j] if not _allows(masks[j], token, constraint.vocab_size) else None
+        elif commit:  # the drafts up to here are legal and, matched so far, accepted
+            _commit_to_end(constraint, draft[done:j])
+            done = j
+            row = None if constraint.allows(token) else constraint.bitmask()
         else:
             row = constraint.mask_unless_allowed(draft[:j], token)
         if row is not None:  # the target's choice is illegal: the legal argmax decides
             token = _masked_argmax(row, logits[j], constraint.vocab_size)
             if token == drafted:
                 continue
+        if commit:
+            _commit_to_end(constraint, [*draft[done:j], token])
         return j, token
     raise AssertionError("unreachable: the last position has no draft to match")
+
+
+def _commit_to_end(constraint: Constraint, tokens: Sequence[int]) -> None:
+    """Commit the legal ``tokens`` up to the end token (a request stops there)."""
+    end = constraint.eos_token_id
+    tokens = list(tokens)
+    if end in tokens:
+        tokens = tokens[: tokens.index(end) + 1]
+    if tokens and not constraint.is_finished():
+        constraint._commit(tokens)
 
 
 @dataclass(frozen=True)
