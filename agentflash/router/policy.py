@@ -200,6 +200,8 @@ class CostModel:
     _fit: np.ndarray | None = None
     _fits: int = 0
     _since_fit: int = 0
+    # what was derived for requests with no counts of their own for a kind: the same for all
+    _derived: dict[tuple, tuple] = field(default_factory=dict)
 
     # --- measurements --------------------------------------------------------------------
 
@@ -285,14 +287,21 @@ class CostModel:
         shared, own = self.acceptance.get(kind), routing.acceptance.get(kind)
         return (shared.steps if shared else -1, own.steps if own else -1)
 
+    def _derived_for(self, routing: RequestRouting, kind: SegmentKind) -> dict[tuple, tuple]:
+        """Where what is derived from the counts of ``kind`` is kept: the request's own cache,
+        or, while it has no counts of its own for the kind, one shared by all such requests
+        (for them it is the same: a step of many plain rows derives it once, not once a row)."""
+        return routing.cache if kind in routing.acceptance else self._derived
+
     def _tokens_by_slots(self, routing: RequestRouting, kind: SegmentKind) -> np.ndarray:
         """[MAX_SLOTS]: entry ``k - 1`` is ``tau(k)``, cached until the counts change."""
         version = self._version(routing, kind)
-        hit = routing.cache.get(("tau", kind))
+        cache = self._derived_for(routing, kind)
+        hit = cache.get(("tau", kind))
         if hit is not None and hit[0] == version:
             return hit[1]
         tokens = 1.0 + np.cumprod(self.acceptance_rates(routing, kind)).cumsum()
-        routing.cache[("tau", kind)] = (version, tokens)
+        cache[("tau", kind)] = (version, tokens)
         return tokens
 
     def acceptance_rates(self, routing: RequestRouting, kind: SegmentKind) -> np.ndarray:
@@ -387,7 +396,8 @@ class CostModel:
         c = self.step_cost()
         key = ("block", kind, max_block)
         version = (self._version(routing, kind), self._fits)
-        hit = routing.cache.get(key)
+        cache = self._derived_for(routing, kind)
+        hit = cache.get(key)
         if hit is not None and hit[0] == version:
             return hit[1]
         fixed, row, token, drafter, drafted_row, slot = c
@@ -395,5 +405,5 @@ class CostModel:
         tokens = self._tokens_by_slots(routing, kind)[: max(1, max_block - 1)]  # k drafts: [k-1]
         slots = 1 + int(np.argmax(tokens / (fixed + per_slot * np.arange(1, len(tokens) + 1))))
         size = min(max_block, slots + 1)
-        routing.cache[key] = (version, size)
+        cache[key] = (version, size)
         return size
