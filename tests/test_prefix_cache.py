@@ -93,6 +93,30 @@ def test_the_next_turn_prefills_only_what_is_new_and_writes_the_same_tokens(engi
         assert warm.stats["draft_forwards"] == cold.stats["draft_forwards"]
 
 
+@pytest.mark.parametrize("speculation", ["off", "dflash", "auto"])
+def test_a_next_turn_that_repeats_the_answer_prefills_only_what_follows_it(engine, speculation):
+    """The finished sequence is kept, answer included: an agent's next turn re-sends it."""
+    first, _ = two_turns(engine)
+    block = 8 if speculation == "dflash" else None
+    params = SamplingParams(max_tokens=24, ignore_eos=True, speculation=speculation,
+                            block_size=block)
+    engine.prefix_cache.clear()
+    answer = engine.generate(first, params).token_ids
+    second = first + answer + engine.tokenizer("<|im_end|>\n<|im_start|>user\nThanks.<|im_end|>"
+                                               "\n<|im_start|>assistant\n")["input_ids"]
+    warm = engine.generate(second, params)
+    engine.prefix_cache.clear()
+    cold = engine.generate(second, params)
+    # every answer token but the last was fed back (the last too, where a verify ran past it)
+    assert warm.stats["cached_prompt_tokens"] >= len(first) + len(answer) - 1
+    assert cold.stats["cached_prompt_tokens"] == 0
+    assert warm.token_ids == cold.token_ids
+    if speculation == "dflash":  # the drafter resumed from the answer's hidden states too
+        assert warm.stats["tau"] == cold.stats["tau"]
+        assert warm.stats["draft_forwards"] == cold.stats["draft_forwards"]
+    assert engine.prefix_cache.num_bytes <= engine.prefix_cache.budget_bytes
+
+
 def test_a_drafting_request_skips_entries_without_hidden_states(engine):
     first, second = two_turns(engine)
     engine.prefix_cache.clear()

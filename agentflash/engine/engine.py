@@ -327,17 +327,42 @@ class Engine:
         self, req: Request, hidden: torch.Tensor | None, hit: PrefixHit | None
     ) -> None:
         """Offer the prefilled prompt's keys and values to the prefix cache, with its hidden
-        states when the forward captured them (``hidden``: those of the tokens it fed)."""
+        states when the forward captured them (``hidden``: those of the tokens it fed); a
+        drafting request keeps them for its finished sequence too (``_keep_sequence``)."""
         cache = self.prefix_cache
-        if cache.budget_bytes <= 0 or len(req.prompt_ids) < cache.min_tokens:
+        if cache.budget_bytes <= 0:
             return
         if hidden is not None and hit is not None:
             cached = hit.entry.hidden
             hidden = torch.cat((cached[: hit.length], hidden)) if cached is not None else None
-        if cache.covers(req.prompt_ids, with_hidden=hidden is not None):
-            return  # nothing new to copy
-        kv = self.cache.cached(req.slot, len(req.prompt_ids))
-        cache.insert(req.prompt_ids, kv, hidden.clone() if hidden is not None else None)
+        if hidden is not None:
+            hidden = hidden.clone()  # not a view that keeps the whole step's states alive
+            if req.draft_context is not None:
+                req.kept_hidden = [hidden]
+        if len(req.prompt_ids) < cache.min_tokens or cache.covers(
+            req.prompt_ids, with_hidden=hidden is not None
+        ):
+            return  # too short, or nothing new to copy
+        cache.insert(req.prompt_ids, self.cache.cached(req.slot, len(req.prompt_ids)), hidden)
+
+    def _keep_sequence(self, req: Request) -> None:
+        """Offer a finished request's prompt and answer (every position in its slot) to the
+        prefix cache: an agent's next turn begins with both, wherever the chat template renders
+        the answer as the model wrote it. On the CPU a decoded position's keys, values and hidden
+        states are bitwise those a prefill of the same tokens computes, so a hit changes no
+        output here either."""
+        cache = self.prefix_cache
+        n = min(req.num_cached, req.num_tokens)
+        if cache.budget_bytes <= 0 or req.slot is None or n <= len(req.prompt_ids):
+            return  # nothing past the prompt, which is kept already
+        hidden = torch.cat(req.kept_hidden)[:n] if req.kept_hidden is not None else None
+        req.kept_hidden = None
+        if hidden is not None and len(hidden) < n:
+            hidden = None
+        tokens = req.all_ids[:n]
+        if n < cache.min_tokens or cache.covers(tokens, with_hidden=hidden is not None):
+            return
+        cache.insert(tokens, self.cache.cached(req.slot, n), hidden)
 
     def _settle(
         self,
@@ -368,6 +393,11 @@ class Engine:
             )
         req.stats.target_forwards += 1
         req.num_cached += 1 + num_accepted
+        if req.kept_hidden is not None:  # before the commit: a stop there keeps the sequence
+            if out.hidden is None:
+                req.kept_hidden = None
+            else:
+                req.kept_hidden.append(out.hidden[i][: 1 + num_accepted].clone())
         committed = self._commit(req, draft.tokens[:num_accepted] + [bonus], in_grammar)
         if draft.drafted:
             self.cost.observe_draft(req.routing, kind, num_accepted, len(draft.tokens))
@@ -658,6 +688,8 @@ class Engine:
 
     def _finish(self, req: Request) -> None:
         req.stats.finished_at = time.perf_counter()
+        if req.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
+            self._keep_sequence(req)
         self.scheduler.finish(req)
 
     # --- results ---------------------------------------------------------------------------

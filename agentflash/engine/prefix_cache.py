@@ -1,13 +1,14 @@
-"""Prompts' keys and values kept after their prefill, so that a prompt that begins the same way
-(an agent's next turn: the same system prompt, tools and history, then what is new) prefills
-only what follows the longest cached beginning.
+"""Keys and values of prompts (after their prefill) and of finished sequences (prompt and answer)
+kept, so that a prompt that begins the same way (an agent's next turn: the same system prompt,
+tools and history, its last answer, then what is new) prefills only what follows the longest
+cached beginning.
 
-An entry is a copy of one prompt's keys and values in every layer, and, when the step captured
-them, the target hidden states the drafter reads, so that a DFlash request resumes its drafter
-context too. Entries are evicted least recently used first, within a byte budget. On the CPU
-the engine's prefill is batch-invariant (``ModelRunner``): a prompt's keys and values are
-bitwise the same whether it was prefilled whole or after a cached prefix, so a hit changes no
-output, only the time to the first token.
+An entry is a copy of one sequence's keys and values in every layer, and, when the steps
+captured them, the target hidden states the drafter reads, so that a DFlash request resumes its
+drafter context too. Entries are evicted least recently used first, within a byte budget. On
+the CPU the engine's forwards are batch-invariant (``ModelRunner``): a position's keys, values
+and hidden states are bitwise the same whether it was prefilled whole, after a cached prefix or
+decoded, so a hit changes no output, only the time to the first token.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 
 @dataclass(frozen=True)
 class PrefixEntry:
-    tokens: np.ndarray  # [P] the prompt's token ids
+    tokens: np.ndarray  # [P] the sequence's token ids
     kv: list[torch.Tensor]  # every layer's keys, then values [KV, P, D] (``KVCache.cached``)
     hidden: torch.Tensor | None  # [P, K*H] the drafter's target layers; None when not captured
 
@@ -65,10 +66,10 @@ class PrefixCache:
         self._entries.move_to_end(best_key)
         return PrefixHit(self._entries[best_key], best)
 
-    def covers(self, prompt: list[int], with_hidden: bool) -> bool:
-        """Whether an entry holds all of ``prompt`` (with hidden states if ``with_hidden``);
+    def covers(self, sequence: list[int], with_hidden: bool) -> bool:
+        """Whether an entry holds all of ``sequence`` (with hidden states if ``with_hidden``);
         it becomes the most recent."""
-        tokens = np.asarray(prompt, dtype=np.int64)
+        tokens = np.asarray(sequence, dtype=np.int64)
         for key, entry in self._entries.items():
             if len(entry.tokens) >= len(tokens) and (entry.hidden is not None or not with_hidden):
                 if _common_length(entry.tokens, tokens) == len(tokens):
@@ -76,12 +77,12 @@ class PrefixCache:
                     return True
         return False
 
-    def insert(self, prompt: list[int], kv: list[torch.Tensor], hidden: torch.Tensor | None):
-        """Keep ``prompt``'s keys and values (and hidden states), unless an entry covers them;
+    def insert(self, sequence: list[int], kv: list[torch.Tensor], hidden: torch.Tensor | None):
+        """Keep ``sequence``'s keys and values (and hidden states), unless an entry covers them;
         entries that are a beginning of it, with no more than it carries, are dropped."""
-        if len(prompt) < self.min_tokens or self.budget_bytes <= 0:
+        if len(sequence) < self.min_tokens or self.budget_bytes <= 0:
             return
-        tokens = np.asarray(prompt, dtype=np.int64)
+        tokens = np.asarray(sequence, dtype=np.int64)
         covered = []  # entries the new one covers: one pass over them all
         for key, entry in self._entries.items():
             n = _common_length(entry.tokens, tokens)

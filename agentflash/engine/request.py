@@ -111,6 +111,9 @@ class Request:
         self.stats = RequestStats()
         self.draft_context = None  # a DraftContext while the request decodes with DFlash
         self.pending_hidden: list[torch.Tensor] = []  # target hidden states not yet in it
+        # the hidden states of every cached position, for the prefix cache to keep with the
+        # finished sequence (None: not captured, or no prefix cache)
+        self.kept_hidden: list[torch.Tensor] | None = None
         self.constraint = None  # a grammar Constraint, advanced over committed tokens
         self.segments = SegmentTracker()
         self.routing = RequestRouting()
