@@ -242,6 +242,20 @@ def test_probes_back_off_while_a_kind_loses_and_reset_once_it_pays():
     assert cost._probe_interval[SegmentKind.PROSE] == 2
 
 
+def test_rows_that_asked_for_dflash_do_not_reset_the_probe_back_off():
+    cost, routing = CostModel(probe_every=2, max_probe_every=8), RequestRouting()
+    for _ in range(20):
+        cost.observe_draft(routing, SegmentKind.PROSE, 0, 15)
+    for _ in range(20):  # prose loses: the period grows to its longest
+        choose(cost, routing, SegmentKind.PROSE)
+    assert cost._probe_interval[SegmentKind.PROSE] == 8
+    forced = Candidate(RequestRouting(), SegmentKind.PROSE, 15, forced=True)
+    plain = Candidate(routing, SegmentKind.PROSE, 15)
+    assert cost.plan(2, [forced, plain]) == [True, False]  # drafted, as it asked
+    assert cost._probe_interval[SegmentKind.PROSE] == 8
+    assert cost._since_drafted[SegmentKind.PROSE] == 0  # but its counts are fresh
+
+
 def test_a_bad_stretch_ages_while_the_kind_decodes_plain():
     """Counts age with the steps a kind spends plain: after a stretch of failed drafts the
     estimate drifts back to the prior, and a kind whose prior pays drafts again, probe or not."""

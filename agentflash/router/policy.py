@@ -367,8 +367,11 @@ class CostModel:
         with every probe after which the kind stayed plain (up to ``max_probe_every``): a probe
         costs a drafted step, and a kind that keeps losing needs fewer of them."""
         drafted = {x.kind for x, yes in zip(candidates, chosen) if yes}
-        for kind in drafted:
+        for kind in drafted:  # fresh counts: no probe needed for a while
             self._since_drafted[kind] = 0
+        # the back-off resets where the plan chose to draft a kind, not where requests that
+        # asked for DFlash drafted it whatever it costs (their counts can still make it pay)
+        for kind in {x.kind for x, yes in zip(candidates, chosen) if yes and not x.forced}:
             self._probe_interval[kind] = self.probe_every
         waiting: dict[SegmentKind, list[int]] = {}
         for i, x in enumerate(candidates):
