@@ -455,11 +455,19 @@ def run_concurrency(
                     runs = _run_at(engine, convos, level, max_tokens, speculation)
                     measured[mode].append(_concurrency_row(suite, level, mode, alone, *runs))
             for tries in measured.values():
-                tries.sort(key=lambda r: r["tokens_per_s"])
-                # every round's tokens/s: the machine's spread, beside the median
+                # every round's tokens/s in round order: the machine's spread, beside the median
                 spread = [r["tokens_per_s"] for r in tries]
-                rows.append({**tries[len(tries) // 2], "rounds": rounds,
-                             "tokens_per_s_rounds": spread})
+                median = sorted(tries, key=lambda r: r["tokens_per_s"])[len(tries) // 2]
+                rows.append({**median, "rounds": rounds, "tokens_per_s_rounds": spread})
+            # the router against the better fixed mode round by round: the three runs of a
+            # round are minutes closer in time than the rounds' medians, so the machine's drift
+            # weighs less on the ratio
+            paired = sorted(
+                a["tokens_per_s"] / max(p["tokens_per_s"], d["tokens_per_s"])
+                for p, d, a in zip(measured["plain"], measured["dflash"], measured["auto"])
+            )
+            rows[-1]["vs_better_rounds"] = [round(x, 3) for x in paired]
+            rows[-1]["vs_better_median"] = round(paired[len(paired) // 2], 3)
     for row in rows:
         base = next(
             r
@@ -522,7 +530,7 @@ def print_concurrency_table(report: dict[str, Any]) -> None:
         f"suite, median of {cfg['rounds']} rounds, greedy)"
     )
     cols = ("suite", "streams", "mode", "tokens/s", "rounds' range", "x plain", "p50 s",
-            "p95 s", "tau", "identical")
+            "p95 s", "tau", "identical", "auto / better, paired")
     for col in cols:
         table.add_column(col, justify="left" if col in ("suite", "mode") else "right")
     for r in report["rows"]:
@@ -537,5 +545,7 @@ def print_concurrency_table(report: dict[str, Any]) -> None:
             f"{r['latency_p95_s']:.2f}",
             "-" if r["tau"] is None else f"{r['tau']:.2f}",
             "yes" if r["identical_to_alone"] else "NO",
+            f"{r['vs_better_median']:.3f} ({min(r['vs_better_rounds']):.2f}-"
+            f"{max(r['vs_better_rounds']):.2f})" if "vs_better_median" in r else "",
         )
     Console().print(table)

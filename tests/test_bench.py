@@ -82,6 +82,13 @@ def test_concurrency_rows_match_outputs_run_alone(tiny_model_dir, tmp_path):
     assert all(r["new_tokens"] > 5 and r["rounds"] == 2 for r in report["rows"])
     for r in report["rows"]:  # the median of the rounds, and every round beside it
         assert len(r["tokens_per_s_rounds"]) == 2 and r["tokens_per_s"] in r["tokens_per_s_rounds"]
+    for level in (1, 3):  # the router against the better fixed mode, round by round
+        plain, dflash, auto = (r for r in report["rows"] if r["concurrency"] == level)
+        rounds = zip(plain["tokens_per_s_rounds"], dflash["tokens_per_s_rounds"],
+                     auto["tokens_per_s_rounds"])
+        paired = sorted(round(a / max(p, d), 3) for p, d, a in rounds)
+        assert auto["vs_better_rounds"] == paired and auto["vs_better_median"] == paired[1]
+        assert "vs_better_median" not in plain and "vs_better_median" not in dflash
     assert all(r["identical_to_alone"] for r in report["rows"])
     assert all(r["latency_p95_s"] >= r["latency_median_s"] > 0 for r in report["rows"])
     # agents: a conversation's second turn follows its first, on the same engine
