@@ -238,14 +238,16 @@ def _agent_rows(
     engine: Engine, items: list[Prompt], prompts: list[list[int]], max_tokens: int
 ) -> list[dict[str, Any]]:
     """Two turns of tool use per conversation, both timed: the calls, then (the conversation
-    with the calls and the tools' results) the answer. With the prefix cache, the second turn
-    prefills only what the first did not; the rows ``..., no prefix cache`` empty it between
-    the turns. The modes take turns conversation by conversation."""
+    with the model's own reply and the tools' results, ``_answered``) the answer. With the
+    prefix cache, the second turn prefills only what the first did not; the rows ``..., no
+    prefix cache`` empty it between the turns. The modes take turns conversation by
+    conversation."""
     modes = [("plain", "off", True), ("dflash", "dflash", True), ("auto", "auto", True),
              ("plain, no prefix cache", "off", False), ("dflash, no prefix cache", "dflash", False)]
     if engine.drafter is None:
         modes = [m for m in modes if m[1] == "off"]
-    turns = [(ids, engine.chat_prompt(p.next_turn, p.tools)) for p, ids in zip(items, prompts)]
+    turns = [(ids, engine.chat_prompt(_answered(engine, p, ids, max_tokens), p.tools))
+             for p, ids in zip(items, prompts)]
     for _, speculation, _ in modes:
         _time_engine(engine, turns[0][0], 8, speculation)  # warm-up
     by_mode: dict[str, list] = {name: [] for name, _, _ in modes}
@@ -438,10 +440,12 @@ def run_concurrency(
         raise UserError("the concurrency benchmark compares dflash rows: load a drafter")
     rows = []
     for suite in suites:
-        convos = [
-            [engine.chat_prompt(m, p.tools) for m in _turns(p, suite)]
-            for p in held_out_prompts(suite, num_prompts)
-        ]
+        items = held_out_prompts(suite, num_prompts)
+        convos = [[engine.chat_prompt(p.messages, p.tools)] for p in items]
+        if suite == "agent":  # the answer turn: the reply (the same at every level) sent back
+            for p, turns in zip(items, convos):
+                turns.append(engine.chat_prompt(_answered(engine, p, turns[0], max_tokens),
+                                                p.tools))
         alone = []
         for ids in [turn for turns in convos for turn in turns]:
             engine.prefix_cache.clear()
@@ -490,9 +494,31 @@ def run_concurrency(
     }
 
 
-def _turns(prompt: Prompt, suite: str) -> list[list[dict[str, Any]]]:
-    """The messages of each turn a conversation of ``suite`` sends."""
-    return [prompt.messages, prompt.next_turn] if suite == "agent" else [prompt.messages]
+def _answered(engine: Engine, prompt: Prompt, ids: list[int], max_tokens: int
+              ) -> list[dict[str, Any]]:
+    """An agent's answer turn after the model's own greedy reply to ``ids`` (``answer_turn``).
+    The reply is the same in every mode (outputs are identical to plain greedy decoding), so it
+    is computed once, with plain decoding, off the clock."""
+    engine.prefix_cache.clear()
+    reply = engine.generate(ids, SamplingParams(max_tokens=max_tokens)).text
+    engine.prefix_cache.clear()
+    return answer_turn(prompt, reply)
+
+
+def answer_turn(prompt: Prompt, reply: str) -> list[dict[str, Any]]:
+    """The messages of an agent's answer turn: the prompt's, then ``reply`` as the runtime sends
+    it back (its calls parsed into OpenAI ``tool_calls``), then the tools' results of the
+    held-out conversation."""
+    from agentflash.tool_format import parse_tool_calls, text_outside_calls
+
+    calls, _ = parse_tool_calls(reply)
+    tool_calls = [{"id": f"call_{i}", "type": "function",
+                   "function": {"name": c.name, "arguments": json.dumps(c.arguments)}}
+                  for i, c in enumerate(calls)]
+    results = [m for m in prompt.next_turn[len(prompt.messages):] if m["role"] == "tool"]
+    reply_message = {"role": "assistant", "content": text_outside_calls(reply),
+                     "tool_calls": tool_calls}
+    return [*prompt.messages, reply_message, *results]
 
 
 def _concurrency_row(

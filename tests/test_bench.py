@@ -102,6 +102,26 @@ def test_concurrency_rows_match_outputs_run_alone(tiny_model_dir, tmp_path):
 
 
 
+def test_the_answer_turn_sends_the_models_reply_back_as_the_runtime_does():
+    from agentflash.engine.engine import Engine
+    from agentflash.engine.request import SamplingParams
+
+    engine = Engine.from_pretrained("demo", drafter=None)
+    prompt = bench.held_out_prompts("agent", 1)[0]
+    first = engine.chat_prompt(prompt.messages, prompt.tools)
+    reply = engine.generate(first, SamplingParams(max_tokens=96))
+    messages = bench.answer_turn(prompt, reply.text)
+    assert messages[: len(prompt.messages)] == prompt.messages
+    sent = messages[len(prompt.messages)]
+    assert sent["role"] == "assistant" and len(sent["tool_calls"]) >= 1
+    assert [m["role"] for m in messages[len(prompt.messages) + 1 :]] == ["tool"] * (
+        len(messages) - len(prompt.messages) - 1) and len(messages) > len(prompt.messages) + 1
+    # the chat template renders the reply back as the model wrote it: the next turn's prompt
+    # begins with the first prompt and the reply, which the prefix cache then serves whole
+    second = engine.chat_prompt(messages, prompt.tools)
+    assert second[: len(first) + len(reply.token_ids)] == first + reply.token_ids
+
+
 def test_agent_rows_reuse_the_first_turn_and_match_without_the_cache(tiny_model_dir):
     prompts = bench.held_out_prompts("agent", 2)
     assert all(p.next_turn[: len(p.messages)] == p.messages for p in prompts)
