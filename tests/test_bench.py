@@ -105,11 +105,14 @@ def test_concurrency_rows_match_outputs_run_alone(tiny_model_dir, tmp_path):
 def test_the_answer_turn_sends_the_models_reply_back_as_the_runtime_does():
     from agentflash.engine.engine import Engine
     from agentflash.engine.request import SamplingParams
+    from agentflash.grammar import assistant_turn
 
     engine = Engine.from_pretrained("demo", drafter=None)
     prompt = bench.held_out_prompts("agent", 1)[0]
     first = engine.chat_prompt(prompt.messages, prompt.tools)
-    reply = engine.generate(first, SamplingParams(max_tokens=96))
+    # under the tools' grammar, as the runtime decodes a turn with tools: a call that parses
+    grammar = assistant_turn(prompt.tools, "required")
+    reply = engine.generate(first, SamplingParams(max_tokens=96, grammar=grammar))
     messages = bench.answer_turn(prompt, reply.text)
     assert messages[: len(prompt.messages)] == prompt.messages
     sent = messages[len(prompt.messages)]
