@@ -329,21 +329,18 @@ class Engine:
         """Offer the prefilled prompt's keys and values to the prefix cache, with its hidden
         states when the forward captured them (``hidden``: those of the tokens it fed); a
         drafting request keeps them for its finished sequence too (``_keep_sequence``)."""
-        cache = self.prefix_cache
-        if cache.budget_bytes <= 0:
+        if self.prefix_cache.budget_bytes <= 0:
             return
-        if hidden is not None and hit is not None:
-            cached = hit.entry.hidden
-            hidden = torch.cat((cached[: hit.length], hidden)) if cached is not None else None
-        if hidden is not None:
-            hidden = hidden.clone()  # not a view that keeps the whole step's states alive
-            if req.draft_context is not None:
-                req.kept_hidden = [hidden]
-        if len(req.prompt_ids) < cache.min_tokens or cache.covers(
-            req.prompt_ids, with_hidden=hidden is not None
-        ):
-            return  # too short, or nothing new to copy
-        cache.insert(req.prompt_ids, self.cache.cached(req.slot, len(req.prompt_ids)), hidden)
+        if hidden is not None:  # a copy, not a view that keeps the whole step's states alive
+            if hit is None:
+                hidden = hidden.clone()
+            elif hit.entry.hidden is not None:
+                hidden = torch.cat((hit.entry.hidden[: hit.length], hidden))
+            else:
+                hidden = None
+        if hidden is not None and req.draft_context is not None:
+            req.kept_hidden = [hidden]
+        self._offer(req.prompt_ids, req.slot, hidden)
 
     def _keep_sequence(self, req: Request) -> None:
         """Offer a finished request's prompt and answer (every position in its slot) to the
@@ -351,18 +348,22 @@ class Engine:
         the answer as the model wrote it. On the CPU a decoded position's keys, values and hidden
         states are bitwise those a prefill of the same tokens computes, so a hit changes no
         output here either."""
-        cache = self.prefix_cache
         n = min(req.num_cached, req.num_tokens)
-        if cache.budget_bytes <= 0 or req.slot is None or n <= len(req.prompt_ids):
+        if self.prefix_cache.budget_bytes <= 0 or req.slot is None or n <= len(req.prompt_ids):
             return  # nothing past the prompt, which is kept already
         hidden = torch.cat(req.kept_hidden)[:n] if req.kept_hidden is not None else None
         req.kept_hidden = None
         if hidden is not None and len(hidden) < n:
             hidden = None
-        tokens = req.all_ids[:n]
-        if n < cache.min_tokens or cache.covers(tokens, with_hidden=hidden is not None):
+        self._offer(req.all_ids[:n], req.slot, hidden)
+
+    def _offer(self, tokens: list[int], slot: int, hidden: torch.Tensor | None) -> None:
+        """Copy the keys and values of ``tokens`` (positions ``0 ..`` of ``slot``) into the
+        prefix cache, unless they are too few or an entry holds them already."""
+        cache = self.prefix_cache
+        if len(tokens) < cache.min_tokens or cache.covers(tokens, with_hidden=hidden is not None):
             return
-        cache.insert(tokens, self.cache.cached(req.slot, n), hidden)
+        cache.insert(tokens, self.cache.cached(slot, len(tokens)), hidden)
 
     def _settle(
         self,
@@ -393,11 +394,13 @@ class Engine:
             )
         req.stats.target_forwards += 1
         req.num_cached += 1 + num_accepted
+        fed = out.hidden[i][: 1 + num_accepted] if out.hidden is not None else None
         if req.kept_hidden is not None:  # before the commit: a stop there keeps the sequence
-            if out.hidden is None:
+            if fed is None:
                 req.kept_hidden = None
             else:
-                req.kept_hidden.append(out.hidden[i][: 1 + num_accepted].clone())
+                fed = fed.clone()  # kept: not a view of the whole step's states
+                req.kept_hidden.append(fed)
         committed = self._commit(req, draft.tokens[:num_accepted] + [bonus], in_grammar)
         if draft.drafted:
             self.cost.observe_draft(req.routing, kind, num_accepted, len(draft.tokens))
@@ -406,7 +409,7 @@ class Engine:
         self._track(req, kind, "dflash" if routed else "plain", committed, 1, draft, num_accepted)
         if req.draft_context is not None and not req.is_finished:
             # projected into the drafter's context when the request next drafts
-            req.pending_hidden.append(out.hidden[i][: 1 + num_accepted])
+            req.pending_hidden.append(fed)
         return StepOutput(req, committed)
 
     def _commit(self, req: Request, tokens: list[int], in_grammar: bool = False) -> list[int]:
