@@ -230,16 +230,17 @@ def test_fused_projections_keep_names_and_share_the_weights(tiny_model_dir):
 
 
 @settings(max_examples=30, deadline=None)
-@given(length=st.integers(2, 100), data=st.data(), seed=st.integers(0, 2**16))
+@given(length=st.integers(2, 300), data=st.data(), seed=st.integers(0, 2**16))
 def test_a_prompt_prefilled_after_a_cached_prefix_is_bitwise_the_prompt_prefilled_whole(
     model, length, data, seed
 ):
     """What lets the engine's prefix cache skip a prompt's cached beginning without changing a
-    token: on the CPU every row attends exactly, so the cut does not show."""
+    token: on the CPU every row attends exactly, so the cut does not show (nor where a long
+    row's queries are cut into chunks, ``EXACT_QUERY_CHUNK``: 128)."""
     cut = data.draw(st.integers(1, length - 1))
     gen = torch.Generator().manual_seed(seed)
     tokens = torch.randint(10, 4000, (length,), generator=gen).tolist()
-    r = runner(model, batch_single_tokens=False)
+    r = runner(model, batch_single_tokens=False, max_len=320)
     assert r.batch_invariant
     whole = r.forward([Row(0, 0, tokens, last_only=True)], capture_layers=CAPTURE)
     r.forward([Row(1, 0, tokens[:cut])], capture_layers=CAPTURE)

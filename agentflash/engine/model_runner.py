@@ -22,6 +22,7 @@ from agentflash.models.qwen3 import (
     SingleTokenRows,
     Span,
     batch_invariant_,
+    query_chunks,
 )
 
 
@@ -148,8 +149,8 @@ class ModelRunner:
             end = begin + len(r.tokens)
             t = end - begin
             if self.batch_invariant:  # prompts, decoding and verify rows alike
-                bias = self._masks(r.start, t)
-                spans.append(Span(r.slot, r.start, begin, end, None, exact_bias=bias))
+                biases = tuple(self._masks(r.start + first, n) for first, n in query_chunks(t))
+                spans.append(Span(r.slot, r.start, begin, end, None, exact_bias=biases))
             else:
                 spans.append(Span(r.slot, r.start, begin, end, self._causal_mask(r.start, t)))
             begin = end

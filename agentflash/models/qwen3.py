@@ -249,11 +249,11 @@ class Span:
     begin: int
     end: int
     mask: torch.Tensor | None  # [T, start + T] causal after the prefix; None when not needed
-    # attend with ``exact_attention`` under this additive mask [rows, L] (``ExactMasks``): a
-    # query's result then does not depend on the block around it (a verify block gives bitwise
-    # the logits of one-token decoding, a prompt the same keys and values however it is cut);
-    # None: one SDPA call for the row
-    exact_bias: torch.Tensor | None = None
+    # attend with ``exact_attention`` under these additive masks [rows, L] (``ExactMasks``),
+    # one per ``EXACT_QUERY_CHUNK`` queries: a query's result then does not depend on the block
+    # around it (a verify block gives bitwise the logits of one-token decoding, a prompt the
+    # same keys and values however it is cut); None: one SDPA call for the row
+    exact_bias: tuple[torch.Tensor, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -322,7 +322,11 @@ class LayerCache:
         k_slot.narrow(1, span.start, t).copy_(k[0])
         if self.exact:
             write_value_chunks(self.v_pool, span.slot, span.start, v[0])
-            return exact_attention(q, k_slot, self.v_pool, span.slot, span.exact_bias)
+            outs = [
+                exact_attention(q.narrow(2, first, n), k_slot, self.v_pool, span.slot, bias)
+                for (first, n), bias in zip(query_chunks(t), span.exact_bias, strict=True)
+            ]
+            return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
         v_slot = self.v_pool[span.slot]
         v_slot.narrow(1, span.start, t).copy_(v[0])
         if span.start > 0:  # the cached prefix and the new tokens: [1, KV, start + T, D]
@@ -346,6 +350,15 @@ class LayerCache:
 
 
 EXACT_CHUNK = 64  # keys per partial product in ``exact_attention``
+# a long row's queries attend in chunks of this many, each chunk to the keys up to its last
+# query (bitwise the same: see ``exact_attention``): causal attention does half the work, and a
+# chunk's scores stay in the CPU's cache (a 470-token prompt's attention 2x faster, 2 threads)
+EXACT_QUERY_CHUNK = 128
+
+
+def query_chunks(t: int) -> list[tuple[int, int]]:
+    """(first query, size) of each ``EXACT_QUERY_CHUNK`` of a ``t``-token row."""
+    return [(first, min(EXACT_QUERY_CHUNK, t - first)) for first in range(0, t, EXACT_QUERY_CHUNK)]
 
 
 class ExactMasks:
