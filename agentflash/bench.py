@@ -149,7 +149,10 @@ def run(
                 )
         grammars = _grammars(suite, items)
         if grammars:
-            rows += _engine_rows(engine, suite, prompts, max_tokens, grammars, "+grammar")
+            constrained = _engine_rows(engine, suite, prompts, max_tokens, grammars, "+grammar")
+            for row in constrained:
+                row.update(_validity(engine, suite, items, row["outputs"]))
+            rows += constrained
         if suite == "json" and importlib.util.find_spec("outlines") is not None:
             ref = rows[-1 - 2 * (engine.drafter is not None)]["outputs"]
             rows.append(_outlines_row(engine, hf_model, items, prompts, max_tokens, ref))
@@ -185,7 +188,7 @@ def _outlines_row(engine: Engine, hf_model, items: list[Prompt], prompts: list[l
     from outlines.types import JsonSchema
 
     model = outlines.from_transformers(hf_model, engine.tokenizer)
-    outs, seconds = [], []
+    outs, answers, seconds = [], [], []
     for p, ids in zip(items, prompts):
         generator = outlines.Generator(model, JsonSchema(json.dumps(p.schema)))  # compile untimed
         text = engine.tokenizer.decode(ids)
@@ -193,10 +196,59 @@ def _outlines_row(engine: Engine, hf_model, items: list[Prompt], prompts: list[l
         t0 = time.perf_counter()
         answer = generator(text, max_new_tokens=max_tokens, do_sample=False)
         seconds.append(time.perf_counter() - t0)
+        answers.append(answer)
         outs.append(engine.tokenizer(answer, add_special_tokens=False)["input_ids"])
     # the engine's outputs end with the end-of-turn token, outlines' text does not
     ref = [r[:-1] if r and r[-1] in engine.eos_ids else r for r in reference]
-    return _row("json", "outlines", outs, ref, seconds, None)
+    row = _row("json", "outlines", outs, ref, seconds, None)
+    finished = [(p, a) for p, a in zip(items, answers) if _parses(a)]  # no end token: complete
+    row.update(finished=len(finished), valid=sum(_valid_answer("json", p, a) for p, a in finished))
+    return row
+
+
+def _parses(text: str) -> bool:
+    try:
+        json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    return True
+
+
+def _validity(
+    engine: Engine, suite: str, items: list[Prompt], outputs: list[list[int]]
+) -> dict[str, int]:
+    """Of a constrained row's outputs: how many the model finished (its turn ended before max
+    tokens; an answer cut there is unfinished under any grammar), and how many of those are what
+    the grammar promises (``_valid_answer``)."""
+    finished = [(item, out) for item, out in zip(items, outputs, strict=True)
+                if out and out[-1] in engine.eos_ids]
+    valid = sum(
+        _valid_answer(suite, item, engine.tokenizer.decode(out, skip_special_tokens=True))
+        for item, out in finished
+    )
+    return {"finished": len(finished), "valid": valid}
+
+
+def _valid_answer(suite: str, item: Prompt, text: str) -> bool:
+    """On ``tool_call``: calls (at least one) of the prompt's tools with arguments valid under
+    their schemas; on ``json``: JSON valid under the prompt's schema."""
+    import jsonschema
+
+    from agentflash.tool_format import parse_tool_calls
+
+    if suite == "tool_call":
+        calls, bad = parse_tool_calls(text)
+        schemas = {t["function"]["name"]: t["function"]["parameters"] for t in item.tools}
+        return bool(calls) and not bad and all(
+            c.name in schemas
+            and jsonschema.Draft202012Validator(schemas[c.name]).is_valid(c.arguments)
+            for c in calls
+        )
+    try:
+        answer = json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    return jsonschema.Draft202012Validator(item.schema).is_valid(answer)
 
 
 def _grammars(suite: str, items: list[Prompt]) -> list:
@@ -319,7 +371,7 @@ def print_table(report: dict[str, Any]) -> None:
         f"{report['config']['num_prompts']} prompts/suite, greedy)"
     )
     cols = ("suite", "mode", "tokens", "tokens/s", "x plain", "decode tok/s", "x plain",
-            "ttft ms", "tau", "body tau", "grammar %", "identical")
+            "ttft ms", "tau", "body tau", "grammar %", "valid", "identical")
     for col in cols:
         table.add_column(col, justify="right" if col not in ("suite", "mode") else "left")
     for r in report["rows"]:
@@ -336,6 +388,7 @@ def print_table(report: dict[str, Any]) -> None:
             "-" if r["tau"] is None else f"{r['tau']:.2f}",
             f"{r['tool_call_body_tau']:.2f}" if "tool_call_body_tau" in r else "-",
             f"{100 * r['grammar_share']:.1f}" if "grammar_share" in r else "-",
+            f"{r['valid']}/{r['finished']}" if "valid" in r else "-",
             "yes" if r["identical_to_plain"] else "NO",
         )
     Console().print(table)

@@ -43,6 +43,38 @@ def test_rows_are_side_by_side_and_peers_match_plain_greedy(tiny_model_dir):
     calls = next(r for r in constrained if r["suite"] == "tool_call")
     assert calls["tool_call_body_tau"] >= 1.0  # tau inside the call bodies
     assert "tool_call_body_tau" not in next(r for r in constrained if r["suite"] == "json")
+    for row in constrained + [r for r in report["rows"] if r["mode"] == "outlines"]:
+        assert 0 <= row["valid"] <= row["finished"] <= 1, row
+
+
+def test_constrained_rows_count_valid_answers_among_the_finished(demo_tokenizer_dir):
+    import json
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(demo_tokenizer_dir)
+
+    class _Engine:  # what _validity reads of an engine: its tokenizer and end-of-turn ids
+        tokenizer = tok
+        eos_ids = {tok.convert_tokens_to_ids("<|im_end|>")}
+
+    call = bench.held_out_prompts("tool_call", 1)[0]
+    name, args = call.expected[0]["name"], call.expected[0]["arguments"]
+
+    def reply(body: dict) -> list[int]:
+        text = f"<tool_call>\n{json.dumps(body)}\n</tool_call><|im_end|>"
+        return tok(text, add_special_tokens=False)["input_ids"]
+
+    good = reply({"name": name, "arguments": args})
+    unknown = reply({"name": name + "_x", "arguments": args})
+    cut = good[:-3]
+    got = bench._validity(_Engine(), "tool_call", [call] * 3, [good, unknown, cut])
+    assert got == {"finished": 2, "valid": 1}
+    answer = bench.held_out_prompts("json", 1)[0]
+    wrong = dict.fromkeys(answer.schema.get("required") or ["x"], [[]])  # arrays of arrays
+    texts = [json.dumps(wrong) + "<|im_end|>", "{" + "<|im_end|>"]
+    outs = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    assert bench._validity(_Engine(), "json", [answer] * 2, outs) == {"finished": 2, "valid": 0}
 
 
 def test_concurrency_rows_match_outputs_run_alone(tiny_model_dir, tmp_path):

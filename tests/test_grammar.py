@@ -22,6 +22,7 @@ from agentflash.grammar import (
     allowed_token_ids,
     apply_bitmask_,
     cache_info,
+    close_objects,
     compile_grammar,
     constrained_draft,
     ebnf,
@@ -526,8 +527,9 @@ def test_every_continuation_starts_with_the_forced_tokens(tok, closers, backend)
         forced = constraint.forced_tokens()
         num_forced += bool(forced)
         assert constraint.validate_draft(forced) == len(forced)
-        if forced and forced[-1] == tok.eos_token_id:  # only the end may follow
-            assert allowed_token_ids(constraint.bitmask(), len(tok)) == [tok.eos_token_id]
+        if forced and forced[-1] == tok.eos_token_id:  # only the end may follow the run
+            after = constraint.mask_after(forced[:-1])
+            assert allowed_token_ids(after, len(tok)) == [tok.eos_token_id]
         for seed in range(2 if pos % 3 == 0 else 0):  # other continuations agree with them too
             probe = grammar.new_constraint()
             probe.advance(output[:pos])
@@ -931,3 +933,27 @@ def test_speculative_verify_equals_plain_constrained_decoding(tok, constrained):
         )
         assert fast == plain
         assert steps < len(plain)
+
+
+def test_schemas_take_no_keys_they_do_not_list_unless_they_say_so(tok):
+    """Generation closes objects (OpenAI's strict mode; outlines' and xgrammar's default): JSON
+    Schema alone would let the model add any key, and the demo model does until max tokens."""
+    listed = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    extra = tok.encode('{"a": 1, "b": 2}', add_special_tokens=False)
+    closed_at = len(tok.encode('{"a": 1', add_special_tokens=False))
+    cases = [
+        (json_schema(listed), closed_at),
+        (json_schema({**listed, "additionalProperties": True}), len(extra)),
+        (json_schema(listed, strict=False), len(extra)),
+    ]
+    for source, legal in cases:
+        constraint = compile_grammar(source, tok).new_constraint()
+        assert constraint.validate_draft(extra) == legal, source.text
+    # left open: the branches of an allOf (each closed would forbid the other's key), and an
+    # object that requires a key it does not list
+    both = {"allOf": [listed, {"type": "object", "properties": {"b": {"type": "integer"}}}]}
+    assert close_objects(both) == both
+    unlisted = {"type": "object", "properties": {"a": {}}, "required": ["b"]}
+    assert close_objects(unlisted) == unlisted
+    nested = {"type": "array", "items": listed}
+    assert close_objects(nested)["items"]["additionalProperties"] is False

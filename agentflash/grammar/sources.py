@@ -47,27 +47,92 @@ class GrammarSource:
         return json.loads(self.text)
 
 
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
+_SCHEMA_SINGLES = (
+    "items",
+    "additionalProperties",
+    "not",
+    "if",
+    "then",
+    "else",
+    "contains",
+    "propertyNames",
+)
+_OPEN_ENDED = (
+    "additionalProperties",
+    "patternProperties",
+    "unevaluatedProperties",
+    "allOf",
+    "anyOf",
+    "oneOf",
+    "$ref",
+)
+
+
+def close_objects(node: Any, close: bool = True) -> Any:
+    """A copy of ``node`` where every object schema that lists its properties, and says nothing
+    else about other keys, takes no other keys: what OpenAI's strict mode asks of a schema and
+    what outlines and xgrammar generate by default. JSON Schema lets an object have any keys it
+    does not mention, and a model given that freedom invents them (the demo model adds keys to
+    its answers until max tokens, and arguments the tool does not take). Left open: an object
+    that says anything about other keys, one that requires a key it does not list, and the
+    branches of an ``allOf`` (closing each would forbid the others' keys)."""
+    if not isinstance(node, dict):
+        return node
+    out = dict(node)
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: close_objects(sub) for name, sub in out[key].items()}
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [close_objects(sub) for sub in out[key]]
+    if isinstance(out.get("allOf"), list):
+        out["allOf"] = [close_objects(sub, close=False) for sub in out["allOf"]]
+    for key in _SCHEMA_SINGLES:
+        if isinstance(out.get(key), list):  # draft-04 tuple ``items``
+            out[key] = [close_objects(sub) for sub in out[key]]
+        elif key in out:
+            out[key] = close_objects(out[key])
+    listed = out.get("properties")
+    required = out.get("required", [])
+    if (
+        close
+        and isinstance(listed, dict)
+        and not any(key in node for key in _OPEN_ENDED)
+        and isinstance(required, list)
+        and all(name in listed for name in required)
+    ):
+        out["additionalProperties"] = False
+    return out
+
+
 def json_schema(
     schema: dict[str, Any] | bool,
     *,
     origin: str = "schema",
     json_style: JsonStyle = JsonStyle.DUMPS,
+    strict: bool = True,
 ) -> GrammarSource:
-    """A JSON Schema given as a Python object."""
+    """A JSON Schema given as a Python object. ``strict`` (the default) closes its objects to
+    keys they do not list (``close_objects``); an object that should take others says so
+    (``"additionalProperties": true`` or a schema)."""
     if not isinstance(schema, (dict, bool)):
         raise GrammarError(
             f"{origin}: a JSON Schema must be an object or a boolean, got {type(schema).__name__}"
         )
     try:
-        text = json.dumps(schema, ensure_ascii=False)
+        text = json.dumps(close_objects(schema) if strict else schema, ensure_ascii=False)
     except (TypeError, ValueError) as err:
         raise GrammarError(f"{origin}: the schema is not JSON-serialisable: {err}") from None
     check_schema(schema, origin)
     return GrammarSource(GrammarKind.JSON_SCHEMA, text, json_style, origin)
 
 
-def json_schema_file(path: str | Path, *, json_style: JsonStyle = JsonStyle.DUMPS) -> GrammarSource:
-    """A JSON Schema read from a ``.json`` file."""
+def json_schema_file(
+    path: str | Path, *, json_style: JsonStyle = JsonStyle.DUMPS, strict: bool = True
+) -> GrammarSource:
+    """A JSON Schema read from a ``.json`` file (``strict``: see ``json_schema``)."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -77,10 +142,12 @@ def json_schema_file(path: str | Path, *, json_style: JsonStyle = JsonStyle.DUMP
         schema = json.loads(text)
     except json.JSONDecodeError as err:
         raise GrammarError(f"{path}:{err.lineno}:{err.colno}: invalid JSON: {err.msg}") from None
-    return json_schema(schema, origin=str(path), json_style=json_style)
+    return json_schema(schema, origin=str(path), json_style=json_style, strict=strict)
 
 
-def pydantic_model(model: type, *, json_style: JsonStyle = JsonStyle.DUMPS) -> GrammarSource:
+def pydantic_model(
+    model: type, *, json_style: JsonStyle = JsonStyle.DUMPS, strict: bool = True
+) -> GrammarSource:
     """The JSON Schema of a pydantic model class (or any type pydantic can describe)."""
     from pydantic import PydanticUserError, TypeAdapter
 
@@ -89,7 +156,7 @@ def pydantic_model(model: type, *, json_style: JsonStyle = JsonStyle.DUMPS) -> G
         schema = TypeAdapter(model).json_schema()
     except (PydanticUserError, TypeError, ValueError) as err:
         raise GrammarError(f"{name}: pydantic cannot produce a JSON Schema: {err}") from None
-    return json_schema(schema, origin=name, json_style=json_style)
+    return json_schema(schema, origin=name, json_style=json_style, strict=strict)
 
 
 def regex(pattern: str, *, origin: str = "regex") -> GrammarSource:

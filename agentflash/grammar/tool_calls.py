@@ -17,7 +17,7 @@ from typing import Any
 from agentflash.grammar.checks import check_schema
 from agentflash.grammar.constraint import GrammarError
 from agentflash.grammar.llguidance_backend import JSON_STYLE_OPTIONS, check_schema_supported
-from agentflash.grammar.sources import GrammarSource, JsonStyle, json_schema, lark
+from agentflash.grammar.sources import GrammarSource, JsonStyle, close_objects, json_schema, lark
 from agentflash.tool_format import CLOSE, OPEN
 
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}}
@@ -69,52 +69,6 @@ def _rebase_refs(node: Any, base: str) -> Any:
     return node
 
 
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-_SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
-_SCHEMA_SINGLES = (
-    "items",
-    "additionalProperties",
-    "not",
-    "if",
-    "then",
-    "else",
-    "contains",
-    "propertyNames",
-)
-_OPEN_ENDED = (
-    "additionalProperties",
-    "patternProperties",
-    "unevaluatedProperties",
-    "allOf",
-    "anyOf",
-    "oneOf",
-    "$ref",
-)
-
-
-def close_objects(node: Any) -> Any:
-    """A copy of ``node`` where every object schema that lists its properties, and says nothing
-    else about other keys, takes no other keys (OpenAI's strict mode): without this a model may
-    invent arguments the tool does not take, and JSON Schema would still call the call valid."""
-    if not isinstance(node, dict):
-        return node
-    out = dict(node)
-    for key in _SCHEMA_MAPS:
-        if isinstance(out.get(key), dict):
-            out[key] = {name: close_objects(sub) for name, sub in out[key].items()}
-    for key in _SCHEMA_LISTS:
-        if isinstance(out.get(key), list):
-            out[key] = [close_objects(sub) for sub in out[key]]
-    for key in _SCHEMA_SINGLES:
-        if isinstance(out.get(key), list):  # draft-04 tuple ``items``
-            out[key] = [close_objects(sub) for sub in out[key]]
-        elif key in out:
-            out[key] = close_objects(out[key])
-    if "properties" in out and not any(key in node for key in _OPEN_ENDED):
-        out["additionalProperties"] = False
-    return out
-
-
 def tool_call_schema(
     tools: list[dict[str, Any]] | list[ToolSpec], strict: bool = True
 ) -> dict[str, Any]:
@@ -146,7 +100,9 @@ def tool_call_body(
     strict: bool = True,
 ) -> GrammarSource:
     """The grammar of one call's JSON body (what goes between the tags)."""
-    return json_schema(tool_call_schema(tools, strict), origin="tools", json_style=json_style)
+    return json_schema(
+        tool_call_schema(tools, strict), origin="tools", json_style=json_style, strict=strict
+    )
 
 
 class ToolChoiceMode(enum.Enum):

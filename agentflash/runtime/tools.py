@@ -102,21 +102,26 @@ _KEY_ORDER = ("type", "description", "enum", "items", "properties", "required")
 
 
 def strict_schema(schema: dict[str, Any]) -> dict[str, Any]:
-    """A JSON Schema without pydantic's titles, every object closed to unknown keys."""
+    """A JSON Schema without pydantic's titles, its keys in ``_KEY_ORDER``, every object closed
+    to unknown keys (``close_objects``)."""
+    from agentflash.grammar.sources import close_objects
+
+    return close_objects(_untitled(schema))
+
+
+def _untitled(schema: Any) -> Any:
+    if isinstance(schema, list):
+        return [_untitled(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
     first = [k for k in _KEY_ORDER if k in schema]
     out = {k: schema[k] for k in [*first, *schema] if k != "title"}
-    if "properties" in out:
-        out["properties"] = {k: strict_schema(v) for k, v in out["properties"].items()}
-        out.setdefault("additionalProperties", False)
-    for key in ("$defs", "definitions"):
-        if key in out:
-            out[key] = {k: strict_schema(v) for k, v in out[key].items()}
-    for key in ("anyOf", "allOf", "oneOf", "prefixItems"):
-        if key in out:
-            out[key] = [strict_schema(s) for s in out[key]]
-    for key in ("items", "additionalProperties", "not"):
+    for key in ("properties", "$defs", "definitions"):
         if isinstance(out.get(key), dict):
-            out[key] = strict_schema(out[key])
+            out[key] = {k: _untitled(v) for k, v in out[key].items()}
+    for key in ("anyOf", "allOf", "oneOf", "prefixItems", "items", "additionalProperties", "not"):
+        if key in out:
+            out[key] = _untitled(out[key])
     return out
 
 
