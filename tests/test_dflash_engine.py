@@ -156,3 +156,29 @@ def test_a_looping_output_is_drafted_from_itself_and_stays_exact(engine):
     assert out.stats["lookup_drafts"] > 0
     assert out.stats["target_forwards"] < 60 / 2  # the loop is verified many tokens at a time
     assert out.token_ids == plain(engine, ids, max_tokens=60, ignore_eos=True).token_ids
+
+
+def test_a_stop_among_accepted_drafts_counts_no_miss_after_it(engine, monkeypatch):
+    """The drafts after a stop were never needed, and the target's choice after the end says
+    nothing of the drafter: the router's acceptance counts end at the stop."""
+    for start in range(2000, 4000, 100):  # a prompt whose output changes token early on
+        ids = list(range(start, start + 30))
+        free = plain(engine, ids, max_tokens=16, ignore_eos=True).token_ids
+        fresh = [i for i in range(3, 7) if free[i] not in free[:i]]  # drafted at slot i - 1
+        if fresh:
+            stop = fresh[0]
+            break
+    seen = []
+    real = engine.cost.observe_draft
+
+    def spy(routing, kind, accepted, drafted):
+        seen.append((accepted, drafted))
+        real(routing, kind, accepted, drafted)
+
+    monkeypatch.setattr(engine.cost, "observe_draft", spy)
+    monkeypatch.setattr(engine.cost, "lookup_slots", lambda *args: 0)  # drafter blocks only
+    # the first block drafts free[1:8], right up to the stop, wrong just after it
+    monkeypatch.setattr(engine_mod, "draft_logits", Oracle(len(ids), free, wrong_at=stop))
+    out = dflash(engine, ids, max_tokens=16, block_size=8, stop_token_ids=(free[stop],))
+    assert out.token_ids == free[: stop + 1] and out.finish_reason == "stop"
+    assert seen == [(stop, stop)]  # not (stop, 7): no miss counted past the stop

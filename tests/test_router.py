@@ -66,6 +66,12 @@ def test_recorded_segments_merge_same_kind_and_mode():
     ]
 
 
+def verify(cost, routing, kind, accepted, drafted):
+    """One verify of ``routing``'s request, in a step of its own (as the engine counts it)."""
+    cost.begin_step()
+    cost.observe_draft(routing, kind, accepted, drafted)
+
+
 def choose(cost, routing, kind, rows=1, slots=15):
     return cost.plan(rows, [Candidate(routing, kind, slots)])[0]
 
@@ -74,12 +80,12 @@ def test_cost_model_follows_measurements_and_probes_plain_kinds():
     cost, routing = CostModel(probe_every=4), RequestRouting()
     assert choose(cost, routing, SegmentKind.TOOL_CALL)  # prior: predictable
     for _ in range(20):
-        cost.observe_draft(routing, SegmentKind.PROSE, 0, 15)  # drafts keep failing on prose
+        verify(cost, routing, SegmentKind.PROSE, 0, 15)  # drafts keep failing on prose
     decisions = [choose(cost, routing, SegmentKind.PROSE) for _ in range(12)]
     # plain, with a probe after 4 steps, then (the probe failing) after 8
     assert decisions == [False] * 3 + [True] + [False] * 7 + [True]
     for _ in range(10):
-        cost.observe_draft(routing, SegmentKind.PROSE, 12, 15)  # the prose became predictable
+        verify(cost, routing, SegmentKind.PROSE, 12, 15)  # the prose became predictable
     assert choose(cost, routing, SegmentKind.PROSE)
 
 
@@ -108,15 +114,15 @@ def test_a_draft_must_pay_for_the_time_it_adds_to_every_row_of_the_step():
             cost.observe_step(shape, float(TRUE_COST @ shape.features()))
     routing = RequestRouting()
     for _ in range(10):
-        cost.observe_draft(routing, SegmentKind.TOOL_CALL, 3, 15)  # tau(15) about 4
+        verify(cost, routing, SegmentKind.TOOL_CALL, 3, 15)  # tau(15) about 4
     # alone, 3 more tokens per step beat the 2.2x longer step; beside 7 plain rows they do not
     assert choose(cost, routing, SegmentKind.TOOL_CALL, rows=1)
     assert not choose(cost, routing, SegmentKind.TOOL_CALL, rows=8)
     # of two candidates the more predictable one drafts first and pays the drafter's fixed cost
     sure, unsure = RequestRouting(), RequestRouting()
     for _ in range(10):
-        cost.observe_draft(sure, SegmentKind.MATH, 8, 15)
-        cost.observe_draft(unsure, SegmentKind.PROSE, 1, 15)
+        verify(cost, sure, SegmentKind.MATH, 8, 15)
+        verify(cost, unsure, SegmentKind.PROSE, 1, 15)
     plan = cost.plan(2, [Candidate(unsure, SegmentKind.PROSE, 15),
                          Candidate(sure, SegmentKind.MATH, 15)])
     assert plan == [False, True]
@@ -140,7 +146,7 @@ def test_a_rows_own_cost_is_not_charged_to_the_tokens_of_a_verify_block():
     assert fitted[3] + fitted[4] == pytest.approx(true_cost[3] + true_cost[4], rel=0.2)
     routing = RequestRouting()
     for _ in range(10):
-        cost.observe_draft(routing, SegmentKind.TOOL_CALL, 3, 15)  # tau(15) about 4
+        verify(cost, routing, SegmentKind.TOOL_CALL, 3, 15)  # tau(15) about 4
     # 3 more tokens for 2.1 ms beat 8 plain rows' 0.87 ms a token: the draft pays, even at 8
     assert choose(cost, routing, SegmentKind.TOOL_CALL, rows=8)
 
@@ -168,16 +174,16 @@ def test_acceptance_ignores_drafts_cut_short_and_follows_bursts():
     cost, routing = CostModel(), RequestRouting()
     before = cost.acceptance_rates(routing, SegmentKind.CODE)
     for _ in range(10):
-        cost.observe_draft(routing, SegmentKind.CODE, 2, 2)
+        verify(cost, routing, SegmentKind.CODE, 2, 2)
     after = cost.acceptance_rates(routing, SegmentKind.CODE)
     assert (after[:2] > before[:2]).all() and after[2:] == pytest.approx(before[2:])
     # one accepted then a rejection, every time: a 15-slot block commits about 2
     for _ in range(40):
-        cost.observe_draft(routing, SegmentKind.MATH, 1, 15)
+        verify(cost, routing, SegmentKind.MATH, 1, 15)
     assert 1.8 < cost.expected_tau(routing, SegmentKind.MATH, 15) < 2.5  # priors pull a little
     # bursty: half the drafts fail at once, the other half run the whole block
     for i in range(40):
-        cost.observe_draft(routing, SegmentKind.TOOL_CALL, 15 * (i % 2), 15)
+        verify(cost, routing, SegmentKind.TOOL_CALL, 15 * (i % 2), 15)
     rates = cost.acceptance_rates(routing, SegmentKind.TOOL_CALL)
     assert rates[0] == pytest.approx(0.5, abs=0.1) and rates[1:15].min() > 0.9
     assert cost.block_size(routing, SegmentKind.TOOL_CALL, 16) == 16
@@ -189,10 +195,10 @@ def test_block_size_follows_the_acceptance_rate_within_bounds():
     prose = cost.block_size(routing, SegmentKind.PROSE, 16)  # prior tau 2
     assert 16 >= tool > prose >= 3
     for _ in range(30):
-        cost.observe_draft(routing, SegmentKind.PROSE, 0, 15)
+        verify(cost, routing, SegmentKind.PROSE, 0, 15)
     assert cost.block_size(routing, SegmentKind.PROSE, 16) == 2  # one draft: it never lands
     for _ in range(30):
-        cost.observe_draft(routing, SegmentKind.MATH, 15, 15)
+        verify(cost, routing, SegmentKind.MATH, 15, 15)
     assert cost.block_size(routing, SegmentKind.MATH, 16) == 16  # every draft lands
     assert cost.block_size(routing, SegmentKind.TOOL_CALL, 3) <= 3
 
@@ -209,7 +215,7 @@ def test_rows_that_draft_together_share_the_drafters_fixed_cost():
     routings = [RequestRouting() for _ in range(8)]
     for routing in routings:
         for _ in range(10):
-            cost.observe_draft(routing, SegmentKind.TOOL_CALL, 7, 15)
+            verify(cost, routing, SegmentKind.TOOL_CALL, 7, 15)
     # one row alone among seven plain ones does not pay for the drafter; all eight together do
     assert cost.plan(8, [Candidate(routings[0], SegmentKind.TOOL_CALL, 15)]) == [False]
     together = [Candidate(r, SegmentKind.TOOL_CALL, 15) for r in routings]
@@ -221,7 +227,7 @@ def test_a_plain_kind_is_probed_once_per_period_by_its_cheapest_row():
     routings = [RequestRouting() for _ in range(3)]
     for routing in routings:
         for _ in range(20):
-            cost.observe_draft(routing, SegmentKind.PROSE, 0, 15)
+            verify(cost, routing, SegmentKind.PROSE, 0, 15)
     rows = [Candidate(r, SegmentKind.PROSE, 3, backlog=b) for r, b in zip(routings, (90, 7, 40))]
     plans = [cost.plan(3, rows) for _ in range(12)]
     probes = [[i for i, yes in enumerate(p) if yes] for p in plans]
@@ -233,11 +239,11 @@ def test_a_plain_kind_is_probed_once_per_period_by_its_cheapest_row():
 def test_probes_back_off_while_a_kind_loses_and_reset_once_it_pays():
     cost, routing = CostModel(probe_every=2, max_probe_every=8), RequestRouting()
     for _ in range(20):
-        cost.observe_draft(routing, SegmentKind.PROSE, 0, 15)
+        verify(cost, routing, SegmentKind.PROSE, 0, 15)
     probed = [i for i in range(40) if choose(cost, routing, SegmentKind.PROSE)]
     assert probed == [1, 5, 13, 21, 29, 37]  # after 2, 4, 8, 8, ... steps
     for _ in range(10):
-        cost.observe_draft(routing, SegmentKind.PROSE, 14, 15)  # prose became predictable
+        verify(cost, routing, SegmentKind.PROSE, 14, 15)  # prose became predictable
     assert choose(cost, routing, SegmentKind.PROSE)
     assert cost._probe_interval[SegmentKind.PROSE] == 2
 
@@ -245,7 +251,7 @@ def test_probes_back_off_while_a_kind_loses_and_reset_once_it_pays():
 def test_rows_that_asked_for_dflash_do_not_reset_the_probe_back_off():
     cost, routing = CostModel(probe_every=2, max_probe_every=8), RequestRouting()
     for _ in range(20):
-        cost.observe_draft(routing, SegmentKind.PROSE, 0, 15)
+        verify(cost, routing, SegmentKind.PROSE, 0, 15)
     for _ in range(20):  # prose loses: the period grows to its longest
         choose(cost, routing, SegmentKind.PROSE)
     assert cost._probe_interval[SegmentKind.PROSE] == 8
@@ -262,7 +268,7 @@ def test_a_bad_stretch_ages_while_the_kind_decodes_plain():
     def first_draft(age_plain):
         cost, routing = CostModel(probe_every=10_000, age_plain=age_plain), RequestRouting()
         for _ in range(6):
-            cost.observe_draft(routing, SegmentKind.CODE, 0, 15)  # a stretch the drafter misses
+            verify(cost, routing, SegmentKind.CODE, 0, 15)  # a stretch the drafter misses
         return next((i for i in range(300) if choose(cost, routing, SegmentKind.CODE)), None)
 
     assert 0 < first_draft(0.97) < 100
@@ -274,7 +280,7 @@ def test_a_row_drafts_from_its_own_text_where_the_drafter_fails_and_the_text_rep
     # at first the drafter is trusted on tool calls: the text's own suggestion waits
     assert cost.lookup_slots(routing, SegmentKind.TOOL_CALL, 7, 15) == 0
     for _ in range(8):
-        cost.observe_draft(routing, SegmentKind.TOOL_CALL, 0, 7)  # a loop the drafter misses
+        verify(cost, routing, SegmentKind.TOOL_CALL, 0, 7)  # a loop the drafter misses
     assert cost.lookup_slots(routing, SegmentKind.TOOL_CALL, 7, 0) == 0  # nothing to look up
     assert 0 < cost.lookup_slots(routing, SegmentKind.TOOL_CALL, 7, 15)
     for _ in range(8):
@@ -285,18 +291,18 @@ def test_a_row_drafts_from_its_own_text_where_the_drafter_fails_and_the_text_rep
     assert choose(cost, routing, SegmentKind.TOOL_CALL, rows=1, slots=7)
     untried = RequestRouting()
     for _ in range(8):
-        cost.observe_draft(untried, SegmentKind.TOOL_CALL, 0, 7)
+        verify(cost, untried, SegmentKind.TOOL_CALL, 0, 7)
     assert not choose(cost, untried, SegmentKind.TOOL_CALL, rows=1, slots=7)
     for _ in range(12):
         cost.observe_lookup(routing, 0, 15)  # the text moved on...
-        cost.observe_draft(routing, SegmentKind.TOOL_CALL, 7, 7)  # ...where the drafter lands
+        verify(cost, routing, SegmentKind.TOOL_CALL, 7, 7)  # ...where the drafter lands
     assert cost.lookup_slots(routing, SegmentKind.TOOL_CALL, 7, 15) == 0
 
 
 def test_looked_up_drafts_that_stand_whole_grow_past_the_lengths_tried():
     cost, routing = CostModel(), RequestRouting()
     for _ in range(8):
-        cost.observe_draft(routing, SegmentKind.TOOL_CALL, 0, 7)  # the drafter misses a loop
+        verify(cost, routing, SegmentKind.TOOL_CALL, 0, 7)  # the drafter misses a loop
     lengths = []
     for _ in range(6):
         take = cost.lookup_slots(routing, SegmentKind.TOOL_CALL, 7, 15)
@@ -341,3 +347,24 @@ def test_a_drafters_validation_tau_is_the_routers_starting_estimate(tmp_path):
     (tmp_path / "train_drafter.json").write_text(json.dumps({"val_tau": {"code": "fast"}}))
     with pytest.raises(UserError, match="train_drafter.json: val_tau"):
         read_validation_tau(tmp_path)
+
+
+def test_a_kinds_counts_age_per_step_not_per_verify():
+    """With many rows a step brings many verifies: aged per verify, a kind's counts held little
+    more than the last step's, and at the end of a run the last steps are its slowest (hardest)
+    requests'; every new request then started from their estimate."""
+    cost = CostModel()
+    easy = [RequestRouting() for _ in range(32)]
+    cost.begin_step()
+    for routing in easy:  # one wide step where the drafts stand
+        cost.observe_draft(routing, SegmentKind.TOOL_CALL, 14, 15)
+    cost.begin_step()
+    for routing in easy[:4]:  # the four slowest requests' next step: their drafts fail
+        cost.observe_draft(routing, SegmentKind.TOOL_CALL, 0, 15)
+    fresh = cost.acceptance_rates(RequestRouting(), SegmentKind.TOOL_CALL)
+    assert fresh[0] > 0.8  # 32 verifies that stood, and 4 that did not
+    # verifies in steps of their own keep aging per verify, as a lone request's do
+    alone = CostModel()
+    for accepted in [14] * 32 + [0] * 4:
+        verify(alone, RequestRouting(), SegmentKind.TOOL_CALL, accepted, 15)
+    assert alone.acceptance_rates(RequestRouting(), SegmentKind.TOOL_CALL)[0] < 0.75

@@ -223,6 +223,7 @@ class Engine:
         admitted, decoding = self.scheduler.schedule()
         if not admitted and not decoding:
             return []
+        self.cost.begin_step()
         t0 = time.perf_counter()
         kinds = {r.id: r.segments.kind for r in decoding}
         drafting = [r for r in decoding if r.draft_context is not None]
@@ -402,10 +403,17 @@ class Engine:
                 fed = fed.clone()  # kept: not a view of the whole step's states
                 req.kept_hidden.append(fed)
         committed = self._commit(req, draft.tokens[:num_accepted] + [bonus], in_grammar)
+        # a stop among the accepted drafts ends the request there: the drafts after it were
+        # never needed, and the target's choice after the end (not a token it would write) says
+        # nothing of the drafter; counted as a miss, every answer's last verify was one
+        judged = len(committed) if req.is_finished and len(committed) <= num_accepted else None
+        accepted, drafted = (
+            (judged, judged) if judged is not None else (num_accepted, len(draft.tokens))
+        )
         if draft.drafted:
-            self.cost.observe_draft(req.routing, kind, num_accepted, len(draft.tokens))
+            self.cost.observe_draft(req.routing, kind, accepted, drafted)
         elif draft.looked_up:
-            self.cost.observe_lookup(req.routing, num_accepted, len(draft.tokens))
+            self.cost.observe_lookup(req.routing, accepted, drafted)
         self._track(req, kind, "dflash" if routed else "plain", committed, 1, draft, num_accepted)
         if req.draft_context is not None and not req.is_finished:
             # projected into the drafter's context when the request next drafts

@@ -4,8 +4,9 @@ The choice is a cost model fed by what the engine measures while it runs:
 
 - how often a draft position is accepted, per position, per segment kind and per request: a
   verify reaches position ``j`` when every earlier draft stood, and accepts it or not; the rate
-  ``q_j = accepted_j / reached_j`` over decayed counts, a request's own counts shrunk towards its
-  kind's and those towards a prior. A block of ``k`` drafts is expected to commit
+  ``q_j = accepted_j / reached_j`` over decayed counts (a kind's decay per engine step, so
+  that a wide step's verifies count alike; a request's per verify), a request's own counts
+  shrunk towards its kind's and those towards a prior. A block of ``k`` drafts is expected to commit
   ``tau(k) = 1 + q0 + q0 q1 + ...`` tokens. Blocks cut short (by the room left, or chosen short)
   say nothing of the positions they did not reach, so they do not bias the estimate, and bursty
   text (a tool call that is right once its key is) gets long blocks;
@@ -96,11 +97,17 @@ class Acceptance:
         self.reached = np.zeros(MAX_SLOTS)
         self.accepted = np.zeros(MAX_SLOTS)
         self.steps = 0
+        self._step: int | None = None  # the engine step of the last verify counted
 
-    def observe(self, accepted: int, drafted: int, keep: float) -> None:
+    def observe(self, accepted: int, drafted: int, keep: float, step: int | None = None) -> None:
+        """Count a verify; older counts keep ``keep`` of their weight per verify, or, given the
+        engine ``step``, per step (the verifies of one step count alike)."""
         reached = min(accepted + 1, drafted)  # positions 0..accepted (the rejected one included)
-        self.reached *= keep
-        self.accepted *= keep
+        if step is None or self._step is None or step != self._step:
+            factor = keep if step is None or self._step is None else keep ** (step - self._step)
+            self.reached *= factor
+            self.accepted *= factor
+            self._step = step
         self.reached[:reached] += 1
         self.accepted[:accepted] += 1
         self.steps += 1
@@ -181,7 +188,9 @@ class CostModel:
     # tau per kind before any measurement (a drafter's own validation tau, where it has one)
     prior_tau: dict[SegmentKind, float] = field(default_factory=lambda: dict(PRIOR_TAU))
 
-    keep: float = 0.9  # weight of older acceptance counts per new verify (a request's own: 0.8)
+    keep: float = 0.9  # weight of a kind's older acceptance counts per engine step with verifies
+    # of it (a request's own: 0.8 per verify)
+    _steps: int = 0  # engine steps begun (``begin_step``)
     probe_every: int = 32  # engine steps between DFlash probes of a kind routed to plain...
     max_probe_every: int = 256  # ...doubling after each probe that left it plain, up to this
     age_plain: float = 0.97  # weight kept by a kind's acceptance counts per step it decodes plain
@@ -209,8 +218,17 @@ class CostModel:
         self, routing: RequestRouting, kind: SegmentKind, accepted: int, drafted: int
     ) -> None:
         """A verify of ``kind`` accepted ``accepted`` of ``drafted`` draft tokens."""
-        self.acceptance.setdefault(kind, Acceptance()).observe(accepted, drafted, self.keep)
+        # a kind's counts age per engine step: with many rows a step brings many verifies,
+        # and aged per verify the counts held little more than the last step's (at the end of
+        # a run, its slowest requests': the hardest text set every new request's estimate)
+        self.acceptance.setdefault(kind, Acceptance()).observe(
+            accepted, drafted, self.keep, self._steps
+        )
         routing.acceptance.setdefault(kind, Acceptance()).observe(accepted, drafted, 0.8)
+
+    def begin_step(self) -> None:
+        """The engine begins a step: the verifies counted from now on are one step newer."""
+        self._steps += 1
 
     def observe_lookup(self, routing: RequestRouting, accepted: int, drafted: int) -> None:
         """A verify of a draft looked up in the request's own text accepted ``accepted``."""
