@@ -132,6 +132,15 @@ class DraftContext:
     def values(self, layer: int) -> torch.Tensor:
         return self._v[layer][:, : self.length]  # [KV, len, D]
 
+    def with_room(self, layer: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [KV, len + t, D] of ``layer``: the context's, then ``t`` positions of
+        its storage past its end where a block's own keys and values are written while it
+        drafts (never counted in ``length``: the next ``append`` writes over them)."""
+        if self.length + t > self.capacity:
+            self._grow(max(self.length + t, 2 * self.capacity, 64))
+        end = self.length + t
+        return self._k[layer][:, :end], self._v[layer][:, :end]
+
     def append(self, layer_kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Add ``t`` positions: one (keys, values) pair [KV, t, D] per draft layer."""
         assert len(layer_kv) == len(self._k), "one (keys, values) pair per draft layer"
@@ -190,22 +199,34 @@ class DraftAttention(nn.Module):
         ctx_k: torch.Tensor,
         ctx_v: torch.Tensor,
         ctx_visible: torch.Tensor | None,
+        block_room: bool = False,
     ) -> torch.Tensor:
         # x: [B, N, T, H], N blocks of T slots per row; cos, sin: [B, N, T, D]
         # ctx_k, ctx_v: [B, KV, S, D]; ctx_visible: [B, N, S] (True where a block sees the context)
+        # block_room (one block per row): the context's last T positions are free for the
+        # block's own keys and values, written there instead of concatenated (a copy of the
+        # whole context per layer and step)
         b, n, t, _ = x.shape
         q = self.q_norm(self.q_proj(x).unflatten(-1, (self.num_heads, self.head_dim)))
         q = apply_rotary(q, cos[..., None, :], sin[..., None, :])  # [B, N, T, Hq, D]
         k, v = self.keys_values(x, cos, sin)  # [B, N, KV, T, D]
         if n == 1:
-            out = self._attend_one_block(q[:, 0], k[:, 0], v[:, 0], ctx_k, ctx_v, ctx_visible)
+            out = self._attend_one_block(
+                q[:, 0], k[:, 0], v[:, 0], ctx_k, ctx_v, ctx_visible, block_room
+            )
         else:
+            assert not block_room, "room for the block's keys and values: one block per row"
             out = self._attend_blocks(q, k, v, ctx_k, ctx_v, ctx_visible)
         return self.o_proj(out.reshape(b, n, t, -1))
 
-    def _attend_one_block(self, q, k, v, ctx_k, ctx_v, ctx_visible) -> torch.Tensor:
+    def _attend_one_block(self, q, k, v, ctx_k, ctx_v, ctx_visible, block_room=False):
         # q: [B, T, Hq, D]; k, v: [B, KV, T, D]; one block per row, as when drafting
-        keys, values = torch.cat((ctx_k, k), dim=2), torch.cat((ctx_v, v), dim=2)  # [B, KV, S+T, D]
+        if block_room:
+            keys, values = ctx_k, ctx_v  # [B, KV, S+T, D]
+            keys[:, :, -k.shape[2] :] = k
+            values[:, :, -v.shape[2] :] = v
+        else:
+            keys, values = torch.cat((ctx_k, k), dim=2), torch.cat((ctx_v, v), dim=2)
         mask = None
         if ctx_visible is not None:
             own = ctx_visible.new_ones(ctx_visible.shape[0], 1, k.shape[2])
@@ -245,8 +266,10 @@ class DraftLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, ctx_k, ctx_v, ctx_visible):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, ctx_visible)
+    def forward(self, x, cos, sin, ctx_k, ctx_v, ctx_visible, block_room=False):
+        x = x + self.self_attn(
+            self.input_layernorm(x), cos, sin, ctx_k, ctx_v, ctx_visible, block_room
+        )
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -291,17 +314,20 @@ class DFlashDrafter(nn.Module):
         positions: torch.Tensor,
         context: list[tuple[torch.Tensor, torch.Tensor]],
         ctx_visible: torch.Tensor | None = None,
+        block_room: bool = False,
     ) -> torch.Tensor:
         """Final-normed hidden states [B, N, T, H] of N blocks per row.
 
         ``block_embeds`` [B, N, T, H]: target embeddings of each block; ``positions`` [B, N, T];
         ``context`` from ``context_kv`` (one [B, KV, S, D] pair per layer); ``ctx_visible``
         [B, N, S] says which context positions each block attends to (None: all).
+        ``block_room`` (N = 1): each context ends with T free positions for the block's own keys
+        and values (``DraftContext.with_room``); ``ctx_visible`` covers the S - T before them.
         """
         cos, sin = self.rope(positions, block_embeds.dtype)
         x = block_embeds
         for layer, (ctx_k, ctx_v) in zip(self.layers, context, strict=True):
-            x = layer(x, cos, sin, ctx_k, ctx_v, ctx_visible)
+            x = layer(x, cos, sin, ctx_k, ctx_v, ctx_visible, block_room)
         return self.norm(x)
 
     # --- drafting: one block per request, against each request's cached context ---------------
@@ -352,23 +378,30 @@ class DFlashDrafter(nn.Module):
         context holds every earlier position); rows may have contexts of different lengths.
         """
         assert block_embeds.shape[0] == len(contexts), "one context per block"
-        if len(contexts) == 1:
-            ctx = contexts[0]
-            kv = [(ctx.keys(i)[None], ctx.values(i)[None]) for i in range(self.cfg.num_layers)]
+        t = block_embeds.shape[1]
+        if len(contexts) == 1:  # the context's own storage, the block written past its end
+            kv = [tuple(x[None] for x in contexts[0].with_room(i, t))
+                  for i in range(self.cfg.num_layers)]
             visible = None
         else:
-            kv, visible = self._padded_contexts(contexts)
-        return self(block_embeds[:, None], positions[:, None], kv, visible)[:, 0]
+            kv, visible = self._padded_contexts(contexts, t)
+        return self(block_embeds[:, None], positions[:, None], kv, visible, block_room=True)[:, 0]
 
-    def _padded_contexts(self, contexts: list[DraftContext]):
+    def _padded_contexts(self, contexts: list[DraftContext], t: int):
+        """Per layer, the contexts' keys and values [B, KV, S + t, D] padded to the longest
+        (S), with ``t`` positions after it for the blocks; which context positions each row sees
+        [B, 1, S]."""
         longest = max(c.length for c in contexts)
         kv = []
         for layer in range(self.cfg.num_layers):
-            k = torch.stack([F.pad(c.keys(layer), (0, 0, 0, longest - c.length)) for c in contexts])
-            v = torch.stack(
-                [F.pad(c.values(layer), (0, 0, 0, longest - c.length)) for c in contexts]
-            )
-            kv.append((k, v))  # [B, KV, S, D]
+            pair = []
+            for part in (DraftContext.keys, DraftContext.values):
+                first = part(contexts[0], layer)
+                out = first.new_zeros(len(contexts), first.shape[0], longest + t, first.shape[2])
+                for i, c in enumerate(contexts):
+                    out[i, :, : c.length] = part(c, layer)
+                pair.append(out)
+            kv.append(tuple(pair))
         lengths = torch.tensor([c.length for c in contexts], device=self.fc.weight.device)
         visible = torch.arange(longest, device=lengths.device)[None] < lengths[:, None]
         return kv, visible[:, None]  # [B, 1, S]: one block per row

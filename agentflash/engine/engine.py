@@ -19,7 +19,7 @@ from agentflash.engine.kv_cache import KVCache
 from agentflash.engine.model_runner import ModelRunner, Row
 from agentflash.engine.prefix_cache import PrefixCache, PrefixHit
 from agentflash.engine.request import FinishReason, Request, SamplingParams, Speculation, Status
-from agentflash.engine.sampling import accept, sample
+from agentflash.engine.sampling import accept, argmax, sample
 from agentflash.engine.scheduler import Scheduler, SchedulerConfig
 from agentflash.errors import UserError
 from agentflash.grammar.constraint import apply_bitmask_, greedy_verify
@@ -246,7 +246,7 @@ class Engine:
         self._mask_verify_logits(decoding, drafts, out.logits)
         # greedy rows' choices, every position of every row in one call (sampling rows and
         # constrained rows' masked positions read their logits again)
-        top = out.logits.argmax(-1).tolist()
+        top = argmax(out.logits).tolist()
         outputs = failed + [
             self._isolated(
                 req, self._settle, req, i, drafts[req.id], out, kinds[req.id], req.id in routed,
@@ -554,7 +554,7 @@ class Engine:
         logits = draft_logits(
             self.drafter, self.model.embed, self.model.logits, last, contexts, block
         )  # [B, block-1, V]
-        best = logits.argmax(-1)  # [B, block-1]
+        best = argmax(logits)  # [B, block-1]
         for i, r in enumerate(reqs):
             r.stats.draft_forwards += 1
             n = sizes[r.id]

@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(-1)``, the first of equal maxima. On the CPU numpy's is taken: torch's
+    reduction took 0.9 ms over a 16-row step's verify logits [16, 16, 4096], numpy's 0.2 ms."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and not logits.requires_grad:
+        return torch.from_numpy(np.asarray(logits.numpy().argmax(-1)))
+    return logits.argmax(-1)
 
 
 def sample(

@@ -426,17 +426,15 @@ def exact_attention(
     keys = k_slot.transpose(1, 2)[:, :, :width]  # [KV, D, L], rows contiguous
     probs = torch.softmax(torch.baddbmm(bias, queries, keys, alpha=d**-0.5), dim=-1)
     n = width // EXACT_CHUNK
-    parts = torch.stack(
+    out = torch.stack(
         [
             torch.bmm(
                 probs[h].view(rows, n, EXACT_CHUNK).transpose(0, 1),  # [n, rows, C]
                 v_pool[:n, slot, h],  # [n, C, D]
-            )
+            ).sum(0)  # [rows, D]: the chunks' partial products summed, chunk after chunk
             for h in range(kv)
-        ],
-        dim=1,
-    )  # [n, KV, rows, D]
-    out = parts.sum(0)  # [KV, rows, D]
+        ]
+    )  # [KV, rows, D]
     return out[:, : q.shape[1] // kv * t].reshape(1, -1, t, d)  # the real rows, as [1, H, T, D]
 
 
