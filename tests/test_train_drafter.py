@@ -278,8 +278,41 @@ def test_init_starts_a_new_run_from_a_trained_drafter(run, tiny_model_dir, tmp_p
     other = tmp_path / "other"
     other.mkdir()
     shutil.copy(run / "responses.json", other / "responses.json")
-    with pytest.raises(UserError, match=f"{run}.*num_layers"):
-        train_drafter(tiny_model_dir, other, tiny_config(steps=1, init=str(run), num_layers=2))
+    with pytest.raises(UserError, match=f"{run}.*block_size"):
+        train_drafter(tiny_model_dir, other, tiny_config(steps=1, init=str(run), block_size=8))
+
+
+def test_a_drafter_deepened_to_more_layers_drafts_as_before(run, tiny_model_dir, tmp_path):
+    """``deepen``: the new layers' output projections are zero, so they add nothing to the
+    residual stream and the deeper drafter's draft logits are the shallow one's, bitwise;
+    ``--init`` deepens a shallower drafter."""
+    shallow = load_drafter(run, dtype=torch.float32)
+    deep = train_mod.deepen(shallow, 3)
+    assert deep.cfg.num_layers == 3 and len(deep.layers) == 3
+    assert torch.equal(deep.layers[2].self_attn.q_proj.weight,
+                       shallow.layers[-1].self_attn.q_proj.weight)
+    target, _, _ = load_model(tiny_model_dir)
+    ids = list(range(5, 25))
+    layers = shallow.cfg.target_layer_ids
+    _, captured = target(torch.tensor([ids]), torch.arange(len(ids))[None],
+                         [NoCache()] * target.cfg.num_layers, None, layers)
+    hidden = torch.cat(captured, -1)
+    block = target.embed(torch.tensor([[ids[-1]] + [shallow.cfg.mask_token_id] * 3]))
+    positions = torch.arange(len(ids), len(ids) + 4)[None, None]
+    logits = []
+    for drafter in (shallow, deep):
+        with torch.no_grad():
+            kv = drafter.context_kv(hidden, torch.arange(len(ids))[None])
+            logits.append(target.logits(drafter(block[:, None], positions, kv)))
+    assert torch.equal(logits[0], logits[1])
+    shutil.copy(run / "responses.json", tmp_path / "responses.json")
+    trained_loss = [e["loss"] for e in read_log(run) if "loss" in e][-1]
+    fresh_loss = [e["loss"] for e in read_log(run) if "loss" in e][0]
+    train_drafter(tiny_model_dir, tmp_path, tiny_config(steps=1, init=str(run), val_every=100,
+                                                        num_layers=2, target_layer_ids=layers))
+    first = [e["loss"] for e in read_log(tmp_path) if "loss" in e]
+    assert abs(first[0] - trained_loss) < abs(first[0] - fresh_loss)
+    assert load_drafter(tmp_path).cfg.num_layers == 2
 
 
 def test_a_drafter_widened_to_more_target_layers_drafts_as_before(run, tiny_model_dir, tmp_path):

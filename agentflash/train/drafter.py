@@ -566,9 +566,10 @@ def _save_checkpoint(ckpt_dir: Path, step: int, drafter, opt, dcfg: DrafterConfi
 
 def _init_from(source: str, drafter, dcfg: DrafterConfig) -> None:
     """Start from the weights of the drafter in ``source`` (a directory or ``demo``), whose
-    shape must be the one this run trains, except that it may read fewer target layers: a
-    drafter reading a subset of this run's layers is widened (``widen_context``), and drafts as
-    it did until training teaches it the new ones."""
+    shape must be the one this run trains, except that it may read fewer target layers or have
+    fewer layers: a drafter reading a subset of this run's target layers is widened
+    (``widen_context``), a shallower one deepened (``deepen``); either drafts as it did until
+    training gives the new weights a say."""
     from agentflash.dflash.checkpoint import load_drafter
     from agentflash.models.loading import drafter_dir
 
@@ -576,6 +577,9 @@ def _init_from(source: str, drafter, dcfg: DrafterConfig) -> None:
     init = load_drafter(path, dtype=torch.float32)
     mine, theirs = asdict(dcfg), asdict(init.cfg)
     diff = {k: v for k, v in theirs.items() if mine[k] != v}
+    if "num_layers" in diff and init.cfg.num_layers < dcfg.num_layers:
+        init = deepen(init, dcfg.num_layers)
+        del diff["num_layers"]
     if set(diff) == {"target_layer_ids"} and set(init.cfg.target_layer_ids) < set(
         dcfg.target_layer_ids
     ):
@@ -583,6 +587,27 @@ def _init_from(source: str, drafter, dcfg: DrafterConfig) -> None:
     elif diff:
         raise UserError(f"{path}: --init drafter differs from the one to train in {diff}")
     drafter.load_state_dict(init.state_dict())
+
+
+def deepen(drafter: DFlashDrafter, num_layers: int) -> DFlashDrafter:
+    """A copy of ``drafter`` with layers added after its own up to ``num_layers``, that computes
+    exactly what it did: each new layer's output projections (attention ``o_proj``, MLP
+    ``down_proj``) are zero, so it adds nothing to the residual stream until training gives it
+    weight (its other weights start as the last layer's)."""
+    old = drafter.cfg.num_layers
+    if num_layers <= old:
+        raise ValueError(f"{num_layers} layers do not deepen a drafter of {old}")
+    deep = DFlashDrafter(replace(drafter.cfg, num_layers=num_layers))
+    state = drafter.state_dict()
+    last = f"layers.{old - 1}."
+    for i in range(old, num_layers):
+        for name, tensor in list(state.items()):
+            if name.startswith(last):
+                new = f"layers.{i}." + name[len(last):]
+                zero = name.endswith(("self_attn.o_proj.weight", "mlp.down_proj.weight"))
+                state[new] = torch.zeros_like(tensor) if zero else tensor.clone()
+    deep.load_state_dict(state)
+    return deep.to(drafter.fc.weight.dtype)
 
 
 def widen_context(drafter: DFlashDrafter, layer_ids: tuple[int, ...]) -> DFlashDrafter:
