@@ -204,9 +204,10 @@ def _ref_path(ref: str) -> list[str | int]:
     return [p.replace("~1", "/").replace("~0", "~") for p in ref[1:].split("/")[1:]]
 
 
-_CHILD_KEYS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-_CHILD_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
-_CHILD_SINGLE = (
+# where a JSON Schema holds subschemas: maps of them, lists of them, and single ones
+SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
+SCHEMA_SINGLES = (
     "items",
     "additionalProperties",
     "not",
@@ -223,13 +224,13 @@ _CHILD_SINGLE = (
 def _children(node: Any) -> Iterator[tuple[list[str | int], Any]]:
     if not isinstance(node, dict):
         return
-    for key in _CHILD_KEYS:
+    for key in SCHEMA_MAPS:
         for name, sub in (node.get(key) or {}).items():
             yield [key, name], sub
-    for key in _CHILD_LISTS:
+    for key in SCHEMA_LISTS:
         for i, sub in enumerate(node.get(key) or []):
             yield [key, i], sub
-    for key in _CHILD_SINGLE:
+    for key in SCHEMA_SINGLES:
         sub = node.get(key)
         if isinstance(sub, list):  # draft-04 style tuple ``items``
             for i, item in enumerate(sub):

@@ -14,7 +14,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agentflash.grammar.checks import check_lark_finishes, check_schema
+from agentflash.grammar.checks import (
+    SCHEMA_LISTS,
+    SCHEMA_MAPS,
+    SCHEMA_SINGLES,
+    check_lark_finishes,
+    check_schema,
+)
 from agentflash.grammar.constraint import GrammarError
 
 
@@ -47,18 +53,6 @@ class GrammarSource:
         return json.loads(self.text)
 
 
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-_SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
-_SCHEMA_SINGLES = (
-    "items",
-    "additionalProperties",
-    "not",
-    "if",
-    "then",
-    "else",
-    "contains",
-    "propertyNames",
-)
 _OPEN_ENDED = (
     "additionalProperties",
     "patternProperties",
@@ -81,15 +75,13 @@ def close_objects(node: Any, close: bool = True) -> Any:
     if not isinstance(node, dict):
         return node
     out = dict(node)
-    for key in _SCHEMA_MAPS:
+    for key in SCHEMA_MAPS:
         if isinstance(out.get(key), dict):
             out[key] = {name: close_objects(sub) for name, sub in out[key].items()}
-    for key in _SCHEMA_LISTS:
+    for key in SCHEMA_LISTS:  # an allOf's branches stay open themselves
         if isinstance(out.get(key), list):
-            out[key] = [close_objects(sub) for sub in out[key]]
-    if isinstance(out.get("allOf"), list):
-        out["allOf"] = [close_objects(sub, close=False) for sub in out["allOf"]]
-    for key in _SCHEMA_SINGLES:
+            out[key] = [close_objects(sub, close=key != "allOf") for sub in out[key]]
+    for key in SCHEMA_SINGLES:
         if isinstance(out.get(key), list):  # draft-04 tuple ``items``
             out[key] = [close_objects(sub) for sub in out[key]]
         elif key in out:
