@@ -406,10 +406,9 @@ class Engine:
         # a stop among the accepted drafts ends the request there: the drafts after it were
         # never needed, and the target's choice after the end (not a token it would write) says
         # nothing of the drafter; counted as a miss, every answer's last verify was one
-        judged = len(committed) if req.is_finished and len(committed) <= num_accepted else None
-        accepted, drafted = (
-            (judged, judged) if judged is not None else (num_accepted, len(draft.tokens))
-        )
+        accepted, drafted = num_accepted, len(draft.tokens)
+        if req.is_finished and len(committed) <= num_accepted:
+            accepted = drafted = len(committed)
         if draft.drafted:
             self.cost.observe_draft(req.routing, kind, accepted, drafted)
         elif draft.looked_up:
