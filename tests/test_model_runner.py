@@ -249,3 +249,44 @@ def test_a_prompt_prefilled_after_a_cached_prefix_is_bitwise_the_prompt_prefille
     assert torch.equal(rest.hidden[0], whole.hidden[0][cut:])
     for a, b in zip(cached(r, 1, length), cached(r, 0, length), strict=True):
         assert torch.equal(a, b)
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    starts=st.lists(st.integers(1, 100), min_size=2, max_size=5),
+    t=st.integers(2, 16),
+    extra=st.lists(st.one_of(prefill, decode, block), max_size=2),
+    seed=st.integers(0, 2**16),
+)
+def test_verify_blocks_of_one_length_attend_together_and_get_what_they_get_alone(
+    model, starts, t, extra, seed
+):
+    """Verify blocks of one length attend in one batch over their slots
+    (``exact_attention_blocks``): each block's logits, captured layers and cache are still
+    bitwise its own alone, beside one-token rows, prompts and blocks of other lengths."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def tokens(n):
+        return torch.randint(0, model.cfg.vocab_size, (n,), generator=gen).tolist()
+
+    shapes = [(s, t, False) for s in starts] + list(extra)
+    rows = [Row(2 * i, start, tokens(n), lo) for i, (start, n, lo) in enumerate(shapes)]
+    alone, mixed = runner(model, False, slots=16, max_len=128), runner(
+        model, False, slots=16, max_len=128
+    )
+    for r in rows:
+        if r.start:
+            prefix = tokens(r.start)
+            for rn in (alone, mixed):
+                rn.forward([Row(r.slot, 0, prefix)])
+    packed = [rows[i] for i in mixed._packing_order(rows)]
+    assert mixed._layout(packed).blocks is not None  # batched, not row by row
+    out = mixed.forward(rows, capture_layers=CAPTURE)
+    for i, r in enumerate(rows):
+        own = alone.forward([r], capture_layers=CAPTURE)
+        n = own.logits.shape[1]
+        assert torch.equal(out.logits[i, :n], own.logits[0])
+        assert torch.equal(out.hidden[i], own.hidden[0])
+        end = r.start + len(r.tokens)
+        for got, want in zip(cached(mixed, r.slot, end), cached(alone, r.slot, end)):
+            assert torch.equal(got, want)

@@ -7,14 +7,16 @@ A prompt's prefill and decoding rows can share a forward without padding each ot
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
-from itertools import accumulate
+from itertools import accumulate, takewhile
 
 import torch
 
 from agentflash.engine.kv_cache import KVCache
 from agentflash.models.qwen3 import (
     EXACT_CHUNK,
+    ExactBlockRows,
     ExactMasks,
     ExactTokenRows,
     PackedRows,
@@ -24,6 +26,8 @@ from agentflash.models.qwen3 import (
     batch_invariant_,
     query_chunks,
 )
+
+MAX_BLOCK = 64  # the longest verify block that attends batched with others (longer: alone)
 
 
 @dataclass
@@ -120,10 +124,29 @@ class ModelRunner:
         return ForwardOutput(logits, context)
 
     def _packing_order(self, rows: list[Row]) -> list[int]:
-        """Rows in packed order: the one-token rows first when they attend together."""
+        """Rows in packed order: the one-token rows first when they attend together, then (exact
+        attention) the verify blocks of the most common length, which attend together too."""
         if not (self.batch_single_tokens or self.batch_invariant):
             return list(range(len(rows)))
-        return sorted(range(len(rows)), key=lambda i: not self._single(rows[i]))
+        t = self._block_length(rows)
+        return sorted(
+            range(len(rows)),
+            key=lambda i: (not self._single(rows[i]), not self._in_block(rows[i], t)),
+        )
+
+    def _block_length(self, rows: list[Row]) -> int | None:
+        """The length most verify blocks of ``rows`` have (None: no two blocks share one)."""
+        if not self.batch_invariant:
+            return None
+        lengths = Counter(len(r.tokens) for r in rows if self._in_block(r, None))
+        t, count = max(lengths.items(), key=lambda kc: (kc[1], kc[0]), default=(None, 0))
+        return t if count >= 2 else None
+
+    @staticmethod
+    def _in_block(row: Row, t: int | None) -> bool:
+        """Whether ``row`` is a verify block (of length ``t``, when given)."""
+        n = len(row.tokens)
+        return row.start > 0 and 2 <= n <= MAX_BLOCK and (t is None or n == t)
 
     def _single(self, row: Row) -> bool:
         """Whether ``row`` may attend together with other one-token rows."""
@@ -144,8 +167,16 @@ class ModelRunner:
                 single = self._exact_token_rows(packed[:num_single], upto)
             else:
                 num_single = 0
+        # the verify blocks that attend together come right after the one-token rows (packed
+        # first, batched or not: one token each)
+        after_single = sum(1 for r in packed if self._single(r))
+        blocks = self._exact_block_rows(packed[after_single:], after_single)
+        in_blocks = range(after_single, after_single + (len(blocks.slots) if blocks else 0))
         spans, begin = [], num_single
-        for r in packed[num_single:]:
+        for i, r in enumerate(packed[num_single:], start=num_single):
+            if i in in_blocks:
+                begin += len(r.tokens)
+                continue
             end = begin + len(r.tokens)
             t = end - begin
             if self.batch_invariant:  # prompts, decoding and verify rows alike
@@ -154,7 +185,29 @@ class ModelRunner:
             else:
                 spans.append(Span(r.slot, r.start, begin, end, self._causal_mask(r.start, t)))
             begin = end
-        return PackedRows(single, spans)
+        return PackedRows(single, spans, blocks)
+
+    def _exact_block_rows(self, rows: list[Row], begin: int) -> ExactBlockRows | None:
+        """The verify blocks of one length at the head of ``rows`` (packed from token ``begin``),
+        batched over slots ``0 .. upto - 1`` if at least two and not too sparse."""
+        if not self.batch_invariant or not rows or not self._in_block(rows[0], None):
+            return None
+        t = len(rows[0].tokens)
+        group = list(takewhile(lambda r: self._in_block(r, t), rows))
+        upto = 1 + max(r.slot for r in group)
+        if len(group) < 2 or upto > 2 * len(group):
+            return None
+        slots = torch.tensor([r.slot for r in group], device=self.device)
+        starts = torch.tensor([r.start for r in group], device=self.device)
+        positions = starts[:, None] + torch.arange(t, device=self.device)  # [B2, t]
+        width = -(-(max(r.start for r in group) + t) // EXACT_CHUNK) * EXACT_CHUNK
+        last = torch.zeros(upto, t, dtype=torch.long, device=self.device)
+        last[slots] = positions  # query i of a slot's block sees keys 0 .. its position
+        bias = self._masks.up_to(last.view(-1), width).view(upto, 1, t, width)
+        kv, g = self.model.cfg.num_kv_heads, self._group
+        bias = bias.expand(upto, kv * g, t, width).reshape(upto * kv, g * t, width)
+        return ExactBlockRows(slots, t, begin, upto, slots.repeat_interleave(t),
+                              positions.reshape(-1), bias)
 
     def _exact_token_rows(self, rows: list[Row], upto: int) -> ExactTokenRows:
         """One-token rows for ``exact_attention_rows``: each slot's queries see its row's cached

@@ -279,12 +279,28 @@ class ExactTokenRows:
 
 
 @dataclass(frozen=True)
+class ExactBlockRows:
+    """Rows of ``t`` tokens each after a cached prefix (verify blocks), packed one after the
+    other from token ``begin``, attended together with ``exact_attention_blocks``: slots
+    ``0 .. upto - 1`` in one batch (a slot with no row is computed and dropped)."""
+
+    slots: torch.Tensor  # [B2]
+    t: int
+    begin: int  # where the first row's tokens are in the packed sequence
+    upto: int  # slots computed: one past the highest slot of a row
+    token_slots: torch.Tensor  # [B2 * t]: each token's slot...
+    token_positions: torch.Tensor  # [B2 * t]: ...and cache position
+    bias: torch.Tensor  # [upto * KV, G * t, width]: what each slot's query rows see
+
+
+@dataclass(frozen=True)
 class PackedRows:
     """How the tokens of one packed forward [1, N] split into rows of the slot cache."""
 
     # tokens 0..B1-1, when single-token rows attend together
     single: SingleTokenRows | ExactTokenRows | None
-    spans: list[Span]  # every other row, attended alone
+    spans: list[Span]  # every other row, attended alone...
+    blocks: ExactBlockRows | None = None  # ...but verify blocks of one length, together
 
 
 class LayerCache:
@@ -305,13 +321,18 @@ class LayerCache:
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [1, H, N, D]; k, v: [1, KV, N, D] -> [1, H, N, D]
-        outs = [self._attend_span(span, q, k, v) for span in self.rows.spans]
+        outs = [(span.begin, self._attend_span(span, q, k, v)) for span in self.rows.spans]
         if isinstance(self.rows.single, ExactTokenRows):
             exact = exact_attention_rows(q, k, v, self.k_pool, self.v_pool, self.rows.single)
-            outs.insert(0, exact)
+            outs.append((0, exact))
         elif self.rows.single is not None:
-            outs.insert(0, self._attend_single(self.rows.single, q, k, v))
-        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+            outs.append((0, self._attend_single(self.rows.single, q, k, v)))
+        blocks = self.rows.blocks
+        if blocks is not None:
+            exact = exact_attention_blocks(q, k, v, self.k_pool, self.v_pool, blocks)
+            outs.append((blocks.begin, exact))
+        outs.sort(key=lambda part: part[0])  # in packed order
+        return outs[0][1] if len(outs) == 1 else torch.cat([out for _, out in outs], dim=2)
 
     def _attend_span(
         self, span: Span, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -476,6 +497,44 @@ def exact_attention_rows(
     parts = torch.bmm(chunked, values).view(n, slots, m, d)
     out = parts.sum(0).view(rows.upto, kv, m, d).index_select(0, rows.slots)[:, :, :group]
     return out.reshape(b1, kv * group, d).transpose(0, 1)[None]  # [1, H, B1, D]
+
+
+def exact_attention_blocks(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    rows: ExactBlockRows,
+) -> torch.Tensor:
+    """``exact_attention`` for rows of ``rows.t`` tokens each (verify blocks), in one batch over
+    slots ``0 .. upto - 1``, as ``exact_attention_rows`` does for one-token rows: each batch
+    element is one (slot, key head) with its ``G * t`` query rows, as alone, its keys padded to a
+    common width (extra masked keys change neither the softmax nor the chunk sums), so each row
+    gets bitwise what it gets alone. Writes their keys and values. q [1, H, N, D]; k, v
+    [1, KV, N, D]; returns [1, H, B2 * t, D] for the packed tokens ``begin .. begin + B2 * t``."""
+    b2, t = rows.slots.shape[0], rows.t
+    kv, d = k.shape[1], k.shape[-1]
+    group = q.shape[1] // kv
+    lo, hi = rows.begin, rows.begin + b2 * t
+    k_pool[rows.token_slots, :, rows.token_positions] = k[0, :, lo:hi].transpose(0, 1)
+    chunk, offset = rows.token_positions // EXACT_CHUNK, rows.token_positions % EXACT_CHUNK
+    v_pool[chunk, rows.token_slots, :, offset] = v[0, :, lo:hi].transpose(0, 1)
+    m, width = group * t, rows.bias.shape[-1]
+    # row g * t + i of a (slot, key head): query head g's token i, as in ``exact_attention``
+    mine = q[0, :, lo:hi].reshape(kv, group, b2, t, d).permute(2, 0, 1, 3, 4).reshape(b2, kv, m, d)
+    queries = q.new_zeros(rows.upto, kv, m, d)
+    queries[rows.slots] = mine
+    slots = rows.upto * kv
+    keys = k_pool[: rows.upto].transpose(2, 3).reshape(slots, d, -1)[:, :, :width]
+    scores = torch.baddbmm(rows.bias, queries.view(slots, m, d), keys, alpha=d**-0.5)
+    probs = torch.softmax(scores, dim=-1)  # [slots * KV, m, L]
+    n = width // EXACT_CHUNK
+    chunked = probs.view(slots, m, n, EXACT_CHUNK).permute(2, 0, 1, 3).reshape(n * slots, m, -1)
+    values = v_pool[:n, : rows.upto].reshape(n * slots, EXACT_CHUNK, d)
+    parts = torch.bmm(chunked, values).view(n, slots, m, d)
+    out = parts.sum(0).view(rows.upto, kv, m, d).index_select(0, rows.slots)  # [B2, KV, m, D]
+    return out.view(b2, kv, group, t, d).permute(1, 2, 0, 3, 4).reshape(1, kv * group, b2 * t, d)
 
 
 class Qwen3Model(nn.Module):
