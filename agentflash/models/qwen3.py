@@ -468,35 +468,20 @@ def exact_attention_rows(
     rows: ExactTokenRows,
 ) -> torch.Tensor:
     """``exact_attention`` for the one-token rows packed first (``rows``), in one batch over
-    slots ``0 .. upto - 1``: the same products, row by row, so each row's result is bitwise what
-    it gets alone, for a few calls in all instead of a few per row (the 64-key chunks' partial
-    products of every slot in one batched call: bitwise the same as a call per chunk, checked on
-    random pools of 1 to 32 slots, and 3-4% more tokens/s than that at 32 plain streams).
-    Writes their keys and values. q [1, H, N, D]; k, v [1, KV, N, D]; returns [1, H, B1, D]."""
+    slots ``0 .. upto - 1`` (``_attend_slots``). Writes their keys and values.
+    q [1, H, N, D]; k, v [1, KV, N, D]; returns [1, H, B1, D]."""
     b1 = rows.slots.shape[0]
     kv, d = k.shape[1], k.shape[-1]
     group = q.shape[1] // kv
-    k_pool[rows.slots, :, rows.positions] = k[0, :, :b1].transpose(0, 1)  # [B1, KV, D]
-    chunk, offset = rows.positions // EXACT_CHUNK, rows.positions % EXACT_CHUNK
-    v_pool[chunk, rows.slots, :, offset] = v[0, :, :b1].transpose(0, 1)
-    width = rows.bias.shape[-1]
+    _write_tokens(k_pool, v_pool, rows.slots, rows.positions, k[0, :, :b1], v[0, :, :b1])
     m = rows.bias.shape[1]  # query rows per slot and key head: the group, at least 2
     mine = q[0, :, :b1].transpose(0, 1).reshape(b1, kv, group, d)  # [B1, KV, G, D]
     queries = q.new_zeros(rows.upto, kv, m, d)
     queries[rows.slots, :, :group] = mine
     if group < m:  # lone rows are doubled, as alone
         queries[rows.slots, :, group:] = mine
-    slots = rows.upto * kv
-    keys = k_pool[: rows.upto].transpose(2, 3).reshape(slots, d, -1)[:, :, :width]
-    scores = torch.baddbmm(rows.bias, queries.view(slots, m, d), keys, alpha=d**-0.5)
-    probs = torch.softmax(scores, dim=-1)  # [slots * KV, m, L]
-    n = width // EXACT_CHUNK
-    # every chunk's partial product in one call: [n * slots * KV, m, C] @ [n * slots * KV, C, D]
-    chunked = probs.view(slots, m, n, EXACT_CHUNK).permute(2, 0, 1, 3).reshape(n * slots, m, -1)
-    values = v_pool[:n, : rows.upto].reshape(n * slots, EXACT_CHUNK, d)
-    parts = torch.bmm(chunked, values).view(n, slots, m, d)
-    out = parts.sum(0).view(rows.upto, kv, m, d).index_select(0, rows.slots)[:, :, :group]
-    return out.reshape(b1, kv * group, d).transpose(0, 1)[None]  # [1, H, B1, D]
+    out = _attend_slots(queries, k_pool, v_pool, rows.bias).index_select(0, rows.slots)
+    return out[:, :, :group].reshape(b1, kv * group, d).transpose(0, 1)[None]  # [1, H, B1, D]
 
 
 def exact_attention_blocks(
@@ -508,33 +493,60 @@ def exact_attention_blocks(
     rows: ExactBlockRows,
 ) -> torch.Tensor:
     """``exact_attention`` for rows of ``rows.t`` tokens each (verify blocks), in one batch over
-    slots ``0 .. upto - 1``, as ``exact_attention_rows`` does for one-token rows: each batch
-    element is one (slot, key head) with its ``G * t`` query rows, as alone, its keys padded to a
-    common width (extra masked keys change neither the softmax nor the chunk sums), so each row
-    gets bitwise what it gets alone. Writes their keys and values. q [1, H, N, D]; k, v
-    [1, KV, N, D]; returns [1, H, B2 * t, D] for the packed tokens ``begin .. begin + B2 * t``."""
+    slots ``0 .. upto - 1`` (``_attend_slots``): each (slot, key head) has its ``G * t`` query
+    rows, as alone. Writes their keys and values. q [1, H, N, D]; k, v [1, KV, N, D]; returns
+    [1, H, B2 * t, D] for the packed tokens ``begin .. begin + B2 * t``."""
     b2, t = rows.slots.shape[0], rows.t
     kv, d = k.shape[1], k.shape[-1]
     group = q.shape[1] // kv
     lo, hi = rows.begin, rows.begin + b2 * t
-    k_pool[rows.token_slots, :, rows.token_positions] = k[0, :, lo:hi].transpose(0, 1)
-    chunk, offset = rows.token_positions // EXACT_CHUNK, rows.token_positions % EXACT_CHUNK
-    v_pool[chunk, rows.token_slots, :, offset] = v[0, :, lo:hi].transpose(0, 1)
-    m, width = group * t, rows.bias.shape[-1]
+    _write_tokens(k_pool, v_pool, rows.token_slots, rows.token_positions, k[0, :, lo:hi],
+                  v[0, :, lo:hi])
+    m = group * t
     # row g * t + i of a (slot, key head): query head g's token i, as in ``exact_attention``
     mine = q[0, :, lo:hi].reshape(kv, group, b2, t, d).permute(2, 0, 1, 3, 4).reshape(b2, kv, m, d)
     queries = q.new_zeros(rows.upto, kv, m, d)
     queries[rows.slots] = mine
-    slots = rows.upto * kv
-    keys = k_pool[: rows.upto].transpose(2, 3).reshape(slots, d, -1)[:, :, :width]
-    scores = torch.baddbmm(rows.bias, queries.view(slots, m, d), keys, alpha=d**-0.5)
+    out = _attend_slots(queries, k_pool, v_pool, rows.bias).index_select(0, rows.slots)
+    return out.view(b2, kv, group, t, d).permute(1, 2, 0, 3, 4).reshape(1, kv * group, b2 * t, d)
+
+
+def _write_tokens(
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    slots: torch.Tensor,
+    positions: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+) -> None:
+    """Write keys and values k, v [KV, N, D] of N tokens at ``positions`` [N] of ``slots`` [N]
+    (keys stored transposed, values in ``EXACT_CHUNK`` chunks)."""
+    k_pool[slots, :, positions] = k.transpose(0, 1)  # [N, KV, D]
+    chunk, offset = positions // EXACT_CHUNK, positions % EXACT_CHUNK
+    v_pool[chunk, slots, :, offset] = v.transpose(0, 1)
+
+
+def _attend_slots(
+    queries: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, bias: torch.Tensor
+) -> torch.Tensor:
+    """Exact attention of queries [upto, KV, m, D] over slots ``0 .. upto - 1``, one batch
+    element per (slot, key head) under ``bias`` [upto * KV, m, L]: the products of
+    ``exact_attention``, so each query row's result is bitwise what it gets alone (keys padded
+    to a common width change neither the softmax nor the chunk sums), and the 64-key chunks'
+    partial products of every slot in one batched call (bitwise the same as a call per chunk,
+    checked on random pools of 1 to 32 slots; 3-4% more tokens/s at 32 plain streams).
+    Returns [upto, KV, m, D]."""
+    upto, kv, m, d = queries.shape
+    slots, width = upto * kv, bias.shape[-1]
+    keys = k_pool[:upto].transpose(2, 3).reshape(slots, d, -1)[:, :, :width]
+    scores = torch.baddbmm(bias, queries.view(slots, m, d), keys, alpha=d**-0.5)
     probs = torch.softmax(scores, dim=-1)  # [slots * KV, m, L]
     n = width // EXACT_CHUNK
+    # every chunk's partial product in one call: [n * slots * KV, m, C] @ [n * slots * KV, C, D]
     chunked = probs.view(slots, m, n, EXACT_CHUNK).permute(2, 0, 1, 3).reshape(n * slots, m, -1)
-    values = v_pool[:n, : rows.upto].reshape(n * slots, EXACT_CHUNK, d)
+    values = v_pool[:n, :upto].reshape(n * slots, EXACT_CHUNK, d)
     parts = torch.bmm(chunked, values).view(n, slots, m, d)
-    out = parts.sum(0).view(rows.upto, kv, m, d).index_select(0, rows.slots)  # [B2, KV, m, D]
-    return out.view(b2, kv, group, t, d).permute(1, 2, 0, 3, 4).reshape(1, kv * group, b2 * t, d)
+    return parts.sum(0).view(upto, kv, m, d)
 
 
 class Qwen3Model(nn.Module):
