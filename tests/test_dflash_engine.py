@@ -31,13 +31,13 @@ class Oracle:
     def __init__(self, prompt_len, reference, wrong_at):
         self.prompt_len, self.reference, self.wrong_at = prompt_len, reference, wrong_at
 
-    def __call__(self, drafter, embed, logits, last_tokens, contexts, block_size=None):
+    def __call__(self, drafter, embed, logits, last_tokens, contexts, block_size, num_slots):
         done = contexts[0].length + 1 - self.prompt_len  # tokens already committed
         out = torch.tensor(self.reference[done : done + block_size - 1] + [0] * block_size)
         out = out[: block_size - 1].clone()
         if self.wrong_at < block_size - 1:
             out[self.wrong_at] = (out[self.wrong_at] + 1) % 4000
-        return torch.nn.functional.one_hot(out, 4096).float()[None]  # logits [1, T, V]
+        return torch.nn.functional.one_hot(out[:num_slots], 4096).float()[None]  # [1, T, V]
 
 
 prompt_ids = st.lists(st.integers(10, 4000), min_size=1, max_size=40)
@@ -121,12 +121,14 @@ def test_seeded_sampling_gives_the_same_tokens_with_and_without_speculation(engi
 
 def test_short_blocks_verify_the_head_of_a_full_drafter_block(engine, monkeypatch):
     """The drafter always fills the block it was trained on; a row asking for a shorter block
-    verifies that block's first drafts (a block of fewer masks is text the drafter never saw)."""
+    verifies that block's first drafts (a block of fewer masks is text the drafter never saw),
+    the only slots whose logits are computed."""
     drafted, verified = [], []
 
-    def spy(drafter, embed, logits, last_tokens, contexts, block_size=None):
-        out = real_draft(drafter, embed, logits, last_tokens, contexts, block_size)
+    def spy(drafter, embed, logits, last_tokens, contexts, block_size, num_slots):
+        out = real_draft(drafter, embed, logits, last_tokens, contexts, block_size, num_slots)
         drafted.append((block_size, out.argmax(-1)[0].tolist()))
+        assert out.shape[1] == num_slots <= 3  # logits only for the slots it may verify
         return out
 
     def forward(rows, *args, **kwargs):

@@ -90,8 +90,11 @@ def draft_logits(
     last_tokens: torch.Tensor,
     contexts: list[DraftContext],
     block_size: int | None = None,
+    num_slots: int | None = None,
 ) -> torch.Tensor:
-    """The drafter's logits [B, block_size-1, V] for slots 1..B-1 of one block per request.
+    """The drafter's logits [B, num_slots, V] for slots 1..num_slots of one block per request
+    (all of them, block_size - 1, by default: the block is drafted whole either way, but the
+    logits of slots nobody verifies are not worth their product with the vocabulary).
 
     ``embed`` and ``logits`` are the target's (``Qwen3Model.embed`` and ``Qwen3Model.logits``);
     ``last_tokens`` [B] are the requests' last committed tokens, whose positions are the lengths
@@ -99,6 +102,8 @@ def draft_logits(
     """
     size = block_size or drafter.cfg.block_size
     assert size >= 2, "a block drafts at least one token"
+    num_slots = size - 1 if num_slots is None else num_slots
+    assert 1 <= num_slots < size, f"{num_slots} slots of a block of {size}"
     b = last_tokens.shape[0]
     device = drafter.fc.weight.device
     ids = torch.full((b, size), drafter.cfg.mask_token_id, dtype=torch.long, device=device)
@@ -107,7 +112,7 @@ def draft_logits(
     positions = starts[:, None] + torch.arange(size, device=device)  # [B, size]
     with torch.no_grad():
         hidden = drafter.draft_forward(embed(ids), positions, contexts)  # [B, size, H]
-        return logits(hidden[:, 1:])  # [B, size-1, V]
+        return logits(hidden[:, 1 : 1 + num_slots])  # [B, num_slots, V]
 
 
 def draft_block(

@@ -550,10 +550,13 @@ class Engine:
         last = torch.tensor([r.output_ids[-1] for r in reqs])
         self._flush_context(reqs)
         contexts = [r.draft_context for r in reqs]
+        # the slots verified: an unconstrained row's size; a constrained row walks every slot
+        # (the grammar's forced tokens fill some of them without counting)
+        slots = max(block - 1 if r.constraint is not None else sizes[r.id] for r in reqs)
         logits = draft_logits(
-            self.drafter, self.model.embed, self.model.logits, last, contexts, block
-        )  # [B, block-1, V]
-        best = argmax(logits)  # [B, block-1]
+            self.drafter, self.model.embed, self.model.logits, last, contexts, block, slots
+        )  # [B, slots, V]
+        best = argmax(logits)  # [B, slots]
         for i, r in enumerate(reqs):
             r.stats.draft_forwards += 1
             n = sizes[r.id]
