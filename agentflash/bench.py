@@ -258,6 +258,8 @@ def _grammars(suite: str, items: list[Prompt]) -> list:
         return [assistant_turn(p.tools, "required") for p in items]
     if suite == "json":
         return [json_schema(p.schema) for p in items]
+    if suite == "agent":  # as the runtime decodes an agent's turns: the tools' grammar, auto
+        return [assistant_turn(p.tools, "auto") for p in items]
     return []
 
 
@@ -289,8 +291,9 @@ def _engine_rows(
 def _agent_rows(
     engine: Engine, items: list[Prompt], prompts: list[list[int]], max_tokens: int
 ) -> list[dict[str, Any]]:
-    """Two turns of tool use per conversation, both timed: the calls, then (the conversation
-    with the model's own reply and the tools' results, ``_answered``) the answer. With the
+    """Two turns of tool use per conversation, both timed and both under the tools' grammar
+    (``tool_choice`` auto, as the runtime decodes an agent's turns): the calls, then (the
+    conversation with the model's own reply and the tools' results, ``_answered``) the answer. With the
     prefix cache, the second turn prefills only what the first did not; the rows ``..., no
     prefix cache`` empty it between the turns. The modes take turns conversation by
     conversation."""
@@ -298,20 +301,20 @@ def _agent_rows(
              ("plain, no prefix cache", "off", False), ("dflash, no prefix cache", "dflash", False)]
     if engine.drafter is None:
         modes = [m for m in modes if m[1] == "off"]
-    turns = [(ids, engine.chat_prompt(_answered(engine, p, ids, max_tokens), p.tools))
-             for p, ids in zip(items, prompts)]
+    grammars = _grammars("agent", items)
+    turns = [(ids, engine.chat_prompt(_answered(engine, p, ids, max_tokens, g), p.tools), g)
+             for p, ids, g in zip(items, prompts, grammars, strict=True)]
     for _, speculation, _ in modes:
-        _time_engine(engine, turns[0][0], 8, speculation)  # warm-up
+        _time_engine(engine, turns[0][0], 8, speculation, turns[0][2])  # warm-up
     by_mode: dict[str, list] = {name: [] for name, _, _ in modes}
-    for first, second in turns:
+    for first, second, grammar in turns:
         for name, speculation, keep in modes:
-            by_mode[name].append(_time_engine(engine, first, max_tokens, speculation))
-            by_mode[name].append(
-                _time_engine(engine, second, max_tokens, speculation, keep_prefix_cache=keep)
-            )
+            by_mode[name].append(_time_engine(engine, first, max_tokens, speculation, grammar))
+            by_mode[name].append(_time_engine(engine, second, max_tokens, speculation, grammar,
+                                              keep_prefix_cache=keep))
     rows: list[dict[str, Any]] = []
     for name, _, _ in modes:
-        rows.append(_mode_row("agent", name, by_mode[name], rows))
+        rows.append(_mode_row("agent", name, by_mode[name], rows, grammar=True))
     return rows
 
 
@@ -435,28 +438,34 @@ MODES = {"plain": "off", "dflash": "dflash", "auto": "auto"}
 
 
 def _run_at(
-    engine: Engine, convos: list[list[list[int]]], level: int, max_tokens: int, speculation: str
+    engine: Engine,
+    convos: list[list[list[int]]],
+    level: int,
+    max_tokens: int,
+    speculation: str,
+    grammars: list | None = None,
 ) -> tuple[list[list[int]], float, list[float], int]:
     """Every conversation's turns (prompts) through the engine, ``level`` conversations in
     flight at a time: a turn is submitted as the one before it finishes, a new conversation as
-    one ends. Returns outputs (turn by turn, conversation by conversation), wall time, latencies
-    and target forwards."""
+    one ends; ``grammars``: each conversation's (None: unconstrained). Returns outputs (turn by
+    turn, conversation by conversation), wall time, latencies and target forwards."""
     queue = list(enumerate(convos))
     reqs: dict[tuple[int, int], Any] = {}
     live: list[tuple[int, int]] = []  # (conversation, turn) in flight
     engine.prefix_cache.clear()  # the modes and rounds run the same prompts
-    params = SamplingParams(max_tokens=max_tokens, speculation=speculation)
+    params = [SamplingParams(max_tokens=max_tokens, speculation=speculation, grammar=g)
+              for g in (grammars or [None] * len(convos))]
     t0 = time.perf_counter()
     while queue or live:
         while queue and len(live) < level:
             c, turns = queue.pop(0)
-            reqs[c, 0] = engine.submit(turns[0], params)
+            reqs[c, 0] = engine.submit(turns[0], params[c])
             live.append((c, 0))
         engine.step()
         for c, t in [key for key in live if reqs[key].is_finished]:
             live.remove((c, t))
             if t + 1 < len(convos[c]):  # the agent's next turn
-                reqs[c, t + 1] = engine.submit(convos[c][t + 1], params)
+                reqs[c, t + 1] = engine.submit(convos[c][t + 1], params[c])
                 live.append((c, t + 1))
     wall = time.perf_counter() - t0
     done = [reqs[key] for key in sorted(reqs)]
@@ -480,7 +489,8 @@ def run_concurrency(
     its median round by tokens/s, so that a slow spell of the machine lands on every mode. Suite
     ``mixed`` interleaves prompts of every kind; in suite ``agent`` a prompt is a conversation
     of two turns, the second submitted when the first ends (its prompt begins with the first's:
-    the prefix cache holds it). Outputs are checked against each prompt run alone with plain
+    the prefix cache holds it), both under the tools' grammar (``tool_choice`` auto), as the
+    runtime decodes an agent's turns. Outputs are checked against each prompt run alone with plain
     greedy decoding.
     """
     from agentflash.engine.engine import EngineConfig
@@ -495,21 +505,27 @@ def run_concurrency(
     for suite in suites:
         items = held_out_prompts(suite, num_prompts)
         convos = [[engine.chat_prompt(p.messages, p.tools)] for p in items]
+        grammars = _grammars(suite, items) if suite == "agent" else [None] * len(items)
+        for g in grammars:
+            if g is not None:
+                engine.compile(g)  # compiled once and cached, as for a running agent's tools
         if suite == "agent":  # the answer turn: the reply (the same at every level) sent back
-            for p, turns in zip(items, convos):
-                turns.append(engine.chat_prompt(_answered(engine, p, turns[0], max_tokens),
+            for p, turns, g in zip(items, convos, grammars, strict=True):
+                turns.append(engine.chat_prompt(_answered(engine, p, turns[0], max_tokens, g),
                                                 p.tools))
         alone = []
-        for ids in [turn for turns in convos for turn in turns]:
-            engine.prefix_cache.clear()
-            params = SamplingParams(max_tokens=max_tokens, speculation="off")
-            alone.append(engine.generate(ids, params).token_ids)
+        for turns, g in zip(convos, grammars, strict=True):
+            for ids in turns:
+                engine.prefix_cache.clear()
+                params = SamplingParams(max_tokens=max_tokens, speculation="off", grammar=g)
+                alone.append(engine.generate(ids, params).token_ids)
         for level in levels:
             measured: dict[str, list[dict[str, Any]]] = {mode: [] for mode in MODES}
             for _ in range(rounds):
                 for mode, speculation in MODES.items():
-                    _run_at(engine, convos[:1], 1, 8, speculation)  # warm the allocator
-                    runs = _run_at(engine, convos, level, max_tokens, speculation)
+                    # warm the allocator
+                    _run_at(engine, convos[:1], 1, 8, speculation, grammars[:1])
+                    runs = _run_at(engine, convos, level, max_tokens, speculation, grammars)
                     measured[mode].append(_concurrency_row(suite, level, mode, alone, *runs))
             for tries in measured.values():
                 # every round's tokens/s in round order: the machine's spread, beside the median
@@ -547,13 +563,14 @@ def run_concurrency(
     }
 
 
-def _answered(engine: Engine, prompt: Prompt, ids: list[int], max_tokens: int
+def _answered(engine: Engine, prompt: Prompt, ids: list[int], max_tokens: int, grammar=None
               ) -> list[dict[str, Any]]:
-    """An agent's answer turn after the model's own greedy reply to ``ids`` (``answer_turn``).
-    The reply is the same in every mode (outputs are identical to plain greedy decoding), so it
-    is computed once, with plain decoding, off the clock."""
+    """An agent's answer turn after the model's own greedy reply to ``ids`` (``answer_turn``),
+    decoded under ``grammar`` (the agent's). The reply is the same in every mode (outputs are
+    identical to plain greedy decoding), so it is computed once, with plain decoding, off the
+    clock."""
     engine.prefix_cache.clear()
-    reply = engine.generate(ids, SamplingParams(max_tokens=max_tokens)).text
+    reply = engine.generate(ids, SamplingParams(max_tokens=max_tokens, grammar=grammar)).text
     engine.prefix_cache.clear()
     return answer_turn(prompt, reply)
 

@@ -167,3 +167,8 @@ def test_agent_rows_reuse_the_first_turn_and_match_without_the_cache(tiny_model_
     assert rows["plain"]["cached_prompt_tokens"] > 0  # the second turn's first prompt
     assert rows["plain, no prefix cache"]["cached_prompt_tokens"] == 0
     assert all(r["identical_to_plain"] and r["ttft_ms"] > 0 for r in rows.values())
+    # both turns under the tools' grammar (tool_choice auto), as the runtime decodes them
+    from agentflash.grammar import assistant_turn
+
+    assert bench._grammars("agent", prompts) == [assistant_turn(p.tools, "auto") for p in prompts]
+    assert all(r["grammar_share"] > 0 for r in rows.values())
