@@ -269,8 +269,10 @@ def test_verify_blocks_of_one_length_attend_together_and_get_what_they_get_alone
     def tokens(n):
         return torch.randint(0, model.cfg.vocab_size, (n,), generator=gen).tolist()
 
-    shapes = [(s, t, False) for s in starts] + list(extra)
-    rows = [Row(2 * i, start, tokens(n), lo) for i, (start, n, lo) in enumerate(shapes)]
+    # the blocks at every other slot, the other rows between them: whichever length is batched,
+    # its slots are dense enough to be (at most one free slot per block)
+    rows = [Row(2 * i, start, tokens(t)) for i, start in enumerate(starts)]
+    rows += [Row(2 * j + 1, start, tokens(n), lo) for j, (start, n, lo) in enumerate(extra)]
     alone, mixed = runner(model, False, slots=16, max_len=128), runner(
         model, False, slots=16, max_len=128
     )
