@@ -466,12 +466,15 @@ def constrained_draft(
             forced = forced[: max_tokens - len(tokens)]
             if with_masks and len(tokens) + len(forced) >= masks.shape[0]:
                 masks = _grow(masks, len(tokens) + len(forced) + 1)
-            for token in forced:
-                if with_masks:
+            if with_masks:  # a mask before each forced token
+                for token in forced:
                     ahead.fill_bitmask(masks[len(tokens)])
-                ahead._commit([token])
-                tokens.append(token)
-                num_forced += 1
+                    ahead._commit([token])
+                    tokens.append(token)
+            elif forced:  # the whole run in one call
+                ahead._commit(forced)
+                tokens.extend(forced)
+            num_forced += len(forced)
             after_run = bool(forced)
             if forced:
                 continue
@@ -509,11 +512,19 @@ def _allows(row: torch.Tensor, token: int, vocab_size: int) -> bool:
 
 
 def _masked_argmax(row: torch.Tensor, logits: torch.Tensor, vocab_size: int) -> int:
+    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64):
+        # numpy throughout (no tensor ops): the first highest score among the legal tokens
+        bits = np.unpackbits(row.numpy().view(np.uint8), count=vocab_size, bitorder="little")
+        values = logits.detach().numpy()[:vocab_size]
+        best = int(np.where(bits.view(np.bool_), values, -np.inf).argmax())
+        if bits[best]:
+            return best
+        allowed = np.flatnonzero(bits)  # every legal score is -inf (or none is legal)
+        assert len(allowed), "no legal token: the grammar is stuck"
+        return int(allowed[int(values[allowed].argmax())])
     # compare only the legal tokens' scores: cheaper than masking a whole row of a large vocab
     allowed = np.flatnonzero(unpack_bitmask(row, vocab_size).numpy())
     assert len(allowed), "no legal token: the grammar is stuck"
-    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64):
-        return int(allowed[int(logits.detach().numpy()[allowed].argmax())])  # no tensor ops
     ids = torch.from_numpy(allowed)
     return int(ids[int(logits.detach()[ids.to(logits.device)].argmax())])
 
