@@ -293,9 +293,9 @@ def _agent_rows(
 ) -> list[dict[str, Any]]:
     """Two turns of tool use per conversation, both timed and both under the tools' grammar
     (``tool_choice`` auto, as the runtime decodes an agent's turns): the calls, then (the
-    conversation with the model's own reply and the tools' results, ``_answered``) the answer. With the
-    prefix cache, the second turn prefills only what the first did not; the rows ``..., no
-    prefix cache`` empty it between the turns. The modes take turns conversation by
+    conversation with the model's own reply and the tools' results, ``_answered``) the answer.
+    With the prefix cache, the second turn prefills only what the first did not; the rows ``...,
+    no prefix cache`` empty it between the turns. The modes take turns conversation by
     conversation."""
     modes = [("plain", "off", True), ("dflash", "dflash", True), ("auto", "auto", True),
              ("plain, no prefix cache", "off", False), ("dflash, no prefix cache", "dflash", False)]
