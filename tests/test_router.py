@@ -130,6 +130,30 @@ def test_a_draft_must_pay_for_the_time_it_adds_to_every_row_of_the_step():
     assert cost.plan(8, [Candidate(unsure, SegmentKind.PROSE, 15, forced=True)]) == [True]
 
 
+def test_a_step_that_prefills_a_prompt_prices_drafts_against_its_whole_time():
+    cost = CostModel()
+    for rows in (1, 2, 4, 8) * 20:
+        for shape in (StepShape(rows, rows, 0, 0), StepShape(rows, rows + 15, 1, 15)):
+            cost.observe_step(shape, float(TRUE_COST @ shape.features()))
+    routing = RequestRouting()
+    for _ in range(10):
+        verify(cost, routing, SegmentKind.TOOL_CALL, 3, 15)  # tau(15) about 4
+    # what a prompt adds to a step is measured apart from the decode steps' fit
+    shape = StepShape(4, 4, 0, 0)
+    for _ in range(30):
+        cost.observe_prefill(400, 400 * 0.05e-3 + 0.0)
+    assert cost.prefill_seconds(400) == pytest.approx(0.02, rel=0.01)
+    assert cost.decode_seconds(shape) == pytest.approx(float(TRUE_COST @ shape.features()),
+                                                       rel=0.2)
+    cost.observe_prefill(8, 1.0)  # a few tokens' share is noise: ignored
+    assert cost.prefill_seconds(400) == pytest.approx(0.02, rel=0.01)
+    # beside 7 plain rows the draft does not pay for the time it adds; beside them and a
+    # prompt's prefill, which the step spends anyway, it does
+    candidate = [Candidate(routing, SegmentKind.TOOL_CALL, 15)]
+    assert cost.plan(8, candidate) == [False]
+    assert cost.plan(8, candidate, prefill_tokens=400) == [True]
+
+
 def test_a_rows_own_cost_is_not_charged_to_the_tokens_of_a_verify_block():
     # the CPU engine: every decoding row pays its own attention calls, a verified token little
     true_cost = np.array([2e-3, 0.6e-3, 0.02e-3, 1.5e-3, 0.3e-3, 0.02e-3])

@@ -225,20 +225,21 @@ class Engine:
             return []
         self.cost.begin_step()
         t0 = time.perf_counter()
-        kinds = {r.id: r.segments.kind for r in decoding}
-        drafting = [r for r in decoding if r.draft_context is not None]
-        sizes = {r.id: self._draft_len(r, kinds[r.id]) for r in drafting}
-        speculating = self._route(decoding, kinds, sizes)
-        routed = {r.id for r in speculating}
-        drafts = self._draft(speculating, sizes, kinds)
-        drafts.update(self._forced_runs([r for r in decoding if r.id not in drafts]))
-        failed = [StepOutput(r, []) for r in decoding if r.is_finished]  # their grammar failed
-        decoding = [r for r in decoding if not r.is_finished]
         for req in admitted:
             if self.drafter is not None and req.params.speculation is not Speculation.OFF:
                 req.stats.mode = req.params.speculation.value
                 req.draft_context = self.drafter.new_context()
         hits = {r.id: self._reuse_prefix(r) for r in admitted}
+        prefill_tokens = sum(len(r.uncached_ids()) for r in admitted)
+        kinds = {r.id: r.segments.kind for r in decoding}
+        drafting = [r for r in decoding if r.draft_context is not None]
+        sizes = {r.id: self._draft_len(r, kinds[r.id]) for r in drafting}
+        speculating = self._route(decoding, kinds, sizes, prefill_tokens)
+        routed = {r.id for r in speculating}
+        drafts = self._draft(speculating, sizes, kinds)
+        drafts.update(self._forced_runs([r for r in decoding if r.id not in drafts]))
+        failed = [StepOutput(r, []) for r in decoding if r.is_finished]  # their grammar failed
+        decoding = [r for r in decoding if not r.is_finished]
         rows = [Row(r.slot, r.num_cached, r.uncached_ids() + drafts[r.id].tokens) for r in decoding]
         rows += [Row(r.slot, r.num_cached, r.uncached_ids(), last_only=True) for r in admitted]
         tracked = any(r.draft_context is not None for r in decoding + admitted)
@@ -261,15 +262,21 @@ class Engine:
                            out, top[len(decoding) + i][0], hits[req.id])
             for i, req in enumerate(admitted)
         ]
-        if decoding and not admitted:  # prompts would blur what a decode step costs
-            drafted = [d for d in drafts.values() if d.drafted]
-            shape = StepShape(
-                rows=len(rows),
-                tokens=sum(len(r.tokens) for r in rows),
-                drafted_rows=len(drafted),
-                draft_slots=sum(len(d.tokens) - d.forced for d in drafted),
-            )
-            self.cost.observe_step(shape, time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        drafted = [d for d in drafts.values() if d.drafted]
+        shape = StepShape(
+            rows=len(decoding),
+            tokens=sum(len(r.tokens) for r in rows[: len(decoding)]),
+            drafted_rows=len(drafted),
+            draft_slots=sum(len(d.tokens) - d.forced for d in drafted),
+        )
+        if decoding and not admitted:
+            self.cost.observe_step(shape, seconds)
+        elif admitted and self.cost.is_measured:  # prompts would blur what a decode step
+            # costs: what they add to the step is measured apart
+            decode = self.cost.decode_seconds(shape) if decoding else float(
+                self.cost.step_cost()[0])
+            self.cost.observe_prefill(prefill_tokens, seconds - decode)
         return outputs
 
     def _isolated(self, req: Request, work, *args) -> StepOutput:
@@ -473,10 +480,15 @@ class Engine:
                 apply_bitmask_(logits[i, : mask.shape[0]], mask)
 
     def _route(
-        self, decoding: list[Request], kinds: dict[int, SegmentKind], sizes: dict[int, int]
+        self,
+        decoding: list[Request],
+        kinds: dict[int, SegmentKind],
+        sizes: dict[int, int],
+        prefill_tokens: int,
     ) -> list[Request]:
         """The rows that draft this step: those that asked for DFlash, and those the router
-        expects to commit more tokens per second of the shared step by drafting."""
+        expects to commit more tokens per second of the shared step (``prefill_tokens`` of
+        prompts in it) by drafting."""
         able = [r for r in decoding if sizes.get(r.id, 0) > 0]
         if not able:
             return []
@@ -486,7 +498,7 @@ class Engine:
                       backlog=r.num_cached - r.draft_context.length)  # positions to project
             for r in able
         ]
-        chosen = self.cost.plan(len(decoding), candidates)
+        chosen = self.cost.plan(len(decoding), candidates, prefill_tokens)
         return [r for r, yes in zip(able, chosen) if yes]
 
     def _track(

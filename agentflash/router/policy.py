@@ -58,6 +58,9 @@ PRIOR_TAU = {
 LOOKUP_PRIOR_TAU = 2.0  # a draft looked up in the text, before the request has tried one
 # fixed, row, verified token, drafter, drafted row, drafted slot
 PRIOR_COST = np.array([0.8, 0.15, 0.05, 0.5, 0.1, 0.02])
+# a prompt token's prefill, in one-token plain steps (the demo model on 2 CPU cores: a 400-token
+# prompt costs about 8 of them)
+PRIOR_PREFILL_TOKEN = 0.02
 COST_SCALE = np.array([1.0, 8.0, 16.0, 1.0, 4.0, 16.0])  # a feature's typical size, for the ridge
 
 
@@ -211,6 +214,10 @@ class CostModel:
     _since_fit: int = 0
     # what was derived for requests with no counts of their own for a kind: the same for all
     _derived: dict[tuple, tuple] = field(default_factory=dict)
+    # seconds per prompt token a step prefills (decayed mean of steps that prefilled); None:
+    # not measured yet, a verified token's cost stands in
+    _prefill_token: float | None = None
+    prefill_keep: float = 0.9  # weight of the older measurements per new one
 
     # --- measurements --------------------------------------------------------------------
 
@@ -281,6 +288,32 @@ class CostModel:
         self._moment = self.forget * self._moment + x * seconds
         self._since_fit += 1
 
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """A step prefilled ``tokens`` prompt tokens, which took ``seconds`` beyond what its
+        decoding rows are predicted to cost (``decode_seconds``)."""
+        if tokens < 16:  # a few tokens' share is mostly noise in the decode rows' prediction
+            return
+        per_token = max(seconds, 0.0) / tokens
+        old = self._prefill_token
+        self._prefill_token = per_token if old is None else (
+            self.prefill_keep * old + (1 - self.prefill_keep) * per_token)
+
+    def decode_seconds(self, shape: StepShape) -> float:
+        """Predicted wall time of a decode step of ``shape``."""
+        return float(self.step_cost() @ shape.features())
+
+    @property
+    def is_measured(self) -> bool:
+        """Whether a decode step has been measured (the costs have a unit in seconds)."""
+        return self._unit is not None
+
+    def prefill_seconds(self, tokens: int) -> float:
+        """Predicted time a step spends prefilling ``tokens`` prompt tokens."""
+        per_token = self._prefill_token
+        if per_token is None:  # the prior, in the unit of a one-token plain step
+            per_token = PRIOR_PREFILL_TOKEN * (self._unit if self._unit is not None else 1.0)
+        return tokens * per_token
+
     def step_cost(self) -> np.ndarray:
         """Fitted seconds per feature: fixed, per row, per verified token, drafter, per drafted
         row, per drafted slot."""
@@ -348,14 +381,17 @@ class CostModel:
         plain = fixed + row + token
         return (plain + drafter + drafted_row + slots * (token + slot)) / plain
 
-    def plan(self, rows: int, candidates: list[Candidate]) -> list[bool]:
-        """Which candidates draft this step, in a step of ``rows`` decoding rows.
+    def plan(self, rows: int, candidates: list[Candidate], prefill_tokens: int = 0) -> list[bool]:
+        """Which candidates draft this step, in a step of ``rows`` decoding rows that also
+        prefills ``prefill_tokens`` prompt tokens.
 
         Candidates are ranked (those that asked for DFlash, then by expected tau: the drafter's, or
         the lookup's where the request has drafted from its own text) and the step
         drafts the top ``m`` of them for the ``m`` that commits the most tokens per second of
-        step time; the drafter's fixed cost is paid once, by however many rows draft. Kinds left
-        out are probed now and then.
+        step time; the drafter's fixed cost is paid once, by however many rows draft. A prompt
+        in the step is part of its time: beside a long prefill, drafts that add little to the
+        step pay where they would not in a step of decoding rows alone. Kinds left out are
+        probed now and then.
         """
         c = self.step_cost()
         taus = [
@@ -365,7 +401,8 @@ class CostModel:
         order = sorted(range(len(candidates)), key=lambda i: (not candidates[i].forced, -taus[i]))
         must = sum(x.forced for x in candidates)
         fixed, row, token, drafter, drafted_row, slot = c
-        seconds, tokens = fixed + rows * (row + token), float(rows)  # every row plain
+        seconds = fixed + rows * (row + token) + self.prefill_seconds(prefill_tokens)
+        tokens = float(rows)  # every row plain
         best_m, best_rate = 0, tokens / seconds
         for m, i in enumerate(order, start=1):
             x = candidates[i]
