@@ -506,9 +506,6 @@ def run_concurrency(
         items = held_out_prompts(suite, num_prompts)
         convos = [[engine.chat_prompt(p.messages, p.tools)] for p in items]
         grammars = _grammars(suite, items) if suite == "agent" else [None] * len(items)
-        for g in grammars:
-            if g is not None:
-                engine.compile(g)  # compiled once and cached, as for a running agent's tools
         if suite == "agent":  # the answer turn: the reply (the same at every level) sent back
             for p, turns, g in zip(items, convos, grammars, strict=True):
                 turns.append(engine.chat_prompt(_answered(engine, p, turns[0], max_tokens, g),

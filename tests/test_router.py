@@ -107,7 +107,9 @@ def test_step_cost_is_fitted_from_measured_steps():
     assert cost.verify_cost_ratio(15) == pytest.approx(spec / plain, rel=0.05)
 
 
-def test_a_draft_must_pay_for_the_time_it_adds_to_every_row_of_the_step():
+def fitted_tool_call_cost():
+    """A cost model fitted on plain and one-draft steps of 1-8 rows (``TRUE_COST``), and a
+    tool-call request whose drafts have stood about 4 tokens a verify."""
     cost = CostModel()
     for rows in (1, 2, 4, 8) * 20:
         for shape in (StepShape(rows, rows, 0, 0), StepShape(rows, rows + 15, 1, 15)):
@@ -115,6 +117,11 @@ def test_a_draft_must_pay_for_the_time_it_adds_to_every_row_of_the_step():
     routing = RequestRouting()
     for _ in range(10):
         verify(cost, routing, SegmentKind.TOOL_CALL, 3, 15)  # tau(15) about 4
+    return cost, routing
+
+
+def test_a_draft_must_pay_for_the_time_it_adds_to_every_row_of_the_step():
+    cost, routing = fitted_tool_call_cost()
     # alone, 3 more tokens per step beat the 2.2x longer step; beside 7 plain rows they do not
     assert choose(cost, routing, SegmentKind.TOOL_CALL, rows=1)
     assert not choose(cost, routing, SegmentKind.TOOL_CALL, rows=8)
@@ -131,17 +138,11 @@ def test_a_draft_must_pay_for_the_time_it_adds_to_every_row_of_the_step():
 
 
 def test_a_step_that_prefills_a_prompt_prices_drafts_against_its_whole_time():
-    cost = CostModel()
-    for rows in (1, 2, 4, 8) * 20:
-        for shape in (StepShape(rows, rows, 0, 0), StepShape(rows, rows + 15, 1, 15)):
-            cost.observe_step(shape, float(TRUE_COST @ shape.features()))
-    routing = RequestRouting()
-    for _ in range(10):
-        verify(cost, routing, SegmentKind.TOOL_CALL, 3, 15)  # tau(15) about 4
+    cost, routing = fitted_tool_call_cost()
     # what a prompt adds to a step is measured apart from the decode steps' fit
     shape = StepShape(4, 4, 0, 0)
     for _ in range(30):
-        cost.observe_prefill(400, 400 * 0.05e-3 + 0.0)
+        cost.observe_prefill(400, 400 * 0.05e-3)
     assert cost.prefill_seconds(400) == pytest.approx(0.02, rel=0.01)
     assert cost.decode_seconds(shape) == pytest.approx(float(TRUE_COST @ shape.features()),
                                                        rel=0.2)

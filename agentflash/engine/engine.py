@@ -272,11 +272,10 @@ class Engine:
         )
         if decoding and not admitted:
             self.cost.observe_step(shape, seconds)
-        elif admitted and self.cost.is_measured:  # prompts would blur what a decode step
-            # costs: what they add to the step is measured apart
-            decode = self.cost.decode_seconds(shape) if decoding else float(
-                self.cost.step_cost()[0])
-            self.cost.observe_prefill(prefill_tokens, seconds - decode)
+        elif admitted and self.cost.is_measured:
+            # prompts would blur what a decode step costs: what they add to the step (beyond
+            # its decode rows, if any) is measured apart
+            self.cost.observe_prefill(prefill_tokens, seconds - self.cost.decode_seconds(shape))
         return outputs
 
     def _isolated(self, req: Request, work, *args) -> StepOutput:

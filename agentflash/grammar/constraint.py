@@ -50,9 +50,7 @@ _BIT_SHIFTS: dict[torch.device, torch.Tensor] = {}
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Bool mask ``[..., V]`` from a packed bitmask ``[..., W]``; True where allowed."""
     if bitmask.device.type == "cpu":  # numpy's unpackbits is ~10x faster than tensor shifts
-        words = bitmask.contiguous().numpy().view(np.uint8)
-        bits = np.unpackbits(words, axis=-1, count=vocab_size, bitorder="little")
-        return torch.from_numpy(bits.view(np.bool_))
+        return torch.from_numpy(_unpacked(bitmask, vocab_size))
     shifts = _BIT_SHIFTS.get(bitmask.device)
     if shifts is None:
         shifts = _BIT_SHIFTS.setdefault(
@@ -60,6 +58,12 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
         )
     bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [..., W, 32]
     return bits.flatten(-2)[..., :vocab_size].bool()  # [..., V]
+
+
+def _unpacked(bitmask: torch.Tensor, vocab_size: int) -> np.ndarray:
+    """``unpack_bitmask`` of a CPU bitmask, as a numpy bool array."""
+    words = bitmask.contiguous().numpy().view(np.uint8)
+    return np.unpackbits(words, axis=-1, count=vocab_size, bitorder="little").view(np.bool_)
 
 
 def apply_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
@@ -512,18 +516,16 @@ def _allows(row: torch.Tensor, token: int, vocab_size: int) -> bool:
 
 
 def _masked_argmax(row: torch.Tensor, logits: torch.Tensor, vocab_size: int) -> int:
+    bits = _unpacked(row, vocab_size) if row.device.type == "cpu" else (
+        unpack_bitmask(row, vocab_size).cpu().numpy())
     if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64):
         # numpy throughout (no tensor ops): the first highest score among the legal tokens
-        bits = np.unpackbits(row.numpy().view(np.uint8), count=vocab_size, bitorder="little")
         values = logits.detach().numpy()[:vocab_size]
-        best = int(np.where(bits.view(np.bool_), values, -np.inf).argmax())
+        best = int(np.where(bits, values, -np.inf).argmax())
         if bits[best]:
-            return best
-        allowed = np.flatnonzero(bits)  # every legal score is -inf (or none is legal)
-        assert len(allowed), "no legal token: the grammar is stuck"
-        return int(allowed[int(values[allowed].argmax())])
+            return best  # else every legal score is -inf (or none is legal): below
     # compare only the legal tokens' scores: cheaper than masking a whole row of a large vocab
-    allowed = np.flatnonzero(unpack_bitmask(row, vocab_size).numpy())
+    allowed = np.flatnonzero(bits)
     assert len(allowed), "no legal token: the grammar is stuck"
     ids = torch.from_numpy(allowed)
     return int(ids[int(logits.detach()[ids.to(logits.device)].argmax())])

@@ -215,7 +215,7 @@ class CostModel:
     # what was derived for requests with no counts of their own for a kind: the same for all
     _derived: dict[tuple, tuple] = field(default_factory=dict)
     # seconds per prompt token a step prefills (decayed mean of steps that prefilled); None:
-    # not measured yet, a verified token's cost stands in
+    # not measured yet, ``PRIOR_PREFILL_TOKEN`` stands in
     _prefill_token: float | None = None
     prefill_keep: float = 0.9  # weight of the older measurements per new one
 
