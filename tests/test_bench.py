@@ -172,3 +172,25 @@ def test_agent_rows_reuse_the_first_turn_and_match_without_the_cache(tiny_model_
 
     assert bench._grammars("agent", prompts) == [assistant_turn(p.tools, "auto") for p in prompts]
     assert all(r["grammar_share"] > 0 for r in rows.values())
+
+
+def test_tables_print_whole_in_a_narrow_terminal(monkeypatch, capsys):
+    # rich fits a table to the terminal (80 columns in a pipe) by cutting cells to "…"
+    monkeypatch.setenv("COLUMNS", "60")
+    row = dict(suite="tool_call", mode="dflash+grammar", new_tokens=226, tokens_per_s=578.7,
+               ratio_to_plain=2.47, decode_tokens_per_s=870.1, decode_ratio_to_plain=2.93,
+               ttft_ms=31.1, tau=7.53, tool_call_body_tau=7.4, grammar_share=0.039, valid=3,
+               finished=3, identical_to_plain=True)
+    bench.print_table({"config": {"model": "demo", "num_prompts": 4}, "rows": [row]})
+    row = dict(suite="mixed", concurrency=32, mode="auto", tokens_per_s=1234.5,
+               tokens_per_s_rounds=[1200.0, 1234.5, 1300.0], ratio_to_plain=1.21,
+               latency_median_s=1.5, latency_p95_s=2.25, tau=4.2, identical_to_alone=True,
+               vs_better_median=1.04, vs_better_rounds=[0.99, 1.04, 1.06])
+    bench.print_concurrency_table(
+        {"config": {"model": "demo", "num_prompts": 8, "rounds": 3}, "rows": [row]}
+    )
+    out = capsys.readouterr().out
+    assert "…" not in out
+    for cell in ("dflash+grammar", "578.7", "body tau", "grammar %", "identical", "3/3",
+                 "mixed", "1200-1300", "1.040 (0.99-1.06)", "auto / better, paired"):
+        assert cell in out, cell
