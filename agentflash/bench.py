@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from agentflash.console import print_whole
 from agentflash.engine.engine import Engine
 from agentflash.engine.request import SamplingParams
 from agentflash.errors import UserError
@@ -393,18 +394,7 @@ def print_table(report: dict[str, Any]) -> None:
             f"{r['valid']}/{r['finished']}" if "valid" in r else "-",
             "yes" if r["identical_to_plain"] else "NO",
         )
-    _print_whole(table)
-
-
-def _print_whole(table) -> None:
-    """Print ``table`` at its natural width, even when that is wider than the terminal (or the
-    80 columns rich assumes for a pipe): a wrapped line still reads, a cell cut to "…" does not."""
-    from rich.console import Console
-    from rich.measure import Measurement
-
-    console = Console()
-    natural = Measurement.get(console, console.options.update_width(10_000), table).maximum
-    Console(width=max(console.width, natural)).print(table)
+    print_whole(table)
 
 
 def eval_tool_calls(model: str, num: int, max_tokens: int = 256) -> dict[str, Any]:
@@ -650,4 +640,4 @@ def print_concurrency_table(report: dict[str, Any]) -> None:
             f"{r['vs_better_median']:.3f} ({min(r['vs_better_rounds']):.2f}-"
             f"{max(r['vs_better_rounds']):.2f})" if "vs_better_median" in r else "",
         )
-    _print_whole(table)
+    print_whole(table)

@@ -1,6 +1,7 @@
 """The benchmark's held-out suites and its side-by-side rows (behaviour only, never timings)."""
 
 from agentflash import bench
+from agentflash.server import bench as server_bench
 from agentflash.train import corpus
 
 
@@ -189,8 +190,16 @@ def test_tables_print_whole_in_a_narrow_terminal(monkeypatch, capsys):
     bench.print_concurrency_table(
         {"config": {"model": "demo", "num_prompts": 8, "rounds": 3}, "rows": [row]}
     )
+    row = dict(path="openai client -> agentflash serve", concurrency=8, requests_per_s=3.21,
+               tokens_per_s=411.2, latency_mean_ms=2490.5, latency_p50_ms=2400.1,
+               latency_p95_ms=3100.9, first_token_mean_ms=None, overhead_ms_per_request=12.5,
+               overhead_pct=0.5, same_tokens=True)
+    server_bench.print_table(
+        {"config": {"model": "demo", "num_requests": 16, "max_tokens": 64}, "rows": [row]}
+    )
     out = capsys.readouterr().out
     assert "…" not in out
     for cell in ("dflash+grammar", "578.7", "body tau", "grammar %", "identical", "3/3",
-                 "mixed", "1200-1300", "1.040 (0.99-1.06)", "auto / better, paired"):
+                 "mixed", "1200-1300", "1.040 (0.99-1.06)", "auto / better, paired",
+                 "openai client -> agentflash serve", "overhead %", "same tokens", "+12.5"):
         assert cell in out, cell

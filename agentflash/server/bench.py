@@ -25,6 +25,7 @@ from typing import Any
 
 import anyio
 
+from agentflash.console import print_whole
 from agentflash.errors import UserError
 
 PATHS = ("engine", "http", "http-stream")
@@ -233,7 +234,6 @@ def _add_overheads(rows: list[dict[str, Any]]) -> None:
 
 
 def print_table(report: dict[str, Any]) -> None:
-    from rich.console import Console
     from rich.table import Table
 
     cfg = report["config"]
@@ -251,4 +251,4 @@ def print_table(report: dict[str, Any]) -> None:
                       "-" if first is None else f"{first:.1f}",
                       f"{r['overhead_ms_per_request']:+.1f}", f"{r['overhead_pct']:+.1f}",
                       "yes" if r["same_tokens"] else "NO")
-    Console().print(table)
+    print_whole(table)
