@@ -192,12 +192,14 @@ def test_structured_output_is_parsed_into_the_output_type():
 @pytest.mark.parametrize("reply, problem", [
     ("Oslo for three days.", "Invalid JSON"),
     ('{"city": "Oslo", "days": "three"}', "days:"),
+    (ScriptedTurn('{"city": "Oslo", "da', finish_reason="length"), "cut at max_tokens"),
 ])
 def test_a_reply_that_is_not_the_output_type_stops_the_run_without_retrying(reply, problem):
     agent = Agent("planner", output_type=Trip)
     with pytest.raises(ModelBehaviorError, match="must answer with Trip") as err:
         run(agent, [reply, '{"city": "Oslo", "days": 3}'])
     assert problem in str(err.value)
+    assert ("cut at max_tokens" in str(err.value)) == isinstance(reply, ScriptedTurn)
 
 
 def test_json_schema_output_type():
@@ -249,6 +251,15 @@ def test_tool_choice_is_checked_and_resets_after_a_call():
     forced = Agent("a", tools=[get_weather], tool_choice=ForceTool("get_weather"))
     with pytest.raises(ModelBehaviorError, match="although tool_choice forces 'get_weather'"):
         run(forced, [ScriptedTurn.calls(("transfer_to_x", {}))])
+    # a call cut at max_tokens is not a call of another tool: its error goes back to the model
+    cut = ScriptedTurn('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Os',
+                       finish_reason="length")
+    result, _, backend = run(forced, [cut, ScriptedTurn.calls(("get_weather", {"city": "Oslo"})),
+                                      "done"])
+    assert result.final_output == "done"
+    first, second = result.tool_calls
+    assert first.is_error and "not closed with </tool_call>" in json.loads(first.result)["error"]
+    assert not second.is_error and second.arguments == {"city": "Oslo"}
     called = []
 
     @tool

@@ -243,7 +243,7 @@ class _Loop:
                                          f"(tool_choice {_choice_name(request.tool_choice)}) but "
                                          f"answered with text: {_clip(text)}")
             self.messages.append({"role": "assistant", "content": text})
-            return Final(self.parse_output(text))
+            return Final(self.parse_output(text, turn.finish.finish_reason == "length"))
         handoff: HandoffTo | None = None
         results: list[dict[str, Any]] = []
         for call in turn.calls:
@@ -288,16 +288,18 @@ class _Loop:
         self.tool_calls.append(ToolCallRecord(self.agent.name, call_id, name, arguments, result,
                                               is_error, duration_s))
 
-    def parse_output(self, text: str) -> Any:
+    def parse_output(self, text: str, cut: bool = False) -> Any:
+        """The agent's final output from its reply (``cut``: the reply ended at max_tokens)."""
         spec = self.agent.output
         if spec is None:
             return text
         try:
             return spec.parse(text)
         except OutputValidationError as err:
+            why = f"{err}; the reply was cut at max_tokens" if cut else str(err)
             raise ModelBehaviorError(
                 f"agent {self.agent.name!r} must answer with {spec.name} but its reply does not "
-                f"match ({err}): {_clip(text)}") from None
+                f"match ({why}): {_clip(text)}") from None
 
 
 def _check_call_allowed(agent: Agent, request: ModelRequest,
@@ -307,8 +309,11 @@ def _check_call_allowed(agent: Agent, request: ModelRequest,
     if choice is ToolChoice.NONE:
         raise ModelBehaviorError(f"agent {agent.name!r} called {_call_name(call)!r} although "
                                  f"tool_choice is none")
-    if isinstance(choice, ForceTool) and _call_name(call) != choice.name:
-        raise ModelBehaviorError(f"agent {agent.name!r} called {_call_name(call)!r} although "
+    # a malformed call (one cut at max_tokens, say) names no tool for sure: its error goes back
+    # to the model, as under any other tool choice
+    if isinstance(choice, ForceTool) and isinstance(call, model.ToolCall) \
+            and call.name != choice.name:
+        raise ModelBehaviorError(f"agent {agent.name!r} called {call.name!r} although "
                                  f"tool_choice forces {choice.name!r}")
 
 
