@@ -12,12 +12,12 @@ import json
 import random
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from agentflash.console import print_whole
-from agentflash.engine.engine import Engine
+from agentflash.engine.engine import Engine, MemoryUse
 from agentflash.engine.request import SamplingParams
 from agentflash.errors import UserError
 from agentflash.train import corpus
@@ -74,6 +74,20 @@ def held_out_prompts(kind: str, num: int, seed: int = HELD_OUT_SEED) -> list[Pro
     return prompts
 
 
+class Timed(NamedTuple):
+    """One request through the engine (``_time_engine``)."""
+
+    output: list[int]
+    wall_s: float
+    target_forwards: int
+    decoding_s: float  # after the first token
+    grammar_s: float
+    segments: list[dict[str, Any]]
+    cached_prompt_tokens: int  # taken from the prefix cache
+    memory: MemoryUse  # the most the engine held beyond its weights, part by part...
+    memory_bytes: int  # ...and in all at once
+
+
 def _time_engine(
     engine: Engine,
     ids: list[int],
@@ -81,24 +95,22 @@ def _time_engine(
     speculation: str = "off",
     grammar=None,
     keep_prefix_cache: bool = False,
-) -> tuple[list[int], float, int, float, float, list[dict[str, Any]], int]:
-    """Output, wall seconds, target forwards, seconds after the first token (decoding), seconds
-    of grammar work, the output's segments and the prompt tokens taken from the prefix cache.
-
-    The prefix cache is emptied first unless ``keep_prefix_cache``: the modes run the same
-    prompts, and one must not start where another left off."""
+) -> Timed:
+    """One request, timed. The prefix cache is emptied first unless ``keep_prefix_cache``: the
+    modes run the same prompts, and one must not start where another left off."""
     params = SamplingParams(max_tokens=max_tokens, speculation=speculation, grammar=grammar)
     if grammar is not None:
         engine.compile(grammar)  # compiled once and cached, as for a running agent's tools
     if not keep_prefix_cache:
         engine.prefix_cache.clear()
+    engine.reset_memory_peak()
     t0 = time.perf_counter()
     result = engine.generate(ids, params)
     wall = time.perf_counter() - t0
-    decoding = wall - result.stats["ttft_s"]
-    return (result.token_ids, wall, result.stats["target_forwards"], decoding,
-            result.stats["grammar_s"], result.stats["segments"],
-            result.stats["cached_prompt_tokens"])
+    stats = result.stats
+    return Timed(result.token_ids, wall, stats["target_forwards"], wall - stats["ttft_s"],
+                 stats["grammar_s"], stats["segments"], stats["cached_prompt_tokens"],
+                 engine.memory_peak, engine.peak_total_bytes)
 
 
 def _time_hf(
@@ -177,6 +189,7 @@ def run(
             "num_prompts": num_prompts,
             "max_tokens": max_tokens,
             "threads": torch.get_num_threads(),
+            **_memory_config(engine),
         },
         "rows": rows,
     }
@@ -285,7 +298,8 @@ def _engine_rows(
     rows = []
     for speculation in modes:
         name = {"off": "plain", "dflash": "dflash", "auto": "auto"}[speculation] + suffix
-        rows.append(_mode_row(suite, name, by_mode[speculation], rows, grammar=bool(suffix)))
+        rows.append(_mode_row(engine, suite, name, by_mode[speculation], rows,
+                              grammar=bool(suffix)))
     return rows
 
 
@@ -315,30 +329,59 @@ def _agent_rows(
                                               keep_prefix_cache=keep))
     rows: list[dict[str, Any]] = []
     for name, _, _ in modes:
-        rows.append(_mode_row("agent", name, by_mode[name], rows, grammar=True))
+        rows.append(_mode_row(engine, "agent", name, by_mode[name], rows, grammar=True))
     return rows
 
 
 def _mode_row(
-    suite: str, name: str, runs: list[tuple], rows: list[dict[str, Any]], grammar: bool = False
+    engine: Engine, suite: str, name: str, runs: list[Timed], rows: list[dict[str, Any]],
+    grammar: bool = False,
 ) -> dict[str, Any]:
     """An engine row from its runs (``_time_engine``); identity against ``rows[0]``, if any."""
-    outs = [r[0] for r in runs]
+    outs = [r.output for r in runs]
     ref = rows[0]["outputs"] if rows else outs
-    row = _row(suite, name, outs, ref, [r[1] for r in runs], [r[2] for r in runs])
+    wall = sum(r.wall_s for r in runs)
+    row = _row(suite, name, outs, ref, [r.wall_s for r in runs], [r.target_forwards for r in runs])
     # after the first token: the decoding speed, without the prompt's prefill
     after_first = sum(len(o) - 1 for o in outs)
-    row["decode_tokens_per_s"] = round(after_first / max(sum(r[3] for r in runs), 1e-9), 2)
-    row["ttft_ms"] = round(1000 * sum(r[1] - r[3] for r in runs) / len(runs), 2)  # mean
-    row["cached_prompt_tokens"] = sum(r[6] for r in runs)
+    decoding = sum(r.decoding_s for r in runs)
+    row["decode_tokens_per_s"] = round(after_first / max(decoding, 1e-9), 2)
+    row["ttft_ms"] = round(1000 * sum(r.wall_s - r.decoding_s for r in runs) / len(runs), 2)
+    row["cached_prompt_tokens"] = sum(r.cached_prompt_tokens for r in runs)
     if grammar:  # constrained rows: the share of their time the grammar took
-        row["grammar_share"] = round(sum(r[4] for r in runs) / sum(r[1] for r in runs), 4)
-    bodies = [seg for r in runs for seg in r[5] if seg["kind"] == "tool_call"]
+        row["grammar_share"] = round(sum(r.grammar_s for r in runs) / wall, 4)
+    drafts = not name.startswith("plain")
+    row.update(_memory_fields(engine, drafts, [r.memory for r in runs],
+                              max(r.memory_bytes for r in runs)))
+    bodies = [seg for r in runs for seg in r.segments if seg["kind"] == "tool_call"]
     body_tokens = sum(seg["tokens"] for seg in bodies)
     body_forwards = sum(seg["target_forwards"] for seg in bodies)
     if body_forwards:  # tau inside <tool_call> bodies alone
         row["tool_call_body_tau"] = round(body_tokens / body_forwards, 3)
     return row
+
+
+def _memory_fields(engine: Engine, drafts: bool, parts: list[MemoryUse], held: int
+                   ) -> dict[str, Any]:
+    """A mode's memory in MB: the weights it reads (the drafter's too when it drafts) plus the
+    most its requests held at once beyond them (``held``), and each part's own peak."""
+    weights = engine.weight_bytes()
+    read = weights["target"] + (weights["drafter"] if drafts else 0)
+    peak = MemoryUse()
+    for p in parts:
+        peak = peak.max(p)
+    def mb(n: int) -> float:
+        return round(n / 2**20, 3)
+
+    return {"memory_mb": mb(read + held),
+            "memory_parts_mb": {"weights": mb(read), "kv": mb(peak.kv),
+                                "draft_context": mb(peak.draft), "prefix_cache": mb(peak.prefix)}}
+
+
+def _memory_config(engine: Engine) -> dict[str, Any]:
+    """The weights and the KV pool allocated up front (rows count what their requests hold)."""
+    return {"weights_mb": {k: round(v / 2**20, 3) for k, v in engine.weight_bytes().items()},
+            "kv_pool_mb": round(engine.kv_pool_bytes() / 2**20, 3)}
 
 
 def _row(
@@ -374,7 +417,7 @@ def print_table(report: dict[str, Any]) -> None:
         f"{report['config']['num_prompts']} prompts/suite, greedy)"
     )
     cols = ("suite", "mode", "tokens", "tokens/s", "x plain", "decode tok/s", "x plain",
-            "ttft ms", "tau", "body tau", "grammar %", "valid", "identical")
+            "ttft ms", "tau", "body tau", "grammar %", "valid", "memory MB", "identical")
     for col in cols:
         table.add_column(col, justify="right" if col not in ("suite", "mode") else "left")
     for r in report["rows"]:
@@ -392,6 +435,7 @@ def print_table(report: dict[str, Any]) -> None:
             f"{r['tool_call_body_tau']:.2f}" if "tool_call_body_tau" in r else "-",
             f"{100 * r['grammar_share']:.1f}" if "grammar_share" in r else "-",
             f"{r['valid']}/{r['finished']}" if "valid" in r else "-",
+            f"{r['memory_mb']:.1f}" if "memory_mb" in r else "-",
             "yes" if r["identical_to_plain"] else "NO",
         )
     print_whole(table)
@@ -453,6 +497,7 @@ def _run_at(
     reqs: dict[tuple[int, int], Any] = {}
     live: list[tuple[int, int]] = []  # (conversation, turn) in flight
     engine.prefix_cache.clear()  # the modes and rounds run the same prompts
+    engine.reset_memory_peak()
     params = [SamplingParams(max_tokens=max_tokens, speculation=speculation, grammar=g)
               for g in (grammars or [None] * len(convos))]
     t0 = time.perf_counter()
@@ -523,7 +568,10 @@ def run_concurrency(
                     # warm the allocator
                     _run_at(engine, convos[:1], 1, 8, speculation, grammars[:1])
                     runs = _run_at(engine, convos, level, max_tokens, speculation, grammars)
-                    measured[mode].append(_concurrency_row(suite, level, mode, alone, *runs))
+                    row = _concurrency_row(suite, level, mode, alone, *runs)
+                    row.update(_memory_fields(engine, speculation != "off", [engine.memory_peak],
+                                              engine.peak_total_bytes))
+                    measured[mode].append(row)
             for tries in measured.values():
                 # every round's tokens/s in round order: the machine's spread, beside the median
                 spread = [r["tokens_per_s"] for r in tries]
@@ -555,6 +603,7 @@ def run_concurrency(
             "max_tokens": max_tokens,
             "rounds": rounds,
             "threads": torch.get_num_threads(),
+            **_memory_config(engine),
         },
         "rows": rows,
     }
@@ -622,7 +671,7 @@ def print_concurrency_table(report: dict[str, Any]) -> None:
         f"suite, median of {cfg['rounds']} rounds, greedy)"
     )
     cols = ("suite", "streams", "mode", "tokens/s", "rounds' range", "x plain", "p50 s",
-            "p95 s", "tau", "identical", "auto / better, paired")
+            "p95 s", "tau", "memory MB", "identical", "auto / better, paired")
     for col in cols:
         table.add_column(col, justify="left" if col in ("suite", "mode") else "right")
     for r in report["rows"]:
@@ -636,6 +685,7 @@ def print_concurrency_table(report: dict[str, Any]) -> None:
             f"{r['latency_median_s']:.2f}",
             f"{r['latency_p95_s']:.2f}",
             "-" if r["tau"] is None else f"{r['tau']:.2f}",
+            f"{r['memory_mb']:.1f}",
             "yes" if r["identical_to_alone"] else "NO",
             f"{r['vs_better_median']:.3f} ({min(r['vs_better_rounds']):.2f}-"
             f"{max(r['vs_better_rounds']):.2f})" if "vs_better_median" in r else "",

@@ -1,5 +1,7 @@
 """The benchmark's held-out suites and its side-by-side rows (behaviour only, never timings)."""
 
+import pytest
+
 from agentflash import bench
 from agentflash.server import bench as server_bench
 from agentflash.train import corpus
@@ -46,6 +48,16 @@ def test_rows_are_side_by_side_and_peers_match_plain_greedy(tiny_model_dir):
     assert "tool_call_body_tau" not in next(r for r in constrained if r["suite"] == "json")
     for row in constrained + [r for r in report["rows"] if r["mode"] == "outlines"]:
         assert 0 <= row["valid"] <= row["finished"] <= 1, row
+    # memory: the weights read and what the requests held beyond them
+    weights = report["config"]["weights_mb"]
+    assert weights["drafter"] == 0 and weights["target"] > 0 and report["config"]["kv_pool_mb"] > 0
+    for row in engine_rows:
+        parts = row["memory_parts_mb"]
+        assert parts["weights"] == weights["target"] and parts["draft_context"] == 0
+        assert parts["kv"] > 0
+        assert parts["weights"] + parts["kv"] <= row["memory_mb"] + 0.002
+        assert row["memory_mb"] <= sum(parts.values()) + 0.004
+    assert all("memory_mb" not in r for r in report["rows"] if r not in engine_rows)
 
 
 def test_constrained_rows_count_valid_answers_among_the_finished(demo_tokenizer_dir):
@@ -124,6 +136,18 @@ def test_concurrency_rows_match_outputs_run_alone(tiny_model_dir, tmp_path):
         assert "vs_better_median" not in plain and "vs_better_median" not in dflash
     assert all(r["identical_to_alone"] for r in report["rows"])
     assert all(r["latency_p95_s"] >= r["latency_median_s"] > 0 for r in report["rows"])
+    weights = report["config"]["weights_mb"]
+    for r in report["rows"]:  # modes that may draft read the drafter; drafting holds contexts
+        parts = r["memory_parts_mb"]
+        drafts = r["mode"] != "plain"
+        assert parts["weights"] == pytest.approx(weights["target"] + drafts * weights["drafter"],
+                                                 abs=0.002)
+        assert parts["kv"] > 0
+        if r["mode"] != "auto":  # (the router may not draft at all)
+            assert (parts["draft_context"] > 0) == drafts
+    one, three = ([r for r in report["rows"] if r["concurrency"] == c and r["mode"] == "plain"][0]
+                  for c in (1, 3))
+    assert three["memory_parts_mb"]["kv"] > one["memory_parts_mb"]["kv"]  # more requests at once
     # agents: a conversation's second turn follows its first, on the same engine
     report = bench.run_concurrency(
         str(tiny_model_dir), ["agent"], [2], max_tokens=4, drafter=str(tmp_path / "drafter"),
@@ -185,7 +209,8 @@ def test_tables_print_whole_in_a_narrow_terminal(monkeypatch, capsys):
     bench.print_table({"config": {"model": "demo", "num_prompts": 4}, "rows": [row]})
     row = dict(suite="mixed", concurrency=32, mode="auto", tokens_per_s=1234.5,
                tokens_per_s_rounds=[1200.0, 1234.5, 1300.0], ratio_to_plain=1.21,
-               latency_median_s=1.5, latency_p95_s=2.25, tau=4.2, identical_to_alone=True,
+               latency_median_s=1.5, latency_p95_s=2.25, tau=4.2, memory_mb=345.6,
+               identical_to_alone=True,
                vs_better_median=1.04, vs_better_rounds=[0.99, 1.04, 1.06])
     bench.print_concurrency_table(
         {"config": {"model": "demo", "num_prompts": 8, "rounds": 3}, "rows": [row]}
@@ -200,6 +225,6 @@ def test_tables_print_whole_in_a_narrow_terminal(monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "…" not in out
     for cell in ("dflash+grammar", "578.7", "body tau", "grammar %", "identical", "3/3",
-                 "mixed", "1200-1300", "1.040 (0.99-1.06)", "auto / better, paired",
+                 "mixed", "1200-1300", "1.040 (0.99-1.06)", "auto / better, paired", "345.6",
                  "openai client -> agentflash serve", "overhead %", "same tokens", "+12.5"):
         assert cell in out, cell

@@ -184,3 +184,36 @@ def test_a_stop_among_accepted_drafts_counts_no_miss_after_it(engine, monkeypatc
     out = dflash(engine, ids, max_tokens=16, block_size=8, stop_token_ids=(free[stop],))
     assert out.token_ids == free[: stop + 1] and out.finish_reason == "stop"
     assert seen == [(stop, stop)]  # not (stop, 7): no miss counted past the stop
+
+
+def test_memory_in_use_counts_what_live_requests_hold_and_nothing_after(engine):
+    engine.prefix_cache.clear()
+    engine.reset_memory_peak()
+    cache = engine.cache
+    per_token = 2 * sum(k.shape[1] * k.shape[3] * k.element_size() for k in cache.k)
+    reqs = [engine.submit(list(range(10, 10 + n)), SamplingParams(max_tokens=20, ignore_eos=True,
+                                                                  speculation=m))
+            for n, m in ((40, "dflash"), (25, "off"))]
+    for _ in range(3):
+        engine.step()
+    now = engine.memory_in_use()
+    assert now.kv == per_token * sum(r.num_cached for r in reqs) > 0
+    drafting, plain_row = reqs
+    assert plain_row.draft_context is None
+    assert now.draft == drafting.draft_context.num_bytes > 0
+    # a context's storage holds at least its positions in every draft layer, keys and values
+    cfg = engine.drafter.cfg
+    per_position = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4
+    assert now.draft >= per_position * drafting.draft_context.length
+    while engine.has_work:
+        engine.step()
+    peak = engine.memory_peak
+    assert peak.kv >= now.kv and peak.draft >= now.draft
+    assert engine.peak_total_bytes <= peak.total
+    done = engine.memory_in_use()
+    assert (done.kv, done.draft) == (0, 0)  # finished requests hold nothing
+    assert done.prefix == engine.prefix_cache.num_bytes > 0  # the cache keeps their sequences
+    weights = engine.weight_bytes()
+    assert weights["target"] == sum(p.numel() * 4 for p in engine.model.parameters())
+    assert weights["drafter"] == sum(p.numel() * 4 for p in engine.drafter.parameters()) > 0
+    assert engine.kv_pool_bytes() == per_token * cache.k[0].shape[0] * cache.k[0].shape[2]

@@ -126,6 +126,11 @@ class DraftContext:
     def capacity(self) -> int:
         return self._k[0].shape[1]
 
+    @property
+    def num_bytes(self) -> int:
+        """The storage held (every position of ``capacity``, in every layer)."""
+        return sum(t.numel() * t.element_size() for t in self._k + self._v)
+
     def keys(self, layer: int) -> torch.Tensor:
         return self._k[layer][:, : self.length]  # [KV, len, D]
 

@@ -61,6 +61,24 @@ class EngineConfig:
 
 
 @dataclass(frozen=True)
+class MemoryUse:
+    """Bytes the engine holds beyond its weights and its preallocated KV pool."""
+
+    kv: int = 0  # the target's keys and values of the live requests' tokens
+    draft: int = 0  # the live requests' drafter contexts (their storage, room to grow included)
+    prefix: int = 0  # the prefix cache's entries (keys, values and, for drafting, hidden states)
+
+    @property
+    def total(self) -> int:
+        return self.kv + self.draft + self.prefix
+
+    def max(self, other: MemoryUse) -> MemoryUse:
+        """Each part's larger value (peaks of the parts, which need not fall on one step)."""
+        return MemoryUse(max(self.kv, other.kv), max(self.draft, other.draft),
+                         max(self.prefix, other.prefix))
+
+
+@dataclass(frozen=True)
 class BlockDraft:
     """What one row feeds the verify forward after its last token."""
 
@@ -134,6 +152,11 @@ class Engine:
             self.cost.prior_tau.update(priors_from_validation(drafter.validation_tau))
         self._inbox: deque[Request] = deque()  # filled from any thread, drained by step()
         self._cancels: deque[Request] = deque()
+        # the most held at once since ``reset_memory_peak`` (``memory_in_use`` after each forward)
+        self.memory_peak = MemoryUse()
+        self.peak_total_bytes = 0
+        self._kv_bytes_per_token = 2 * sum(k.shape[1] * k.shape[3] * k.element_size()
+                                           for k in self.cache.k)
 
     @classmethod
     def from_pretrained(
@@ -244,6 +267,7 @@ class Engine:
         rows += [Row(r.slot, r.num_cached, r.uncached_ids(), last_only=True) for r in admitted]
         tracked = any(r.draft_context is not None for r in decoding + admitted)
         out = self.runner.forward(rows, capture_layers=self._capture(tracked))
+        self._note_memory(decoding + admitted, rows)
         self._mask_verify_logits(decoding, drafts, out.logits)
         # greedy rows' choices, every position of every row in one call (sampling rows and
         # constrained rows' masked positions read their logits again)
@@ -715,6 +739,38 @@ class Engine:
         if req.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
             self._keep_sequence(req)
         self.scheduler.finish(req)
+
+    # --- memory ----------------------------------------------------------------------------
+
+    def weight_bytes(self) -> dict[str, int]:
+        """The target's and the drafter's parameters, in bytes (the drafter: 0 when none)."""
+        def size(net) -> int:
+            return sum(p.numel() * p.element_size() for p in net.parameters()) if net else 0
+
+        return {"target": size(self.model), "drafter": size(self.drafter)}
+
+    def kv_pool_bytes(self) -> int:
+        """The KV pool allocated up front: every slot, ``max_len`` positions each."""
+        return sum(t.numel() * t.element_size() for t in self.cache.k + self.cache.v)
+
+    def memory_in_use(self, reqs: list[Request] | None = None,
+                      lengths: list[int] | None = None) -> MemoryUse:
+        """What ``reqs`` (default: the running requests) hold now, with ``lengths`` the tokens
+        each has in its KV slot (default: those already cached)."""
+        reqs = list(self.scheduler.running) if reqs is None else reqs
+        lengths = [r.num_cached for r in reqs] if lengths is None else lengths
+        per_token = self._kv_bytes_per_token
+        draft = sum(r.draft_context.num_bytes for r in reqs if r.draft_context is not None)
+        return MemoryUse(per_token * sum(lengths), draft, self.prefix_cache.num_bytes)
+
+    def reset_memory_peak(self) -> None:
+        self.memory_peak, self.peak_total_bytes = MemoryUse(), 0
+
+    def _note_memory(self, reqs: list[Request], rows: list[Row]) -> None:
+        # after the forward every row's tokens, drafts included, have keys and values in its slot
+        now = self.memory_in_use(reqs, [row.start + len(row.tokens) for row in rows])
+        self.memory_peak = self.memory_peak.max(now)
+        self.peak_total_bytes = max(self.peak_total_bytes, now.total)
 
     # --- results ---------------------------------------------------------------------------
 
