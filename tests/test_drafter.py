@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from agentflash.dflash.drafter import DFlashDrafter, DrafterConfig
+from agentflash.dflash.drafter import DFlashDrafter, DraftContext, DrafterConfig
 
 
 def small_config(**overrides) -> DrafterConfig:
@@ -149,18 +149,24 @@ def test_batched_draft_forward_equals_per_row():
 
 def test_context_extended_in_pieces_equals_one_extend():
     drafter = random_drafter(small_config())
-    hidden = torch.randn(70, 3 * 32)  # past the first capacity of 64, so storage grows
+    hidden = torch.randn(300, 3 * 32)
     whole = context_of(drafter, hidden)
     pieces, other = drafter.new_context(), drafter.new_context()
     drafter.extend([pieces, other], [hidden[:4], hidden[:2]])
     drafter.extend([pieces], [hidden[4:5]])
+    assert pieces.capacity == DraftContext.CHUNK  # 5 positions and a quarter, in whole chunks
     drafter.extend([other, pieces], [hidden[2:70], hidden[5:70]])
-    assert whole.length == pieces.length == other.length == 70
+    assert pieces.capacity == 2 * DraftContext.CHUNK  # grown: 70 and a quarter, in chunks
+    assert pieces.num_bytes == 2 * 2 * pieces.capacity * 2 * 8 * 4  # layers, k/v, positions...
+    drafter.extend([other, pieces], [hidden[70:], hidden[70:]])
+    assert whole.length == pieces.length == other.length == 300
+    # storage a quarter beyond what is held, in whole chunks: 375 -> 384 positions
+    assert pieces.capacity == other.capacity == whole.capacity == 6 * DraftContext.CHUNK
     for layer in range(2):
         for ctx in (pieces, other):
             torch.testing.assert_close(ctx.keys(layer), whole.keys(layer), atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(ctx.values(layer), whole.values(layer), atol=1e-5, rtol=1e-5)
-    assert whole.keys(0).shape == (2, 70, 8)
+    assert whole.keys(0).shape == (2, 300, 8)
 
 
 def test_crop_and_reset_forget_positions():
