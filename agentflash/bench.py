@@ -379,9 +379,14 @@ def _memory_fields(engine: Engine, drafts: bool, parts: list[MemoryUse], held: i
 
 
 def _memory_config(engine: Engine) -> dict[str, Any]:
-    """The weights and the KV pool allocated up front (rows count what their requests hold)."""
+    """The weights, the KV pool allocated up front (rows count what their requests hold) and the
+    process's peak resident memory (the peers' models and libraries included)."""
+    import resource
+
+    peak_rss_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KB on Linux
     return {"weights_mb": {k: round(v / 2**20, 3) for k, v in engine.weight_bytes().items()},
-            "kv_pool_mb": round(engine.kv_pool_bytes() / 2**20, 3)}
+            "kv_pool_mb": round(engine.kv_pool_bytes() / 2**20, 3),
+            "peak_rss_mb": round(peak_rss_kb / 2**10, 1)}
 
 
 def _row(

@@ -51,6 +51,7 @@ def test_rows_are_side_by_side_and_peers_match_plain_greedy(tiny_model_dir):
     # memory: the weights read and what the requests held beyond them
     weights = report["config"]["weights_mb"]
     assert weights["drafter"] == 0 and weights["target"] > 0 and report["config"]["kv_pool_mb"] > 0
+    assert report["config"]["peak_rss_mb"] > weights["target"] + report["config"]["kv_pool_mb"]
     for row in engine_rows:
         parts = row["memory_parts_mb"]
         assert parts["weights"] == weights["target"] and parts["draft_context"] == 0
