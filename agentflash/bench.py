@@ -379,8 +379,9 @@ def _memory_fields(engine: Engine, drafts: bool, parts: list[MemoryUse], held: i
 
 
 def _memory_config(engine: Engine) -> dict[str, Any]:
-    """The weights, the KV pool allocated up front (rows count what their requests hold) and the
-    process's peak resident memory (the peers' models and libraries included)."""
+    """The weights, the KV pool as the run left it (grown to its longest request; rows count
+    what their requests held) and the process's peak resident memory (the peers' models and
+    libraries included)."""
     import resource
 
     peak_rss_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KB on Linux

@@ -292,3 +292,58 @@ def test_verify_blocks_of_one_length_attend_together_and_get_what_they_get_alone
         end = r.start + len(r.tokens)
         for got, want in zip(cached(mixed, r.slot, end), cached(alone, r.slot, end)):
             assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_a_pool_that_grows_gives_the_logits_of_a_pool_allocated_whole(model, exact):
+    """The pool starts small and grows as rows need more positions (``KVCache.ensure``);
+    every forward is what it is over a pool of ``max_len`` positions from the start (bitwise,
+    attending exactly), and what was cached before a growth stays."""
+    gen = torch.Generator().manual_seed(0)
+
+    def ids(n):
+        return torch.randint(0, model.cfg.vocab_size, (n,), generator=gen).tolist()
+
+    steps = [  # (slot, start, tokens) rows of each forward
+        [(0, 0, ids(100)), (1, 0, ids(30))],  # 64 positions -> 128
+        [(0, 100, ids(16)), (1, 30, ids(1)), (2, 0, ids(200))],  # -> 256
+        [(2, 200, ids(10)), (0, 116, ids(1)), (1, 31, ids(16))],
+        [(2, 210, ids(60)), (0, 117, ids(16))],  # -> 320
+        [(2, 270, ids(200)), (1, 47, ids(1))],  # -> 512
+    ]
+    outs, caches = {}, {}
+    for capacity in (64, 512):
+        cache = KVCache(model.cfg, 3, 512, torch.device("cpu"), torch.float32, capacity=capacity)
+        run = ModelRunner(model, cache, batch_single_tokens=False, batch_invariant=exact)
+        outs[capacity] = []
+        for rows in steps:
+            out = run.forward([Row(s, start, t) for s, start, t in rows], capture_layers=CAPTURE)
+            outs[capacity].append((out.logits, out.hidden))
+        caches[capacity] = cache
+    assert caches[64].capacity == 512 and caches[512].capacity == 512
+    same = torch.equal if exact else (lambda a, b: torch.allclose(a, b, atol=1e-5, rtol=1e-5))
+    for (logits, hidden), (ref_logits, ref_hidden) in zip(outs[64], outs[512], strict=True):
+        assert same(logits, ref_logits)
+        assert all(same(h, r) for h, r in zip(hidden, ref_hidden, strict=True))
+    for slot, length in ((0, 133), (1, 48), (2, 470)):
+        got, ref = caches[64].cached(slot, length), caches[512].cached(slot, length)
+        assert all(same(g, r) for g, r in zip(got, ref, strict=True))
+
+
+def test_a_pool_grows_by_a_quarter_at_least_to_max_len_and_no_further():
+    cfg = type("Cfg", (), {"num_kv_heads": 2, "head_dim": 8, "num_layers": 2})()  # the shape
+    cache = KVCache(cfg, 2, 1000, torch.device("cpu"), torch.float32, capacity=64)
+    cache.lay_out_for_exact_attention_()
+    assert (cache.capacity, cache.max_capacity) == (64, 1024)  # whole chunks of 64
+    cache.ensure(64)
+    assert cache.capacity == 64
+    cache.ensure(65)
+    assert cache.capacity == 128  # 80, in whole chunks
+    cache.ensure(300)  # more than a quarter more: what is asked, in whole chunks
+    assert cache.capacity == 320 and cache.v[0].shape[0] == 320 // 64
+    cache.ensure(321)
+    assert cache.capacity == 448  # 400, in whole chunks
+    cache.ensure(1000)
+    assert cache.capacity == 1024  # max_len's chunks
+    with pytest.raises(AssertionError):
+        cache.ensure(1025)

@@ -750,7 +750,8 @@ class Engine:
         return {"target": size(self.model), "drafter": size(self.drafter)}
 
     def kv_pool_bytes(self) -> int:
-        """The KV pool allocated up front: every slot, ``max_len`` positions each."""
+        """The KV pool allocated now: every slot, as many positions as the longest request has
+        needed so far (``KVCache.ensure``), up to ``max_len``."""
         return sum(t.numel() * t.element_size() for t in self.cache.k + self.cache.v)
 
     def memory_in_use(self, reqs: list[Request] | None = None,

@@ -1,6 +1,8 @@
-"""A slot-based KV cache: every running request owns one slot of ``max_len`` positions.
+"""A slot-based KV cache: every running request owns one slot of up to ``max_len`` positions.
 
-Cropping a request's cache (after a rejected draft) is setting its length; nothing moves.
+Cropping a request's cache (after a rejected draft) is setting its length; nothing moves. The
+pool holds about as many positions per slot as the longest request has needed so far (up to
+``max_len``), not ``max_len`` from the start: its memory follows the requests' lengths.
 """
 
 from __future__ import annotations
@@ -17,6 +19,13 @@ from agentflash.models.qwen3 import (
     write_value_chunks,
 )
 
+FIRST_CAPACITY = 4 * EXACT_CHUNK  # positions per slot before any request needs more
+
+
+def _chunks(n: int) -> int:
+    """``n`` positions rounded up to whole chunks of exact attention."""
+    return -(-n // EXACT_CHUNK) * EXACT_CHUNK
+
 
 class KVCache:
     def __init__(
@@ -26,15 +35,50 @@ class KVCache:
         max_len: int,
         device: torch.device,
         dtype: torch.dtype,
+        capacity: int | None = None,
     ):
-        # positions held per slot: max_len rounded up to whole chunks of exact attention
-        capacity = -(-max_len // EXACT_CHUNK) * EXACT_CHUNK
+        """``capacity``: positions per slot to start with (default ``FIRST_CAPACITY``; rounded
+        up to whole chunks, at most ``max_capacity``)."""
+        self.max_capacity = _chunks(max_len)  # positions a slot may come to hold
+        capacity = min(self.max_capacity, _chunks(capacity or FIRST_CAPACITY))
         shape = (num_slots, cfg.num_kv_heads, capacity, cfg.head_dim)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
         self.num_slots, self.max_len = num_slots, max_len
         self.exact = False  # laid out for exact attention
         self._free = list(range(num_slots))  # a heap: the lowest free slot is taken first
+
+    @property
+    def capacity(self) -> int:
+        """Positions each slot holds now."""
+        return self.k[0].shape[2]
+
+    def ensure(self, length: int) -> None:
+        """Make every slot hold at least ``length`` positions, growing the pool by at least a
+        quarter (a copy of it, so rarely: at most ten times on the way to 2,048 positions) in
+        whole chunks, up to ``max_len``; what is cached stays where it is."""
+        assert length <= self.max_capacity, f"{length} positions in a slot of {self.max_len}"
+        if length <= self.capacity:
+            return
+        capacity = min(self.max_capacity, _chunks(max(self.capacity * 5 // 4, length)))
+        self.k = [self._grown_keys(k, capacity) for k in self.k]
+        self.v = [self._grown_values(v, capacity) for v in self.v]
+
+    def _grown_keys(self, k: torch.Tensor, capacity: int) -> torch.Tensor:
+        slots, kv, old, d = k.shape
+        if self.exact:  # stored transposed: [slots, KV, D, capacity] in memory
+            grown = k.new_zeros(slots, kv, d, capacity)
+            grown[..., :old] = k.transpose(2, 3)
+            return grown.transpose(2, 3)
+        grown = k.new_zeros(slots, kv, capacity, d)
+        grown[:, :, :old] = k
+        return grown
+
+    def _grown_values(self, v: torch.Tensor, capacity: int) -> torch.Tensor:
+        if self.exact:  # chunks of positions first: [capacity / EXACT_CHUNK, slots, KV, C, D]
+            more = v.new_zeros(capacity // EXACT_CHUNK - v.shape[0], *v.shape[1:])
+            return torch.cat((v, more))
+        return self._grown_keys(v, capacity)  # the same layout as the keys
 
     def lay_out_for_exact_attention_(self) -> None:
         """Store the keys transposed ([slots, KV, D, capacity] in memory under the same
@@ -65,6 +109,7 @@ class KVCache:
         num_layers = len(self.k)
         assert len(kv) == 2 * num_layers, "keys and values of every layer"
         length = kv[0].shape[1]
+        self.ensure(length)
         for k_pool, v_pool, keys, values in zip(self.k, self.v, kv[:num_layers], kv[num_layers:]):
             k_pool[slot, :, :length] = keys
             if self.exact:

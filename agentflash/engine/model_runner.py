@@ -86,7 +86,7 @@ class ModelRunner:
         if self.batch_invariant:
             batch_invariant_(model)
             cache.lay_out_for_exact_attention_()
-            self._masks = ExactMasks(cache.k[0].shape[2], self._group, self.device)
+            self._masks = ExactMasks(cache.max_capacity, self._group, self.device)
 
     @torch.inference_mode()
     def forward(
@@ -100,6 +100,7 @@ class ModelRunner:
         for r in rows:
             assert r.tokens and r.start + len(r.tokens) <= self.cache.max_len, "forward past a slot"
         assert len({r.slot for r in rows}) == len(rows), "two rows in one slot"
+        self.cache.ensure(max(r.start + len(r.tokens) for r in rows))
         order = self._packing_order(rows)
         packed = [rows[i] for i in order]
         ids = torch.tensor([t for r in packed for t in r.tokens], device=self.device)  # [N]
