@@ -4,6 +4,7 @@ import random
 
 import anyio
 import pytest
+from conftest import tiny_dflash_engine
 
 from agentflash.engine.async_engine import AsyncEngine, FinishEvent
 from agentflash.engine.engine import Engine, EngineConfig
@@ -83,6 +84,18 @@ def test_kv_budget_caps_slots_and_rejects_a_budget_that_holds_nothing(tiny_model
     assert e.cache.num_slots == 3
     with pytest.raises(UserError, match="holds no request"):
         Engine.from_pretrained(tiny_model_dir, EngineConfig(max_len=128, kv_budget_mb=0.05))
+    # a drafter's contexts come out of the same budget: one layer x 2 kv heads x 16 dims x
+    # 192 positions (128, a block of 16 and a quarter's room to grow, in chunks of 64) x 4 bytes
+    # x (k, v) = 48 KiB a request, so 0.4 MB holds two requests where it held three
+    drafting = tiny_dflash_engine(tiny_model_dir, max_len=128)
+    assert drafting.drafter.context_bytes(128) == 48 * 2**10
+    config = EngineConfig(max_running=8, max_len=128, kv_budget_mb=0.4)
+    e = Engine(drafting.model, drafting.tokenizer, config, tiny_model_dir, drafting.drafter)
+    assert e.cache.num_slots == 2
+    config = EngineConfig(max_running=8, max_len=128, kv_budget_mb=0.13)
+    with pytest.raises(UserError, match=r"needs 0.12 MB of keys and values and 0.05 MB of drafter context"):
+        Engine(drafting.model, drafting.tokenizer, config, tiny_model_dir, drafting.drafter)
+    Engine(drafting.model, drafting.tokenizer, config, tiny_model_dir)  # fits without a drafter
 
 
 def test_waiting_requests_are_prefilled_together_within_the_token_budget(engine):

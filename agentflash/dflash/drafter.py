@@ -170,8 +170,13 @@ class DraftContext:
     def reset(self) -> None:
         self.length = 0
 
+    @classmethod
+    def capacity_for(cls, needed: int) -> int:
+        """The storage grown to hold ``needed`` positions: a quarter more, in whole chunks."""
+        return -(-(needed + needed // 4) // cls.CHUNK) * cls.CHUNK
+
     def _grow(self, needed: int) -> None:
-        capacity = -(-(needed + needed // 4) // self.CHUNK) * self.CHUNK
+        capacity = self.capacity_for(needed)
         for store in (self._k, self._v):
             for i, old in enumerate(store):
                 new = old.new_empty(old.shape[0], capacity, old.shape[2])
@@ -344,6 +349,13 @@ class DFlashDrafter(nn.Module):
             weight.device,
             weight.dtype,
         )
+
+    def context_bytes(self, positions: int) -> int:
+        """About the most a request's context holds for ``positions`` tokens: their keys and
+        values in every draft layer, a block's room and the storage's slack to grow."""
+        capacity = DraftContext.capacity_for(positions + self.cfg.block_size)
+        cfg, itemsize = self.cfg, self.fc.weight.element_size()
+        return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * capacity * itemsize
 
     @torch.no_grad()
     def extend(self, contexts: list[DraftContext], target_hidden: list[torch.Tensor]) -> None:

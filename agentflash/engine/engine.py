@@ -38,7 +38,9 @@ class EngineConfig:
     device: str = "cpu"
     max_running: int = 8  # requests decoding together; each owns a KV-cache slot
     max_len: int = 2048  # tokens per request (prompt + output)
-    kv_budget_mb: float | None = None  # caps the slots to what fits; None: max_running slots
+    # caps the slots to the requests of max_len tokens that fit (their keys and values, and the
+    # drafter's context of each); None: max_running slots
+    kv_budget_mb: float | None = None
     # CPU: a row's logits bitwise the same whatever shares its step, and a verify block's
     # those of one-token decoding (ModelRunner); costs a lone one-token forward about 10% (its
     # row is padded to two); exact attention costs about what SDPA does (a prompt's prefill
@@ -141,7 +143,7 @@ class Engine:
         self.drafter = drafter  # a DFlashDrafter, or None for plain decoding only
         max_len = min(config.max_len, model.cfg.max_position_embeddings)
         dtype = next(model.parameters()).dtype
-        slots = num_slots(model.cfg, config, max_len, dtype)
+        slots = num_slots(model.cfg, config, max_len, dtype, drafter)
         self.cache = KVCache(model.cfg, slots, max_len, torch.device(config.device), dtype)
         self.runner = ModelRunner(model, self.cache, batch_invariant=config.batch_invariant)
         self.scheduler = Scheduler(SchedulerConfig(slots, max_len), self.cache)
@@ -817,17 +819,22 @@ def grammar_clock(reqs: list[Request]) -> Iterator[None]:
             r.stats.grammar_s += share
 
 
-def num_slots(cfg, config: EngineConfig, max_len: int, dtype: torch.dtype) -> int:
-    """KV-cache slots: ``max_running``, or fewer if the memory budget holds fewer."""
+def num_slots(cfg, config: EngineConfig, max_len: int, dtype: torch.dtype, drafter=None) -> int:
+    """KV-cache slots: ``max_running``, or fewer if the memory budget holds fewer requests of
+    ``max_len`` tokens (their target keys and values, and with a drafter its context too)."""
     if config.kv_budget_mb is None:
         return config.max_running
     itemsize = torch.tensor([], dtype=dtype).element_size()
-    per_slot = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * max_len * itemsize
-    fits = int(config.kv_budget_mb * 2**20 // per_slot)
+    target = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * max_len * itemsize
+    draft = drafter.context_bytes(max_len) if drafter is not None else 0
+    fits = int(config.kv_budget_mb * 2**20 // (target + draft))
     if fits < 1:
+        need = f"{target / 2**20:.2f} MB of keys and values"
+        if draft:
+            need += f" and {draft / 2**20:.2f} MB of drafter context"
         raise UserError(
             f"kv_budget_mb {config.kv_budget_mb} holds no request of {max_len} tokens "
-            f"(one needs {per_slot / 2**20:.1f} MB)"
+            f"(one needs {need})"
         )
     return min(config.max_running, fits)
 
