@@ -64,7 +64,8 @@ class EngineConfig:
 
 @dataclass(frozen=True)
 class MemoryUse:
-    """Bytes the engine holds beyond its weights and its preallocated KV pool."""
+    """Bytes the engine's requests hold beyond the weights (the KV pool that holds their keys
+    and values, grown to its longest request, is ``Engine.kv_pool_bytes``)."""
 
     kv: int = 0  # the target's keys and values of the live requests' tokens
     draft: int = 0  # the live requests' drafter contexts (their storage, room to grow included)
