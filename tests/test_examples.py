@@ -133,6 +133,7 @@ def test_handoff_runs_on_the_engine_with_a_live_view(tiny_model_dir):
     assert code == 0, err
     assert out.startswith("answer: ")
     assert "workflow handoff" in err and "ask" in err and "tok/s" in err
+    assert err.endswith("┘\n")  # the view's last line ends: what follows it starts a line
 
 
 def test_structured_fails_clearly_on_a_random_model(tiny_model_dir):

@@ -93,7 +93,8 @@ def test_kv_budget_caps_slots_and_rejects_a_budget_that_holds_nothing(tiny_model
     e = Engine(drafting.model, drafting.tokenizer, config, tiny_model_dir, drafting.drafter)
     assert e.cache.num_slots == 2
     config = EngineConfig(max_running=8, max_len=128, kv_budget_mb=0.13)
-    with pytest.raises(UserError, match=r"needs 0.12 MB of keys and values and 0.05 MB of drafter context"):
+    need = r"needs 0.12 MB of keys and values and 0.05 MB of drafter context"
+    with pytest.raises(UserError, match=need):
         Engine(drafting.model, drafting.tokenizer, config, tiny_model_dir, drafting.drafter)
     Engine(drafting.model, drafting.tokenizer, config, tiny_model_dir)  # fits without a drafter
 

@@ -99,12 +99,16 @@ async def run_with_view(wf: Workflow, inputs: dict[str, Any], console: Any) -> W
     from rich.live import Live
 
     view = WorkflowView(wf)
-    with Live(view, console=console, refresh_per_second=8, transient=False):
-        try:
-            async with wf.run_streamed(inputs) as run:
-                async for event in run:
-                    view.update(event)
-        except Exception as err:
-            view.fail(str(err))
-            raise
+    try:
+        with Live(view, console=console, refresh_per_second=8, transient=False):
+            try:
+                async with wf.run_streamed(inputs) as run:
+                    async for event in run:
+                        view.update(event)
+            except Exception as err:
+                view.fail(str(err))
+                raise
+    finally:
+        if not console.is_terminal:  # a file or a pipe: Live leaves its last line open
+            console.line()
     return run.result
