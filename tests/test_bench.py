@@ -42,7 +42,8 @@ def test_rows_are_side_by_side_and_peers_match_plain_greedy(tiny_model_dir):
     assert all(r["decode_tokens_per_s"] > 0 for r in engine_rows)
     assert all("decode_tokens_per_s" not in r for r in report["rows"] if r not in engine_rows)
     constrained = [r for r in engine_rows if r["mode"].endswith("+grammar")]
-    assert constrained and all(0 < r["grammar_share"] < 1 for r in constrained)
+    assert constrained and all(0 < r["grammar_share"] < r["grammar_share_of_decoding"] < 1
+                               for r in constrained)
     calls = next(r for r in constrained if r["suite"] == "tool_call")
     assert calls["tool_call_body_tau"] >= 1.0  # tau inside the call bodies
     assert "tool_call_body_tau" not in next(r for r in constrained if r["suite"] == "json")
@@ -205,7 +206,8 @@ def test_tables_print_whole_in_a_narrow_terminal(monkeypatch, capsys):
     monkeypatch.setenv("COLUMNS", "60")
     row = dict(suite="tool_call", mode="dflash+grammar", new_tokens=226, tokens_per_s=578.7,
                ratio_to_plain=2.47, decode_tokens_per_s=870.1, decode_ratio_to_plain=2.93,
-               ttft_ms=31.1, tau=7.53, tool_call_body_tau=7.4, grammar_share=0.039, valid=3,
+               ttft_ms=31.1, tau=7.53, tool_call_body_tau=7.4, grammar_share=0.039,
+               grammar_share_of_decoding=0.0592, valid=3,
                finished=3, identical_to_plain=True)
     bench.print_table({"config": {"model": "demo", "num_prompts": 4}, "rows": [row]})
     row = dict(suite="mixed", concurrency=32, mode="auto", tokens_per_s=1234.5,
@@ -225,7 +227,7 @@ def test_tables_print_whole_in_a_narrow_terminal(monkeypatch, capsys):
     )
     out = capsys.readouterr().out
     assert "…" not in out
-    for cell in ("dflash+grammar", "578.7", "body tau", "grammar %", "identical", "3/3",
+    for cell in ("dflash+grammar", "578.7", "body tau", "grammar % of decoding", "5.9", "3/3",
                  "mixed", "1200-1300", "1.040 (0.99-1.06)", "auto / better, paired", "345.6",
                  "openai client -> agentflash serve", "overhead %", "same tokens", "+12.5"):
         assert cell in out, cell
