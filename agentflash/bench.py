@@ -299,7 +299,7 @@ def _engine_rows(
     for speculation in modes:
         name = {"off": "plain", "dflash": "dflash", "auto": "auto"}[speculation] + suffix
         rows.append(_mode_row(engine, suite, name, by_mode[speculation], rows,
-                              grammar=bool(suffix)))
+                              grammar=bool(suffix), drafts=speculation != "off"))
     return rows
 
 
@@ -328,16 +328,18 @@ def _agent_rows(
             by_mode[name].append(_time_engine(engine, second, max_tokens, speculation, grammar,
                                               keep_prefix_cache=keep))
     rows: list[dict[str, Any]] = []
-    for name, _, _ in modes:
-        rows.append(_mode_row(engine, "agent", name, by_mode[name], rows, grammar=True))
+    for name, speculation, _ in modes:
+        rows.append(_mode_row(engine, "agent", name, by_mode[name], rows, grammar=True,
+                              drafts=speculation != "off"))
     return rows
 
 
 def _mode_row(
     engine: Engine, suite: str, name: str, runs: list[Timed], rows: list[dict[str, Any]],
-    grammar: bool = False,
+    grammar: bool = False, drafts: bool = False,
 ) -> dict[str, Any]:
-    """An engine row from its runs (``_time_engine``); identity against ``rows[0]``, if any."""
+    """An engine row from its runs (``_time_engine``); identity against ``rows[0]``, if any.
+    ``drafts``: whether the mode may draft (its memory counts the drafter's weights)."""
     outs = [r.output for r in runs]
     ref = rows[0]["outputs"] if rows else outs
     wall = sum(r.wall_s for r in runs)
@@ -354,7 +356,6 @@ def _mode_row(
         grammar_s = sum(r.grammar_s for r in runs)
         row["grammar_share"] = round(grammar_s / wall, 4)
         row["grammar_share_of_decoding"] = round(grammar_s / max(decoding, 1e-9), 4)
-    drafts = not name.startswith("plain")
     row.update(_memory_fields(engine, drafts, [r.memory for r in runs],
                               max(r.memory_bytes for r in runs)))
     bodies = [seg for r in runs for seg in r.segments if seg["kind"] == "tool_call"]
@@ -374,12 +375,9 @@ def _memory_fields(engine: Engine, drafts: bool, parts: list[MemoryUse], held: i
     peak = MemoryUse()
     for p in parts:
         peak = peak.max(p)
-    def mb(n: int) -> float:
-        return round(n / 2**20, 3)
-
-    return {"memory_mb": mb(read + held),
-            "memory_parts_mb": {"weights": mb(read), "kv": mb(peak.kv),
-                                "draft_context": mb(peak.draft), "prefix_cache": mb(peak.prefix)}}
+    return {"memory_mb": _mb(read + held),
+            "memory_parts_mb": {"weights": _mb(read), "kv": _mb(peak.kv),
+                                "draft_context": _mb(peak.draft), "prefix_cache": _mb(peak.prefix)}}
 
 
 def _memory_config(engine: Engine) -> dict[str, Any]:
@@ -389,9 +387,13 @@ def _memory_config(engine: Engine) -> dict[str, Any]:
     import resource
 
     peak_rss_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KB on Linux
-    return {"weights_mb": {k: round(v / 2**20, 3) for k, v in engine.weight_bytes().items()},
-            "kv_pool_mb": round(engine.kv_pool_bytes() / 2**20, 3),
+    return {"weights_mb": {k: _mb(v) for k, v in engine.weight_bytes().items()},
+            "kv_pool_mb": _mb(engine.kv_pool_bytes()),
             "peak_rss_mb": round(peak_rss_kb / 2**10, 1)}
+
+
+def _mb(num_bytes: int) -> float:
+    return round(num_bytes / 2**20, 3)
 
 
 def _row(
