@@ -217,3 +217,28 @@ def test_memory_in_use_counts_what_live_requests_hold_and_nothing_after(engine):
     assert weights["target"] == sum(p.numel() * 4 for p in engine.model.parameters())
     assert weights["drafter"] == sum(p.numel() * 4 for p in engine.drafter.parameters()) > 0
     assert engine.kv_pool_bytes() == per_token * cache.k[0].shape[0] * cache.k[0].shape[2]
+
+
+def test_a_pool_that_grows_mid_flight_changes_no_output(tiny_model_dir):
+    # the pool starts at 256 positions a slot: a 300-token prompt arriving beside decoding rows
+    # grows it (a copy of every slot, cached rows included) between two of their steps
+    g = torch.Generator().manual_seed(5)
+    engine = tiny_dflash_engine(tiny_model_dir, max_len=512)
+    assert engine.cache.capacity == 256
+    prompts = [torch.randint(10, 4000, (n,), generator=g).tolist() for n in (20, 35, 300)]
+    modes = ["dflash", "off", "dflash"]
+    alone = [engine.generate(p, SamplingParams(max_tokens=40, ignore_eos=True, speculation=m))
+             for p, m in zip(prompts, modes)]
+    fresh = tiny_dflash_engine(tiny_model_dir, max_len=512)
+    early = [fresh.submit(p, SamplingParams(max_tokens=40, ignore_eos=True, speculation=m))
+             for p, m in zip(prompts[:2], modes[:2])]
+    for _ in range(4):
+        fresh.step()
+    assert fresh.cache.capacity == 256 and all(len(r.output_ids) > 1 for r in early)
+    late = fresh.submit(prompts[2], SamplingParams(max_tokens=40, ignore_eos=True,
+                                                   speculation=modes[2]))
+    while fresh.has_work:
+        fresh.step()
+    assert fresh.cache.capacity == 448  # 256 -> 320 for the prompt, -> 448 (400 in chunks)
+    for req, ref in zip(early + [late], alone, strict=True):
+        assert fresh.result(req).token_ids == ref.token_ids
