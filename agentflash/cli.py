@@ -245,6 +245,13 @@ def serve(
     prefix_cache_mb: Annotated[float, typer.Option(
         "--prefix-cache-mb", help="prompts kept for the next prompt that begins the same way "
                                   "(0: none)")] = 64.0,
+    max_running: Annotated[int, typer.Option(
+        "--max-running", help="requests the engine decodes together; the rest wait")] = 8,
+    max_len: Annotated[int, typer.Option(
+        "--max-len", help="tokens per request, prompt and reply")] = 2048,
+    kv_budget_mb: Annotated[float | None, typer.Option(
+        "--kv-budget-mb", help="caps --max-running to the requests of --max-len tokens whose "
+                               "keys, values and drafter contexts fit")] = None,
 ) -> None:
     """Serve the engine behind the OpenAI chat-completions API (/v1/chat/completions)."""
     try:
@@ -254,7 +261,8 @@ def serve(
         config = ServerConfig(model=model, drafter=drafter, host=host, port=port, api_key=api_key,
                               served_name=served_name, max_tokens=max_tokens,
                               max_concurrent=max_concurrent, max_body_bytes=max_body_bytes,
-                              prefix_cache_mb=prefix_cache_mb)
+                              prefix_cache_mb=prefix_cache_mb, max_running=max_running,
+                              max_len=max_len, kv_budget_mb=kv_budget_mb)
         typer.echo(f"agentflash serve: {config.name} on http://{host}:{port}/v1"
                    f"{' (API key required)' if api_key else ''}", err=True)
         run_server(config)

@@ -57,11 +57,31 @@ def test_serve_runs_on_loopback_with_the_key_from_the_environment(tiny_model_dir
     assert f"on http://127.0.0.1:{port}/v1 (API key required)" in err
 
 
-def test_serve_names_a_bad_flag():
+def test_serve_names_a_bad_flag(tiny_model_dir):
     result = CliRunner().invoke(app, ["serve", "--model", "demo", "--max-tokens", "0"])
     assert result.exit_code == 2 and "max_tokens must be a positive integer" in result.stderr
     result = CliRunner().invoke(app, ["serve", "--model", "demo", "--prefix-cache-mb", "-1"])
     assert result.exit_code == 2 and "prefix_cache_mb must be 0 or more" in result.stderr
+    result = CliRunner().invoke(app, ["serve", "--model", "demo", "--max-running", "0"])
+    assert result.exit_code == 2 and "max_running must be a positive integer" in result.stderr
+    result = CliRunner().invoke(app, ["serve", "--model", "demo", "--kv-budget-mb", "0"])
+    assert result.exit_code == 2 and "kv_budget_mb must be positive" in result.stderr
+    # a budget too small for one request of --max-len tokens: said before anything is served
+    # (tiny model: 128 KiB of keys and values for 128 tokens)
+    result = CliRunner().invoke(app, ["serve", "--model", str(tiny_model_dir), "--port", "0",
+                                      "--max-len", "128", "--kv-budget-mb", "0.05"])
+    assert result.exit_code == 2
+    assert "kv_budget_mb 0.05 holds no request of 128 tokens" in result.stderr
+
+
+def test_the_engine_limits_reach_the_engine(tiny_model_dir):
+    from agentflash.server.app import ServerConfig, load_engine
+
+    engine = load_engine(ServerConfig(model=str(tiny_model_dir), max_running=5, max_len=128,
+                                      kv_budget_mb=0.4))
+    assert engine.cache.num_slots == 3 and engine.scheduler.cfg.max_len == 128  # 128 KiB each
+    engine = load_engine(ServerConfig(model=str(tiny_model_dir), max_running=5, max_len=256))
+    assert engine.cache.num_slots == 5 and engine.scheduler.cfg.max_len == 256
 
 
 def test_bench_server_reports_every_path_with_identical_tokens(tiny_model_dir):

@@ -67,6 +67,9 @@ class ServerConfig:
     max_concurrent: int = 64  # requests in flight; more get a 429
     max_running: int = 8  # requests the engine decodes in one batch (the rest wait in its queue)
     max_len: int = 2048  # tokens per request, prompt and reply
+    # caps max_running to the requests of max_len tokens whose keys and values (and drafter
+    # contexts) fit; None: no cap
+    kv_budget_mb: float | None = None
     # prompts' keys and values kept for the prompts that begin the same way (a client's next
     # turn re-sends its history); 0: none
     prefix_cache_mb: float = 64.0
@@ -79,6 +82,10 @@ class ServerConfig:
         cache_mb = self.prefix_cache_mb
         if not isinstance(cache_mb, int | float) or isinstance(cache_mb, bool) or cache_mb < 0:
             raise UserError(f"server prefix_cache_mb must be 0 or more, got {cache_mb!r}")
+        budget = self.kv_budget_mb
+        if budget is not None and (not isinstance(budget, int | float) or isinstance(budget, bool)
+                                   or not budget > 0):
+            raise UserError(f"server kv_budget_mb must be positive, got {budget!r}")
         if not 0 <= self.port <= 65535:
             raise UserError(f"server port must be in [0, 65535], got {self.port}")
         if self.api_key is not None and not self.api_key.strip():
@@ -97,7 +104,7 @@ def load_engine(config: ServerConfig) -> Engine:
     return Engine.from_pretrained(
         config.model,
         EngineConfig(max_running=config.max_running, max_len=config.max_len,
-                     prefix_cache_mb=config.prefix_cache_mb),
+                     kv_budget_mb=config.kv_budget_mb, prefix_cache_mb=config.prefix_cache_mb),
         drafter=drafter)
 
 
@@ -375,6 +382,12 @@ def serve(config: ServerConfig, engine: Engine | None = None, log_level: str = "
     import uvicorn
 
     sock = _bind(config.host, config.port)
+    if engine is None:  # loaded here, so that a bad model or budget is a clear error, not a
+        try:  # failed startup inside uvicorn
+            engine = load_engine(config)
+        except BaseException:
+            sock.close()
+            raise
     server = uvicorn.Server(_uvicorn_config(create_app(config, engine), log_level))
     log.info("serving %s on http://%s:%d/v1", config.name, config.host, sock.getsockname()[1])
     server.run(sockets=[sock])
