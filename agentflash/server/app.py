@@ -383,8 +383,8 @@ def serve(config: ServerConfig, engine: Engine | None = None, log_level: str = "
 
     sock = _bind(config.host, config.port)
     if engine is None:  # loaded here, so that a bad model or budget is a clear error, not a
-        try:  # failed startup inside uvicorn
-            engine = load_engine(config)
+        try:  # failed startup inside uvicorn; in a thread of its own (see ``run_in_own_thread``)
+            engine = anyio.run(run_in_own_thread, load_engine, config)
         except BaseException:
             sock.close()
             raise
