@@ -164,6 +164,37 @@ def test_the_model_section_sizes_the_local_engines_prefix_cache(tmp_path, tiny_m
         LocalBackend("demo", prefix_cache_mb=-1)
 
 
+def test_the_model_section_sets_the_local_engines_limits(tmp_path, tiny_model_dir):
+    def workflow(model: str):
+        return load_workflow(write(tmp_path, f"""\
+            version: 1
+            name: limits
+            model: {{path: {tiny_model_dir}, drafter: none, {model}}}
+            agents:
+              a: {{instructions: You help.}}
+            steps:
+              - {{id: one, agent: a, input: go}}
+            """))
+
+    async def engine_of(wf):
+        async with LocalBackend.from_spec(wf.model) as backend:
+            return backend._engine
+
+    engine = anyio.run(engine_of, workflow("max_running: 3, max_len: 256"))
+    assert engine.cache.num_slots == 3 and engine.scheduler.cfg.max_len == 256
+    # 0.4 MB holds three of the tiny model's 128-token requests (128 KiB each)
+    engine = anyio.run(engine_of, workflow("max_len: 128, kv_budget_mb: 0.4"))
+    assert engine.cache.num_slots == 3
+    with pytest.raises(UserError, match="kv_budget_mb 0.05 holds no request of 128 tokens"):
+        anyio.run(engine_of, workflow("max_len: 128, kv_budget_mb: 0.05"))
+    with pytest.raises(UserError, match=r"model\.max_running"):
+        workflow("max_running: 0")
+    with pytest.raises(UserError, match=r"model\.kv_budget_mb"):
+        workflow("kv_budget_mb: 0")
+    with pytest.raises(UserError, match="max_len must be at least 2"):
+        LocalBackend("demo", max_len=1)
+
+
 DAG = """\
     version: 1
     name: dag

@@ -187,6 +187,11 @@ class ModelSpec:
     api_key_env: str | None = None  # remote backends: the variable that holds the key
     base_dir: Path | None = None  # relative paths are resolved against it (the workflow's folder)
     prefix_cache_mb: float = 64.0  # local backend: the engine's prefix cache (0: off)
+    # local backend: the engine's limits (``EngineConfig``): requests decoded together, tokens
+    # per request, and a KV-memory budget that caps the first (None: no cap)
+    max_running: int = 8
+    max_len: int = 2048
+    kv_budget_mb: float | None = None
 
     def resolve(self, path: str) -> str:
         """``path`` made absolute against ``base_dir``, unless it is a name like ``demo``."""

@@ -238,14 +238,23 @@ class LocalBackend(Backend):
 
     ``model`` is ``demo`` or a Hugging Face model directory; ``drafter`` is ``auto`` (the demo
     drafter with the demo model when it is shipped), ``demo``, ``none`` or a DFlash drafter
-    directory. ``prefix_cache_mb`` sizes the engine's prefix cache (0: off). ``engine`` serves an
+    directory. ``prefix_cache_mb`` sizes the engine's prefix cache (0: off); ``max_running``,
+    ``max_len`` and ``kv_budget_mb`` are its limits (``EngineConfig``). ``engine`` serves an
     already built ``Engine`` instead.
     """
 
     def __init__(self, model: str | Path = "demo", *, drafter: str = "auto",
-                 prefix_cache_mb: float = 64.0, engine: Any = None):
+                 prefix_cache_mb: float = 64.0, max_running: int = 8, max_len: int = 2048,
+                 kv_budget_mb: float | None = None, engine: Any = None):
+        from agentflash.engine.engine import EngineConfig
+
         if not prefix_cache_mb >= 0:
             raise UserError(f"prefix_cache_mb must be 0 or more, got {prefix_cache_mb!r}")
+        try:
+            self.config = EngineConfig(max_running=max_running, max_len=max_len,
+                                       kv_budget_mb=kv_budget_mb, prefix_cache_mb=prefix_cache_mb)
+        except ValueError as err:
+            raise UserError(str(err)) from None
         self.model = str(model)
         self.drafter = check_drafter(drafter)
         self.prefix_cache_mb = prefix_cache_mb
@@ -256,19 +265,19 @@ class LocalBackend(Backend):
     @classmethod
     def from_spec(cls, spec: ModelSpec) -> LocalBackend:
         return cls(spec.resolve(spec.path), drafter=spec.resolve(spec.drafter),
-                   prefix_cache_mb=spec.prefix_cache_mb)
+                   prefix_cache_mb=spec.prefix_cache_mb, max_running=spec.max_running,
+                   max_len=spec.max_len, kv_budget_mb=spec.kv_budget_mb)
 
     async def __aenter__(self) -> LocalBackend:
         from agentflash.engine.async_engine import AsyncEngine, run_in_own_thread
-        from agentflash.engine.engine import Engine, EngineConfig
+        from agentflash.engine.engine import Engine
 
         assert self._aengine is None, "this LocalBackend is already open"
         if self._engine is None:
 
             def build() -> Engine:  # here too: filling the KV cache starts an OpenMP team
                 net, tokenizer, model_dir, draft = load_weights(self.model, self.drafter)
-                config = EngineConfig(prefix_cache_mb=self.prefix_cache_mb)
-                return Engine(net, tokenizer, config, model_dir=model_dir, drafter=draft)
+                return Engine(net, tokenizer, self.config, model_dir=model_dir, drafter=draft)
 
             self._engine = await run_in_own_thread(build)
         self._aengine = AsyncEngine(self._engine)

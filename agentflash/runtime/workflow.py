@@ -388,7 +388,9 @@ class _Builder:
         spec = ModelSpec(BackendKind(raw.get("backend", "local")), raw.get("path", "demo"),
                          raw.get("drafter", "auto"), raw.get("base_url"), raw.get("model"),
                          raw.get("api_key_env"), self.base_dir,
-                         raw.get("prefix_cache_mb", ModelSpec.prefix_cache_mb))
+                         raw.get("prefix_cache_mb", ModelSpec.prefix_cache_mb),
+                         raw.get("max_running", ModelSpec.max_running),
+                         raw.get("max_len", ModelSpec.max_len), raw.get("kv_budget_mb"))
         if not is_available(spec.backend):
             self.problems.add(("model", "backend"), f"backend {spec.backend.value!r} is not "
                                                     f"available in this version of agentflash")
