@@ -100,3 +100,24 @@ def test_bench_server_reports_every_path_with_identical_tokens(tiny_model_dir):
         assert (row["first_token_mean_ms"] is None) == (path == "http")
         if path == "engine":
             assert row["overhead_ms_per_request"] == 0 and row["overhead_pct"] == 0
+
+
+def test_serve_loads_the_engine_off_the_main_thread(monkeypatch):
+    # torch keeps an OpenMP team for every thread that ran it: a model loaded on the main
+    # thread, which lives on, left two teams on 2 cores and the engine's steps ran 1.6x slower
+    import threading
+
+    import agentflash.server.app as server_app
+    from agentflash.errors import UserError
+
+    threads = []
+
+    def load(config):
+        threads.append(threading.current_thread())
+        raise UserError("stop here")
+
+    monkeypatch.setattr(server_app, "load_engine", load)
+    result = CliRunner().invoke(app, ["serve", "--model", "demo", "--port", "0"])
+    assert result.exit_code == 2 and "stop here" in result.stderr
+    assert len(threads) == 1 and threads[0] is not threading.main_thread()
+    assert not threads[0].is_alive()  # the loading thread ended with the loading
