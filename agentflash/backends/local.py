@@ -248,8 +248,6 @@ class LocalBackend(Backend):
                  kv_budget_mb: float | None = None, engine: Any = None):
         from agentflash.engine.engine import EngineConfig
 
-        if not prefix_cache_mb >= 0:
-            raise UserError(f"prefix_cache_mb must be 0 or more, got {prefix_cache_mb!r}")
         try:
             self.config = EngineConfig(max_running=max_running, max_len=max_len,
                                        kv_budget_mb=kv_budget_mb, prefix_cache_mb=prefix_cache_mb)
@@ -257,7 +255,6 @@ class LocalBackend(Backend):
             raise UserError(str(err)) from None
         self.model = str(model)
         self.drafter = check_drafter(drafter)
-        self.prefix_cache_mb = prefix_cache_mb
         self.model_name = "demo" if self.model == "demo" else Path(self.model).name
         self._engine = engine
         self._aengine: Any = None

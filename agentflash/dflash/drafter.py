@@ -126,6 +126,8 @@ class DraftContext:
         shape = (num_kv_heads, 0, head_dim)
         self._k = [torch.empty(shape, device=device, dtype=dtype) for _ in range(num_layers)]
         self._v = [torch.empty(shape, device=device, dtype=dtype) for _ in range(num_layers)]
+        itemsize = self._k[0].element_size()
+        self._position_bytes = 2 * num_layers * num_kv_heads * head_dim * itemsize  # keys, values
 
     @property
     def capacity(self) -> int:
@@ -134,7 +136,7 @@ class DraftContext:
     @property
     def num_bytes(self) -> int:
         """The storage held (every position of ``capacity``, in every layer)."""
-        return sum(t.numel() * t.element_size() for t in self._k + self._v)
+        return self.capacity * self._position_bytes
 
     def keys(self, layer: int) -> torch.Tensor:
         return self._k[layer][:, : self.length]  # [KV, len, D]

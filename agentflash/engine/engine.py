@@ -52,13 +52,13 @@ class EngineConfig:
     prefix_cache_mb: float = 64.0
 
     def __post_init__(self) -> None:
-        if self.kv_budget_mb is not None and self.kv_budget_mb <= 0:
+        if self.kv_budget_mb is not None and not self.kv_budget_mb > 0:  # NaN too
             raise ValueError(f"kv_budget_mb must be positive, got {self.kv_budget_mb}")
         if self.max_running < 1:
             raise ValueError(f"max_running must be at least 1, got {self.max_running}")
         if self.max_len < 2:
             raise ValueError(f"max_len must be at least 2, got {self.max_len}")
-        if self.prefix_cache_mb < 0:
+        if not self.prefix_cache_mb >= 0:  # NaN too
             raise ValueError(f"prefix_cache_mb must be 0 or more, got {self.prefix_cache_mb}")
 
 
