@@ -208,10 +208,28 @@ def check_verify_against_decoding(model, start: int, n: int, seed: int, max_len:
         assert torch.equal(got, want)
 
 
-def test_fused_projections_keep_names_and_share_the_weights(tiny_model_dir):
+@pytest.fixture(scope="module")
+def tiny_llama_dir(tmp_path_factory, demo_tokenizer_dir):
+    """A random-weight Llama: no per-head query and key norms."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(1)
+    vocab = len(AutoTokenizer.from_pretrained(demo_tokenizer_dir))
+    path = tmp_path_factory.mktemp("llama")
+    LlamaForCausalLM(LlamaConfig(
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+    )).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_fused_projections_keep_names_and_share_the_weights(arch, tiny_model_dir, tiny_llama_dir):
     from agentflash.models.qwen3 import batch_invariant_
 
-    plain, fast = load_model(tiny_model_dir)[0], load_model(tiny_model_dir)[0]
+    model_dir = tiny_model_dir if arch == "qwen3" else tiny_llama_dir
+    plain, fast = load_model(model_dir)[0], load_model(model_dir)[0]
+    assert plain.cfg.qk_norm == (arch == "qwen3")
     names = list(plain.state_dict())
     batch_invariant_(fast)
     assert list(fast.state_dict()) == names  # nothing added, nothing renamed

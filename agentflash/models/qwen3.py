@@ -132,6 +132,10 @@ def batch_invariant_(model: nn.Module) -> nn.Module:
         if isinstance(module, Attention):
             qkv = fused([module.q_proj, module.k_proj, module.v_proj])
             object.__setattr__(module, "_fused", qkv)
+            if module.qk_norm:  # every query head's norm weight, then every key head's
+                weight = torch.cat((module.q_norm.weight.detach().expand(module.num_heads, -1),
+                                    module.k_norm.weight.detach().expand(module.num_kv_heads, -1)))
+                object.__setattr__(module, "_qk_norm_weight", weight)
         elif isinstance(module, MLP):
             object.__setattr__(module, "_fused", fused([module.gate_proj, module.up_proj]))
     return model
@@ -179,6 +183,7 @@ class MLP(nn.Module):
 
 class Attention(nn.Module):
     _fused: Linear | None = None  # q_proj, k_proj and v_proj as one (``batch_invariant_``)
+    _qk_norm_weight: torch.Tensor | None = None  # [heads + kv heads, D], with ``_fused``
 
     def __init__(self, cfg: ModelConfig, bias: bool = False):
         super().__init__()
@@ -206,17 +211,15 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         b, t, _ = x.shape
         if self._fused is not None:
-            kv_width = self.num_kv_heads * self.head_dim
-            q, k, v = self._fused(x).split([self.num_heads * self.head_dim, kv_width, kv_width], -1)
+            q, k, v = self._fused_qkv(x, cos, sin)
         else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q = q.view(b, t, self.num_heads, self.head_dim)
-        k = k.view(b, t, self.num_kv_heads, self.head_dim)
-        v = v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rotary(q.transpose(1, 2), cos, sin)  # [B, H, T, D]
-        k = apply_rotary(k.transpose(1, 2), cos, sin)  # [B, KV, T, D]
+            q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)
+            k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+            v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+            if self.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q = apply_rotary(q.transpose(1, 2), cos, sin)  # [B, H, T, D]
+            k = apply_rotary(k.transpose(1, 2), cos, sin)  # [B, KV, T, D]
         if isinstance(cache, LayerCache):  # the engine's packed rows: B = 1, T = all their tokens
             out = cache.attend(q, k, v)
         else:  # rows of one length that attend to what ``write`` returns (training)
@@ -225,6 +228,24 @@ class Attention(nn.Module):
                 q, keys, values, attn_mask=mask, is_causal=mask is None and t > 1, enable_gqa=True
             )
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+    def _fused_qkv(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries [B, H, T, D], keys and values [B, KV, T, D] from one projection, the query
+        and key heads normed and rotated together (bitwise the same per element as apart, in
+        half the calls: on the CPU a one-token forward pays its calls, not its arithmetic)."""
+        b, t, _ = x.shape
+        heads, d = self.num_heads + self.num_kv_heads, self.head_dim
+        qkv = self._fused(x)
+        qk = qkv[..., : heads * d].view(b, t, heads, d)
+        if self.qk_norm:
+            norm = self.q_norm
+            qk = F.rms_norm(qk.float(), (d,), None, norm.eps) * self._qk_norm_weight.float()
+            qk = qk.to(x.dtype)
+        qk = apply_rotary(qk, cos.transpose(1, 2), sin.transpose(1, 2)).transpose(1, 2)
+        v = qkv[..., heads * d :].view(b, t, self.num_kv_heads, d).transpose(1, 2)
+        return qk[:, : self.num_heads], qk[:, self.num_heads :], v
 
 
 class DecoderLayer(nn.Module):
