@@ -109,8 +109,13 @@ def naive_draft(drafter: DFlashDrafter, target_hidden, block_embeds, start):
     return rms(x, sd["norm.weight"])
 
 
-def test_draft_forward_matches_the_architecture_written_out():
+@pytest.mark.parametrize("fused", [False, True])
+def test_draft_forward_matches_the_architecture_written_out(fused):
     drafter = random_drafter(small_config())
+    if fused:  # as the engine drafts: one projection for q, k, v and one for gate, up
+        names = list(drafter.state_dict())
+        drafter.fuse_()
+        assert list(drafter.state_dict()) == names
     hidden = torch.randn(9, 3 * 32)
     block = torch.randn(5, 32)
     got = drafter.draft_forward(
@@ -223,8 +228,11 @@ def test_block_parallel_gradients_equal_per_block_gradients():
         torch.testing.assert_close(together[name], p.grad, atol=1e-4, rtol=1e-3, msg=name)
 
 
-def test_gradients_reach_every_parameter():
+@pytest.mark.parametrize("fused", [False, True])
+def test_gradients_reach_every_parameter(fused):
     drafter = random_drafter(small_config()).train()
+    if fused:  # fused for drafting, the drafter still trains through its own parameters
+        drafter.fuse_()
     hidden = torch.randn(2, 10, 3 * 32)
     blocks = torch.randn(2, 2, 5, 32)
     anchors = torch.tensor([[2, 6], [4, 9]])

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from agentflash.models.qwen3 import MLP, RMSNorm, Rotary, apply_rotary
+from agentflash.models.qwen3 import MLP, RMSNorm, Rotary, apply_rotary, fused
 
 
 @dataclass(frozen=True)
@@ -200,14 +200,43 @@ class DraftAttention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
+    # with ``DFlashDrafter.fuse_``: q_proj, k_proj and v_proj as one, and the query and key heads'
+    # norm weights side by side [heads + kv heads, D]
+    _fused: nn.Linear | None = None
+    _qk_norm_weight: torch.Tensor | None = None
+
+    @property
+    def _drafting(self) -> bool:
+        """Whether the fused projections serve (fused, and no gradient is being recorded)."""
+        return self._fused is not None and not torch.is_grad_enabled()
+
     def keys_values(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotated keys and values of ``x`` [..., S, H]; both [..., KV, S, D]."""
-        k = self.k_norm(self.k_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim)))
-        v = self.v_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
-        k = apply_rotary(k, cos[..., None, :], sin[..., None, :])  # [..., S, KV, D]
+        if self._drafting:  # k_proj and v_proj side by side in the fused weight
+            kv_weight = self._fused.weight[self.num_heads * self.head_dim :]
+            k, v = F.linear(x, kv_weight).unflatten(-1, (2 * self.num_kv_heads, -1)).chunk(2, -2)
+        else:
+            k = self.k_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
+            v = self.v_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
+        k = apply_rotary(self.k_norm(k), cos[..., None, :], sin[..., None, :])  # [..., S, KV, D]
         return k.transpose(-2, -3), v.transpose(-2, -3)
+
+    def _queries_keys_values(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Rotated queries [..., T, Hq, D], keys and values [..., KV, T, D] of ``x`` [..., T, H]."""
+        if not self._drafting:
+            q = self.q_norm(self.q_proj(x).unflatten(-1, (self.num_heads, self.head_dim)))
+            q = apply_rotary(q, cos[..., None, :], sin[..., None, :])
+            return (q, *self.keys_values(x, cos, sin))
+        # one projection; query and key heads normed and rotated together
+        heads = self.num_heads + self.num_kv_heads
+        qkv = self._fused(x).unflatten(-1, (heads + self.num_kv_heads, self.head_dim))
+        qk = F.rms_norm(qkv[..., :heads, :].float(), (self.head_dim,), None, self.q_norm.eps)
+        qk = (qk * self._qk_norm_weight.float()).to(x.dtype)
+        qk = apply_rotary(qk, cos[..., None, :], sin[..., None, :])
+        q, k, v = qk[..., : self.num_heads, :], qk[..., self.num_heads :, :], qkv[..., heads:, :]
+        return q, k.transpose(-2, -3), v.transpose(-2, -3)
 
     def forward(
         self,
@@ -224,9 +253,7 @@ class DraftAttention(nn.Module):
         # last T positions are free (``DraftContext.with_room``): the block's own keys and
         # values are written there, and each row attends in place (no copy of any context)
         b, n, t, _ = x.shape
-        q = self.q_norm(self.q_proj(x).unflatten(-1, (self.num_heads, self.head_dim)))
-        q = apply_rotary(q, cos[..., None, :], sin[..., None, :])  # [B, N, T, Hq, D]
-        k, v = self.keys_values(x, cos, sin)  # [B, N, KV, T, D]
+        q, k, v = self._queries_keys_values(x, cos, sin)  # [B, N, T, Hq, D], [B, N, KV, T, D]
         if isinstance(ctx_k, list):
             assert n == 1 and ctx_visible is None, "drafting in place: one block per row"
             out = self._attend_in_place(q[:, 0], k[:, 0], v[:, 0], ctx_k, ctx_v)
@@ -341,6 +368,25 @@ class DFlashDrafter(nn.Module):
         return self.norm(x)
 
     # --- drafting: one block per request, against each request's cached context ---------------
+
+    def fuse_(self) -> DFlashDrafter:
+        """For drafting: let the projections that read the same input run as one matmul
+        (``fused``) and norm and rotate query and key heads together: 7% off a block's draft
+        forward on the demo drafter, its logits bitwise the same. In place, with the same
+        parameter names (the originals become views of the fused weights). Training (with
+        gradients) goes through the parameters as before; the query and key norm weights are
+        copied, so fuse a drafter after training it."""
+        for layer in self.layers:
+            attn = layer.self_attn
+            if attn._fused is None:
+                object.__setattr__(attn, "_fused", fused([attn.q_proj, attn.k_proj, attn.v_proj]))
+                weight = torch.cat((attn.q_norm.weight.detach().expand(attn.num_heads, -1),
+                                    attn.k_norm.weight.detach().expand(attn.num_kv_heads, -1)))
+                object.__setattr__(attn, "_qk_norm_weight", weight)
+            if layer.mlp._fused is None:
+                object.__setattr__(layer.mlp, "_fused", fused([layer.mlp.gate_proj,
+                                                               layer.mlp.up_proj]))
+        return self
 
     def new_context(self) -> DraftContext:
         weight = self.fc.weight

@@ -142,6 +142,8 @@ class Engine:
             model_dir,
         )
         self.drafter = drafter  # a DFlashDrafter, or None for plain decoding only
+        if drafter is not None:
+            drafter.fuse_()
         max_len = min(config.max_len, model.cfg.max_position_embeddings)
         dtype = next(model.parameters()).dtype
         slots = num_slots(model.cfg, config, max_len, dtype, drafter)

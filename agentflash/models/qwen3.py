@@ -175,7 +175,7 @@ class MLP(nn.Module):
     _fused: Linear | None = None  # gate_proj and up_proj as one (``batch_invariant_``)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._fused is not None:
+        if self._fused is not None and not torch.is_grad_enabled():
             gate, up = self._fused(x).split(self.up_proj.out_features, dim=-1)
             return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
