@@ -239,9 +239,8 @@ class Attention(nn.Module):
         heads, d = self.num_heads + self.num_kv_heads, self.head_dim
         qkv = self._fused(x)
         qk = qkv[..., : heads * d].view(b, t, heads, d)
-        if self.qk_norm:
-            norm = self.q_norm
-            qk = F.rms_norm(qk.float(), (d,), None, norm.eps) * self._qk_norm_weight.float()
+        if self.qk_norm:  # one norm weight per head: the query heads', then the key heads'
+            qk = F.rms_norm(qk.float(), (d,), None, self.q_norm.eps) * self._qk_norm_weight.float()
             qk = qk.to(x.dtype)
         qk = apply_rotary(qk, cos.transpose(1, 2), sin.transpose(1, 2)).transpose(1, 2)
         v = qkv[..., heads * d :].view(b, t, self.num_kv_heads, d).transpose(1, 2)
