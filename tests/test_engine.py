@@ -62,6 +62,15 @@ def test_batched_requests_decode_as_if_alone(engine):
     assert engine.cache.num_free == engine.cache.num_slots
 
 
+def test_a_bfloat16_model_decodes_on_the_cpu_batched_as_alone(tiny_model_dir):
+    # the exact-attention masks take the scores' dtype (they were float32 whatever the model's)
+    from agentflash.models.loading import load_model, load_tokenizer
+
+    net, _, model_dir = load_model(tiny_model_dir, dtype=torch.bfloat16)
+    engine = Engine(net, load_tokenizer(model_dir), EngineConfig(max_running=4, max_len=512))
+    test_batched_requests_decode_as_if_alone(engine)
+
+
 def test_sampling_is_reproducible_with_a_seed_and_varies_without(engine):
     ids = prompts(engine, 1)[0]
     params = SamplingParams(max_tokens=30, temperature=1.5, seed=7, ignore_eos=True)

@@ -44,7 +44,7 @@ class KVCache:
         shape = (num_slots, cfg.num_kv_heads, capacity, cfg.head_dim)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
-        self.num_slots, self.max_len = num_slots, max_len
+        self.num_slots, self.max_len, self.dtype = num_slots, max_len, dtype
         self.exact = False  # laid out for exact attention
         self._free = list(range(num_slots))  # a heap: the lowest free slot is taken first
 

@@ -86,7 +86,7 @@ class ModelRunner:
         if self.batch_invariant:
             batch_invariant_(model)
             cache.lay_out_for_exact_attention_()
-            self._masks = ExactMasks(cache.max_capacity, self._group, self.device)
+            self._masks = ExactMasks(cache.max_capacity, self._group, self.device, cache.dtype)
 
     @torch.inference_mode()
     def forward(

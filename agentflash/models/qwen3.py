@@ -411,10 +411,13 @@ class ExactMasks:
     A one-token row's mask is a view: no tensor is built per row and step.
     """
 
-    def __init__(self, capacity: int, group: int, device: torch.device):
+    def __init__(
+        self, capacity: int, group: int, device: torch.device, dtype: torch.dtype = torch.float32
+    ):
         self.capacity, self.group = capacity, group
-        inf = torch.full((capacity,), float("-inf"), device=device)
-        self._steps = torch.cat((torch.zeros(capacity, device=device), inf))  # [2 * capacity]
+        inf = torch.full((capacity,), float("-inf"), device=device, dtype=dtype)
+        zeros = torch.zeros(capacity, device=device, dtype=dtype)
+        self._steps = torch.cat((zeros, inf))  # [2 * capacity], in the scores' dtype
 
     def __call__(self, start: int, t: int) -> torch.Tensor:
         width = -(-(start + t) // EXACT_CHUNK) * EXACT_CHUNK
