@@ -561,10 +561,15 @@ def test_constrained_draft_is_legal_and_leaves_the_state(tok, closers, backend):
         assert constraint.validate_draft(draft.tokens) == len(draft.tokens) > 0
         # the masks made on the way are the verify masks along the draft
         assert torch.equal(draft.masks, constraint.masks_along_draft(draft.tokens))
-        # a walk without masks (greedy verification) drafts the same tokens
-        bare = constrained_draft(constraint, logits, with_masks=False)
-        assert (bare.tokens, bare.num_forced, bare.masks) == (draft.tokens, draft.num_forced, None)
-        assert snapshot(constraint) == before
+        # a walk without masks (greedy verification) drafts the same tokens, also where the
+        # draft's cap cuts a forced run (it commits forced runs whole, the end token checked
+        # after them)
+        for cap in (None, 1, 2, 3, 5, 8, 24):
+            masked = constrained_draft(constraint, logits, max_tokens=cap)
+            bare = constrained_draft(constraint, logits, with_masks=False, max_tokens=cap)
+            assert (bare.tokens, bare.num_forced, bare.masks) == (
+                masked.tokens, masked.num_forced, None)
+            assert snapshot(constraint) == before
         plain = constrained_draft(constraint, logits, use_forced=False)
         assert plain.num_forced == 0
         assert torch.equal(plain.masks, constraint.masks_along_draft(plain.tokens))

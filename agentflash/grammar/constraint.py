@@ -100,6 +100,7 @@ class Constraint(abc.ABC):
         self.eos_token_id = eos_token_id
         self._num_fed = 0  # tokens the backend has consumed (the end token is never fed)
         self._ended = False  # the end token was committed
+        self._row: torch.Tensor | None = None  # ``_scratch_row``
 
     # --- backend primitives ----------------------------------------------------------------
 
@@ -314,6 +315,28 @@ class Constraint(abc.ABC):
                 ahead.fill_bitmask(out[i + 1])
         return out
 
+    def _scratch_row(self) -> torch.Tensor:
+        """A mask row [W] that a walk or a verify of this request fills and reads at once, never
+        keeps (one allocation per request, not one per walk)."""
+        if self._row is None:
+            self._row = allocate_bitmask(1, self.vocab_size)[0]
+        return self._row
+
+    def _commit_forced(self, limit: int) -> list[int]:
+        """Commit and return ``forced_tokens()[:limit]``, asking whether the end token follows
+        the forced run after committing it rather than on a copy (for a walk's own copy)."""
+        if self._ended or limit <= 0:
+            return []
+        if self._only_end_allowed():
+            self._commit([self.eos_token_id])
+            return [self.eos_token_id]
+        forced = self._forced()[:limit]
+        self._commit(forced)
+        if forced and len(forced) < limit and self._only_end_allowed():
+            self._commit([self.eos_token_id])
+            forced.append(self.eos_token_id)
+        return forced
+
     def forced_tokens(self) -> list[int]:
         """Tokens every legal continuation starts with, free to commit or to draft.
 
@@ -389,7 +412,10 @@ def greedy_verify(
         elif commit:  # the drafts up to here are legal and, matched so far, accepted
             _commit_to_end(constraint, draft[done:j])
             done = j
-            row = None if constraint.allows(token) else constraint.bitmask()
+            row = None
+            if not constraint.allows(token):
+                row = constraint._scratch_row()
+                constraint.fill_bitmask(row)
         else:
             row = constraint.mask_unless_allowed(draft[:j], token)
         if row is not None:  # the target's choice is illegal: the legal argmax decides
@@ -454,20 +480,26 @@ def constrained_draft(
     max_drafted = num_slots if max_drafted is None else min(max_drafted, num_slots)
     max_tokens = num_slots if max_tokens is None else max_tokens
     best = list(proposals) if proposals is not None else draft_logits.argmax(dim=-1).tolist()
-    masks = allocate_bitmask(min(max_tokens, num_slots) + 1 if with_masks else 1,
-                             constraint.vocab_size)
+    if with_masks:
+        masks = allocate_bitmask(min(max_tokens, num_slots) + 1, constraint.vocab_size)
+    else:  # one row, filled and read where a drafted token is illegal
+        masks = constraint._scratch_row()[None]
     tokens: list[int] = []
     num_forced = 0
     after_run = False  # the last tokens were a forced run (as long as the grammar forces)
     with constraint._walk() as ahead:
         while len(tokens) < max_tokens and not ahead.is_finished():
+            room = max_tokens - len(tokens)
             if not use_forced or after_run:
                 forced = []
             elif forced_now is not None and not tokens:  # the walk's start: the caller's
-                forced, forced_now = list(forced_now), None
-            else:
-                forced = ahead.forced_tokens()
-            forced = forced[: max_tokens - len(tokens)]
+                forced, forced_now = list(forced_now)[:room], None
+                if not with_masks:
+                    ahead._commit(forced)
+            elif with_masks:
+                forced = ahead.forced_tokens()[:room]
+            else:  # the whole run committed in one call, the end token checked without a copy
+                forced = ahead._commit_forced(room)
             if with_masks and len(tokens) + len(forced) >= masks.shape[0]:
                 masks = _grow(masks, len(tokens) + len(forced) + 1)
             if with_masks:  # a mask before each forced token
@@ -475,8 +507,7 @@ def constrained_draft(
                     ahead.fill_bitmask(masks[len(tokens)])
                     ahead._commit([token])
                     tokens.append(token)
-            elif forced:  # the whole run in one call
-                ahead._commit(forced)
+            else:  # committed above
                 tokens.extend(forced)
             num_forced += len(forced)
             after_run = bool(forced)
@@ -518,15 +549,13 @@ def _allows(row: torch.Tensor, token: int, vocab_size: int) -> bool:
 def _masked_argmax(row: torch.Tensor, logits: torch.Tensor, vocab_size: int) -> int:
     bits = _unpacked(row, vocab_size) if row.device.type == "cpu" else (
         unpack_bitmask(row, vocab_size).cpu().numpy())
-    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64):
-        # numpy throughout (no tensor ops): the first highest score among the legal tokens
-        values = logits.detach().numpy()[:vocab_size]
-        best = int(np.where(bits, values, -np.inf).argmax())
-        if bits[best]:
-            return best  # else every legal score is -inf (or none is legal): below
-    # compare only the legal tokens' scores: cheaper than masking a whole row of a large vocab
+    # compare only the legal tokens' scores (the first highest of them, as an argmax over the
+    # masked row gives): cheaper than masking a whole row
     allowed = np.flatnonzero(bits)
     assert len(allowed), "no legal token: the grammar is stuck"
+    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64):
+        values = logits.detach().numpy()  # numpy throughout: no tensor ops
+        return int(allowed[values[allowed].argmax()])
     ids = torch.from_numpy(allowed)
     return int(ids[int(logits.detach()[ids.to(logits.device)].argmax())])
 
