@@ -28,7 +28,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from agentflash.models.qwen3 import MLP, RMSNorm, Rotary, apply_rotary, fused
+from agentflash.models.qwen3 import (
+    MLP,
+    RMSNorm,
+    Rotary,
+    apply_rotary,
+    fuse_projections_,
+    norm_heads,
+)
 
 
 @dataclass(frozen=True)
@@ -200,10 +207,11 @@ class DraftAttention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
-    # with ``DFlashDrafter.fuse_``: q_proj, k_proj and v_proj as one, and the query and key heads'
-    # norm weights side by side [heads + kv heads, D]
+    # with ``DFlashDrafter.fuse_`` (``fuse_projections_``): q_proj, k_proj and v_proj as one,
+    # and the query and key heads' norm weights side by side [heads + kv heads, D]
     _fused: nn.Linear | None = None
     _qk_norm_weight: torch.Tensor | None = None
+    qk_norm = True  # a drafter's heads are always normed
 
     @property
     def _drafting(self) -> bool:
@@ -232,8 +240,7 @@ class DraftAttention(nn.Module):
         # one projection; query and key heads normed and rotated together
         heads = self.num_heads + self.num_kv_heads
         qkv = self._fused(x).unflatten(-1, (heads + self.num_kv_heads, self.head_dim))
-        qk = F.rms_norm(qkv[..., :heads, :].float(), (self.head_dim,), None, self.q_norm.eps)
-        qk = (qk * self._qk_norm_weight.float()).to(x.dtype)
+        qk = norm_heads(qkv[..., :heads, :], self._qk_norm_weight, self.q_norm.eps)
         qk = apply_rotary(qk, cos[..., None, :], sin[..., None, :])
         q, k, v = qk[..., : self.num_heads, :], qk[..., self.num_heads :, :], qkv[..., heads:, :]
         return q, k.transpose(-2, -3), v.transpose(-2, -3)
@@ -377,15 +384,8 @@ class DFlashDrafter(nn.Module):
         gradients) goes through the parameters as before; the query and key norm weights are
         copied, so fuse a drafter after training it."""
         for layer in self.layers:
-            attn = layer.self_attn
-            if attn._fused is None:
-                object.__setattr__(attn, "_fused", fused([attn.q_proj, attn.k_proj, attn.v_proj]))
-                weight = torch.cat((attn.q_norm.weight.detach().expand(attn.num_heads, -1),
-                                    attn.k_norm.weight.detach().expand(attn.num_kv_heads, -1)))
-                object.__setattr__(attn, "_qk_norm_weight", weight)
-            if layer.mlp._fused is None:
-                object.__setattr__(layer.mlp, "_fused", fused([layer.mlp.gate_proj,
-                                                               layer.mlp.up_proj]))
+            fuse_projections_(layer.self_attn)
+            fuse_projections_(layer.mlp)
         return self
 
     def new_context(self) -> DraftContext:

@@ -128,17 +128,33 @@ def batch_invariant_(model: nn.Module) -> nn.Module:
                 module.weight.data = weight.t().contiguous().t()
             module.pad_single_row = True
     for module in list(model.modules()):
-        # not a registered submodule: the parameter names stay the checkpoint's
-        if isinstance(module, Attention):
-            qkv = fused([module.q_proj, module.k_proj, module.v_proj])
-            object.__setattr__(module, "_fused", qkv)
-            if module.qk_norm:  # every query head's norm weight, then every key head's
-                weight = torch.cat((module.q_norm.weight.detach().expand(module.num_heads, -1),
-                                    module.k_norm.weight.detach().expand(module.num_kv_heads, -1)))
-                object.__setattr__(module, "_qk_norm_weight", weight)
-        elif isinstance(module, MLP):
-            object.__setattr__(module, "_fused", fused([module.gate_proj, module.up_proj]))
+        if isinstance(module, Attention | MLP):
+            fuse_projections_(module)
     return model
+
+
+def fuse_projections_(module: nn.Module) -> None:
+    """Let the projections of an attention (q/k/v) or an MLP (gate/up) that read the same
+    input run as one (``fused``), and an attention's query and key heads be normed in one call
+    (``norm_heads``; its heads' norm weights side by side, copied). Not registered submodules:
+    the parameter names stay the checkpoint's. Nothing to do if already fused."""
+    if module._fused is not None:
+        return
+    if isinstance(module, MLP):
+        object.__setattr__(module, "_fused", fused([module.gate_proj, module.up_proj]))
+        return
+    object.__setattr__(module, "_fused", fused([module.q_proj, module.k_proj, module.v_proj]))
+    if module.qk_norm:  # every query head's norm weight, then every key head's
+        weight = torch.cat((module.q_norm.weight.detach().expand(module.num_heads, -1),
+                            module.k_norm.weight.detach().expand(module.num_kv_heads, -1)))
+        object.__setattr__(module, "_qk_norm_weight", weight)
+
+
+def norm_heads(heads: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``RMSNorm`` of every head of ``heads`` [..., H, D] by its own row of ``weight`` [H, D]
+    (bitwise per element what each head's norm gives), query and key heads in one call."""
+    normed = F.rms_norm(heads.float(), (heads.shape[-1],), None, eps) * weight.float()
+    return normed.to(heads.dtype)
 
 
 def fused(linears: list[Linear]) -> Linear:
@@ -239,9 +255,8 @@ class Attention(nn.Module):
         heads, d = self.num_heads + self.num_kv_heads, self.head_dim
         qkv = self._fused(x)
         qk = qkv[..., : heads * d].view(b, t, heads, d)
-        if self.qk_norm:  # one norm weight per head: the query heads', then the key heads'
-            qk = F.rms_norm(qk.float(), (d,), None, self.q_norm.eps) * self._qk_norm_weight.float()
-            qk = qk.to(x.dtype)
+        if self.qk_norm:
+            qk = norm_heads(qk, self._qk_norm_weight, self.q_norm.eps)
         qk = apply_rotary(qk, cos.transpose(1, 2), sin.transpose(1, 2)).transpose(1, 2)
         v = qkv[..., heads * d :].view(b, t, self.num_kv_heads, d).transpose(1, 2)
         return qk[:, : self.num_heads], qk[:, self.num_heads :], v
