@@ -297,6 +297,7 @@ class Engine:
         shape = StepShape(
             rows=len(decoding),
             tokens=sum(len(r.tokens) for r in rows[: len(decoding)]),
+            block_rows=sum(len(r.tokens) > 1 for r in rows[: len(decoding)]),
             drafted_rows=len(drafted),
             draft_slots=sum(len(d.tokens) - d.forced for d in drafted),
         )

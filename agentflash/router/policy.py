@@ -11,14 +11,21 @@ The choice is a cost model fed by what the engine measures while it runs:
   say nothing of the positions they did not reach, so they do not bias the estimate, and bursty
   text (a tool call that is right once its key is) gets long blocks;
 - the wall time of a decode step as a linear function of its shape, fitted online (least squares
-  with forgetting, pulled towards a prior): a fixed cost, a cost per decoding row (on the CPU a
-  row's own attention calls), a cost per verified token, the drafter's fixed cost when any row
-  drafts, a cost per drafted row (its verify block attends on its own, while one-token rows
-  attend together) and a cost per drafted slot.
+  with forgetting, pulled towards a prior): a fixed cost, a cost per one-token row, a cost per
+  verified token past a row's first, the drafter's fixed cost when any row drafts, a cost per
+  block row (a row verifying more than one token) and a cost per drafted slot. One-token rows
+  and block rows are priced apart because they cost differently (the one-token rows attend
+  together; a block row's attention is its own or shared with blocks of its length only: on the
+  demo model's CPU a one-token row adds about 0.05 of a one-row plain step, a block row of 16
+  tokens about 1), and because a step's two kinds of row must not be fitted as one: a run of
+  steps that draft every row says nothing of what a row decoding plain costs, and a fit that
+  shared one cost per row between them priced a 32-row plain step at four times its 6 ms after
+  such a run, and never decoded plain to learn better.
 
-A step's rows share its time. Drafting a block of ``k`` slots for one row adds
-``k * (per token + per slot)`` to the step (the drafter's fixed cost is added once, whatever the
-number of rows that draft) and gains that row ``tau - 1`` tokens. Each step drafts for the
+A step's rows share its time. Drafting a block of ``k`` slots for one row adds the block row's
+cost over a one-token row's and ``k * (per token + per slot)`` to the step (the drafter's fixed
+cost is added once, whatever the number of rows that draft) and gains that row ``tau - 1``
+tokens. Each step drafts for the
 most predictable rows up to the count that commits the most tokens per second of step time. So
 one request alone speculates when ``tau`` beats the verify-to-plain cost ratio, and in a wide
 batch drafts must pay for the time they add to every other row's step. A kind routed to plain
@@ -52,12 +59,13 @@ PRIOR_TAU = {
     SegmentKind.MATH: 4.0,
     SegmentKind.PROSE: 2.0,
 }
-# Step cost per feature, in units of a one-row plain step (measured on the demo model's CPU: a
-# decoding row costs about 0.15 of it whatever its length (its own attention calls), a verified
-# token 0.05, the drafter about 0.6).
 LOOKUP_PRIOR_TAU = 2.0  # a draft looked up in the text, before the request has tried one
-# fixed, row, verified token, drafter, drafted row, drafted slot
-PRIOR_COST = np.array([0.8, 0.15, 0.05, 0.5, 0.1, 0.02])
+# Step cost per feature, in units of a one-row plain step (measured on the demo model's CPU with
+# prompts of 20-400 tokens: a one-token row 0.05-0.13, a verified token with its drafted slot
+# 0.07, the drafter 0.5). A feature no step measures keeps its prior: one-token rows are priced
+# low, as a mistake on that side makes the router decode plain and so measure them.
+# fixed, one-token row, verified token past a row's first, drafter, block row, drafted slot
+PRIOR_COST = np.array([0.9, 0.05, 0.05, 0.5, 0.1, 0.02])
 # a prompt token's prefill, in one-token plain steps (the demo model on 2 CPU cores: a 400-token
 # prompt costs about 8 of them)
 PRIOR_PREFILL_TOKEN = 0.02
@@ -70,6 +78,7 @@ class StepShape:
 
     rows: int  # decoding rows
     tokens: int  # verified tokens over every row (a plain row verifies one)
+    block_rows: int  # rows that verify more than one token (a draft, a forced run)
     drafted_rows: int  # rows the drafter ran for
     draft_slots: int  # drafted slots over those rows
 
@@ -77,10 +86,10 @@ class StepShape:
         return np.array(
             [
                 1.0,
-                self.rows,
-                self.tokens,
+                self.rows - self.block_rows,
+                self.tokens - self.rows,
                 float(self.drafted_rows > 0),
-                self.drafted_rows,
+                self.block_rows,
                 self.draft_slots,
             ]
         )
@@ -270,12 +279,12 @@ class CostModel:
         the drafter keeps a row until its drafts fail where the text repeats itself."""
         if found == 0 or slots == 0:
             return 0
-        fixed, row, token, drafter, drafted_row, slot = self.step_cost()
+        fixed, _, token, drafter, block, slot = self.step_cost()
         tokens = self._lookup_tokens(routing)[: min(found, MAX_SLOTS)]  # k looked up: [k-1]
-        cost = fixed + row + token + drafted_row + token * np.arange(1, len(tokens) + 1)
+        cost = fixed + block + token * np.arange(1, len(tokens) + 1)
         best = int(np.argmax(tokens / cost))
         drafted = self.expected_tau(routing, kind, slots) / (
-            fixed + row + token + drafter + drafted_row + slots * (token + slot)
+            fixed + block + drafter + slots * (token + slot)
         )
         return best + 1 if tokens[best] / cost[best] > drafted else 0
 
@@ -315,8 +324,8 @@ class CostModel:
         return tokens * per_token
 
     def step_cost(self) -> np.ndarray:
-        """Fitted seconds per feature: fixed, per row, per verified token, drafter, per drafted
-        row, per drafted slot."""
+        """Fitted seconds per feature: fixed, per one-token row, per verified token past a row's
+        first, drafter, per block row, per drafted slot."""
         if self._fit is None or self._since_fit >= self.refit_every:
             self._fit, self._since_fit = self._solve(), 0
             self._fits += 1
@@ -376,10 +385,8 @@ class CostModel:
 
     def verify_cost_ratio(self, slots: int = 15) -> float:
         """Predicted wall time of a one-row DFlash step of ``slots`` drafts over a plain step."""
-        c = self.step_cost()
-        fixed, row, token, drafter, drafted_row, slot = c
-        plain = fixed + row + token
-        return (plain + drafter + drafted_row + slots * (token + slot)) / plain
+        fixed, single, token, drafter, block, slot = self.step_cost()
+        return (fixed + block + drafter + slots * (token + slot)) / (fixed + single)
 
     def plan(self, rows: int, candidates: list[Candidate], prefill_tokens: int = 0) -> list[bool]:
         """Which candidates draft this step, in a step of ``rows`` decoding rows that also
@@ -400,13 +407,13 @@ class CostModel:
         ]
         order = sorted(range(len(candidates)), key=lambda i: (not candidates[i].forced, -taus[i]))
         must = sum(x.forced for x in candidates)
-        fixed, row, token, drafter, drafted_row, slot = c
-        seconds = fixed + rows * (row + token) + self.prefill_seconds(prefill_tokens)
+        fixed, single, token, drafter, block, slot = c
+        seconds = fixed + rows * single + self.prefill_seconds(prefill_tokens)
         tokens = float(rows)  # every row plain
         best_m, best_rate = 0, tokens / seconds
         for m, i in enumerate(order, start=1):
             x = candidates[i]
-            seconds += drafted_row + x.slots * (token + slot) + (drafter if m == 1 else 0.0)
+            seconds += block - single + x.slots * (token + slot) + (drafter if m == 1 else 0.0)
             tokens += taus[i] - 1
             if m <= must or tokens / seconds > best_rate:
                 best_m, best_rate = m, tokens / seconds
@@ -458,8 +465,8 @@ class CostModel:
         hit = cache.get(key)
         if hit is not None and hit[0] == version:
             return hit[1]
-        fixed, row, token, drafter, drafted_row, slot = c
-        fixed, per_slot = fixed + row + token + drafter + drafted_row, token + slot
+        fixed, _, token, drafter, block, slot = c
+        fixed, per_slot = fixed + block + drafter, token + slot
         tokens = self._tokens_by_slots(routing, kind)[: max(1, max_block - 1)]  # k drafts: [k-1]
         slots = 1 + int(np.argmax(tokens / (fixed + per_slot * np.arange(1, len(tokens) + 1))))
         size = min(max_block, slots + 1)
