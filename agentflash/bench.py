@@ -11,6 +11,7 @@ import importlib.util
 import json
 import random
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -88,6 +89,19 @@ class Timed(NamedTuple):
     memory_bytes: int  # ...and in all at once
 
 
+_ROUTER_STATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _as_mode(engine: Engine, speculation: str) -> None:
+    """Give the engine the router state of ``speculation``'s runs. The bench's modes take turns
+    on one engine; each keeps its own state, so the router row learns only from its own requests,
+    as an engine serving them alone would, not from the plain or always-dflash rounds' steps."""
+    states = _ROUTER_STATES.setdefault(engine, {})
+    if speculation not in states:
+        states[speculation] = engine.new_router_state()
+    engine.cost = states[speculation]
+
+
 def _time_engine(
     engine: Engine,
     ids: list[int],
@@ -103,6 +117,7 @@ def _time_engine(
         engine.compile(grammar)  # compiled once and cached, as for a running agent's tools
     if not keep_prefix_cache:
         engine.prefix_cache.clear()
+    _as_mode(engine, speculation)
     engine.reset_memory_peak()
     t0 = time.perf_counter()
     result = engine.generate(ids, params)
@@ -510,6 +525,7 @@ def _run_at(
     reqs: dict[tuple[int, int], Any] = {}
     live: list[tuple[int, int]] = []  # (conversation, turn) in flight
     engine.prefix_cache.clear()  # the modes and rounds run the same prompts
+    _as_mode(engine, speculation)
     engine.reset_memory_peak()
     params = [SamplingParams(max_tokens=max_tokens, speculation=speculation, grammar=g)
               for g in (grammars or [None] * len(convos))]
@@ -569,6 +585,7 @@ def run_concurrency(
                 turns.append(engine.chat_prompt(_answered(engine, p, turns[0], max_tokens, g),
                                                 p.tools))
         alone = []
+        _as_mode(engine, "off")
         for turns, g in zip(convos, grammars, strict=True):
             for ids in turns:
                 engine.prefix_cache.clear()
@@ -629,7 +646,9 @@ def _answered(engine: Engine, prompt: Prompt, ids: list[int], max_tokens: int, g
     identical to plain greedy decoding), so it is computed once, with plain decoding, off the
     clock."""
     engine.prefix_cache.clear()
-    reply = engine.generate(ids, SamplingParams(max_tokens=max_tokens, grammar=grammar)).text
+    _as_mode(engine, "off")
+    params = SamplingParams(max_tokens=max_tokens, speculation="off", grammar=grammar)
+    reply = engine.generate(ids, params).text
     engine.prefix_cache.clear()
     return answer_turn(prompt, reply)
 

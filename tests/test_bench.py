@@ -161,6 +161,26 @@ def test_concurrency_rows_match_outputs_run_alone(tiny_model_dir, tmp_path):
 
 
 
+def test_each_mode_keeps_its_own_router_state(tiny_model_dir):
+    from conftest import tiny_dflash_engine
+
+    engine = tiny_dflash_engine(tiny_model_dir, block_size=8)
+    ids = list(range(50, 70))
+    bench._time_engine(engine, ids, 12, "auto")
+    auto = engine.cost
+    steps = auto._steps
+    assert steps > 0 and auto.is_measured
+    bench._time_engine(engine, ids, 12, "off")  # the plain row's steps...
+    bench._time_engine(engine, ids, 12, "dflash")  # ...and always-dflash's...
+    assert engine.cost is not auto
+    bench._time_engine(engine, ids, 1, "auto")
+    assert engine.cost is auto and auto._steps == steps + 1  # ...are not the router's
+    # a new engine starts from nothing, with the drafter's priors
+    other = tiny_dflash_engine(tiny_model_dir, block_size=8)
+    bench._as_mode(other, "auto")
+    assert other.cost is not auto and not other.cost.is_measured
+
+
 def test_the_answer_turn_sends_the_models_reply_back_as_the_runtime_does():
     from agentflash.engine.engine import Engine
     from agentflash.engine.request import SamplingParams

@@ -153,9 +153,7 @@ class Engine:
         self.scheduler = Scheduler(SchedulerConfig(slots, max_len), self.cache)
         self.prefix_cache = PrefixCache(int(config.prefix_cache_mb * 2**20))
         self.eos_ids = end_of_turn_ids(tokenizer)
-        self.cost = CostModel()  # what the router has measured of this engine's speed
-        if drafter is not None and drafter.validation_tau:
-            self.cost.prior_tau.update(priors_from_validation(drafter.validation_tau))
+        self.cost = self.new_router_state()  # what the router has measured of this engine
         self._inbox: deque[Request] = deque()  # filled from any thread, drained by step()
         self._cancels: deque[Request] = deque()
         # the most held at once since ``reset_memory_peak`` (``memory_in_use`` after each forward)
@@ -163,6 +161,14 @@ class Engine:
         self.peak_total_bytes = 0
         self._kv_bytes_per_token = 2 * sum(k.shape[1] * k.shape[3] * k.element_size()
                                            for k in self.cache.k)
+
+    def new_router_state(self) -> CostModel:
+        """A router state that has measured nothing yet: its tau per kind starts from the
+        drafter's validation tau, where it has one."""
+        cost = CostModel()
+        if self.drafter is not None and self.drafter.validation_tau:
+            cost.prior_tau.update(priors_from_validation(self.drafter.validation_tau))
+        return cost
 
     @classmethod
     def from_pretrained(
