@@ -278,6 +278,25 @@ def test_a_plain_kind_is_probed_once_per_period_by_its_cheapest_row():
     assert cost._probe_interval[SegmentKind.PROSE] == 16
 
 
+def test_a_probe_waits_for_a_step_where_a_draft_could_pay():
+    # the CPU engine: a one-token row adds little to a step, a drafted block a lot
+    true_cost = np.array([2.5e-3, 0.1e-3, 0.1e-3, 1.3e-3, 0.8e-3, 0.02e-3])
+    cost = CostModel(probe_every=4)
+    for rows in (1, 2, 4, 8, 16, 32) * 10:
+        for shape in (plain(rows), drafting(rows, 1, 7)):
+            cost.observe_step(shape, float(true_cost @ shape.features()))
+    routings = [RequestRouting() for _ in range(32)]
+    for routing in routings:
+        for _ in range(20):
+            verify(cost, routing, SegmentKind.PROSE, 0, 7)
+    rows = [Candidate(r, SegmentKind.PROSE, 7) for r in routings]
+    # at 32 rows even a draft that stood whole would cost more than its 7 tokens bring: the
+    # probe that is due waits...
+    assert not any(any(cost.plan(32, rows)) for _ in range(12))
+    # ...for a step of few rows, where what it learns could make drafting pay
+    assert cost.plan(2, rows[:2]).count(True) == 1
+
+
 def test_probes_back_off_while_a_kind_loses_and_reset_once_it_pays():
     cost, routing = CostModel(probe_every=2, max_probe_every=8), RequestRouting()
     for _ in range(20):

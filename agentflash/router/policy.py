@@ -408,8 +408,8 @@ class CostModel:
         order = sorted(range(len(candidates)), key=lambda i: (not candidates[i].forced, -taus[i]))
         must = sum(x.forced for x in candidates)
         fixed, single, token, drafter, block, slot = c
-        seconds = fixed + rows * single + self.prefill_seconds(prefill_tokens)
-        tokens = float(rows)  # every row plain
+        plain = fixed + rows * single + self.prefill_seconds(prefill_tokens)
+        seconds, tokens = plain, float(rows)  # every row plain
         best_m, best_rate = 0, tokens / seconds
         for m, i in enumerate(order, start=1):
             x = candidates[i]
@@ -420,14 +420,24 @@ class CostModel:
         chosen = [False] * len(candidates)
         for rank, i in enumerate(order):
             chosen[i] = rank < best_m
-        self._probe(candidates, chosen)
+
+        def could_pay(x: Candidate) -> bool:
+            """Whether drafting ``x`` would pay in this step (beside the rows chosen) if every
+            draft stood."""
+            extra = block - single + x.slots * (token + slot) + drafter * (best_m == 0)
+            return (rows + x.slots) / (plain + extra) > rows / plain
+
+        self._probe(candidates, chosen, could_pay)
         return chosen
 
-    def _probe(self, candidates: list[Candidate], chosen: list[bool]) -> None:
+    def _probe(self, candidates: list[Candidate], chosen: list[bool], could_pay) -> None:
         """Count the step for every kind left undrafted; one whose count reaches its interval
-        is probed by its cheapest candidate. The interval starts at ``probe_every`` and doubles
-        with every probe after which the kind stayed plain (up to ``max_probe_every``): a probe
-        costs a drafted step, and a kind that keeps losing needs fewer of them."""
+        is probed by its cheapest candidate, in the first step where a draft could pay at all
+        (``could_pay``: were every draft to stand; in a wide step of one-token rows none can,
+        and what a probe would learn could not change the plan). The interval starts at
+        ``probe_every`` and doubles with every probe after which the kind stayed plain (up to
+        ``max_probe_every``): a probe costs a drafted step, and a kind that keeps losing needs
+        fewer of them."""
         drafted = {x.kind for x, yes in zip(candidates, chosen) if yes}
         for kind in drafted:  # fresh counts: no probe needed for a while
             self._since_drafted[kind] = 0
@@ -450,7 +460,10 @@ class CostModel:
                         acceptance.age(self.age_plain**self.age_every)
             interval = self._probe_interval.get(kind, self.probe_every)
             if self._since_drafted[kind] >= interval:
-                chosen[min(index, key=lambda i: candidates[i].backlog)] = True
+                probe = min(index, key=lambda i: candidates[i].backlog)
+                if not could_pay(candidates[probe]):
+                    continue  # due, and probed once the step is narrow enough to gain
+                chosen[probe] = True
                 self._since_drafted[kind] = 0
                 self._probe_interval[kind] = min(2 * interval, self.max_probe_every)
 
