@@ -25,12 +25,12 @@ The choice is a cost model fed by what the engine measures while it runs:
 A step's rows share its time. Drafting a block of ``k`` slots for one row adds the block row's
 cost over a one-token row's and ``k * (per token + per slot)`` to the step (the drafter's fixed
 cost is added once, whatever the number of rows that draft) and gains that row ``tau - 1``
-tokens. Each step drafts for the
-most predictable rows up to the count that commits the most tokens per second of step time. So
-one request alone speculates when ``tau`` beats the verify-to-plain cost ratio, and in a wide
-batch drafts must pay for the time they add to every other row's step. A kind routed to plain
-decoding is still probed with DFlash once every ``probe_every`` steps of the engine, by the row
-that is cheapest to probe (the least target context waiting to be projected into its drafter), so
+tokens. Each step drafts for the most predictable rows up to the count that commits the most
+tokens per second of step time. So one request alone speculates when ``tau`` beats the
+verify-to-plain cost ratio, and in a wide batch drafts must pay for the time they add to every
+other row's step. A kind routed to plain decoding is still probed with DFlash once every
+``probe_every`` steps of the engine, by the row that is cheapest to probe (the least target
+context waiting to be projected into its drafter), in a step where a draft could pay at all, so
 that its acceptance estimate follows the text without every request paying for probes; the
 period doubles with each probe after which the kind stays plain. The counts of a kind decoded
 plain also age with every step (``age_plain``), so one bad stretch does not keep a kind plain
@@ -45,6 +45,7 @@ costs no drafter forward, and its acceptance is tracked per request like the dra
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -422,15 +423,20 @@ class CostModel:
             chosen[i] = rank < best_m
 
         def could_pay(x: Candidate) -> bool:
-            """Whether drafting ``x`` would pay in this step (beside the rows chosen) if every
-            draft stood."""
+            """Whether drafting ``x`` would pay in this step if every draft stood (the drafter's
+            launch paid already where rows were chosen)."""
             extra = block - single + x.slots * (token + slot) + drafter * (best_m == 0)
             return (rows + x.slots) / (plain + extra) > rows / plain
 
         self._probe(candidates, chosen, could_pay)
         return chosen
 
-    def _probe(self, candidates: list[Candidate], chosen: list[bool], could_pay) -> None:
+    def _probe(
+        self,
+        candidates: list[Candidate],
+        chosen: list[bool],
+        could_pay: Callable[[Candidate], bool],
+    ) -> None:
         """Count the step for every kind left undrafted; one whose count reaches its interval
         is probed by its cheapest candidate, in the first step where a draft could pay at all
         (``could_pay``: were every draft to stand; in a wide step of one-token rows none can,
