@@ -87,6 +87,21 @@ def test_sampling_is_reproducible_with_a_seed_and_varies_without(engine):
     assert len(other) > 1
 
 
+def test_sampling_params_name_a_bad_field():
+    assert SamplingParams(stop=["a", "b"]).stop == ("a", "b")  # a list is taken as a tuple
+    assert SamplingParams(seed=2**64 - 1).seed == 2**64 - 1 and SamplingParams(seed=-(2**63))
+    for fields, message in [
+        (dict(seed=2**64), "seed must be an integer in"),  # torch refuses it: not at run time
+        (dict(seed=True), "seed must be an integer in"),
+        (dict(stop="abc"), "stop must hold non-empty strings"),  # not the strings a, b and c
+        (dict(temperature="0.5"), "temperature must be a number"),
+        (dict(top_p=None), "top_p must be a number"),
+        (dict(speculation=1), "speculation must be auto, dflash or off"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            SamplingParams(**fields)
+
+
 def test_max_tokens_and_stop_token(engine):
     ids = prompts(engine, 1)[0]
     free = engine.generate(ids, SamplingParams(max_tokens=12, ignore_eos=True))

@@ -238,6 +238,7 @@ def test_stop_strings_and_max_tokens(client):
      "tool_choice"),
     (dict(tool_choice="required"), 400, "tool_choice"),
     (dict(temperature="hot"), 400, "temperature"),
+    (dict(temperature=0.5, seed=10**23), 400, "seed"),  # beyond what a torch generator takes
     (dict(max_tokens=10**6), 400, "max_tokens"),
     (dict(n=2), 400, "n"),
     (dict(stop=["a", "b", "c", "d", "e"]), 400, "stop"),

@@ -52,12 +52,20 @@ class Decoding:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise UserError(f"decoding.max_tokens must be a positive integer, "
                             f"got {self.max_tokens!r}")
-        if self.seed is not None and not _is_int(self.seed):
-            raise UserError(f"decoding.seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and not is_seed(self.seed):
+            raise UserError(f"decoding.seed must be {SEED_TEXT}, got {self.seed!r}")
 
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+# the seeds a torch generator takes as they are (it refuses the others rather than fold them in)
+SEED_TEXT = "an integer in [-2**63, 2**64 - 1]"
+
+
+def is_seed(value: Any) -> bool:
+    return _is_int(value) and -(2**63) <= value < 2**64
 
 
 class ToolChoice(str, enum.Enum):

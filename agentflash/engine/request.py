@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from agentflash.backends.base import SEED_TEXT, is_seed
 from agentflash.grammar.sources import GrammarSource
 from agentflash.router.policy import RequestRouting
 from agentflash.router.segments import SegmentTracker
@@ -42,25 +43,37 @@ class SamplingParams:
             try:
                 object.__setattr__(self, "speculation", Speculation(self.speculation))
             except ValueError:
-                raise ValueError(
-                    f"speculation must be auto, dflash or off, got {self.speculation!r}"
-                ) from None
-        if self.block_size is not None and not (
-            isinstance(self.block_size, int) and 2 <= self.block_size <= 64
-        ):
+                pass
+        if not isinstance(self.speculation, Speculation):
+            raise ValueError(f"speculation must be auto, dflash or off, got {self.speculation!r}")
+        block = self.block_size
+        if block is not None and not (_is_int(block) and 2 <= block <= 64):
             raise ValueError(f"block_size must be an integer in [2, 64], got {self.block_size!r}")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if not 0.0 <= self.temperature <= 10.0:
-            raise ValueError(f"temperature must be in [0, 10], got {self.temperature!r}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if any(not isinstance(s, str) or not s for s in self.stop):
+        if not _is_number(self.temperature) or not 0.0 <= self.temperature <= 10.0:
+            raise ValueError(f"temperature must be a number in [0, 10], got {self.temperature!r}")
+        if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and not is_seed(self.seed):
+            raise ValueError(f"seed must be {SEED_TEXT}, got {self.seed!r}")
+        if isinstance(self.stop, list):
+            object.__setattr__(self, "stop", tuple(self.stop))
+        if not isinstance(self.stop, tuple) or any(not isinstance(s, str) or not s
+                                                   for s in self.stop):
             raise ValueError(f"stop must hold non-empty strings, got {self.stop!r}")
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 class Status(enum.Enum):

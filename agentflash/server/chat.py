@@ -84,16 +84,19 @@ def prepare(request: ChatCompletionRequest, engine: Engine, max_tokens_limit: in
                             f"{max_tokens_limit}", param="max_tokens")
     room = max_len - len(prompt_ids)
     options = request.agentflash
-    params = SamplingParams(
-        max_tokens=min(max_tokens or max_tokens_limit, room),
-        temperature=DEFAULT_TEMPERATURE if request.temperature is None else request.temperature,
-        top_p=1.0 if request.top_p is None else request.top_p,
-        seed=request.seed,
-        stop=request.stop_strings,
-        speculation=options.speculation if options else "auto",
-        block_size=options.block_size if options else None,
-        grammar=grammar,
-    )
+    try:
+        params = SamplingParams(
+            max_tokens=min(max_tokens or max_tokens_limit, room),
+            temperature=DEFAULT_TEMPERATURE if request.temperature is None else request.temperature,
+            top_p=1.0 if request.top_p is None else request.top_p,
+            seed=request.seed,
+            stop=request.stop_strings,
+            speculation=options.speculation if options else "auto",
+            block_size=options.block_size if options else None,
+            grammar=grammar,
+        )
+    except ValueError as err:  # the protocol's own checks catch these first; none is a 500
+        raise APIError(400, str(err)) from None
     return ChatJob(prompt_ids, params, bool(tools) and choice.mode is not ToolChoiceMode.NONE)
 
 
