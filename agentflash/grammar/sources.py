@@ -113,6 +113,8 @@ def json_schema(
         raise GrammarError(
             f"{origin}: a JSON Schema must be an object or a boolean, got {type(schema).__name__}"
         )
+    if schema is True:  # any JSON value: the empty schema (grammar compilers take objects)
+        schema = {}
     try:
         text = json.dumps(close_objects(schema) if strict else schema, ensure_ascii=False)
     except (TypeError, ValueError) as err:
