@@ -43,8 +43,20 @@ def references(text: str) -> tuple[list[Reference], list[str]]:
         line = getattr(err, "lineno", None)
         return [], [f"template syntax error{f' (template line {line})' if line else ''}: "
                     f"{err.message}"]
+    # a filter or test Jinja does not know fails only when its line runs (a test) or when the
+    # template compiles (a filter): both are found here, before any step does its work
+    problems = [f"unknown {what} {node.name!r}"
+                for what, kind, known in (("filter", nodes.Filter, ENV.filters),
+                                          ("test", nodes.Test, ENV.tests))
+                for node in ast.find_all(kind) if node.name not in known]
+    if problems:
+        return [], problems
+    try:  # compiles the template: what the parser let through may still be refused here
+        names = find_undeclared_variables(ast)
+    except TemplateError as err:
+        return [], [f"template error: {err.message}"]
     problems = [f"unknown variable {name!r} (templates see inputs and steps)"
-                for name in sorted(find_undeclared_variables(ast) - {"inputs", "steps"})]
+                for name in sorted(names - {"inputs", "steps"})]
     refs: list[Reference] = []
     for node in ast.find_all((nodes.Getattr, nodes.Getitem)):
         scope = node.node.name if isinstance(node.node, nodes.Name) else None
