@@ -167,6 +167,16 @@ def test_bad_tool_definitions_are_user_errors():
     with pytest.raises(UserError, match="timeout_s must be a positive number"):
         tool(timeout_s=0)(star)
 
+    class Thing:  # not a type pydantic can describe
+        pass
+
+    def takes(thing: Thing) -> str:
+        return "x"
+
+    with pytest.raises(UserError, match="pydantic cannot describe the parameters") as err:
+        tool(takes)
+    assert "\n" not in str(err.value)  # pydantic's paragraphs of advice are left out
+
 
 # --- HTTP tools against a real server on loopback -----------------------------------------------
 
@@ -259,5 +269,7 @@ def test_http_tool_definition_errors():
         HttpTool("t", "", "FETCH", "http://127.0.0.1/x")
     with pytest.raises(UserError, match="not a valid JSON Schema"):
         HttpTool("t", "", "GET", "http://127.0.0.1/x", {"type": "objekt"})
+    with pytest.raises(UserError, match="parameters must be a JSON Schema of type object"):
+        HttpTool("t", "", "GET", "http://127.0.0.1/x", {"type": "string"})
     with pytest.raises(ToolArgumentsError):
         anyio.run(HttpTool("t", "", "GET", "http://127.0.0.1:9/x").call, {"extra": 1})

@@ -48,12 +48,19 @@ def tool_specs(tools: list[dict[str, Any]]) -> list[ToolSpec]:
         if any(s.name == name for s in specs):
             raise GrammarError(f"{where}: two tools are named {name!r}")
         params = fn.get("parameters", _EMPTY_PARAMETERS)
-        if not isinstance(params, dict) or params.get("type", "object") != "object":
-            raise GrammarError(f"{where} ({name}): parameters must be a JSON Schema of type object")
-        check_schema(params, f"{where} ({name}) parameters")
-        check_schema_supported(params, f"{where} ({name}) parameters")
+        check_parameters(params, f"{where} ({name})")
         specs.append(ToolSpec(name, params))
     return specs
+
+
+def check_parameters(params: Any, origin: str) -> None:
+    """Raise ``GrammarError`` naming ``origin`` unless ``params`` is a valid JSON Schema of type
+    object that the grammar can constrain a tool call's arguments to."""
+    if isinstance(params, dict):
+        check_schema(params, f"{origin} parameters")
+    if not isinstance(params, dict) or params.get("type", "object") != "object":
+        raise GrammarError(f"{origin}: parameters must be a JSON Schema of type object")
+    check_schema_supported(params, f"{origin} parameters")
 
 
 def _rebase_refs(node: Any, base: str) -> Any:

@@ -218,7 +218,8 @@ def function_tool(fn: Callable[..., Any], *, name: str | None = None,
                                       __config__=pydantic.ConfigDict(extra="forbid"), **fields)
         schema = strict_schema(model.model_json_schema())
     except (pydantic.PydanticUserError, pydantic.PydanticSchemaGenerationError, TypeError) as err:
-        raise UserError(f"{where}: pydantic cannot describe the parameters: {err}") from None
+        first = str(err).strip().splitlines()[0]  # pydantic adds paragraphs of advice after it
+        raise UserError(f"{where}: pydantic cannot describe the parameters: {first}") from None
     return FunctionTool(name, description if description is not None else summary, model, schema,
                         fn, timeout_s, tuple(positional))
 
@@ -276,13 +277,11 @@ class HttpTool:
             raise UserError(f"http tool {self.name!r}: url must be an absolute http(s) URL, "
                             f"got {self.url!r}")
         import httpx  # noqa: F401  (imported now, so that the first call does not stall the loop)
-        from jsonschema import Draft202012Validator, SchemaError
 
-        try:
-            Draft202012Validator.check_schema(self.parameters)
-        except SchemaError as err:
-            raise UserError(f"http tool {self.name!r}: parameters is not a valid JSON Schema: "
-                            f"{err.message}") from None
+        from agentflash.grammar.tool_calls import check_parameters
+
+        # what a call's arguments are constrained to: checked now, not at the first call
+        check_parameters(self.parameters, f"http tool {self.name!r}")
 
     async def call(self, arguments: dict[str, Any]) -> Any:
         import httpx
