@@ -101,11 +101,13 @@ class ServerConfig:
 def load_engine(config: ServerConfig) -> Engine:
     """The engine a config names (weights loaded now)."""
     drafter = None if config.drafter == "none" else config.drafter
-    return Engine.from_pretrained(
-        config.model,
-        EngineConfig(max_running=config.max_running, max_len=config.max_len,
-                     kv_budget_mb=config.kv_budget_mb, prefix_cache_mb=config.prefix_cache_mb),
-        drafter=drafter)
+    try:  # the engine's own limits (max_len of at least 2, ...)
+        limits = EngineConfig(max_running=config.max_running, max_len=config.max_len,
+                              kv_budget_mb=config.kv_budget_mb,
+                              prefix_cache_mb=config.prefix_cache_mb)
+    except ValueError as err:
+        raise UserError(f"server {err}") from None
+    return Engine.from_pretrained(config.model, limits, drafter=drafter)
 
 
 class Server:
