@@ -18,8 +18,13 @@ app.add_typer(train_app, name="train")
 
 
 def fail(message: str) -> None:
-    typer.echo(f"error: {message}", err=True)
+    typer.echo(f"error: {one_line(message)}", err=True)
     raise typer.Exit(2)
+
+
+def one_line(message: str) -> str:
+    """An error on one line, whatever a library below wrote into it."""
+    return " ".join(line.strip() for line in message.splitlines() if line.strip())
 
 
 ModelOpt = Annotated[str, typer.Option("--model", help="'demo' or a Hugging Face model directory")]
@@ -78,6 +83,7 @@ def generate(
         engine = _load_engine(model, drafter)
         if speculation == "dflash" and engine.drafter is None:
             raise UserError("--mode dflash needs a drafter (--drafter demo or a directory)")
+        _compile_all(engine, todo)
         for item in todo:
             result = engine.generate(engine.chat_prompt(item.messages, item.tools), item.params)
             if as_json:
@@ -86,6 +92,22 @@ def generate(
                 typer.echo(result.text)
     except UserError as err:
         fail(str(err))
+
+
+def _compile_all(engine, todo) -> None:
+    """Every request's grammar compiled (and cached) before the first one runs, so that a bad
+    schema on a requests file's last line fails before the lines above it are answered."""
+    from agentflash.grammar import GrammarError
+
+    for item in todo:
+        if item.params.grammar is not None:
+            try:
+                engine.compile(item.params.grammar)
+            except GrammarError as err:  # its origin names the request, or only its file
+                message = str(err)
+                if not message.startswith(item.where):
+                    message = f"{item.where}: {message}"
+                raise UserError(message) from None
 
 
 def _tool_choice(value: str | None) -> str | dict | None:
@@ -372,7 +394,7 @@ def main() -> None:
     try:
         app()
     except UserError as err:  # raised outside a command's own handling
-        typer.echo(f"error: {err}", err=True)
+        typer.echo(f"error: {one_line(str(err))}", err=True)
         sys.exit(2)
 
 

@@ -22,6 +22,7 @@ class GenerateInput:
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] = field(default_factory=list)
     params: SamplingParams = SamplingParams()
+    where: str = "command line"  # what its errors name: a requests file's path and line
 
 
 def read_json_file(path: Path, what: str) -> Any:
@@ -48,12 +49,28 @@ def check_messages(messages: Any, where: str) -> list[dict[str, Any]]:
                 f"{where}: messages[{i}].role must be one of {', '.join(ROLES)}, "
                 f"got {msg.get('role')!r}"
             )
+        if "tool_calls" in msg:
+            _check_tool_calls(msg["tool_calls"], f"{where}: messages[{i}].tool_calls")
         content = msg.get("content")
         if content is None and msg.get("tool_calls"):
             continue
         if not isinstance(content, str):
             raise UserError(f"{where}: messages[{i}].content must be a string")
     return messages
+
+
+def _check_tool_calls(calls: Any, where: str) -> None:
+    """An assistant message's calls, OpenAI's ``{"function": {"name", "arguments"}}`` or bare
+    ``{"name", "arguments"}``, the arguments an object or its JSON text (as chat templates read
+    them)."""
+    if not isinstance(calls, list):
+        raise UserError(f"{where} must be a list")
+    for j, call in enumerate(calls):
+        fn = call.get("function", call) if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise UserError(f"{where}[{j}] must be an object with a function's name")
+        if not isinstance(fn.get("arguments", {}), (str, dict)):
+            raise UserError(f"{where}[{j}].arguments must be an object or its JSON text")
 
 
 def check_tools(tools: Any, where: str) -> list[dict[str, Any]]:
@@ -76,6 +93,13 @@ def check_tools(tools: Any, where: str) -> list[dict[str, Any]]:
         params = fn.get("parameters", {"type": "object", "properties": {}})
         if not isinstance(params, dict):
             raise UserError(f"{where}: tools[{i}].function.parameters must be a JSON Schema object")
+    from agentflash.grammar import GrammarError
+    from agentflash.grammar.tool_calls import tool_specs
+
+    try:  # the schemas, as the grammar of a call to them will read them
+        tool_specs(tools)
+    except GrammarError as err:
+        raise UserError(f"{where}: {err}") from None
     return tools
 
 
@@ -96,8 +120,6 @@ def make_params(values: dict[str, Any], where: str) -> SamplingParams:
     fields = {k: v for k, v in values.items() if k in PARAM_FIELDS and v is not None}
     if isinstance(fields.get("stop"), str):
         fields["stop"] = (fields["stop"],)
-    if "stop" in fields:
-        fields["stop"] = tuple(fields["stop"])
     try:
         return SamplingParams(**fields)
     except (TypeError, ValueError) as err:
@@ -124,7 +146,7 @@ def make_input(values: dict[str, Any], where: str) -> GenerateInput:
     grammar = make_grammar(values, tools, where)
     if grammar is not None:
         params = dataclasses.replace(params, grammar=grammar)
-    return GenerateInput(messages, tools, params)
+    return GenerateInput(messages, tools, params, where)
 
 
 def make_grammar(values: dict[str, Any], tools: list[dict[str, Any]], where: str):
@@ -143,7 +165,10 @@ def make_grammar(values: dict[str, Any], tools: list[dict[str, Any]], where: str
     if "schema" in asked:
         schema = values["schema"]
         if isinstance(schema, (str, Path)):
-            return grammar.json_schema_file(schema)
+            try:
+                return grammar.json_schema_file(schema)
+            except grammar.GrammarError as err:
+                raise UserError(f"{where}: schema {err}") from None
         return grammar.json_schema(schema, origin=f"{where}: schema")
     if "regex" in asked:
         return grammar.regex(values["regex"], origin=f"{where}: regex")
@@ -152,7 +177,10 @@ def make_grammar(values: dict[str, Any], tools: list[dict[str, Any]], where: str
         return None
     if not tools and choice not in ("none", "auto"):
         raise UserError(f"{where}: tool_choice {choice!r} needs tools")
-    return grammar.assistant_turn(tools, choice or "auto")
+    try:
+        return grammar.assistant_turn(tools, choice or "auto")
+    except grammar.GrammarError as err:
+        raise UserError(f"{where}: {err}") from None
 
 
 def load_requests(path: Path, defaults: dict[str, Any]) -> list[GenerateInput]:
@@ -172,6 +200,8 @@ def load_requests(path: Path, defaults: dict[str, Any]) -> list[GenerateInput]:
             raise UserError(f"{where}: malformed JSON: {err.msg}") from None
         if not isinstance(obj, dict):
             raise UserError(f"{where}: each line must be a JSON object")
+        if isinstance(obj.get("schema"), str):  # a schema file named beside the requests
+            obj["schema"] = str(path.parent / obj["schema"])
         merged = {k: v for k, v in defaults.items() if v is not None and k not in obj}
         if "prompt" in obj or "messages" in obj:
             merged.pop("prompt", None)

@@ -101,6 +101,13 @@ def test_requests_file_writes_one_result_per_line(tiny_model_dir, tmp_path):
         ('[{"role": "robot", "content": "x"}]', "messages[0].role must be one of"),
         ('{"role": "user"}', "must be a non-empty JSON list"),
         ('[{"role": "user",\n "content": }]', ":2:13: malformed JSON"),
+        ('[{"role": "user", "content": "x"}, {"role": "assistant", "content": null, '
+         '"tool_calls": "f"}]', "messages[1].tool_calls must be a list"),
+        ('[{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [5]}]',
+         "messages[1].tool_calls[0] must be an object with a function's name"),
+        ('[{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": '
+         '[{"function": {"name": "f", "arguments": 3}}]}]',
+         "messages[1].tool_calls[0].arguments must be an object or its JSON text"),
     ],
 )
 def test_bad_messages_file(tiny_model_dir, tmp_path, content, message):
@@ -119,6 +126,10 @@ def test_bad_messages_file(tiny_model_dir, tmp_path, content, message):
         ('{"type": "function"}', "tools must be a JSON list"),
         ('[{"type": "function", "function": {"description": "x"}}]', "tools[0].function.name"),
         ('[{"name": "f"}]', 'tools[0] must be {"type": "function"'),
+        ('[{"type": "function", "function": {"name": "f", "parameters": {"type": "object", '
+         '"properties": {"a": {"type": "strin"}}}}}]', "not a valid JSON Schema"),
+        ('[{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]',
+         "parameters must be a JSON Schema of type object"),
     ],
 )
 def test_bad_tools_file(tiny_model_dir, tmp_path, content, message):
@@ -146,6 +157,57 @@ def test_bad_requests_line_is_named(tiny_model_dir, tmp_path):
         "generate", "--model", str(tiny_model_dir), "--requests", str(tmp_path / "r.jsonl")
     )
     assert code == 2 and "unknown field 'colour'" in err
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ('{"prompt": "x", "stop": 5}', "stop must hold non-empty strings, got 5"),
+        ('{"prompt": "x", "stop": {"a": 1}}', "stop must hold non-empty strings"),
+        ('{"prompt": "x", "seed": "abc", "temperature": 0.5}', "seed must be an integer"),
+        ('{"prompt": "x", "seed": 1.5, "temperature": 0.5}', "seed must be an integer"),
+        ('{"prompt": "x", "seed": 100000000000000000000000}', "seed must be an integer in"),
+        ('{"prompt": "x", "speculation": 5}', "speculation must be auto, dflash or off"),
+        ('{"prompt": "x", "temperature": "hot"}', "temperature must be a number"),
+        ('{"prompt": "x", "tool_choice": 5, "tools": ' + json.dumps(TOOLS) + "}",
+         "tool_choice: expected auto, none, required or a tool name"),
+        ('{"prompt": "x", "regex": "([a-"}', "unclosed character class"),
+    ],
+)
+def test_bad_request_fields_are_named_on_one_line(tiny_model_dir, tmp_path, line, message):
+    path = tmp_path / "r.jsonl"
+    path.write_text('{"prompt": "ok"}\n' + line + "\n")
+    code, out, err = run("generate", "--model", str(tiny_model_dir), "--requests", str(path))
+    assert code == 2 and out == ""  # the good line above it is not answered either
+    assert err.startswith(f"error: {path}:2: ") and message in err, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_requests_grammars_compile_before_any_answer_and_schema_files_sit_beside(
+    tiny_model_dir, tmp_path, monkeypatch
+):
+    (tmp_path / "int.json").write_text('{"type": "integer"}')
+    (tmp_path / "unique.json").write_text('{"type": "array", "uniqueItems": true}')
+    path = tmp_path / "r.jsonl"
+    path.write_text('{"prompt": "x", "schema": "int.json", "max_tokens": 4}\n'
+                    '{"prompt": "x", "schema": "unique.json", "max_tokens": 4}\n')
+    monkeypatch.chdir("/")  # a schema file is found beside the requests, not in the cwd
+    code, out, err = run("generate", "--model", str(tiny_model_dir), "--requests", str(path))
+    assert code == 2 and out == "" and err.startswith(f"error: {path}:2: ")
+    assert "uniqueItems" in err
+    path.write_text('{"prompt": "x", "schema": "int.json", "max_tokens": 4}\n')
+    code, out, _ = run("generate", "--model", str(tiny_model_dir), "--requests", str(path))
+    assert code == 0 and out.strip().lstrip("-").isdigit()
+
+
+def test_boolean_schemas_and_a_huge_seed(tiny_model_dir, tmp_path):
+    (tmp_path / "any.json").write_text("true")
+    code, out, _ = run("generate", "--model", str(tiny_model_dir), "--prompt", "x",
+                       "--schema", str(tmp_path / "any.json"), "--max-tokens", "8", "--json")
+    assert code == 0 and json.loads(out)["finish_reason"] in ("stop", "length")
+    code, _, err = run("generate", "--model", str(tiny_model_dir), "--prompt", "x",
+                       "--temperature", "0.5", "--seed", str(10**23))
+    assert code == 2 and err.startswith("error: command line: seed must be an integer in")
 
 
 def test_missing_model_and_missing_files(tmp_path):

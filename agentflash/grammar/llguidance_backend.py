@@ -68,13 +68,24 @@ def check_schema_supported(
 
 
 def _describe_error(source: GrammarSource, message: str) -> str:
-    message = message.strip()
+    message = _one_line(message)
     if source.kind is GrammarKind.JSON_SCHEMA:
         where = locate_schema_error(source.schema, lambda s: _schema_error(source, s))
         return f"{source.origin}: {where}: {message}"
     if source.kind is GrammarKind.REGEX:
         return f"{source.origin}: invalid regex {source.text!r}: {message}"
     return f"{source.origin}: {message}"
+
+
+def _one_line(message: str) -> str:
+    """llguidance's message on one line; a regex parser's report (the pattern and a caret under
+    the fault, then ``error: ...``, then the grammar line) keeps its first line and its error."""
+    lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
+    errors = [line.removeprefix("error:").strip() for line in lines[1:]
+              if line.startswith("error:")]
+    if errors:
+        return f"{lines[0]} {errors[0]}"
+    return " ".join(lines)
 
 
 class LLGuidanceGrammar(CompiledGrammar):
