@@ -137,12 +137,18 @@ def test_sync_and_async_tools_errors_and_timeouts():
     def broken(x: int) -> int:
         raise ValueError(f"cannot handle {x}")
 
+    @tool
+    def raw(x: int) -> bytes:
+        return b"\xff\xfe"  # not UTF-8: no text for the model
+
     async def main():
         return [await run_tool(slow, {"seconds": 0}), await run_tool(slow, {"seconds": 5}),
                 await run_tool(sleepy, {"seconds": 0}), await run_tool(sleepy, {"seconds": 1}),
-                await run_tool(broken, {"x": 3})]
+                await run_tool(broken, {"x": 3}), await run_tool(raw, {"x": 1})]
 
-    fast, late, fast_sync, late_sync, failed = anyio.run(main)
+    fast, late, fast_sync, late_sync, failed, unwritable = anyio.run(main)
+    assert unwritable.is_error and "raw returned a value that cannot be written as JSON: " \
+        "UnicodeDecodeError" in unwritable.output
     assert (fast.output, fast.is_error) == ("done", False)
     assert late.is_error and "slow timed out after 0.2 s" in late.output and late.duration_s < 1
     assert (fast_sync.output, fast_sync.is_error) == ("done", False)

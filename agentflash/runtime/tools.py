@@ -347,4 +347,9 @@ async def run_tool(t: Tool, arguments: dict[str, Any]) -> ToolOutcome:
     except Exception as err:  # the tool's own failure is the model's to handle
         return ToolOutcome(error_result(f"{type(err).__name__}: {err}"), True,
                            anyio.current_time() - started)
-    return ToolOutcome(format_result(value), False, anyio.current_time() - started)
+    try:
+        return ToolOutcome(format_result(value), False, anyio.current_time() - started)
+    except Exception as err:  # bytes that are not UTF-8, a list that holds itself, a bad __str__
+        return ToolOutcome(error_result(f"{t.name} returned a value that cannot be written as "
+                                        f"JSON: {type(err).__name__}: {err}"), True,
+                           anyio.current_time() - started)
