@@ -137,8 +137,10 @@ class _Loop:
         with self.tracer.span(SpanKind.RUN, f"run {self.agent.name}", self.trace_parent,
                               attrs) as span:
             await _guard("input", self.agent.input_guardrails, self.input)
+            held = 0  # turns of the agent that holds the conversation (its max_turns counts them)
             for turn in itertools.count(1):
-                if turn > self.agent.max_turns:
+                held += 1
+                if held > self.agent.max_turns:
                     raise MaxTurnsExceeded(f"agent {self.agent.name!r} reached max_turns "
                                            f"({self.agent.max_turns}) without a final output")
                 end = await self.turn(turn, span)
@@ -146,7 +148,7 @@ class _Loop:
                     self.called_tools = True
                 elif isinstance(end, HandoffTo):
                     self.emit(ev.HandoffOccurred(self.agent.name, end.target.name, end.reason))
-                    self.agent, self.called_tools = end.target, False
+                    self.agent, self.called_tools, held = end.target, False, 0
                 elif isinstance(end, Final):
                     await _guard("output", self.agent.output_guardrails, end.output)
                     self.emit(ev.FinalOutput(self.agent.name, end.output))
@@ -358,7 +360,9 @@ def _input_messages(input: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
         if any(m["role"] == "system" for m in input):
             raise UserError("the run's input must not hold system messages (the agent's "
                             "instructions are the system prompt)")
-        return list(input)
+        from agentflash.inputs import check_messages
+
+        return list(check_messages(input, "the run's input"))
     raise UserError("the run's input must be a string or a non-empty list of chat messages")
 
 
