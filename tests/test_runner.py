@@ -242,6 +242,20 @@ def test_max_turns_stops_a_model_that_keeps_calling_tools():
     assert len(backend.requests) == 3
 
 
+def test_max_turns_counts_the_turns_of_the_agent_that_holds_the_conversation():
+    forecaster = Agent("forecaster", max_turns=1)
+    triage = Agent("triage", handoffs=[forecaster])
+    handoff = tool_call_text("transfer_to_forecaster", {"reason": "weather"})
+    backend = ScriptedBackend([handoff, "sunny"])  # the forecaster's one turn answers
+    assert Runner.run_sync(triage, "hi", backend=backend).final_output == "sunny"
+    backend = ScriptedBackend([handoff, ScriptedTurn.calls(("get_weather", {"city": "Oslo"})),
+                               "sunny"])
+    forecaster.tools.append(get_weather)
+    with pytest.raises(MaxTurnsExceeded, match=r"agent 'forecaster' reached max_turns \(1\)"):
+        Runner.run_sync(triage, "hi", backend=backend)
+    assert len(backend.requests) == 2  # the triage's turn and the forecaster's one
+
+
 def test_tool_choice_is_checked_and_resets_after_a_call():
     agent = Agent("a", tools=[get_weather], tool_choice="required")
     result, _, backend = run(agent, [ScriptedTurn.calls(("get_weather", {"city": "Oslo"})), "ok"])
@@ -375,6 +389,27 @@ def test_agent_definition_errors():
     with pytest.raises(UserError, match="must not hold system messages"):
         Runner.run_sync(Agent("a"), [{"role": "system", "content": "x"}],
                         backend=ScriptedBackend([]))
+    # found when the agent is built, not at its first turn
+    with pytest.raises(UserError, match="tools must be a list, got FunctionTool"):
+        Agent("a", tools=get_weather)
+    with pytest.raises(UserError, match="handoffs must be Agents, got str"):
+        Agent("a", handoffs=["b"])
+    with pytest.raises(UserError, match="'transfer_to_b' clashes"):
+        Agent("a", handoffs=[Agent("b"), Agent("b")])
+    with pytest.raises(UserError, match=r"output schema: #: Unimplemented keys: \["):
+        Agent("a", output_type={"type": "array", "uniqueItems": True})
+    with pytest.raises(UserError, match="pydantic cannot describe it") as err:
+        Agent("a", output_type=True)
+    assert "\n" not in str(err.value)
+    # the run's input, checked as the command line checks a messages file
+    with pytest.raises(UserError, match=r"input: messages\[0\].content must be a string"):
+        Runner.run_sync(Agent("a"), [{"role": "user"}], backend=ScriptedBackend([]))
+    history = [{"role": "user", "content": "x"},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "c", "type": "function",
+                    "function": {"name": "get_weather", "arguments": "{not json"}}]}]
+    with pytest.raises(UserError, match=r"tool_calls\[0\].arguments is not JSON"):
+        Runner.run_sync(Agent("a"), history, backend=ScriptedBackend([]))
 
 
 def test_a_conversation_continues_from_a_result_s_messages():

@@ -1,5 +1,6 @@
 """``@tool`` schemas from signatures and docstrings, validation before the call, HTTP tools."""
 
+import functools
 import json
 import threading
 import time
@@ -183,6 +184,16 @@ def test_bad_tool_definitions_are_user_errors():
         tool(takes)
     assert "\n" not in str(err.value)  # pydantic's paragraphs of advice are left out
 
+    def pick(ids: set[int]) -> str:  # uniqueItems: no grammar binds a call to it
+        return "x"
+
+    with pytest.raises(UserError, match=r"pick parameters: #/properties/ids: Unimplemented"):
+        tool(pick)
+    with pytest.raises(UserError, match="has no __name__; give the tool one"):
+        tool(functools.partial(pick))
+    with pytest.raises(UserError, match="timeout_s must be a positive number, got True"):
+        tool(timeout_s=True)(star)
+
 
 # --- HTTP tools against a real server on loopback -----------------------------------------------
 
@@ -273,6 +284,8 @@ def test_http_tool_definition_errors():
         HttpTool("t", "", "GET", "file:///etc/passwd")
     with pytest.raises(UserError, match="method must be one of"):
         HttpTool("t", "", "FETCH", "http://127.0.0.1/x")
+    with pytest.raises(UserError, match="timeout_s must be a positive number, got -1"):
+        HttpTool("t", "", "GET", "http://127.0.0.1/x", timeout_s=-1)
     with pytest.raises(UserError, match="not a valid JSON Schema"):
         HttpTool("t", "", "GET", "http://127.0.0.1/x", {"type": "objekt"})
     with pytest.raises(UserError, match="parameters must be a JSON Schema of type object"):

@@ -69,7 +69,9 @@ def output_spec(output_type: type | dict[str, Any] | None) -> OutputSpec | None:
         adapter = pydantic.TypeAdapter(output_type)
         schema = strict_schema(adapter.json_schema())
     except (pydantic.PydanticUserError, pydantic.PydanticSchemaGenerationError, TypeError) as err:
-        raise UserError(f"output_type {name}: pydantic cannot describe it: {err}") from None
+        first = str(err).strip().splitlines()[0]  # pydantic adds paragraphs of advice after it
+        raise UserError(f"output_type {name}: pydantic cannot describe it: {first}") from None
+    _check_supported(schema)
 
     def parse(text: str) -> Any:
         try:
@@ -82,6 +84,16 @@ def output_spec(output_type: type | dict[str, Any] | None) -> OutputSpec | None:
     return OutputSpec(name, schema, parse)
 
 
+def _check_supported(schema: dict[str, Any]) -> None:
+    """The answer's grammar can be built from ``schema`` (raises ``GrammarError`` naming where
+    not): found when the agent is built, not at its first turn."""
+    from agentflash.grammar.checks import check_schema
+    from agentflash.grammar.llguidance_backend import check_schema_supported
+
+    check_schema(schema, "output schema")
+    check_schema_supported(schema, "output schema")
+
+
 def _schema_spec(schema: dict[str, Any]) -> OutputSpec:
     from jsonschema import Draft202012Validator, SchemaError
 
@@ -89,6 +101,7 @@ def _schema_spec(schema: dict[str, Any]) -> OutputSpec:
         Draft202012Validator.check_schema(schema)
     except SchemaError as err:
         raise UserError(f"output schema is not a valid JSON Schema: {err.message}") from None
+    _check_supported(schema)
     validator = Draft202012Validator(schema)
 
     def parse(text: str) -> Any:
@@ -169,6 +182,12 @@ class Agent:
         where = f"agent {self.name!r}"
         if not isinstance(self.instructions, str):
             raise UserError(f"{where}: instructions must be a string")
+        for field_name in ("tools", "handoffs", "input_guardrails", "output_guardrails"):
+            value = getattr(self, field_name)
+            if not isinstance(value, (list, tuple)):
+                raise UserError(f"{where}: {field_name} must be a list, got "
+                                f"{type(value).__name__}")
+            setattr(self, field_name, list(value))
         self.tools = [t if isinstance(t, (FunctionTool, HttpTool)) else function_tool(t)
                       for t in self.tools]
         names = [t.name for t in self.tools]
@@ -188,6 +207,7 @@ class Agent:
                                  for g in self.input_guardrails]
         self.output_guardrails = [g if isinstance(g, Guardrail) else Guardrail(g)
                                   for g in self.output_guardrails]
+        self.turn_tools()  # handoffs given now are Agents whose tools clash with nothing
 
     def _check_tool_choice(self, choice: Any, names: set[str]) -> ToolChoiceSpec:
         where = f"agent {self.name!r}"

@@ -131,6 +131,12 @@ def _check_name(name: str, where: str) -> str:
     return name
 
 
+def _check_timeout(timeout_s: Any, where: str) -> None:
+    if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(
+            timeout_s, (int, float)) or not timeout_s > 0):
+        raise UserError(f"{where}: timeout_s must be a positive number, got {timeout_s!r}")
+
+
 def format_result(value: Any) -> str:
     """A tool's return value as the text the model reads."""
     if isinstance(value, str):
@@ -191,9 +197,10 @@ def function_tool(fn: Callable[..., Any], *, name: str | None = None,
     if not callable(fn):
         raise UserError(f"@tool needs a function, got {type(fn).__name__}")
     where = getattr(fn, "__qualname__", repr(fn))
+    if name is None and not hasattr(fn, "__name__"):  # a functools.partial, a callable object
+        raise UserError(f"{where}: has no __name__; give the tool one (tool(name=...))")
     name = _check_name(name or fn.__name__, where)
-    if timeout_s is not None and (not isinstance(timeout_s, (int, float)) or timeout_s <= 0):
-        raise UserError(f"{where}: timeout_s must be a positive number, got {timeout_s!r}")
+    _check_timeout(timeout_s, where)
     summary, param_docs = parse_docstring(inspect.getdoc(fn))
     try:
         hints = typing.get_type_hints(fn, include_extras=True)
@@ -220,6 +227,9 @@ def function_tool(fn: Callable[..., Any], *, name: str | None = None,
     except (pydantic.PydanticUserError, pydantic.PydanticSchemaGenerationError, TypeError) as err:
         first = str(err).strip().splitlines()[0]  # pydantic adds paragraphs of advice after it
         raise UserError(f"{where}: pydantic cannot describe the parameters: {first}") from None
+    from agentflash.grammar.tool_calls import check_parameters
+
+    check_parameters(schema, where)  # one the grammar can bind a call to (set[int]: it cannot)
     return FunctionTool(name, description if description is not None else summary, model, schema,
                         fn, timeout_s, tuple(positional))
 
@@ -276,6 +286,7 @@ class HttpTool:
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise UserError(f"http tool {self.name!r}: url must be an absolute http(s) URL, "
                             f"got {self.url!r}")
+        _check_timeout(self.timeout_s, f"http tool {self.name!r}")
         import httpx  # noqa: F401  (imported now, so that the first call does not stall the loop)
 
         from agentflash.grammar.tool_calls import check_parameters
