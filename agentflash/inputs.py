@@ -69,7 +69,13 @@ def _check_tool_calls(calls: Any, where: str) -> None:
         fn = call.get("function", call) if isinstance(call, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
             raise UserError(f"{where}[{j}] must be an object with a function's name")
-        if not isinstance(fn.get("arguments", {}), (str, dict)):
+        arguments = fn.get("arguments", {})
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError as err:
+                raise UserError(f"{where}[{j}].arguments is not JSON: {err.msg}") from None
+        if not isinstance(arguments, dict):
             raise UserError(f"{where}[{j}].arguments must be an object or its JSON text")
 
 
@@ -144,9 +150,20 @@ def make_input(values: dict[str, Any], where: str) -> GenerateInput:
     tools = check_tools(values.get("tools") or [], where)
     params = make_params(values, where)
     grammar = make_grammar(values, tools, where)
+    if params.stop and whole_reply_bound(values):
+        raise UserError(f"{where}: stop cannot cut a reply the grammar binds whole (schema, "
+                        f"regex, tool_choice required or a named tool): it would not parse")
     if grammar is not None:
         params = dataclasses.replace(params, grammar=grammar)
     return GenerateInput(messages, tools, params, where)
+
+
+def whole_reply_bound(values: dict[str, Any]) -> bool:
+    """Whether the grammar a request asks for binds its whole reply (a schema, a regex, a required
+    or named tool call), rather than only the tool calls it may write."""
+    choice = values.get("tool_choice")
+    return (values.get("schema") is not None or values.get("regex") is not None
+            or choice not in (None, "auto", "none"))
 
 
 def make_grammar(values: dict[str, Any], tools: list[dict[str, Any]], where: str):

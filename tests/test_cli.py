@@ -108,6 +108,9 @@ def test_requests_file_writes_one_result_per_line(tiny_model_dir, tmp_path):
         ('[{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": '
          '[{"function": {"name": "f", "arguments": 3}}]}]',
          "messages[1].tool_calls[0].arguments must be an object or its JSON text"),
+        ('[{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": '
+         '[{"function": {"name": "f", "arguments": "{no"}}]}]',
+         "messages[1].tool_calls[0].arguments is not JSON"),
     ],
 )
 def test_bad_messages_file(tiny_model_dir, tmp_path, content, message):
@@ -172,6 +175,8 @@ def test_bad_requests_line_is_named(tiny_model_dir, tmp_path):
         ('{"prompt": "x", "tool_choice": 5, "tools": ' + json.dumps(TOOLS) + "}",
          "tool_choice: expected auto, none, required or a tool name"),
         ('{"prompt": "x", "regex": "([a-"}', "unclosed character class"),
+        ('{"prompt": "x", "regex": "a+", "stop": "a"}',
+         "stop cannot cut a reply the grammar binds whole"),
     ],
 )
 def test_bad_request_fields_are_named_on_one_line(tiny_model_dir, tmp_path, line, message):

@@ -136,6 +136,18 @@ def test_tool_choice_none_writes_text_only(client):
     assert reply.choices[0].finish_reason in ("stop", "length")
 
 
+def test_a_schema_the_grammar_cannot_take_is_named_without_grammar_internals(client):
+    schema = {"type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}}
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model="demo", messages=user("hi"), max_tokens=8, response_format={
+                "type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+    message = info.value.body["message"]
+    assert info.value.body["param"] == "response_format"
+    assert message.startswith("response_format.json_schema.schema: #/properties/tags: ")
+    assert "uniqueItems" in message and "%json" not in message and "start:" not in message
+
+
 def test_json_schema_response_format(client):
     # The demo model was not trained on this task; bounded strings keep its answer short.
     schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16},
@@ -239,6 +251,13 @@ def test_stop_strings_and_max_tokens(client):
     (dict(tool_choice="required"), 400, "tool_choice"),
     (dict(temperature="hot"), 400, "temperature"),
     (dict(temperature=0.5, seed=10**23), 400, "seed"),  # beyond what a torch generator takes
+    (dict(max_completion_tokens=10**6), 400, "max_completion_tokens"),
+    # a stop string would cut a reply that must parse whole
+    (dict(tools=TOOLS, tool_choice="required", stop=["city"]), 400, "stop"),
+    (dict(response_format={"type": "json_object"}, stop="a"), 400, "stop"),
+    (dict(messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{no"}}]}]), 400,
+     "messages[1].tool_calls[0].function.arguments"),
     (dict(max_tokens=10**6), 400, "max_tokens"),
     (dict(n=2), 400, "n"),
     (dict(stop=["a", "b", "c", "d", "e"]), 400, "stop"),

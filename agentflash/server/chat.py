@@ -39,6 +39,7 @@ from agentflash.grammar import (
     json_schema,
     tool_specs,
 )
+from agentflash.grammar.llguidance_backend import check_schema_supported
 from agentflash.server.protocol import APIError, ChatCompletionRequest, Message
 
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default when a request leaves it out
@@ -58,8 +59,15 @@ def prepare(request: ChatCompletionRequest, engine: Engine, max_tokens_limit: in
     renders the chat template and compiles the grammar (cached), so run it in a worker thread."""
     tools = [t.model_dump(exclude_unset=True) for t in request.tools or []]
     choice = _tool_choice(request, tools)
+    answer_schema = _answer_schema(request)
     grammar = reply_grammar(tools, choice, request.parallel_tool_calls is not False,
-                            _answer_schema(request), strict=_is_strict(request))
+                            answer_schema, strict=_is_strict(request))
+    whole = answer_schema is not None or choice.mode in (ToolChoiceMode.REQUIRED,
+                                                         ToolChoiceMode.NAMED)
+    if request.stop_strings and whole:
+        raise APIError(400, "stop cannot cut a reply the grammar binds whole (a response_format, "
+                            "tool_choice required or a named tool): it would not parse",
+                       param="stop")
     if grammar is not None:
         try:
             engine.compile(grammar)
@@ -78,10 +86,11 @@ def prepare(request: ChatCompletionRequest, engine: Engine, max_tokens_limit: in
         raise APIError(400, f"the prompt has {len(prompt_ids)} tokens; this model holds {max_len} "
                             f"tokens per request (prompt and reply)", param="messages",
                        code="context_length_exceeded")
+    field = "max_completion_tokens" if request.max_completion_tokens else "max_tokens"
     max_tokens = request.max_completion_tokens or request.max_tokens
     if max_tokens is not None and max_tokens > max_tokens_limit:
-        raise APIError(400, f"max_tokens is {max_tokens}; this server allows at most "
-                            f"{max_tokens_limit}", param="max_tokens")
+        raise APIError(400, f"{field} is {max_tokens}; this server allows at most "
+                            f"{max_tokens_limit}", param=field)
     room = max_len - len(prompt_ids)
     options = request.agentflash
     try:
@@ -182,6 +191,7 @@ def _turn_grammar(key: str) -> GrammarSource:
     if answer_schema is not None:
         try:
             json_schema(answer_schema, origin="response_format.json_schema.schema")
+            check_schema_supported(answer_schema, "response_format.json_schema.schema")
         except GrammarError as err:
             raise APIError(400, str(err), param="response_format") from None
     try:

@@ -12,7 +12,7 @@ import json
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 
 class APIError(Exception):
@@ -68,6 +68,18 @@ Content = str | list[TextPart] | None
 class CalledFunction(_Wire):
     name: str
     arguments: str
+
+    @field_validator("arguments")
+    @classmethod
+    def _a_json_object(cls, text: str) -> str:
+        # rendered into the prompt as the model would have written it: it must be an object
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"not JSON: {err.msg}") from None
+        if not isinstance(value, dict):
+            raise ValueError("not a JSON object")
+        return text
 
 
 class MessageToolCall(_Wire):
