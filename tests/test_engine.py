@@ -97,9 +97,26 @@ def test_sampling_params_name_a_bad_field():
         (dict(temperature="0.5"), "temperature must be a number"),
         (dict(top_p=None), "top_p must be a number"),
         (dict(speculation=1), "speculation must be auto, dflash or off"),
+        (dict(stop_token_ids=5), "stop_token_ids must hold token ids"),
+        (dict(stop_token_ids=("a",)), "stop_token_ids must hold token ids"),
+        (dict(grammar="json"), "grammar must be a GrammarSource"),
     ]:
         with pytest.raises(ValueError, match=message):
             SamplingParams(**fields)
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(max_running=2.5), "max_running must be an integer of at least 1, got 2.5"),
+    (dict(max_running=True), "max_running must be an integer"),
+    (dict(max_len="2048"), "max_len must be an integer of at least 2, got '2048'"),
+    (dict(kv_budget_mb=float("inf")), "kv_budget_mb must be a positive number, got inf"),
+    (dict(kv_budget_mb="10"), "kv_budget_mb must be a positive number"),
+    (dict(prefix_cache_mb=float("inf")), "prefix_cache_mb must be 0 or more, got inf"),
+    (dict(device="nope"), "device must name a torch device"),
+])
+def test_engine_config_names_a_bad_field(fields, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**fields)
 
 
 def test_max_tokens_and_stop_token(engine):
@@ -131,11 +148,22 @@ def test_prompt_longer_than_a_slot_is_a_user_error(engine):
 
 def test_prompt_token_outside_the_vocabulary_is_a_user_error_naming_it(engine):
     vocab = engine.model.cfg.vocab_size
-    with pytest.raises(UserError, match=f"prompt token 2 is {vocab + 5}, outside the vocabulary"):
+    with pytest.raises(UserError, match=f"prompt token 2 is {vocab + 5}; token ids are integers "
+                                        fr"in the vocabulary \(0..{vocab - 1}\)"):
         engine.submit([11, 12, vocab + 5], SamplingParams())
     with pytest.raises(UserError, match="prompt token 0 is -1"):
         engine.submit([-1], SamplingParams())
+    # one such id would fail every step the request shared, so none is let in
+    with pytest.raises(UserError, match="prompt token 1 is 1.5"):
+        engine.submit([11, 1.5], SamplingParams())
+    with pytest.raises(UserError, match="prompt token 0 is True"):
+        engine.submit([True, 5], SamplingParams())
+    with pytest.raises(UserError, match="the prompt must be a list of token ids, got str"):
+        engine.submit("hello", SamplingParams())
+    with pytest.raises(UserError, match=f"stop_token_ids holds {vocab}, outside the vocabulary"):
+        engine.submit([11], SamplingParams(stop_token_ids=(vocab,)))
     assert not engine.has_work
+    assert engine.generate(torch.tensor([11, 12]).tolist(), SamplingParams(max_tokens=2)).token_ids
 
 
 def test_async_streams_many_requests_and_cancels_one(engine):
@@ -174,6 +202,23 @@ def test_async_streams_many_requests_and_cancels_one(engine):
         assert tokens == exp.token_ids == result.token_ids
         assert text == exp.text
     assert engine.cache.num_free == engine.cache.num_slots
+
+
+def test_a_stream_cancelled_as_the_async_engine_stops_frees_its_slot(engine):
+    async def main():
+        async with AsyncEngine(engine) as aengine:
+            async def client():
+                await aengine.generate(prompts(engine, 1)[0],
+                                       SamplingParams(max_tokens=400, ignore_eos=True))
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(client)
+                await anyio.sleep(0.1)
+                tg.cancel_scope.cancel()  # the client goes away, and the engine stops at once
+
+    anyio.run(main)
+    assert engine.cache.num_free == engine.cache.num_slots and not engine.has_work
+    assert engine.memory_in_use().kv == 0
 
 
 def test_fail_finishes_a_request_with_its_message_and_frees_its_slot(engine):

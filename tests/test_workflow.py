@@ -191,7 +191,7 @@ def test_the_model_section_sets_the_local_engines_limits(tmp_path, tiny_model_di
         workflow("max_running: 0")
     with pytest.raises(UserError, match=r"model\.kv_budget_mb"):
         workflow("kv_budget_mb: 0")
-    with pytest.raises(UserError, match="max_len must be at least 2"):
+    with pytest.raises(UserError, match="max_len must be an integer of at least 2"):
         LocalBackend("demo", max_len=1)
 
 

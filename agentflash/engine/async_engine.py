@@ -88,7 +88,10 @@ class AsyncEngine:
         self._wake.set()
         with anyio.CancelScope(shield=True):
             await anyio.to_thread.run_sync(thread.join)
-        for stream in list(self._streams.values()):  # the engine thread is gone: safe here
+        # the engine thread is gone: safe here. Streams cancelled just before it stopped had
+        # no step left to free their slots
+        self.engine.apply_cancels()
+        for stream in list(self._streams.values()):
             if not stream.req.is_finished:
                 self.engine.fail(stream.req, "the engine stopped before the request finished")
                 self._publish(stream.req, [])

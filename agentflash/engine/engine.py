@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import math
+import numbers
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -53,14 +55,32 @@ class EngineConfig:
     prefix_cache_mb: float = 64.0
 
     def __post_init__(self) -> None:
-        if self.kv_budget_mb is not None and not self.kv_budget_mb > 0:  # NaN too
-            raise ValueError(f"kv_budget_mb must be positive, got {self.kv_budget_mb}")
-        if self.max_running < 1:
-            raise ValueError(f"max_running must be at least 1, got {self.max_running}")
-        if self.max_len < 2:
-            raise ValueError(f"max_len must be at least 2, got {self.max_len}")
-        if not self.prefix_cache_mb >= 0:  # NaN too
-            raise ValueError(f"prefix_cache_mb must be 0 or more, got {self.prefix_cache_mb}")
+        budget = self.kv_budget_mb
+        if budget is not None and not (_is_number(budget) and 0 < budget < math.inf):  # NaN too
+            raise ValueError(f"kv_budget_mb must be a positive number, got {budget!r}")
+        if not _is_integer(self.max_running) or self.max_running < 1:
+            raise ValueError(f"max_running must be an integer of at least 1, "
+                             f"got {self.max_running!r}")
+        if not _is_integer(self.max_len) or self.max_len < 2:
+            raise ValueError(f"max_len must be an integer of at least 2, got {self.max_len!r}")
+        cache_mb = self.prefix_cache_mb
+        if not (_is_number(cache_mb) and 0 <= cache_mb < math.inf):  # NaN too
+            raise ValueError(f"prefix_cache_mb must be 0 or more, got {cache_mb!r}")
+        try:
+            device = torch.device(self.device)
+        except (RuntimeError, TypeError):
+            raise ValueError(f"device must name a torch device (cpu, cuda, cuda:1, ...), "
+                             f"got {self.device!r}") from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {self.device!r}: this torch has no CUDA device")
+
+
+def _is_integer(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -148,7 +168,11 @@ class Engine:
         max_len = min(config.max_len, model.cfg.max_position_embeddings)
         dtype = next(model.parameters()).dtype
         slots = num_slots(model.cfg, config, max_len, dtype, drafter)
-        self.cache = KVCache(model.cfg, slots, max_len, torch.device(config.device), dtype)
+        try:
+            self.cache = KVCache(model.cfg, slots, max_len, torch.device(config.device), dtype)
+        except RuntimeError as err:  # out of memory: say which setting asked for it
+            raise UserError(f"cannot allocate the KV cache for max_running {slots} (lower it, or "
+                            f"set kv_budget_mb): {str(err).splitlines()[0]}") from None
         self.runner = ModelRunner(model, self.cache, batch_invariant=config.batch_invariant)
         self.scheduler = Scheduler(SchedulerConfig(slots, max_len), self.cache)
         self.prefix_cache = PrefixCache(int(config.prefix_cache_mb * 2**20))
@@ -208,14 +232,22 @@ class Engine:
 
     def submit(self, prompt_ids: list[int], params: SamplingParams) -> Request:
         """Queue a request; safe to call from any thread."""
+        if not isinstance(prompt_ids, (list, tuple)):
+            raise UserError(f"the prompt must be a list of token ids, got "
+                            f"{type(prompt_ids).__name__}")
         if not prompt_ids:
             raise UserError("the prompt is empty")
         vocab = self.model.cfg.vocab_size
-        bad = next((i for i, t in enumerate(prompt_ids) if not 0 <= t < vocab), None)
+        # one bad id would fail every step this request shares, so none gets that far
+        bad = next((i for i, t in enumerate(prompt_ids) if not _is_token(t, vocab)), None)
         if bad is not None:
-            raise UserError(
-                f"prompt token {bad} is {prompt_ids[bad]}, outside the vocabulary (0..{vocab - 1})"
-            )
+            raise UserError(f"prompt token {bad} is {prompt_ids[bad]!r}; token ids are integers "
+                            f"in the vocabulary (0..{vocab - 1})")
+        bad = next((t for t in params.stop_token_ids if not _is_token(t, vocab)), None)
+        if bad is not None:
+            raise UserError(f"stop_token_ids holds {bad!r}, outside the vocabulary "
+                            f"(0..{vocab - 1})")
+        prompt_ids = [int(t) for t in prompt_ids]
         limit = self.scheduler.cfg.max_len
         if len(prompt_ids) + 1 > limit:
             raise UserError(
@@ -706,6 +738,11 @@ class Engine:
     def _drain_inbox(self) -> None:
         while self._inbox:
             self.scheduler.add(self._inbox.popleft())
+        self.apply_cancels()
+
+    def apply_cancels(self) -> None:
+        """Finish the requests ``cancel`` was called on (a step does this first); call it on the
+        thread that runs ``step``, or once that thread has stopped."""
         while self._cancels:
             req = self._cancels.popleft()
             if not req.is_finished:
@@ -816,6 +853,11 @@ class Engine:
             self._inbox.remove(req)
         req.finish_reason, req.error = FinishReason.ERROR, message
         self._finish(req)
+
+
+def _is_token(value: Any, vocab_size: int) -> bool:
+    return (isinstance(value, numbers.Integral) and not isinstance(value, bool)
+            and 0 <= value < vocab_size)
 
 
 @contextmanager

@@ -57,6 +57,16 @@ class SamplingParams:
             raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
         if self.seed is not None and not is_seed(self.seed):
             raise ValueError(f"seed must be {SEED_TEXT}, got {self.seed!r}")
+        if isinstance(self.stop_token_ids, list):
+            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if not isinstance(self.stop_token_ids, tuple) or not all(
+                _is_int(t) and t >= 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must hold token ids (integers from 0), "
+                             f"got {self.stop_token_ids!r}")
+        if self.grammar is not None and not isinstance(self.grammar, GrammarSource):
+            raise ValueError(f"grammar must be a GrammarSource (agentflash.grammar: json_schema, "
+                             f"regex, lark, pydantic_model, assistant_turn), got "
+                             f"{type(self.grammar).__name__}")
         if isinstance(self.stop, list):
             object.__setattr__(self, "stop", tuple(self.stop))
         if not isinstance(self.stop, tuple) or any(not isinstance(s, str) or not s
