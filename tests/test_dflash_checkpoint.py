@@ -219,6 +219,7 @@ def _edit(config: dict, changes: dict) -> dict:
         ({"dflash.target_layer_ids": [9, 1]}, "increasing"),
         ({"dflash.mask_token_id": 200000}, "vocabulary"),
         ({"dflash.output_multiplier": 2.0}, "output_multiplier"),
+        ({"dflash_config": [1]}, "dflash_config must be an object"),
     ],
 )
 def test_bad_config_is_a_user_error_naming_the_file(tmp_path, changes, message):
@@ -231,6 +232,9 @@ def test_bad_config_is_a_user_error_naming_the_file(tmp_path, changes, message):
 def test_missing_or_malformed_files_are_user_errors(tmp_path):
     with pytest.raises(UserError, match="does not exist"):
         load_drafter(tmp_path / "nowhere")
+    (tmp_path / "a-file").write_text("x")
+    with pytest.raises(UserError, match="a-file: is not a directory"):
+        load_drafter(tmp_path / "a-file")
     (tmp_path / "empty").mkdir()
     with pytest.raises(UserError, match="missing drafter config.json"):
         load_drafter(tmp_path / "empty")

@@ -89,6 +89,23 @@ def test_config_missing_a_field_and_unsupported_type(tiny_model_dir, tmp_path):
         load_model(tmp_path / "m")
 
 
+@pytest.mark.parametrize("change, message", [
+    (dict(vocab_size="abc"), "vocab_size must be a positive integer, got 'abc'"),
+    (dict(num_attention_heads=0), "num_attention_heads must be a positive integer, got 0"),
+    (dict(num_attention_heads=None), "num_attention_heads must be a positive integer, got None"),
+    (dict(num_key_value_heads=3),
+     "num_attention_heads 4 is not a multiple of num_key_value_heads 3"),
+    (dict(max_position_embeddings=1), "max_position_embeddings must be at least 2"),
+])
+def test_config_sizes_are_checked_before_any_tensor_is_built(tiny_model_dir, tmp_path, change,
+                                                              message):
+    shutil.copytree(tiny_model_dir, tmp_path / "m")
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    (tmp_path / "m" / "config.json").write_text(json.dumps({**cfg, **change}))
+    with pytest.raises(UserError, match=f"config.json: {message}"):
+        load_model(tmp_path / "m")
+
+
 def test_missing_weights_and_weights_that_do_not_fit(tiny_model_dir, tmp_path):
     shutil.copytree(tiny_model_dir, tmp_path / "m")
     (tmp_path / "m" / "model.safetensors").unlink()
@@ -98,6 +115,10 @@ def test_missing_weights_and_weights_that_do_not_fit(tiny_model_dir, tmp_path):
     cfg = json.loads((tmp_path / "m" / "config.json").read_text())
     (tmp_path / "m" / "config.json").write_text(json.dumps(dict(cfg, num_hidden_layers=5)))
     with pytest.raises(UserError, match="weights do not match"):
+        load_model(tmp_path / "m")
+    (tmp_path / "m" / "config.json").write_text(json.dumps(dict(cfg, vocab_size=100)))
+    with pytest.raises(UserError, match=r"weight model.embed_tokens.weight has shape \(\d+, "
+                                        r"\d+\), config.json implies \(100, "):
         load_model(tmp_path / "m")
     (tmp_path / "m" / "model.safetensors").write_bytes(b"not safetensors")
     with pytest.raises(UserError, match="cannot read safetensors"):

@@ -146,6 +146,8 @@ def _check_supported(raw: dict[str, Any]) -> None:
     if scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
         raise ValueError(f"rope scaling {scaling!r} is not supported")
     dflash = raw.get("dflash_config") or {}
+    if not isinstance(dflash, dict):
+        raise ValueError("dflash_config must be an object")
     for name in ("input_embedding_scale", "output_multiplier"):
         if dflash.get(name) not in (None, 1, 1.0):
             raise ValueError(f"dflash_config.{name} = {dflash[name]!r} is not supported")
@@ -173,8 +175,10 @@ def save_drafter(drafter: DFlashDrafter, out_dir: Path) -> Path:
 def load_drafter_config(path: Path) -> DrafterConfig:
     """The ``DrafterConfig`` of a checkpoint directory; ``UserError`` names file and problem."""
     path = Path(path).expanduser()
-    if not path.is_dir():
+    if not path.exists():
         raise UserError(f"{path}: drafter directory does not exist")
+    if not path.is_dir():
+        raise UserError(f"{path}: is not a directory (expected a DFlash drafter directory)")
     config_path = path / "config.json"
     raw = read_json(config_path, "drafter config.json")
     try:

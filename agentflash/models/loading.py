@@ -112,6 +112,12 @@ def load_model(
     model = Qwen3Model(cfg, attn_bias=attn_bias)
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
+    expected = model.state_dict()
+    wrong = next((k for k, v in state.items() if k in expected and v.shape != expected[k].shape),
+                 None)
+    if wrong is not None:
+        raise UserError(f"{model_dir}: weight {wrong} has shape {tuple(state[wrong].shape)}, "
+                        f"config.json implies {tuple(expected[wrong].shape)}")
     result = model.load_state_dict(state, strict=False)
     missing = [
         k for k in result.missing_keys if not (cfg.tie_word_embeddings and k == "lm_head.weight")

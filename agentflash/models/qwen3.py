@@ -44,6 +44,16 @@ class ModelConfig:
             raise ValueError(f"rope_scaling {scaling!r} is not supported")
         try:
             heads = cfg["num_attention_heads"]
+            _check_sizes(cfg, ("vocab_size", "hidden_size", "intermediate_size",
+                               "num_hidden_layers", "num_attention_heads"))
+            _check_sizes(cfg, ("num_key_value_heads", "head_dim", "max_position_embeddings"),
+                         optional=True)
+            if cfg.get("max_position_embeddings", 4096) < 2:
+                raise ValueError("max_position_embeddings must be at least 2 (a prompt token and "
+                                 "one more)")
+            if heads % (cfg.get("num_key_value_heads") or heads):
+                raise ValueError(f"num_attention_heads {heads} is not a multiple of "
+                                 f"num_key_value_heads {cfg['num_key_value_heads']}")
             return cls(
                 vocab_size=cfg["vocab_size"],
                 hidden_size=cfg["hidden_size"],
@@ -60,6 +70,17 @@ class ModelConfig:
             )
         except KeyError as err:
             raise ValueError(f"config.json has no field {err.args[0]!r}") from None
+
+
+def _check_sizes(cfg: dict[str, Any], names: tuple[str, ...], optional: bool = False) -> None:
+    """Each field a positive integer (``optional``: or absent, or null); ``KeyError`` if not
+    ``optional`` and missing."""
+    for name in names:
+        value = cfg.get(name) if optional else cfg[name]
+        if value is None and optional:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
 def _rope_theta(cfg: dict[str, Any]) -> float:
