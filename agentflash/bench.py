@@ -24,6 +24,7 @@ from agentflash.errors import UserError
 from agentflash.train import corpus
 
 SUITES = ("tool_call", "code", "math", "prose")  # "json", "mixed" and "agent" are extra suites
+ALL_SUITES = (*SUITES, "json", "mixed", "agent")
 HELD_OUT_SEED = 1_000_003  # the training corpus uses seed 0
 
 
@@ -58,7 +59,7 @@ def held_out_prompts(kind: str, num: int, seed: int = HELD_OUT_SEED) -> list[Pro
         calls = held_out_prompts("tool_call", 4 * num, seed)
         return [p for p in calls if p.next_turn][:num]
     if kind not in corpus.KINDS:
-        raise UserError(f"unknown suite {kind!r} (known: {', '.join(SUITES)})")
+        raise UserError(f"unknown suite {kind!r} (known: {', '.join(ALL_SUITES)})")
     rng = random.Random(seed + SUITES.index(kind))
     prompts = []
     while len(prompts) < num:

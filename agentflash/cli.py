@@ -110,6 +110,31 @@ def _compile_all(engine, todo) -> None:
                 raise UserError(message) from None
 
 
+def _suites(text: str, known: tuple[str, ...]) -> list[str]:
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    if not names:
+        raise UserError(f"--suites names none (known: {', '.join(known)})")
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise UserError(f"--suites: unknown suite {unknown[0]!r} (known: {', '.join(known)})")
+    return names
+
+
+def _positive(**values: int | None) -> None:
+    """Each given count at least 1 (None: left to its default), checked before any work."""
+    for name, value in values.items():
+        if value is not None and value < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+
+
+def _out_dir(path: Path) -> None:
+    if path.exists() and not path.is_dir():
+        raise UserError(f"{path}: --out must be a directory, and this is a file")
+    parent = next((p for p in path.parents if p.exists()), None)
+    if parent is not None and not parent.is_dir():
+        raise UserError(f"{path}: --out cannot be made: {parent} is a file")
+
+
 def _tool_choice(value: str | None) -> str | dict | None:
     if value is None or value in ("auto", "required", "none"):
         return value
@@ -128,7 +153,8 @@ def bench(
     suites: Annotated[str, typer.Option(
         help="comma-separated: tool_call,code,math,prose,json,mixed,agent"),
     ] = "tool_call,code,math,prose",
-    num_prompts: Annotated[int, typer.Option("--num-prompts", help="prompts per suite")] = 4,
+    num_prompts: Annotated[int | None, typer.Option(
+        "--num-prompts", help="prompts per suite (4; with --concurrency 32)")] = None,
     max_tokens: Annotated[int, typer.Option("--max-tokens")] = 128,
     drafter: Annotated[str, typer.Option(help="auto | demo | none | a drafter directory")] = "auto",
     concurrency: Annotated[str | None, typer.Option(
@@ -142,15 +168,16 @@ def bench(
     from agentflash import bench as bench_mod
 
     try:
-        names = [s.strip() for s in suites.split(",") if s.strip()]
+        names = _suites(suites, bench_mod.ALL_SUITES)
+        _positive(num_prompts=num_prompts, max_tokens=max_tokens, rounds=rounds)
         draft = None if drafter == "none" else drafter
         if concurrency:
             levels = _int_list(concurrency, "--concurrency")
             report = bench_mod.run_concurrency(
-                model, names, levels, max_tokens, draft, rounds=rounds
+                model, names, levels, max_tokens, draft, num_prompts, rounds=rounds
             )
         else:
-            report = bench_mod.run(model, names, num_prompts, max_tokens, draft)
+            report = bench_mod.run(model, names, num_prompts or 4, max_tokens, draft)
     except UserError as err:
         fail(str(err))
     if as_json:
@@ -182,6 +209,7 @@ def eval_tool_calls(
     from agentflash import bench as bench_mod
 
     try:
+        _positive(num=num)
         report = bench_mod.eval_tool_calls(model, num)
     except UserError as err:
         fail(str(err))
@@ -313,7 +341,7 @@ def bench_server(
     try:
         from agentflash.server import bench as server_bench
 
-        names = tuple(s.strip() for s in suites.split(",") if s.strip())
+        names = tuple(_suites(suites, ("tool_call", "code", "math", "prose")))
         report = server_bench.run(model, names, num_prompts, max_tokens,
                                   tuple(_int_list(concurrency, "--concurrency")), drafter,
                                   rounds)
@@ -334,7 +362,12 @@ def train_target(
     from agentflash.train.target import TargetTrainConfig
     from agentflash.train.target import train_target as run
 
-    run(out, TargetTrainConfig(steps=steps))
+    try:
+        _out_dir(out)
+        _positive(steps=steps)
+        run(out, TargetTrainConfig(steps=steps))
+    except UserError as err:
+        fail(str(err))
 
 
 @train_app.command("drafter")
@@ -368,6 +401,8 @@ def train_drafter(
     from agentflash.train.drafter import train_drafter as run
 
     try:
+        _out_dir(out)
+        _positive(num_conversations=num_conversations)
         shares = _int_list(mix, "--mix")
         if len(shares) != 4:
             raise UserError(f"--mix needs four shares (tool_call,code,math,prose), got {mix!r}")

@@ -225,6 +225,42 @@ def test_missing_model_and_missing_files(tmp_path):
 
 
 @pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["bench", "--suites", "nope"], "--suites: unknown suite 'nope' (known: tool_call, code"),
+        (["bench", "--suites", ","], "--suites names none"),
+        (["bench", "--num-prompts", "0"], "--num-prompts must be at least 1, got 0"),
+        (["bench", "--max-tokens", "0", "--concurrency", "1"], "--max-tokens must be at least 1"),
+        (["bench", "--rounds", "0"], "--rounds must be at least 1"),
+        (["bench-server", "--suites", "json"], "--suites: unknown suite 'json'"),
+        (["eval-tool-calls", "--num", "0"], "--num must be at least 1, got 0"),
+        (["train", "target", "--out", "FILE"], "--out must be a directory, and this is a file"),
+        (["train", "target", "--out", "DIR", "--steps", "0"], "--steps must be at least 1"),
+        (["train", "drafter", "--target", "demo", "--out", "DIR", "--lr", "nan"],
+         "lr must be a positive number, got nan"),
+        (["train", "drafter", "--target", "demo", "--out", "DIR", "--init", "DIR/none"],
+         "is not a drafter directory"),
+        (["train", "drafter", "--target", "demo", "--out", "DIR", "--num-conversations", "0"],
+         "--num-conversations must be at least 1"),
+    ],
+)
+def test_heavy_commands_name_a_bad_argument_before_any_work(tmp_path, monkeypatch, args,
+                                                              message):
+    import agentflash.engine.engine as engine_mod
+
+    def no_loading(*_, **__):
+        raise AssertionError("a model was loaded before the bad argument was named")
+
+    monkeypatch.setattr(engine_mod.Engine, "from_pretrained", no_loading)
+    (tmp_path / "FILE").write_text("x")
+    args = [a.replace("FILE", str(tmp_path / "FILE")).replace("DIR", str(tmp_path / "out"))
+            for a in args]
+    code, out, err = run(*args)
+    assert code == 2 and message in err, err
+    assert not (tmp_path / "out").exists()  # nothing written either
+
+
+@pytest.mark.parametrize(
     ("flags", "message"),
     [
         (["--mix", "1,2,3"], "--mix needs four shares"),

@@ -962,3 +962,21 @@ def test_schemas_take_no_keys_they_do_not_list_unless_they_say_so(tok):
     assert close_objects(unlisted) == unlisted
     nested = {"type": "array", "items": listed}
     assert close_objects(nested)["items"]["additionalProperties"] is False
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "cannot read the schema: No such file or directory"),
+    ('{"type": ', ":1:10: invalid JSON"),
+    ('{"type": "objec"}', "#/type: not a valid JSON Schema"),
+])
+def test_grammar_bench_names_a_bad_schema_file_on_one_line(tmp_path, capsys, content, message):
+    from agentflash.grammar.bench import main
+
+    path = tmp_path / "s.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--schema", str(path)])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.startswith(f"error: {path}") and message in err
+    assert len(err.strip().splitlines()) == 1

@@ -23,8 +23,13 @@ import numpy as np
 import torch
 
 from agentflash.grammar.compiler import Backend, compile_grammar
-from agentflash.grammar.constraint import Constraint, apply_bitmask_, constrained_draft
-from agentflash.grammar.sources import GrammarSource, json_schema
+from agentflash.grammar.constraint import (
+    Constraint,
+    GrammarError,
+    apply_bitmask_,
+    constrained_draft,
+)
+from agentflash.grammar.sources import GrammarSource, json_schema, json_schema_file
 from agentflash.grammar.tool_calls import assistant_turn
 
 QWEN_MODEL_VOCAB = 151_936  # embedding rows of Qwen2.5/Qwen3 models
@@ -270,6 +275,16 @@ def main(argv: list[str] | None = None) -> None:
         help="a whole assistant turn under this tool_choice, over four tools, instead of a schema",
     )
     args = parser.parse_args(argv)
+    if args.schema and args.turn:
+        parser.error("give --schema or --turn, not both")
+    schema: dict[str, Any] | GrammarSource | None = None
+    try:  # the file's faults as one line, before any work
+        if args.schema:
+            schema = json_schema_file(args.schema)
+        elif args.turn:
+            schema = assistant_turn(FOUR_TOOLS, args.turn)
+    except GrammarError as err:
+        parser.exit(2, f"error: {err}\n")
     # grammar work runs on one thread; one torch thread keeps the mask application comparable
     # on a machine whose other cores are busy
     torch.set_num_threads(1)
@@ -282,11 +297,6 @@ def main(argv: list[str] | None = None) -> None:
 
         tokenizer = AutoTokenizer.from_pretrained(DEMO_DIR / "target")
         vocab = len(tokenizer)
-    schema: dict[str, Any] | GrammarSource | None = None
-    if args.schema:
-        schema = json.loads(args.schema.read_text())
-    elif args.turn:
-        schema = assistant_turn(FOUR_TOOLS, args.turn)
     print(
         json.dumps(
             measure(tokenizer, schema, backend=Backend(args.backend), vocab_size=vocab), indent=1

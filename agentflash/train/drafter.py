@@ -83,6 +83,10 @@ class DrafterTrainConfig:
             raise ValueError(f"block_size must be at least 2, got {self.block_size}")
         if self.num_anchors < 1 or self.batch_size < 1 or self.steps < 1:
             raise ValueError("num_anchors, batch_size and steps must be positive")
+        if not 0.0 < self.lr < math.inf:  # NaN too
+            raise ValueError(f"lr must be a positive number, got {self.lr}")
+        if self.init is not None and self.init != "demo" and not Path(self.init).is_dir():
+            raise ValueError(f"init: {self.init} is not a drafter directory")
         if not 0.0 <= self.constrained_tool_calls <= 1.0:
             raise ValueError(
                 f"constrained_tool_calls must be in [0, 1], got {self.constrained_tool_calls}"
