@@ -158,6 +158,24 @@ def test_sync_and_async_tools_errors_and_timeouts():
     assert sleepy.name == "blocking" and sleepy(0) == "done"  # still callable directly
 
 
+def test_a_sync_tool_past_its_timeout_holds_neither_the_run_nor_the_exit():
+    release, ran_in = threading.Event(), []
+
+    @tool(timeout_s=0.2)
+    def stuck(x: int) -> str:
+        ran_in.append(threading.current_thread())
+        release.wait(10)
+        return "late"
+
+    outcome = anyio.run(run_tool, stuck, {"x": 1})
+    assert outcome.is_error and "stuck timed out after 0.2 s" in outcome.output
+    thread = ran_in[0]
+    assert thread.is_alive() and thread.daemon  # the interpreter's exit does not join it
+    release.set()
+    thread.join(5)
+    assert anyio.run(run_tool, stuck, {"x": 2}).output == "late"  # a prompt call still returns
+
+
 def test_bad_tool_definitions_are_user_errors():
     def untyped(city):
         return city
@@ -255,17 +273,20 @@ def test_http_tool_calls_only_its_declared_url(server_url):
     redirect = HttpTool("hop", "", "GET", f"{server_url}/redirect", PARAMS)
     missing = HttpTool("gone", "", "GET", f"{server_url}/missing", PARAMS)
     slow = HttpTool("slow", "", "GET", f"{server_url}/slow", PARAMS, timeout_s=0.3)
+    versioned = HttpTool("v2", "", "GET", f"{server_url}/flights?api_version=2", PARAMS)
 
     async def main():
         tricky = {"to": "Oslo/../admin?x=1", "tags": ["a", "b"], "direct": True}
-        return [await run_tool(get, tricky),
+        return [await run_tool(versioned, {"to": "Rome"}), await run_tool(get, tricky),
                 await run_tool(post, {"to": "Rome", "direct": False}),
                 await run_tool(get, {"to": 3}),
                 await run_tool(redirect, {"to": "x"}),
                 await run_tool(missing, {"to": "x"}),
                 await run_tool(slow, {"to": "x"})]
 
-    ok, posted, invalid, hopped, gone, late = anyio.run(main)
+    kept, ok, posted, invalid, hopped, gone, late = anyio.run(main)
+    # the declared URL's own query stays; the arguments join it
+    assert json.loads(kept.output)["path"] == "/flights?api_version=2&to=Rome"
     assert not ok.is_error
     path = json.loads(ok.output)["path"]
     assert path.startswith("/flights?") and "to=Oslo%2F..%2Fadmin%3Fx%3D1" in path
@@ -276,7 +297,7 @@ def test_http_tool_calls_only_its_declared_url(server_url):
     assert gone.is_error and "HTTP 404" in gone.output and "no such thing" in gone.output
     assert late.is_error and "timed out" in late.output.lower()
     paths = [p.split("?")[0] for _, p, _ in Recorder.seen]
-    assert "/elsewhere" not in paths and len([p for p in paths if p == "/flights"]) == 1
+    assert "/elsewhere" not in paths and len([p for p in paths if p == "/flights"]) == 2
 
 
 def test_http_tool_definition_errors():

@@ -11,6 +11,7 @@ import functools
 import inspect
 import json
 import re
+import threading
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -18,6 +19,8 @@ from typing import Any, overload
 from urllib.parse import urlsplit
 
 import anyio
+import anyio.from_thread
+import anyio.lowlevel
 import pydantic
 import pydantic_core
 
@@ -174,13 +177,37 @@ class FunctionTool:
         args = [values.pop(name) for name in self.positional]
         if inspect.iscoroutinefunction(self.fn):
             return await self.fn(*args, **values)
-        # A sync tool that outlives its timeout keeps its thread until it returns.
-        return await anyio.to_thread.run_sync(functools.partial(self.fn, *args, **values),
-                                              abandon_on_cancel=True)
+        return await _in_daemon_thread(functools.partial(self.fn, *args, **values))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Call the underlying function directly (no validation)."""
         return self.fn(*args, **kwargs)
+
+
+async def _in_daemon_thread(fn: Callable[[], Any]) -> Any:
+    """``fn()`` in a daemon thread of its own. A call that outlives its timeout (or its run, or a
+    Ctrl-C) keeps running there until it returns, but holds neither the run nor the process's
+    exit: a worker thread of anyio's pool would be joined when the interpreter exits."""
+    token = anyio.lowlevel.current_token()
+    done = anyio.Event()
+    outcome: list[tuple[bool, Any]] = []
+
+    def target() -> None:
+        try:
+            outcome.append((True, fn()))
+        except BaseException as err:  # re-raised in the caller
+            outcome.append((False, err))
+        try:
+            anyio.from_thread.run_sync(done.set, token=token)
+        except anyio.RunFinishedError:  # nobody waits any more
+            pass
+
+    threading.Thread(target=target, name="agentflash-tool", daemon=True).start()
+    await done.wait()
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    return value
 
 
 def _validation_message(name: str, err: pydantic.ValidationError) -> str:
@@ -304,10 +331,10 @@ class HttpTool:
                                  f"{e.message}" for e in errors)
             raise ToolArgumentsError(f"invalid arguments for {self.name}: {problems}")
         query = self.method in ("GET", "DELETE")
+        # the model's arguments join the query the declared URL has (httpx's params replace it)
+        url = httpx.URL(self.url).copy_merge_params(_query(arguments)) if query else self.url
         async with httpx.AsyncClient(timeout=self.timeout_s, follow_redirects=False) as client:
-            response = await client.request(
-                self.method, self.url, params=_query(arguments) if query else None,
-                json=None if query else arguments)
+            response = await client.request(self.method, url, json=None if query else arguments)
         if not response.is_success:
             raise RuntimeError(f"HTTP {response.status_code} from {self.url}: "
                                f"{response.text[:300]}")
