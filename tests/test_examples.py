@@ -198,3 +198,17 @@ def test_live_view_follows_the_run():
     row = view.rows["ask"]
     assert row.status == "done" and row.agent == "forecaster"
     assert row.tools == ["transfer_to_forecaster ok"] and row.new_tokens > 0
+
+
+def test_live_view_marks_the_failed_step_and_the_cancelled_ones_apart():
+    from agentflash.runtime.errors import MaxTurnsExceeded, StepFailed
+    from agentflash.runtime.live_view import WorkflowView, _Row
+
+    view = WorkflowView(load_workflow(EXAMPLES / "handoff.yaml"))
+    view.rows = {"bad": _Row("looper"), "other": _Row("writer"), "later": _Row("writer")}
+    view.rows["bad"].status = view.rows["other"].status = "running"
+    view.fail(StepFailed("bad", "looper", MaxTurnsExceeded("agent 'looper' reached max_turns")))
+    assert (view.rows["bad"].status, view.rows["bad"].writing) == (
+        "failed", "agent 'looper' reached max_turns")
+    assert (view.rows["other"].status, view.rows["other"].writing) == ("cancelled", "")
+    assert view.rows["later"].status == "waiting"  # never started

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agentflash.runtime import events as ev
+from agentflash.runtime.errors import StepFailed
 from agentflash.runtime.workflow import (
     StepEvent,
     StepFinished,
@@ -49,11 +50,17 @@ class WorkflowView:
         else:
             raise AssertionError(f"unknown workflow event {event!r}")
 
-    def fail(self, reason: str) -> None:
-        for row in self.rows.values():
-            if row.status == "running":
-                row.status = "failed"
-                row.writing = reason[:60]
+    def fail(self, err: Exception) -> None:
+        """The run ended with ``err``: the step it names failed, the others still running were
+        cancelled (a failure without a step, such as an output template's, fails them all)."""
+        failed = err.step_id if isinstance(err, StepFailed) else None
+        for step, row in self.rows.items():
+            if row.status != "running":
+                continue
+            if failed is None or step == failed:
+                row.status, row.writing = "failed", str(getattr(err, "cause", err))[:60]
+            else:
+                row.status, row.writing = "cancelled", ""
 
     def _run_event(self, row: _Row, event: ev.RunEvent) -> None:
         if isinstance(event, ev.AgentTurnStarted):
@@ -106,7 +113,7 @@ async def run_with_view(wf: Workflow, inputs: dict[str, Any], console: Any) -> W
                     async for event in run:
                         view.update(event)
             except Exception as err:
-                view.fail(str(err))
+                view.fail(err)
                 raise
     finally:
         if not console.is_terminal:  # a file or a pipe: Live leaves its last line open
