@@ -99,6 +99,25 @@ def test_inputs_are_converted_defaulted_and_checked(tmp_path):
             wf.resolve_inputs(values)
     with pytest.raises(UserError, match="--input expects KEY=VALUE, got 'days'"):
         parse_input_pairs(["days"])
+    with pytest.raises(UserError, match="--input days is given twice"):
+        parse_input_pairs(["days=3", "days=4"])
+
+
+def test_a_number_input_is_a_json_number(tmp_path):
+    wf = load_workflow(write(tmp_path, """\
+        version: 1
+        name: n
+        inputs:
+          share: {type: number}
+        agents:
+          a: {instructions: You help.}
+        steps:
+          - {id: one, agent: a, input: "{{ inputs.share }}"}
+        """))
+    assert wf.resolve_inputs({"share": "0.5"}) == {"share": 0.5}
+    for text in ("nan", "inf", "-inf"):  # what --json could not write back
+        with pytest.raises(UserError, match=f"input 'share' must be of type number, got '{text}'"):
+            wf.resolve_inputs({"share": text})
 
 
 def test_agents_tools_and_decoding_are_built_from_the_file(tmp_path):
@@ -298,6 +317,23 @@ def test_template_errors_at_run_time_name_the_key(tmp_path):
         """)
     wf = load_workflow(path)
     with pytest.raises(UserError, match=re.escape(f"{path}:8: outputs.days: template error: ")):
+        anyio.run(lambda: wf.run(backend=ScriptedBackend(["plain text"])))
+    # the template's own arithmetic failing, not Jinja: named the same way
+    path = write(tmp_path, """\
+        version: 1
+        name: late
+        inputs:
+          n: {type: integer, default: 0}
+        agents:
+          a: {instructions: You help.}
+        steps:
+          - {id: one, agent: a, input: go}
+        outputs:
+          share: "{{ 10 // inputs.n }}"
+        """)
+    wf = load_workflow(path)
+    with pytest.raises(UserError, match=re.escape(f"{path}:10: outputs.share: template error: "
+                                                  f"ZeroDivisionError")):
         anyio.run(lambda: wf.run(backend=ScriptedBackend(["plain text"])))
 
 

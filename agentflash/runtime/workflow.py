@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
+import math
 import sys
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -242,6 +243,9 @@ class _WorkflowRun:
             return how(text, self.context())
         except TemplateError as err:
             raise UserError(f"{self.wf.doc.where(keys)}: template error: {err}") from None
+        except Exception as err:  # the template's own arithmetic: 1 // 0, a range too big
+            raise UserError(f"{self.wf.doc.where(keys)}: template error: "
+                            f"{type(err).__name__}: {err}") from None
 
     def stats(self, span: Span) -> dict[str, Any]:
         wall = span.duration_s
@@ -266,7 +270,10 @@ def _convert(name: str, text: str, schema: dict[str, Any]) -> Any:
         if kind == "integer":
             return int(text)
         if kind == "number":
-            return float(text)
+            value = float(text)
+            if not math.isfinite(value):  # no JSON number: nan, inf
+                raise ValueError
+            return value
         if kind == "boolean":
             lowered = text.lower()
             if lowered in ("true", "yes", "1", "on"):
@@ -288,6 +295,8 @@ def parse_input_pairs(pairs: list[str]) -> dict[str, str]:
         key, sep, value = pair.partition("=")
         if not sep or not key.strip():
             raise UserError(f"--input expects KEY=VALUE, got {pair!r}")
+        if key.strip() in out:
+            raise UserError(f"--input {key.strip()} is given twice")
         out[key.strip()] = value
     return out
 
@@ -404,6 +413,10 @@ class _Builder:
             for key in ("base_url", "model"):
                 if not getattr(spec, key):
                     self.problems.add(("model",), f"backend openai needs model.{key}")
+            url = spec.base_url
+            if url and not (isinstance(url, str) and url.startswith(("http://", "https://"))):
+                self.problems.add(("model", "base_url"), f"must be an http:// or https:// URL, "
+                                                         f"got {url!r}")
         return spec
 
     def decoding(self, keys: Keys, raw: dict[str, Any], defaults: dict[str, Any]
