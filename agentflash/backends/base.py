@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agentflash.errors import UserError
+from agentflash.errors import SEED_TEXT, UserError, is_int, is_number, is_seed
 
 
 class Speculation(str, enum.Enum):
@@ -42,30 +42,19 @@ class Decoding:
         except ValueError:
             raise UserError(f"decoding.speculation must be auto, dflash or off, "
                             f"got {self.speculation!r}") from None
-        if self.block_size is not None and (not _is_int(self.block_size)
+        if self.block_size is not None and (not is_int(self.block_size)
                                             or not 2 <= self.block_size <= 64):
             raise UserError(f"decoding.block_size must be an integer in [2, 64], "
                             f"got {self.block_size!r}")
-        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
-                or not 0.0 <= self.temperature <= 10.0:
+        if not is_number(self.temperature) or not 0.0 <= self.temperature <= 10.0:
             raise UserError(f"decoding.temperature must be in [0, 10], got {self.temperature!r}")
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
             raise UserError(f"decoding.max_tokens must be a positive integer, "
                             f"got {self.max_tokens!r}")
         if self.seed is not None and not is_seed(self.seed):
             raise UserError(f"decoding.seed must be {SEED_TEXT}, got {self.seed!r}")
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-# the seeds a torch generator takes as they are (it refuses the others rather than fold them in)
-SEED_TEXT = "an integer in [-2**63, 2**64 - 1]"
-
-
-def is_seed(value: Any) -> bool:
-    return _is_int(value) and -(2**63) <= value < 2**64
 
 
 class ToolChoice(str, enum.Enum):

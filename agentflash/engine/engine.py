@@ -23,7 +23,7 @@ from agentflash.engine.prefix_cache import PrefixCache, PrefixHit
 from agentflash.engine.request import FinishReason, Request, SamplingParams, Speculation, Status
 from agentflash.engine.sampling import accept, argmax, sample
 from agentflash.engine.scheduler import Scheduler, SchedulerConfig
-from agentflash.errors import UserError
+from agentflash.errors import UserError, is_int, is_number
 from agentflash.grammar.constraint import apply_bitmask_, greedy_verify
 from agentflash.grammar.sources import GrammarKind
 from agentflash.router.policy import Candidate, CostModel, StepShape, priors_from_validation
@@ -56,15 +56,15 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         budget = self.kv_budget_mb
-        if budget is not None and not (_is_number(budget) and 0 < budget < math.inf):  # NaN too
+        if budget is not None and not (is_number(budget) and 0 < budget < math.inf):  # NaN too
             raise ValueError(f"kv_budget_mb must be a positive number, got {budget!r}")
-        if not _is_integer(self.max_running) or self.max_running < 1:
+        if not is_int(self.max_running) or self.max_running < 1:
             raise ValueError(f"max_running must be an integer of at least 1, "
                              f"got {self.max_running!r}")
-        if not _is_integer(self.max_len) or self.max_len < 2:
+        if not is_int(self.max_len) or self.max_len < 2:
             raise ValueError(f"max_len must be an integer of at least 2, got {self.max_len!r}")
         cache_mb = self.prefix_cache_mb
-        if not (_is_number(cache_mb) and 0 <= cache_mb < math.inf):  # NaN too
+        if not (is_number(cache_mb) and 0 <= cache_mb < math.inf):  # NaN too
             raise ValueError(f"prefix_cache_mb must be 0 or more, got {cache_mb!r}")
         try:
             device = torch.device(self.device)
@@ -75,12 +75,6 @@ class EngineConfig:
             raise ValueError(f"device {self.device!r}: this torch has no CUDA device")
 
 
-def _is_integer(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)

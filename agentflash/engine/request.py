@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from agentflash.backends.base import SEED_TEXT, is_seed
+from agentflash.errors import SEED_TEXT, is_int, is_number, is_seed
 from agentflash.grammar.sources import GrammarSource
 from agentflash.router.policy import RequestRouting
 from agentflash.router.segments import SegmentTracker
@@ -47,20 +47,20 @@ class SamplingParams:
         if not isinstance(self.speculation, Speculation):
             raise ValueError(f"speculation must be auto, dflash or off, got {self.speculation!r}")
         block = self.block_size
-        if block is not None and not (_is_int(block) and 2 <= block <= 64):
+        if block is not None and not (is_int(block) and 2 <= block <= 64):
             raise ValueError(f"block_size must be an integer in [2, 64], got {self.block_size!r}")
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if not _is_number(self.temperature) or not 0.0 <= self.temperature <= 10.0:
+        if not is_number(self.temperature) or not 0.0 <= self.temperature <= 10.0:
             raise ValueError(f"temperature must be a number in [0, 10], got {self.temperature!r}")
-        if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
+        if not is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
         if self.seed is not None and not is_seed(self.seed):
             raise ValueError(f"seed must be {SEED_TEXT}, got {self.seed!r}")
         if isinstance(self.stop_token_ids, list):
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         if not isinstance(self.stop_token_ids, tuple) or not all(
-                _is_int(t) and t >= 0 for t in self.stop_token_ids):
+                is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must hold token ids (integers from 0), "
                              f"got {self.stop_token_ids!r}")
         if self.grammar is not None and not isinstance(self.grammar, GrammarSource):
@@ -76,14 +76,6 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 class Status(enum.Enum):

@@ -24,7 +24,7 @@ import anyio.lowlevel
 import pydantic
 import pydantic_core
 
-from agentflash.errors import UserError
+from agentflash.errors import UserError, is_number
 
 TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
@@ -135,8 +135,7 @@ def _check_name(name: str, where: str) -> str:
 
 
 def _check_timeout(timeout_s: Any, where: str) -> None:
-    if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(
-            timeout_s, (int, float)) or not timeout_s > 0):
+    if timeout_s is not None and not (is_number(timeout_s) and timeout_s > 0):
         raise UserError(f"{where}: timeout_s must be a positive number, got {timeout_s!r}")
 
 
