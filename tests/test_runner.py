@@ -332,6 +332,25 @@ def test_leaving_the_block_early_cancels_the_run():
         _ = streamed.result
 
 
+def test_a_loop_left_early_inside_the_block_leaves_the_run_going_to_its_result():
+    backend = ScriptedBackend([ScriptedTurn("word " * 20, delay_s=0.01)])
+
+    async def main():
+        with anyio.fail_after(5):
+            async with Runner.run_streamed(Agent("a"), "go", backend=backend) as streamed:
+                async for event in streamed:
+                    if isinstance(event, TextDelta):
+                        break  # the rest of the events go unread
+                while not streamed.is_finished:
+                    await anyio.sleep(0.01)
+                with pytest.raises(UserError, match="iterate a streamed run once"):
+                    async for _ in streamed:
+                        pass
+        return streamed
+
+    assert anyio.run(main).result.final_output == ("word " * 20).strip()
+
+
 def test_run_collects_the_same_events_as_the_streamed_run():
     agent = Agent("a", tools=[get_weather])
     script = [ScriptedTurn.calls(("get_weather", {"city": "Oslo"})), "Sunny."]

@@ -420,6 +420,7 @@ class Streamed(Generic[E, R]):
         self._result: R | None = None
         self._error: BaseException | None = None
         self._finished = False
+        self._iterated = False
 
     def cancel(self) -> None:
         """Stop the work: generations are cancelled in the engine, running tools are cancelled."""
@@ -439,17 +440,27 @@ class Streamed(Generic[E, R]):
         return self._result  # type: ignore[return-value]
 
     async def __aiter__(self) -> AsyncIterator[E]:
-        """The events; a failure is raised after them (a ``cancel()`` just ends them)."""
+        """The events; a failure is raised after them (a ``cancel()`` just ends them). Once:
+        a loop left early leaves the work running, its later events unread."""
+        if self._iterated:
+            raise UserError("the events were read already: iterate a streamed run once")
+        self._iterated = True
         async with self._receive:
             async for event in self._receive:
                 yield event
         if self._error is not None and not isinstance(self._error, RunCancelled):
             raise self._error
 
+    def _emit(self, event: E) -> None:
+        try:
+            self._send.send_nowait(event)
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+            pass  # nobody reads them any more: the work goes on to its result
+
     async def _drive(self, work: Callable[[Callable[[E], None]], Awaitable[R]]) -> None:
         with self._scope:
             try:
-                self._result = await work(self._send.send_nowait)
+                self._result = await work(self._emit)
                 self._finished = True
             except Exception as err:
                 self._error = err
