@@ -5,10 +5,10 @@ The runtime's request becomes one streamed ``/chat/completions`` call: tools, ``
 and the output schema (as ``response_format``) go to the server, whose grammar backend
 constrains decoding. The streamed ``delta.tool_calls`` become the same model events as the
 embedded engine's: argument deltas as they arrive, and each call ready the moment its arguments
-form a complete JSON object (or the next call starts), so the runner dispatches it while the
-server keeps writing. Connection errors, timeouts before the reply starts, 429 and 5xx are
-retried with exponential backoff (honouring ``Retry-After``); other errors name the server, the
-status and the server's message.
+form a complete JSON object (one left unfinished, at the end of the reply), so the runner
+dispatches it while the server keeps writing. Connection errors, timeouts before the reply
+starts, 429 and 5xx are retried with exponential backoff (honouring ``Retry-After``); other
+errors name the server, the status and the server's message.
 
     async with OpenAIBackend("http://127.0.0.1:8000/v1", "demo") as backend:
         result = await Runner.run(agent, "...", backend=backend)
@@ -133,6 +133,9 @@ class OpenAIBackend(Backend):
             except httpx.TransportError as err:
                 raise ServerUnavailable(f"{self.base_url}: the reply stream broke: "
                                         f"{_describe(err)}") from None
+        if reader.finish_reason is None:  # a reply cut off without a word: not a whole one
+            raise ServerUnavailable(f"{self.base_url}: the reply stream ended without a "
+                                    f"finish_reason")
         for event in reader.close():
             yield event
         yield ModelFinish(reader.finish_reason, reader.stats(time.perf_counter() - started))
@@ -258,7 +261,7 @@ class _ChunkReader:
 
     def __init__(self) -> None:
         self.calls: dict[int, _RemoteCall] = {}
-        self.finish_reason = "stop"
+        self.finish_reason: str | None = None  # until a choice says why it ended
         self.usage: dict[str, Any] = {}
         self.engine_stats: dict[str, Any] = {}
 
@@ -283,8 +286,9 @@ class _ChunkReader:
         index = entry.get("index", 0)
         fn = entry.get("function") or {}
         call = self.calls.get(index)
-        if call is None:  # a new call: the ones before it are complete
-            events += self._ready(lambda i: i < index)
+        if call is None:  # a new call: the ones before it whose arguments are whole are ready
+            # (a server may interleave the calls' pieces: an unfinished one stays open)
+            events += self._ready(lambda i: i < index and self._is_whole(self.calls[i]))
             call = self.calls[index] = _RemoteCall(entry.get("id") or f"call_{uuid.uuid4().hex}",
                                                    fn.get("name") or "")
         elif fn.get("name"):
@@ -294,9 +298,13 @@ class _ChunkReader:
         if call.is_ready:
             return events
         events.append(ToolCallDelta(index, call.name, piece))
-        if piece.rstrip().endswith("}") and isinstance(_parse(call.arguments), dict):
+        if piece.rstrip().endswith("}") and self._is_whole(call):
             events += self._ready(lambda i: i == index)
         return events
+
+    @staticmethod
+    def _is_whole(call: _RemoteCall) -> bool:
+        return isinstance(_parse(call.arguments), dict)
 
     def _ready(self, which: Any) -> list[ModelEvent]:
         events: list[ModelEvent] = []
