@@ -154,7 +154,8 @@ def bench(
         help="comma-separated: tool_call,code,math,prose,json,mixed,agent"),
     ] = "tool_call,code,math,prose",
     num_prompts: Annotated[int | None, typer.Option(
-        "--num-prompts", help="prompts per suite (4; with --concurrency 32)")] = None,
+        "--num-prompts", help="prompts per suite (4; with --concurrency: its highest level)"),
+    ] = None,
     max_tokens: Annotated[int, typer.Option("--max-tokens")] = 128,
     drafter: Annotated[str, typer.Option(help="auto | demo | none | a drafter directory")] = "auto",
     concurrency: Annotated[str | None, typer.Option(
