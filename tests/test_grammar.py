@@ -980,3 +980,23 @@ def test_grammar_bench_names_a_bad_schema_file_on_one_line(tmp_path, capsys, con
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and err.startswith(f"error: {path}") and message in err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_schemas_python_or_llguidance_cannot_take_are_grammar_errors(tok, tmp_path):
+    # an unsupported keyword beside listed properties: strict mode adds a boolean subschema
+    # (additionalProperties false), which the search for the failing field must step over
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "not": {"required": []}}
+    for strict in (True, False):
+        with pytest.raises(GrammarError, match=r'schema: #: Unimplemented keys: \["not"\]'):
+            compile_grammar(json_schema(schema, strict=strict), tok)
+    deep: dict = {"type": "integer"}
+    for _ in range(200):
+        deep = {"type": "object", "properties": {"a": deep}}
+    with pytest.raises(GrammarError, match="nested too deeply"):
+        json_schema(deep)
+    (tmp_path / "nan.json").write_text('{"const": NaN}')
+    with pytest.raises(GrammarError, match="NaN is not a JSON number"):
+        json_schema_file(tmp_path / "nan.json")
+    (tmp_path / "latin1.json").write_bytes('{"enum": ["caf\u00e9"]}'.encode("latin-1"))
+    with pytest.raises(GrammarError, match="not UTF-8 text"):
+        json_schema_file(tmp_path / "latin1.json")

@@ -50,9 +50,14 @@ def grammar_text(source: GrammarSource) -> str:
 
 
 def _schema_error(source: GrammarSource, schema: Any) -> str | None:
-    text = llguidance.LLMatcher.grammar_from_json_schema(
-        json.dumps(schema), defaults=JSON_STYLE_OPTIONS[source.json_style]
-    )
+    if isinstance(schema, bool):  # a subschema true or false is not what fails (the checks
+        return None               # before compiling refuse a schema false as a whole)
+    try:
+        text = llguidance.LLMatcher.grammar_from_json_schema(
+            json.dumps(schema, allow_nan=False), defaults=JSON_STYLE_OPTIONS[source.json_style]
+        )
+    except (ValueError, RecursionError) as err:  # nested past llguidance's limit, NaN, ...
+        return str(err) or type(err).__name__
     return llguidance.LLMatcher.validate_grammar(text) or None
 
 
@@ -99,7 +104,10 @@ class LLGuidanceGrammar(CompiledGrammar):
         eos_token_id: int,
     ):
         self.source, self.vocab_size, self.eos_token_id = source, vocab_size, eos_token_id
-        text = grammar_text(source)
+        try:
+            text = grammar_text(source)
+        except ValueError as err:  # a schema past llguidance's nesting limit, and the like
+            raise GrammarError(f"{source.origin}: {_one_line(str(err))}") from None
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(text, tokenizer)
         if is_error:
             raise GrammarError(_describe_error(source, messages[0]))

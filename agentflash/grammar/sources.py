@@ -116,11 +116,21 @@ def json_schema(
     if schema is True:  # any JSON value: the empty schema (grammar compilers take objects)
         schema = {}
     try:
-        text = json.dumps(close_objects(schema) if strict else schema, ensure_ascii=False)
+        text = json.dumps(close_objects(schema) if strict else schema, ensure_ascii=False,
+                          allow_nan=False)
     except (TypeError, ValueError) as err:
         raise GrammarError(f"{origin}: the schema is not JSON-serialisable: {err}") from None
-    check_schema(schema, origin)
+    except RecursionError:
+        raise GrammarError(f"{origin}: the schema is nested too deeply") from None
+    try:
+        check_schema(schema, origin)
+    except RecursionError:
+        raise GrammarError(f"{origin}: the schema is nested too deeply") from None
     return GrammarSource(GrammarKind.JSON_SCHEMA, text, json_style, origin)
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")  # Python's json reads NaN and Infinity
 
 
 def json_schema_file(
@@ -132,10 +142,14 @@ def json_schema_file(
         text = path.read_text(encoding="utf-8")
     except OSError as err:
         raise GrammarError(f"{path}: cannot read the schema: {err.strerror}") from None
+    except UnicodeDecodeError as err:
+        raise GrammarError(f"{path}: not UTF-8 text (byte {err.start})") from None
     try:
-        schema = json.loads(text)
+        schema = json.loads(text, parse_constant=_no_constant)
     except json.JSONDecodeError as err:
         raise GrammarError(f"{path}:{err.lineno}:{err.colno}: invalid JSON: {err.msg}") from None
+    except ValueError as err:
+        raise GrammarError(f"{path}: invalid JSON: {err}") from None
     return json_schema(schema, origin=str(path), json_style=json_style, strict=strict)
 
 
