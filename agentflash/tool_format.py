@@ -32,10 +32,9 @@ def parse_tool_calls(text: str) -> tuple[list[ParsedToolCall], list[MalformedToo
     calls, bad = [], []
     for match in _CALL.finditer(text):
         body = match.group(1).strip()
-        try:
-            obj = json.loads(body)
-        except json.JSONDecodeError as err:
-            bad.append(MalformedToolCall(body, f"invalid JSON: {err.msg}"))
+        obj, error = load_body(body)
+        if error is not None:
+            bad.append(MalformedToolCall(body, error))
             continue
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
             bad.append(MalformedToolCall(body, 'expected an object with a string "name"'))
@@ -46,6 +45,17 @@ def parse_tool_calls(text: str) -> tuple[list[ParsedToolCall], list[MalformedToo
             continue
         calls.append(ParsedToolCall(obj["name"], args))
     return calls, bad
+
+
+def load_body(body: str) -> tuple[Any, str | None]:
+    """A call's body as JSON, or why it is not: whatever the model wrote, never an exception
+    (an integer of more digits than Python converts, nesting deeper than it recurses)."""
+    try:
+        return json.loads(body), None
+    except json.JSONDecodeError as err:
+        return None, f"invalid JSON: {err.msg}"
+    except (ValueError, RecursionError) as err:
+        return None, f"invalid JSON: {str(err) or type(err).__name__}"
 
 
 def text_outside_calls(text: str) -> str:

@@ -91,6 +91,20 @@ def test_parser_reports_malformed_and_unclosed_calls():
     assert "not closed" in bad[3].error and "stop" in bad[3].error
 
 
+def test_model_text_python_cannot_load_is_a_malformed_call_for_both_parsers():
+    from agentflash.tool_format import parse_tool_calls
+
+    huge = '{"name": "f", "arguments": {"x": 1' + "0" * 5000 + "}}"  # over int's 4300 digits
+    deep = '{"name": "f", "arguments": ' + '{"a": ' * 2000 + "1" + "}" * 2001
+    for body in (huge, deep):
+        text = f"<tool_call>\n{body}\n</tool_call>"
+        calls, bad = parse_tool_calls(text)
+        assert calls == [] and len(bad) == 1 and bad[0].error.startswith("invalid JSON")
+        (ready,) = [e for e in parse(text, 64) if isinstance(e, ToolCallReady)]
+        assert isinstance(ready.call, MalformedToolCall)
+        assert ready.call.error.startswith("invalid JSON")
+
+
 def test_parser_handles_arguments_written_before_the_name():
     events = parse('<tool_call>{"arguments": {"a": 1}, "name": "f"}</tool_call>', 3)
     _, args, calls = summary(events)

@@ -34,7 +34,7 @@ from agentflash.backends.base import (
 )
 from agentflash.errors import UserError
 from agentflash.runtime.errors import RunError
-from agentflash.tool_format import CLOSE, OPEN
+from agentflash.tool_format import CLOSE, OPEN, load_body
 
 # ``{"name": "<name>", "arguments": `` at the start of a call body: from here on the arguments
 # can be streamed as they are written.
@@ -118,11 +118,9 @@ class _OpenCall:
         """The call closed: its last argument delta and the parsed call (or why it is malformed)."""
         events: list[ModelEvent] = []
         body = self.body.strip()
-        try:
-            obj = json.loads(body)
-        except json.JSONDecodeError as err:
-            bad = MalformedToolCall(call_id, body, f"invalid JSON: {err.msg}")
-            return [ToolCallReady(self.index, bad)]
+        obj, error = load_body(body)
+        if error is not None:
+            return [ToolCallReady(self.index, MalformedToolCall(call_id, body, error))]
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
             error = 'expected an object with a string "name"'
             return [ToolCallReady(self.index, MalformedToolCall(call_id, body, error))]
