@@ -12,6 +12,7 @@ import anyio
 import httpx
 import pytest
 
+from agentflash.backends import create_backend
 from agentflash.backends.base import (
     Decoding,
     ForceTool,
@@ -171,6 +172,17 @@ def test_a_workflow_selects_the_backend_in_yaml(server, embedded, tmp_path, monk
     (tmp_path / "bad.yaml").write_text(text.replace("name: handoff\n", "name: handoff\nmodel: "
                                                     "{backend: openai, model: demo}\n"))
     with pytest.raises(UserError, match=r"bad\.yaml:\d+.*backend openai needs model\.base_url"):
+        load_workflow(tmp_path / "bad.yaml")
+    # the wait and the retries: a server that never answers is not waited on for ten minutes
+    (tmp_path / "patient.yaml").write_text(text.replace("name: handoff\n", (
+        f'name: handoff\nmodel: {{backend: openai, base_url: "{url}", model: demo, '
+        f"timeout_s: 0.5, max_retries: 1}}\n")))
+    backend = create_backend(load_workflow(tmp_path / "patient.yaml").model)
+    assert backend.timeout.read == 0.5 and backend.retry.max_retries == 1
+    (tmp_path / "bad.yaml").write_text(text.replace("name: handoff\n", (
+        f'name: handoff\nmodel: {{backend: openai, base_url: "{url}", model: demo, '
+        f"timeout_s: 0}}\n")))
+    with pytest.raises(UserError, match=r"bad\.yaml:\d+: model\.timeout_s"):
         load_workflow(tmp_path / "bad.yaml")
 
 

@@ -189,6 +189,10 @@ class ModelSpec:
     max_running: int = 8
     max_len: int = 2048
     kv_budget_mb: float | None = None
+    # remote backends: the wait for the reply's start and then for each chunk, and the attempts
+    # after the first (``backends.openai.RetryPolicy``)
+    timeout_s: float = 120.0
+    max_retries: int = 4
 
     def resolve(self, path: str) -> str:
         """``path`` made absolute against ``base_dir``, unless it is a name like ``demo``."""

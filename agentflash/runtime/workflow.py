@@ -399,7 +399,9 @@ class _Builder:
                          raw.get("api_key_env"), self.base_dir,
                          raw.get("prefix_cache_mb", ModelSpec.prefix_cache_mb),
                          raw.get("max_running", ModelSpec.max_running),
-                         raw.get("max_len", ModelSpec.max_len), raw.get("kv_budget_mb"))
+                         raw.get("max_len", ModelSpec.max_len), raw.get("kv_budget_mb"),
+                         timeout_s=raw.get("timeout_s", ModelSpec.timeout_s),
+                         max_retries=raw.get("max_retries", ModelSpec.max_retries))
         if not is_available(spec.backend):
             self.problems.add(("model", "backend"), f"backend {spec.backend.value!r} is not "
                                                     f"available in this version of agentflash")
