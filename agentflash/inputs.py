@@ -7,10 +7,13 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agentflash.engine.request import SamplingParams
 from agentflash.errors import UserError
+
+if TYPE_CHECKING:
+    from agentflash.grammar.tool_calls import ToolSpec
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -99,14 +102,19 @@ def check_tools(tools: Any, where: str) -> list[dict[str, Any]]:
         params = fn.get("parameters", {"type": "object", "properties": {}})
         if not isinstance(params, dict):
             raise UserError(f"{where}: tools[{i}].function.parameters must be a JSON Schema object")
+    return tools
+
+
+def _tool_specs(tools: list[dict[str, Any]], where: str) -> list[ToolSpec]:
+    """The tools as the grammar of a call to them reads them (each schema checked once; the
+    grammar takes these as they are)."""
     from agentflash.grammar import GrammarError
     from agentflash.grammar.tool_calls import tool_specs
 
-    try:  # the schemas, as the grammar of a call to them will read them
-        tool_specs(tools)
+    try:
+        return tool_specs(tools)
     except GrammarError as err:
         raise UserError(f"{where}: {err}") from None
-    return tools
 
 
 def load_messages(path: Path) -> list[dict[str, Any]]:
@@ -114,7 +122,9 @@ def load_messages(path: Path) -> list[dict[str, Any]]:
 
 
 def load_tools(path: Path) -> list[dict[str, Any]]:
-    return check_tools(read_json_file(path, "tools"), str(path))
+    tools = check_tools(read_json_file(path, "tools"), str(path))
+    _tool_specs(tools, str(path))  # a bad schema names this file, not each request using it
+    return tools
 
 
 PARAM_FIELDS = ("max_tokens", "temperature", "top_p", "seed", "stop", "speculation", "block_size")
@@ -148,8 +158,9 @@ def make_input(values: dict[str, Any], where: str) -> GenerateInput:
         messages = [{"role": "user", "content": prompt}]
     messages = check_messages(messages, where)
     tools = check_tools(values.get("tools") or [], where)
+    specs = _tool_specs(tools, where)
     params = make_params(values, where)
-    grammar = make_grammar(values, tools, where)
+    grammar = make_grammar(values, specs, where)
     if params.stop and whole_reply_bound(values):
         raise UserError(f"{where}: stop cannot cut a reply the grammar binds whole (schema, "
                         f"regex, tool_choice required or a named tool): it would not parse")
@@ -166,7 +177,7 @@ def whole_reply_bound(values: dict[str, Any]) -> bool:
             or choice not in (None, "auto", "none"))
 
 
-def make_grammar(values: dict[str, Any], tools: list[dict[str, Any]], where: str):
+def make_grammar(values: dict[str, Any], tools: list[ToolSpec], where: str):
     """The grammar a request asks for: a JSON schema, a regex, or its tools under tool_choice.
 
     With tools and no other grammar, ``tool_choice`` defaults to ``auto``: free text, but a
