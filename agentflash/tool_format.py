@@ -4,12 +4,10 @@
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from typing import Any
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-_CALL = re.compile(re.escape(OPEN) + r"(.*?)" + re.escape(CLOSE), re.DOTALL)
 
 
 @dataclass(frozen=True)
@@ -27,24 +25,96 @@ class MalformedToolCall:
     error: str
 
 
+class CallEnd:
+    """Finds, in a call's body fed in pieces, the ``</tool_call>`` that closes it: the first one
+    outside the body's JSON strings. An argument may hold the tag itself (the tools' grammar
+    lets a string hold any text), and the call goes on past it."""
+
+    def __init__(self) -> None:
+        self.text = ""  # the body so far
+        self.end: int | None = None  # where the closing tag starts, once found
+        self.pos = 0  # ``text[:pos]`` is known to be body (a tag may be starting at ``pos``)
+        self._depth = 0
+        self._in_string = self._escaped = False
+
+    def feed(self, piece: str) -> int | None:
+        self.text += piece
+        text = self.text
+        while self.end is None and self.pos < len(text):
+            c = text[self.pos]
+            if self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif c == "\\":
+                    self._escaped = True
+                elif c == '"':
+                    self._in_string = False
+            elif c == "<":
+                if text.startswith(CLOSE, self.pos):
+                    self.end = self.pos
+                    break
+                if CLOSE.startswith(text[self.pos :]):  # the tag may be coming: wait
+                    break
+            elif c == '"' and self._depth > 0:  # quotes count inside the JSON value only
+                self._in_string = True
+            elif c in "{[":
+                self._depth += 1
+            elif c in "}]" and self._depth > 0:
+                self._depth -= 1
+            self.pos += 1
+        return self.end
+
+    def fallback(self) -> int | None:
+        """Where the body's first ``</tool_call>`` starts, string or not: the end of a call whose
+        quotes do not pair (written without a grammar) that never closed otherwise."""
+        at = self.text.find(CLOSE)
+        return at if at >= 0 else None
+
+
+def _blocks(text: str) -> list[tuple[int, int, int | None]]:
+    """Each ``<tool_call>`` block of ``text``: where its tag starts, where its body starts, and
+    where its body ends (None for a call never closed, which runs to the end)."""
+    blocks: list[tuple[int, int, int | None]] = []
+    pos = 0
+    while (at := text.find(OPEN, pos)) >= 0:
+        start = at + len(OPEN)
+        closer = CallEnd()
+        end = closer.feed(text[start:])
+        if end is None:
+            end = closer.fallback()
+        if end is None:
+            blocks.append((at, start, None))
+            break
+        blocks.append((at, start, start + end))
+        pos = start + end + len(CLOSE)
+    return blocks
+
+
 def parse_tool_calls(text: str) -> tuple[list[ParsedToolCall], list[MalformedToolCall]]:
-    """Every closed ``<tool_call>`` block of ``text``: the well-formed calls and the malformed ones."""  # noqa: E501
+    """Every ``<tool_call>`` block of ``text``: the well-formed calls and the malformed ones (a
+    call never closed, as a reply cut by max tokens leaves it, is malformed)."""
     calls, bad = [], []
-    for match in _CALL.finditer(text):
-        body = match.group(1).strip()
-        obj, error = load_body(body)
-        if error is not None:
-            bad.append(MalformedToolCall(body, error))
+    for _, start, end in _blocks(text):
+        if end is None:
+            bad.append(MalformedToolCall(text[start:].strip(), f"not closed with {CLOSE}"))
             continue
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-            bad.append(MalformedToolCall(body, 'expected an object with a string "name"'))
-            continue
-        args = obj.get("arguments", {})
-        if not isinstance(args, dict):
-            bad.append(MalformedToolCall(body, '"arguments" must be an object'))
-            continue
-        calls.append(ParsedToolCall(obj["name"], args))
+        call = parse_body(text[start:end])
+        (calls if isinstance(call, ParsedToolCall) else bad).append(call)
     return calls, bad
+
+
+def parse_body(body: str) -> ParsedToolCall | MalformedToolCall:
+    """One call's body (the text between its tags)."""
+    body = body.strip()
+    obj, error = load_body(body)
+    if error is not None:
+        return MalformedToolCall(body, error)
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return MalformedToolCall(body, 'expected an object with a string "name"')
+    args = obj.get("arguments", {})
+    if not isinstance(args, dict):
+        return MalformedToolCall(body, '"arguments" must be an object')
+    return ParsedToolCall(obj["name"], args)
 
 
 def load_body(body: str) -> tuple[Any, str | None]:
@@ -59,5 +129,10 @@ def load_body(body: str) -> tuple[Any, str | None]:
 
 
 def text_outside_calls(text: str) -> str:
-    """The text of a reply with its tool-call blocks removed."""
-    return _CALL.sub("", text).strip()
+    """The text of a reply with its tool-call blocks removed (a call never closed included)."""
+    pieces, pos = [], 0
+    for at, _, end in _blocks(text):
+        pieces.append(text[pos:at])
+        pos = len(text) if end is None else end + len(CLOSE)
+    pieces.append(text[pos:])
+    return "".join(pieces).strip()

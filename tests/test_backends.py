@@ -24,6 +24,7 @@ from agentflash.backends.local import EngineFailed, HermesStreamParser, LocalBac
 from agentflash.backends.scripted import ScriptedBackend, ScriptedTurn, tool_call_text
 from agentflash.errors import UserError
 from agentflash.runtime.errors import RunError
+from agentflash.tool_format import ParsedToolCall
 
 REPLY = ('Checking both.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", '
          '"note": "a } and a \\" inside", "days": [1, {"x": 2}]}}\n</tool_call>\n'
@@ -103,6 +104,37 @@ def test_model_text_python_cannot_load_is_a_malformed_call_for_both_parsers():
         (ready,) = [e for e in parse(text, 64) if isinstance(e, ToolCallReady)]
         assert isinstance(ready.call, MalformedToolCall)
         assert ready.call.error.startswith("invalid JSON")
+
+
+# Texts both parsers must read alike: (the reply, its calls by name or None if malformed, the text
+# outside its calls).
+AGREE = [
+    # an argument holding the closing tag (the grammar lets a string hold any text)
+    ('Hi <tool_call>\n{"name": "f", "arguments": {"s": "a </tool_call> \\"</tool_call>"}}\n'
+     "</tool_call> bye", [("f", {"s": 'a </tool_call> "</tool_call>'})], "Hi  bye"),
+    # quotes that do not pair (no grammar): the call ends at its first tag after all
+    ('<tool_call>{"name": "f", "arguments": {"s": "it"s"}}</tool_call> then '
+     '<tool_call>{"name": "g", "arguments": {}}</tool_call>', [None, ("g", {})], "then"),
+    # a call never closed (max tokens) is malformed, and none of it is text
+    ('Sure. <tool_call>\n{"name": "f", "arguments": {"s": "ab', [None], "Sure."),
+]
+
+
+@pytest.mark.parametrize("reply,expected,outside", AGREE)
+@pytest.mark.parametrize("chunk", [1, 3, 1000])
+def test_both_parsers_end_a_call_at_its_closing_tag_outside_strings(reply, expected, outside,
+                                                                    chunk):
+    from agentflash.tool_format import parse_tool_calls, text_outside_calls
+
+    def named(call):
+        ok = isinstance(call, (ToolCall, ParsedToolCall))
+        return (call.name, call.arguments) if ok else None
+
+    calls, bad = parse_tool_calls(reply)
+    assert [named(c) for c in calls] == [e for e in expected if e]
+    assert len(bad) == expected.count(None) and text_outside_calls(reply) == outside
+    text, _, streamed = summary(parse(reply, chunk))
+    assert [named(c) for c in streamed] == expected and text.strip() == outside
 
 
 def test_parser_handles_arguments_written_before_the_name():

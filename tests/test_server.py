@@ -116,6 +116,20 @@ def test_tool_choice_required_returns_valid_calls(client, ask):
     assert_valid_calls(reply.choices[0].message, SCHEMAS)
 
 
+def test_a_call_cut_by_max_tokens_stays_in_the_reply_as_text(client):
+    args = dict(model="demo", messages=user("Use get_weather with city Oslo, days 3."),
+                tools=TOOLS, tool_choice="required", temperature=0)
+    whole = client.chat.completions.create(max_tokens=120, **args)
+    (call,) = whole.choices[0].message.tool_calls
+    arguments = json.loads(call.function.arguments)
+    body = json.dumps({"name": call.function.name, "arguments": arguments})
+    # cut inside the arguments, after the server has begun to stream them as a call's deltas
+    cut = client.chat.completions.create(max_tokens=whole.usage.completion_tokens - 3, **args)
+    assert cut.choices[0].finish_reason == "length" and cut.choices[0].message.tool_calls is None
+    text = cut.choices[0].message.content
+    assert text and len(text) > body.index("{", 1) and body.startswith(text)
+
+
 def test_named_tool_choice_and_sampling_still_give_valid_calls(client):
     for seed in range(3):
         reply = client.chat.completions.create(

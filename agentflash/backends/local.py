@@ -34,7 +34,7 @@ from agentflash.backends.base import (
 )
 from agentflash.errors import UserError
 from agentflash.runtime.errors import RunError
-from agentflash.tool_format import CLOSE, OPEN, load_body
+from agentflash.tool_format import CLOSE, OPEN, CallEnd, load_body
 
 # ``{"name": "<name>", "arguments": `` at the start of a call body: from here on the arguments
 # can be streamed as they are written.
@@ -54,7 +54,8 @@ class _OpenCall:
 
     def __init__(self, index: int):
         self.index = index
-        self.body = ""
+        self.body = ""  # the text handed to ``extend``: the body up to where it may end
+        self.closer = CallEnd()  # where it ends
         self.name: str | None = None
         self.args_start = 0  # where the arguments value begins in ``body``
         self.args_end: int | None = None  # one past its end, once the value closed
@@ -151,32 +152,52 @@ class HermesStreamParser:
         self._buf += text
         events: list[ModelEvent] = []
         while True:
-            tag = CLOSE if self._call is not None else OPEN
-            at = self._buf.find(tag)
+            if self._call is not None:  # the call ends at its first closing tag outside a string
+                call, closer = self._call, self._call.closer
+                closer.feed(self._buf)
+                self._buf = ""
+                if closer.end is None:
+                    return events + self._extend(closer.pos)
+                events += self._extend(closer.end) + call.finish(next(self._ids))
+                self._buf = closer.text[closer.end + len(CLOSE) :]
+                self._call = None
+                continue
+            at = self._buf.find(OPEN)
             if at < 0:
-                cut = len(self._buf) - _partial_suffix(self._buf, tag)
+                cut = len(self._buf) - _partial_suffix(self._buf, OPEN)
                 events += self._take(self._buf[:cut])
                 self._buf = self._buf[cut:]
                 return events
             events += self._take(self._buf[:at])
-            self._buf = self._buf[at + len(tag) :]
-            if self._call is None:
-                self._call = _OpenCall(self._num_calls)
-                self._num_calls += 1
-            else:
-                events += self._call.finish(next(self._ids))
-                self._call = None
+            self._buf = self._buf[at + len(OPEN) :]
+            self._call = _OpenCall(self._num_calls)
+            self._num_calls += 1
 
     def close(self, finish_reason: str) -> list[ModelEvent]:
         """The reply ended: flush held text; a call still open is malformed."""
         events = self._take(self._buf)
         self._buf = ""
-        if self._call is not None:
-            call, self._call = self._call, None
-            error = f"the tool call was not closed with {CLOSE} (generation ended: {finish_reason})"
-            events.append(ToolCallReady(call.index, MalformedToolCall(next(self._ids),
-                                                                      call.body.strip(), error)))
-        return events
+        if self._call is None:
+            return events
+        call, closer = self._call, self._call.closer
+        end = closer.fallback()
+        if end is not None:  # its quotes do not pair: it ends at its first tag after all
+            events += self._extend(end)
+            call.body = call.body[:end]
+            events += call.finish(next(self._ids))
+            self._call = None
+            return events + self.feed(closer.text[end + len(CLOSE) :]) + self.close(finish_reason)
+        events += self._extend(len(closer.text))
+        self._call = None
+        error = f"the tool call was not closed with {CLOSE} (generation ended: {finish_reason})"
+        return events + [ToolCallReady(call.index, MalformedToolCall(next(self._ids),
+                                                                     call.body.strip(), error))]
+
+    def _extend(self, upto: int) -> list[ModelEvent]:
+        """Hand the open call its body up to ``upto`` (a position in the closer's text)."""
+        call = self._call
+        piece = call.closer.text[len(call.body) : upto]
+        return call.extend(piece) if piece else []
 
     def _take(self, text: str) -> list[ModelEvent]:
         if not text:

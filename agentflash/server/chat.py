@@ -283,11 +283,10 @@ class ReplyWriter:
                 deltas = []
             self.complete.append(index)
             return deltas
-        # A call that does not parse (cut by max_tokens, or written without a grammar) stays text.
-        if index in self.calls:
-            return []
+        # A call that does not parse (cut by max_tokens, or written without a grammar) stays text:
+        # in the whole reply's content, and in the stream where no delta of it went out as a call.
         self.content.append(call.body)
-        return [{"content": call.body}]
+        return [] if index in self.calls else [{"content": call.body}]
 
     def tool_calls(self) -> list[dict[str, Any]]:
         return [{"id": self.calls[i].id, "type": "function",
