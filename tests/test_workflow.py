@@ -92,6 +92,8 @@ def test_inputs_are_converted_defaulted_and_checked(tmp_path):
     problems = [({"days": "3", "country": "x"}, "unknown input 'country' (declared: city, days"),
                 ({}, "input 'days' is required: give --input days=VALUE"),
                 ({"days": "three"}, "input 'days' must be of type integer, got 'three'"),
+                ({"days": "1_0"}, "input 'days' must be of type integer, got '1_0'"),
+                ({"days": "2.0"}, "input 'days' must be of type integer, got '2.0'"),
                 ({"days": "0"}, "input 'days': 0 is less than the minimum of 1"),
                 ({"days": "1", "direct": "maybe"}, "input 'direct' must be of type boolean")]
     for values, message in problems:
@@ -114,9 +116,11 @@ def test_a_number_input_is_a_json_number(tmp_path):
         steps:
           - {id: one, agent: a, input: "{{ inputs.share }}"}
         """))
-    assert wf.resolve_inputs({"share": "0.5"}) == {"share": 0.5}
-    for text in ("nan", "inf", "-inf"):  # what --json could not write back
-        with pytest.raises(UserError, match=f"input 'share' must be of type number, got '{text}'"):
+    for text, value in (("0.5", 0.5), ("-2", -2.0), (".5e2", 50.0), (" 3. ", 3.0)):
+        assert wf.resolve_inputs({"share": text}) == {"share": value}
+    # what --json could not write back, and Python's own spellings
+    for text in ("nan", "inf", "-inf", "1e999", "1_0", "0x1f", "", "+1.5e+", "Infinity"):
+        with pytest.raises(UserError, match=re.escape(f"type number, got '{text}'")):
             wf.resolve_inputs({"share": text})
 
 

@@ -16,6 +16,7 @@ import dataclasses
 import importlib
 import json
 import math
+import re
 import sys
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -263,15 +264,20 @@ def _jsonable(value: Any) -> Any:
     return value if isinstance(value, str) else pydantic_core.to_jsonable_python(value)
 
 
+_INTEGER = re.compile(r"-?\d+")
+_NUMBER = re.compile(r"-?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
+
+
 def _convert(name: str, text: str, schema: dict[str, Any]) -> Any:
     """A command-line string as the input's declared type."""
     kind = schema.get("type")
     try:
-        if kind == "integer":
-            return int(text)
-        if kind == "number":
-            value = float(text)
-            if not math.isfinite(value):  # no JSON number: nan, inf
+        if kind in ("integer", "number"):  # as JSON writes numbers: no 1_0, nan or inf
+            number = _INTEGER if kind == "integer" else _NUMBER
+            if not number.fullmatch(text.strip()):
+                raise ValueError
+            value = int(text) if kind == "integer" else float(text)
+            if not math.isfinite(value):  # 1e999
                 raise ValueError
             return value
         if kind == "boolean":
