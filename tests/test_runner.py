@@ -389,8 +389,12 @@ def test_agent_definition_errors():
         Agent("a", tools=[get_weather], tool_choice=ForceTool("nope"))
     with pytest.raises(UserError, match="tool_choice must be auto, required, none"):
         Agent("a", tool_choice="sometimes")
-    with pytest.raises(UserError, match="required but the agent has no tools"):
+    with pytest.raises(UserError, match="required but the agent has no tools or handoffs"):
         Agent("a", tool_choice="required")
+    # a handoff is a tool the model calls: it may be required or named
+    writer = Agent("writer")
+    assert Agent("a", handoffs=[writer], tool_choice="required").tool_choice == "required"
+    assert Agent("a", handoffs=[writer], tool_choice=ForceTool("transfer_to_writer"))
     with pytest.raises(UserError, match="max_turns must be a positive integer"):
         Agent("a", max_turns=0)
     with pytest.raises(UserError, match="decoding.temperature"):

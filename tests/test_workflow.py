@@ -11,7 +11,7 @@ from jsonschema import Draft202012Validator
 from typer.testing import CliRunner
 
 from agentflash.backends import is_available
-from agentflash.backends.base import BackendKind, ForceTool
+from agentflash.backends.base import BackendKind, ForceTool, ToolChoice
 from agentflash.backends.local import LocalBackend
 from agentflash.backends.scripted import ScriptedBackend
 from agentflash.cli import app
@@ -378,3 +378,39 @@ def test_all_problems_of_a_file_are_reported_in_line_order(tmp_path):
         load_workflow(path)
     lines = str(err.value).splitlines()
     assert [line.split(": ")[0] for line in lines] == [f"{path}:4", f"{path}:6", f"{path}:6"]
+
+
+def test_an_agent_may_be_made_to_hand_off(tmp_path):
+    """A handoff is a tool the model calls: ``tool_choice`` may require one or name it, and the
+    demo model, under the grammar, then hands the conversation over."""
+    wf = load_workflow(write(tmp_path, """\
+        version: 1
+        name: triage
+        model: {path: demo, drafter: none}
+        decoding: {max_tokens: 40}
+        agents:
+          triage: {instructions: You route requests., handoffs: [writer], tool_choice: required}
+          named: {instructions: You route requests., handoffs: [writer],
+                  tool_choice: transfer_to_writer}
+          writer: {instructions: You write.}
+        steps:
+          - {id: one, agent: triage, input: Write a line about Oslo.}
+          - {id: two, agent: named, input: Write a line about Rome.}
+        """))
+    assert wf.agents["triage"].tool_choice is ToolChoice.REQUIRED
+    assert wf.agents["named"].tool_choice == ForceTool("transfer_to_writer")
+    result = anyio.run(wf.run)
+    for step in ("one", "two"):
+        (call,) = result.steps[step].tool_calls
+        assert call.name == "transfer_to_writer" and result.steps[step].agent == "writer"
+    with pytest.raises(UserError, match=r"tool_choice: must be .* tools or handoffs "
+                                        r"\(transfer_to_writer\), got 'transfer_to_nobody'"):
+        load_workflow(write(tmp_path, """\
+            version: 1
+            name: triage
+            agents:
+              triage: {instructions: Route., handoffs: [writer], tool_choice: transfer_to_nobody}
+              writer: {instructions: You write.}
+            steps:
+              - {id: one, agent: triage, input: Hi.}
+            """))

@@ -194,7 +194,7 @@ class Agent:
         twice = sorted({n for n in names if names.count(n) > 1})
         if twice:
             raise UserError(f"{where}: tool {twice[0]!r} is listed twice")
-        self.tool_choice = self._check_tool_choice(self.tool_choice, set(names))
+        self.tool_choice = self.check_tool_choice(self.tool_choice)
         if not isinstance(self.decoding, Decoding):
             raise UserError(f"{where}: decoding must be a Decoding, "
                             f"got {type(self.decoding).__name__}")
@@ -209,8 +209,12 @@ class Agent:
                                   for g in self.output_guardrails]
         self.turn_tools()  # handoffs given now are Agents whose tools clash with nothing
 
-    def _check_tool_choice(self, choice: Any, names: set[str]) -> ToolChoiceSpec:
+    def check_tool_choice(self, choice: Any) -> ToolChoiceSpec:
+        """``choice`` as a tool choice of this agent's, checked against its tools and handoffs
+        (a handoff is a tool the model calls: ``required`` or ``ForceTool`` may mean one)."""
         where = f"agent {self.name!r}"
+        names = {t.name for t in self.tools}
+        names |= {handoff_tool_name(h) for h in self.handoffs if isinstance(h, Agent)}
         if isinstance(choice, str) and not isinstance(choice, ToolChoice):
             try:
                 choice = ToolChoice(choice)
@@ -219,9 +223,10 @@ class Agent:
                                 f"ForceTool(name), got {choice!r}") from None
         if isinstance(choice, ForceTool) and choice.name not in names:
             raise UserError(f"{where}: tool_choice names {choice.name!r}, which is not one of "
-                            f"its tools ({', '.join(sorted(names)) or 'none'})")
+                            f"its tools or handoffs ({', '.join(sorted(names)) or 'none'})")
         if choice is ToolChoice.REQUIRED and not names:
-            raise UserError(f"{where}: tool_choice is required but the agent has no tools")
+            raise UserError(f"{where}: tool_choice is required but the agent has no tools "
+                            f"or handoffs")
         if not isinstance(choice, (ToolChoice, ForceTool)):
             raise UserError(f"{where}: tool_choice must be auto, required, none or ForceTool(name)")
         return choice

@@ -525,14 +525,6 @@ class _Builder:
                     self.problems.add((*keys, "tools", j), f"unknown tool {tool_name!r} "
                                                            f"(tools: {known})")
             decoding = self.decoding((*keys, "decoding"), raw.get("decoding", {}), defaults)
-            choice = raw.get("tool_choice", "auto")
-            if choice not in ("auto", "required", "none"):
-                if choice not in [t.name for t in own]:
-                    self.problems.add((*keys, "tool_choice"), f"must be auto, required, none or "
-                                                              f"one of the agent's tools, got "
-                                                              f"{choice!r}")
-                    continue
-                choice = ForceTool(choice)
             try:
                 output_spec(raw.get("output_schema"))
             except UserError as err:
@@ -541,7 +533,7 @@ class _Builder:
             try:
                 agents[name] = Agent(name, raw["instructions"], own, [],
                                      raw.get("description", ""), raw.get("output_schema"),
-                                     choice, decoding or Decoding(), raw.get("max_turns", 10))
+                                     "auto", decoding or Decoding(), raw.get("max_turns", 10))
             except UserError as err:
                 self.problems.add(keys, str(err))
         for name, raw in self.data["agents"].items():
@@ -557,9 +549,24 @@ class _Builder:
                     agents[name].handoffs.append(agents[target])
             if name in agents:
                 try:
-                    agents[name].turn_tools()
+                    tools_now, handoffs = agents[name].turn_tools()
                 except UserError as err:
                     self.problems.add(("agents", name, "handoffs"), str(err))
+                    continue
+                # checked once the handoffs are wired: a handoff is a tool the choice may name
+                choice = raw.get("tool_choice", "auto")
+                if choice not in ("auto", "required", "none"):
+                    if choice not in tools_now and choice not in handoffs:
+                        known = ", ".join([*tools_now, *handoffs]) or "none"
+                        self.problems.add(("agents", name, "tool_choice"),
+                                          f"must be auto, required, none or one of the agent's "
+                                          f"tools or handoffs ({known}), got {choice!r}")
+                        continue
+                    choice = ForceTool(choice)
+                try:
+                    agents[name].tool_choice = agents[name].check_tool_choice(choice)
+                except UserError as err:
+                    self.problems.add(("agents", name, "tool_choice"), str(err))
         return agents
 
     def steps(self, agents: dict[str, Agent], inputs: dict[str, Any]) -> list[Step]:
