@@ -47,6 +47,12 @@ def test_each_bad_workflow_names_file_line_and_key(path):
     assert result.stderr.startswith(f"error: {path}:") and "Traceback" not in result.stderr
 
 
+def test_a_tool_that_failed_is_reported_once_not_again_where_it_is_named():
+    with pytest.raises(UserError) as err:
+        load_workflow(ROOT / "tests" / "data" / "bad_workflows" / "python_import.yaml")
+    assert len(str(err.value).splitlines()) == 1, str(err.value)
+
+
 def test_the_corpus_covers_the_promised_mistakes():
     names = {p.stem for p in BAD}
     assert {"unknown_agent_key", "unknown_top_key", "unknown_agent", "unknown_tool", "cycle",
@@ -56,7 +62,7 @@ def test_the_corpus_covers_the_promised_mistakes():
 def test_schema_is_valid_and_describes_the_examples():
     schema = workflow_schema()
     Draft202012Validator.check_schema(schema)
-    assert SCHEMA_PATH == ROOT / "schemas" / "workflow.schema.json"
+    assert (ROOT / "schemas" / "workflow.schema.json").resolve() == SCHEMA_PATH  # the link
     for example in sorted((ROOT / "examples").glob("*.yaml")):
         data = yaml.safe_load(example.read_text())
         assert list(Draft202012Validator(schema).iter_errors(data)) == [], example

@@ -40,7 +40,8 @@ from agentflash.runtime.tools import FunctionTool, HttpTool, Tool, function_tool
 from agentflash.runtime.tracing import Span, SpanKind, Tracer
 from agentflash.runtime.yaml_source import Keys, YamlDoc, load_yaml
 
-SCHEMA_PATH = Path(__file__).resolve().parents[2] / "schemas" / "workflow.schema.json"
+# in the package, so that an installed copy has it (the repository's schemas/ links to it)
+SCHEMA_PATH = Path(__file__).resolve().parents[1] / "schemas" / "workflow.schema.json"
 
 
 @lru_cache(maxsize=1)
@@ -556,6 +557,8 @@ class _Builder:
                 # checked once the handoffs are wired: a handoff is a tool the choice may name
                 choice = raw.get("tool_choice", "auto")
                 if choice not in ("auto", "required", "none"):
+                    if choice in declared and choice not in tools:
+                        continue  # a declared tool that failed is reported
                     if choice not in tools_now and choice not in handoffs:
                         known = ", ".join([*tools_now, *handoffs]) or "none"
                         self.problems.add(("agents", name, "tool_choice"),
