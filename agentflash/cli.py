@@ -28,6 +28,7 @@ def one_line(message: str) -> str:
 
 
 ModelOpt = Annotated[str, typer.Option("--model", help="'demo' or a Hugging Face model directory")]
+HELD_OUT_PER_KIND = 16  # train drafter: conversations of each kind kept for validation
 
 
 @app.command()
@@ -37,7 +38,8 @@ def generate(
     tools: Annotated[Path | None, typer.Option(help="OpenAI tools list (JSON)")] = None,
     requests: Annotated[Path | None, typer.Option(help="one request per JSON line")] = None,
     model: ModelOpt = "demo",
-    max_tokens: Annotated[int | None, typer.Option("--max-tokens")] = None,
+    max_tokens: Annotated[int | None, typer.Option(
+        "--max-tokens", help="per request, at most (default 256)")] = None,
     temperature: Annotated[float | None, typer.Option()] = None,
     top_p: Annotated[float | None, typer.Option("--top-p")] = None,
     seed: Annotated[int | None, typer.Option()] = None,
@@ -214,7 +216,13 @@ def eval_tool_calls(
         report = bench_mod.eval_tool_calls(model, num)
     except UserError as err:
         fail(str(err))
-    typer.echo(json.dumps(report, indent=None if as_json else 2))
+    if as_json:
+        typer.echo(json.dumps(report))
+        return
+    counts = report["counts"]
+    typer.echo(f"{report['model']}: {counts['prompts']} held-out tool-call prompts, no grammar")
+    for key, rate in report["rates"].items():
+        typer.echo(f"  {key.replace('_', ' '):<16} {counts[key]:>5}  {rate:7.1%}")
 
 
 @app.command()
@@ -380,7 +388,9 @@ def train_drafter(
     block_size: Annotated[int, typer.Option("--block-size")] = 16,
     num_anchors: Annotated[int, typer.Option("--num-anchors", help="blocks per sequence")] = 64,
     num_conversations: Annotated[int, typer.Option(
-        "--num-conversations", help="corpus prompts the target answers for training")] = 2500,
+        "--num-conversations",
+        help="corpus prompts the target answers (the last 16 of each kind are held out for "
+             "validation, the rest train)")] = 2500,
     mix: Annotated[str, typer.Option(
         help="shares of tool_call,code,math,prose among those prompts")] = "60,12,16,12",
     init: Annotated[str | None, typer.Option(
@@ -413,12 +423,17 @@ def train_drafter(
             else ()
         )
         n, total = num_conversations, sum(shares)
-        tool, code, math, prose = (n * k // total for k in shares)
+        tool, code, math, prose = counts = [n * k // total for k in shares]
+        if max(counts) <= HELD_OUT_PER_KIND:
+            raise UserError(f"--num-conversations {n} (--mix {mix}: {tool}, {code}, {math}, "
+                            f"{prose}) leaves nothing to train on: the last "
+                            f"{HELD_OUT_PER_KIND} of each kind are held out for validation")
         corpus = CorpusConfig(seed=corpus_seed, num_tool_call=tool, num_code=code, num_math=math,
                               num_prose=prose)
         cfg = DrafterTrainConfig(num_layers=num_layers, block_size=block_size, steps=steps,
                                  num_anchors=num_anchors, max_response_tokens=256,
-                                 num_val_per_kind=16, corpus=corpus, lr=lr, init=init,
+                                 num_val_per_kind=HELD_OUT_PER_KIND, corpus=corpus, lr=lr,
+                                 init=init,
                                  constrained_tool_calls=constrained_tool_calls,
                                  target_layer_ids=layer_ids)
         run(target, out, cfg)

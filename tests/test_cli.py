@@ -242,6 +242,8 @@ def test_missing_model_and_missing_files(tmp_path):
          "is not a drafter directory"),
         (["train", "drafter", "--target", "demo", "--out", "DIR", "--num-conversations", "0"],
          "--num-conversations must be at least 1"),
+        (["train", "drafter", "--target", "demo", "--out", "DIR", "--num-conversations", "8"],
+         "leaves nothing to train on: the last 16 of each kind are held out"),
     ],
 )
 def test_heavy_commands_name_a_bad_argument_before_any_work(tmp_path, monkeypatch, args,
@@ -273,3 +275,14 @@ def test_train_drafter_names_a_bad_flag_before_any_work(tmp_path, flags, message
                        str(tmp_path / "out"), *flags)
     assert code == 2 and message in err
     assert not (tmp_path / "out").exists()
+
+
+def test_eval_tool_calls_prints_a_table_or_json(tiny_model_dir):
+    code, table, _ = run("eval-tool-calls", "--model", str(tiny_model_dir), "--num", "2")
+    assert code == 0 and "2 held-out tool-call prompts" in table
+    code, as_json, _ = run("eval-tool-calls", "--model", str(tiny_model_dir), "--num", "2",
+                           "--json")
+    report = json.loads(as_json)
+    assert report["counts"]["prompts"] == 2 and set(report["rates"]) <= set(report["counts"])
+    for key, rate in report["rates"].items():
+        assert f"{key.replace('_', ' '):<16} {report['counts'][key]:>5}  {rate:7.1%}" in table

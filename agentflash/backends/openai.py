@@ -7,8 +7,9 @@ constrains decoding. The streamed ``delta.tool_calls`` become the same model eve
 embedded engine's: argument deltas as they arrive, and each call ready the moment its arguments
 form a complete JSON object (one left unfinished, at the end of the reply), so the runner
 dispatches it while the server keeps writing. Connection errors, timeouts before the reply
-starts, 429 and 5xx are retried with exponential backoff (honouring ``Retry-After``); other
-errors name the server, the status and the server's message.
+starts and HTTP 408, 409, 429, 500, 502, 503 and 504 are retried with exponential backoff
+(honouring ``Retry-After`` up to the backoff's cap); other errors name the server, the status
+and the server's message.
 
     async with OpenAIBackend("http://127.0.0.1:8000/v1", "demo") as backend:
         result = await Runner.run(agent, "...", backend=backend)
@@ -157,7 +158,7 @@ class OpenAIBackend(Backend):
     @asynccontextmanager
     async def _post(self, body: dict[str, Any]) -> AsyncIterator[httpx.Response]:
         """The streamed response of ``/chat/completions`` once it answered 200, retrying
-        connection errors, timeouts, 429 and 5xx."""
+        connection errors, timeouts and the statuses of ``RETRY_STATUS``."""
         assert self._client is not None
         url = f"{self.base_url}/chat/completions"
         for attempt in range(self.retry.max_retries + 1):
