@@ -86,14 +86,21 @@ def generate(
         if speculation == "dflash" and engine.drafter is None:
             raise UserError("--mode dflash needs a drafter (--drafter demo or a directory)")
         _compile_all(engine, todo)
+        failed = 0
         for item in todo:
             result = engine.generate(engine.chat_prompt(item.messages, item.tools), item.params)
             if as_json:
                 typer.echo(json.dumps(result.to_dict()))
             else:
                 typer.echo(result.text)
+            if result.finish_reason == "error":  # the other requests are still answered
+                failed += 1
+                typer.echo(f"error: {item.where}: the engine failed this request: "
+                           f"{one_line(result.error or '')}", err=True)
     except UserError as err:
         fail(str(err))
+    if failed:
+        raise typer.Exit(1)
 
 
 def _compile_all(engine, todo) -> None:

@@ -181,31 +181,40 @@ def make_grammar(values: dict[str, Any], tools: list[ToolSpec], where: str):
     """The grammar a request asks for: a JSON schema, a regex, or its tools under tool_choice.
 
     With tools and no other grammar, ``tool_choice`` defaults to ``auto``: free text, but a
-    ``<tool_call>`` body is bound to the tools' schemas.
+    ``<tool_call>`` body is bound to the tools' schemas. With tools and a schema, the reply
+    answers in the schema or (``auto``) calls the tools, as an agent with an output schema does.
     """
     from agentflash import grammar
 
     asked = [k for k in GRAMMAR_FIELDS if values.get(k) is not None]
+    choice = values.get("tool_choice")
+    answer_or_call = asked == ["tool_choice", "schema"] and tools and choice in ("auto", "none")
     if len([k for k in asked if k != "tool_choice"]) > 1 or (
-        "tool_choice" in asked and len(asked) > 1
+        "tool_choice" in asked and len(asked) > 1 and not answer_or_call
     ):
         raise UserError(f"{where}: give one of {', '.join(GRAMMAR_FIELDS)}, not {asked}")
-    if "schema" in asked:
-        schema = values["schema"]
-        if isinstance(schema, (str, Path)):
-            try:
-                return grammar.json_schema_file(schema)
-            except grammar.GrammarError as err:
-                raise UserError(f"{where}: schema {err}") from None
-        return grammar.json_schema(schema, origin=f"{where}: schema")
-    if "regex" in asked:
-        return grammar.regex(values["regex"], origin=f"{where}: regex")
-    choice = values.get("tool_choice")
-    if choice is None and not tools:
-        return None
-    if not tools and choice not in ("none", "auto"):
-        raise UserError(f"{where}: tool_choice {choice!r} needs tools")
+    if "regex" in asked and tools:
+        raise UserError(f"{where}: a regex binds the whole reply, so the tools could not be "
+                        f"called: give tools or regex, not both")
     try:
+        if "schema" in asked:
+            schema = values["schema"]
+            if isinstance(schema, (str, Path)):
+                try:
+                    source = grammar.json_schema_file(schema)
+                except grammar.GrammarError as err:
+                    raise UserError(f"{where}: schema {err}") from None
+            else:
+                source = grammar.json_schema(schema, origin=f"{where}: schema")
+            if not tools:
+                return source
+            return grammar.assistant_turn(tools, choice or "auto", output_schema=source.schema)
+        if "regex" in asked:
+            return grammar.regex(values["regex"], origin=f"{where}: regex")
+        if choice is None and not tools:
+            return None
+        if not tools and choice not in ("none", "auto"):
+            raise UserError(f"{where}: tool_choice {choice!r} needs tools")
         return grammar.assistant_turn(tools, choice or "auto")
     except grammar.GrammarError as err:
         raise UserError(f"{where}: {err}") from None

@@ -286,3 +286,19 @@ def test_eval_tool_calls_prints_a_table_or_json(tiny_model_dir):
     assert report["counts"]["prompts"] == 2 and set(report["rates"]) <= set(report["counts"])
     for key, rate in report["rates"].items():
         assert f"{key.replace('_', ' '):<16} {report['counts'][key]:>5}  {rate:7.1%}" in table
+
+
+def test_tools_with_a_schema_answer_in_it_or_call_them(tmp_path):
+    (tmp_path / "tools.json").write_text(json.dumps(TOOLS))
+    schema = {"type": "integer", "minimum": 100, "maximum": 105}
+    (tmp_path / "answer.json").write_text(json.dumps(schema))
+    both = ("--tools", str(tmp_path / "tools.json"), "--schema", str(tmp_path / "answer.json"))
+    code, out, _ = run("generate", "--prompt", "Use get_weather with city Oslo, days 3.", *both,
+                       "--max-tokens", "60", "--json")
+    assert code == 0 and [c["name"] for c in json.loads(out)["tool_calls"]] == ["get_weather"]
+    code, out, _ = run("generate", "--prompt", "Use get_weather with city Oslo, days 3.", *both,
+                       "--tool-choice", "none", "--max-tokens", "60")
+    assert code == 0 and 100 <= json.loads(out) <= 105
+    code, _, err = run("generate", "--prompt", "x", "--tools", str(tmp_path / "tools.json"),
+                       "--regex", "a+")
+    assert code == 2 and "a regex binds the whole reply" in err

@@ -9,7 +9,7 @@ from conftest import tiny_dflash_engine
 
 from agentflash.engine.engine import Engine
 from agentflash.engine.request import SamplingParams
-from agentflash.grammar import assistant_turn, json_schema, regex
+from agentflash.grammar import assistant_turn, json_schema, lark, regex
 from agentflash.tool_format import parse_tool_calls
 from agentflash.train import corpus
 
@@ -219,6 +219,39 @@ def test_a_request_whose_masks_fail_is_reported_in_that_steps_outputs(tiny):
         tiny.step()
     assert tiny.result(healthy).finish_reason in ("stop", "length")
     assert tiny.cache.num_free == tiny.cache.num_slots
+
+
+@pytest.mark.parametrize("speculation", ["off", "dflash"])
+def test_a_step_whose_only_request_fails_before_the_forward_ends_it_and_serves_on(tiny,
+                                                                                 speculation):
+    tools = random_tools(5, n=1)
+    ids = tiny.chat_prompt([{"role": "user", "content": "x"}], tools)
+    params = SamplingParams(max_tokens=30, grammar=assistant_turn(tools, "required"),
+                            speculation=speculation, block_size=4)
+    alone = tiny.generate(ids, params)
+    broken = tiny.submit(ids, params)
+    tiny.step()  # the prompt
+
+    def corrupt(*_):
+        raise RuntimeError("mask state lost")
+
+    for name in ("forced_tokens", "masks_along_draft", "validate_draft", "_validate"):
+        setattr(broken.constraint, name, corrupt)  # every path the step takes before its forward
+    assert [(o.request, o.new_ids) for o in tiny.step()] == [(broken, [])]  # no forward to run
+    assert tiny.result(broken).finish_reason == "error"
+    assert tiny.generate(ids, params).token_ids == alone.token_ids
+    assert tiny.cache.num_free == tiny.cache.num_slots
+
+
+def test_a_grammar_that_gets_stuck_while_decoding_ends_its_request_with_a_one_line_error(tiny):
+    # the second term of A can never match (a bound intersection): no compile check sees that
+    stuck = lark('start: "x" A\nA: /a+/ & /b+/\n')
+    ids = tiny.chat_prompt([{"role": "user", "content": "x"}])
+    for speculation in ("off", "dflash"):
+        result = tiny.generate(ids, SamplingParams(max_tokens=8, grammar=stuck,
+                                                   speculation=speculation))
+        assert result.finish_reason == "error" and result.error.startswith("GrammarFailed: ")
+        assert "\n" not in result.error and "<state>" not in result.error
 
 
 def test_demo_constrained_dflash_equals_plain_on_held_out_tool_calls():

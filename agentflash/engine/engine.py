@@ -24,7 +24,7 @@ from agentflash.engine.request import FinishReason, Request, SamplingParams, Spe
 from agentflash.engine.sampling import accept, argmax, sample
 from agentflash.engine.scheduler import Scheduler, SchedulerConfig
 from agentflash.errors import UserError, is_int, is_number
-from agentflash.grammar.constraint import apply_bitmask_, greedy_verify
+from agentflash.grammar.constraint import GrammarFailed, apply_bitmask_, greedy_verify
 from agentflash.grammar.sources import GrammarKind
 from agentflash.router.policy import Candidate, CostModel, StepShape, priors_from_validation
 from agentflash.router.segments import SegmentKind
@@ -303,6 +303,8 @@ class Engine:
         decoding = [r for r in decoding if not r.is_finished]
         rows = [Row(r.slot, r.num_cached, r.uncached_ids() + drafts[r.id].tokens) for r in decoding]
         rows += [Row(r.slot, r.num_cached, r.uncached_ids(), last_only=True) for r in admitted]
+        if not rows:  # every request of the step failed before the forward
+            return failed
         tracked = any(r.draft_context is not None for r in decoding + admitted)
         out = self.runner.forward(rows, capture_layers=self._capture(tracked))
         self._note_memory(decoding + admitted, rows)
@@ -350,7 +352,10 @@ class Engine:
             return StepOutput(req, [])
 
     def _fail_alone(self, req: Request, err: Exception) -> None:
-        log.exception("request %d failed; the other requests go on", req.id)
+        if isinstance(err, GrammarFailed):  # the request's grammar, not the engine: no traceback
+            log.warning("request %d failed (%s); the other requests go on", req.id, err)
+        else:
+            log.exception("request %d failed; the other requests go on", req.id)
         self.fail(req, f"{type(err).__name__}: {err}")
 
     def _first_token(

@@ -30,6 +30,11 @@ class GrammarError(UserError):
     finish. Raised when the grammar is compiled; the message names the source and the field."""
 
 
+class GrammarFailed(RuntimeError):
+    """The grammar cannot go on while a request decodes (a parser limit; a dead end that the
+    compile checks did not see): that request ends with an error, the others go on."""
+
+
 class GrammarViolation(ValueError):
     """A token the grammar forbids was committed (an engine bug: commit only legal tokens)."""
 
@@ -552,7 +557,8 @@ def _masked_argmax(row: torch.Tensor, logits: torch.Tensor, vocab_size: int) -> 
     # compare only the legal tokens' scores (the first highest of them, as an argmax over the
     # masked row gives): cheaper than masking a whole row
     allowed = np.flatnonzero(bits)
-    assert len(allowed), "no legal token: the grammar is stuck"
+    if not len(allowed):
+        raise GrammarFailed("no legal token: the grammar is stuck here")
     if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64):
         values = logits.detach().numpy()  # numpy throughout: no tensor ops
         return int(allowed[values[allowed].argmax()])

@@ -15,6 +15,7 @@ from agentflash.grammar.constraint import (
     CompiledGrammar,
     Constraint,
     GrammarError,
+    GrammarFailed,
 )
 from agentflash.grammar.sources import GrammarKind, GrammarSource, JsonStyle
 from agentflash.grammar.tokenizers import TokenizerInfo
@@ -131,12 +132,16 @@ class LLGuidanceConstraint(Constraint):
         return self._m.validate_tokens(list(tokens))
 
     def _consume(self, tokens: Sequence[int]) -> None:
-        ok = self._m.consume_tokens(list(tokens))
-        assert ok, self._m.get_error()
+        if not self._m.consume_tokens(list(tokens)):
+            raise self._failed()
 
     def _rollback(self, num_tokens: int) -> None:
-        ok = self._m.rollback(num_tokens)
-        assert ok, self._m.get_error()
+        if not self._m.rollback(num_tokens):
+            raise self._failed()
+
+    def _failed(self) -> GrammarFailed:
+        """The matcher's error, its first line (the rest is llguidance's state and grammar)."""
+        return GrammarFailed(self._m.get_error().strip().split("\n", 1)[0])
 
     def _is_accepting(self) -> bool:
         return self._m.is_accepting()
@@ -151,8 +156,9 @@ class LLGuidanceConstraint(Constraint):
             if error.startswith("NoExtension"):
                 out.zero_()  # a dead end: no token can follow (compile rejects such grammars)
                 return
-            # a parser resource limit, not the user's fault
-            raise RuntimeError(f"llguidance could not compute the mask: {error}")
+            # a parser resource limit
+            raise GrammarFailed(f"llguidance could not compute the mask: "
+                                f"{error.strip().split(chr(10), 1)[0]}")
 
     def _copy(self) -> LLGuidanceConstraint:
         # Walks ahead (drafts, masks along them, forced-token checks) run on a copy of the
