@@ -737,6 +737,16 @@ def test_apply_bitmask_masks_exactly_the_disallowed_tokens():
             "#/$defs/node/properties/kids/items",
             "no finite JSON value",
         ),
+        (  # required by an allOf of the same object
+            {"type": "object", "properties": {"b": {"$ref": "#"}}, "allOf": [{"required": ["b"]}]},
+            "#/properties/b",
+            "no finite JSON value",
+        ),
+        (  # a property that minProperties asks for, and every property recurses
+            {"type": "object", "additionalProperties": {"$ref": "#"}, "minProperties": 1},
+            "#/additionalProperties",
+            "no finite JSON value",
+        ),
     ],
 )
 def test_bad_schemas_name_the_field(tok, schema, where, what):
@@ -759,6 +769,23 @@ def test_recursive_schemas_that_can_end_compile(tok, closers):
     grammar = compile_grammar(json_schema(tree), tok)
     text = decoded(tok, random_output(grammar.new_constraint(), closers, random.Random(0)))
     jsonschema.validate(json.loads(text), tree)
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [  # required keys that a pattern, or another branch of the object, lets finish
+        {"type": "object", "patternProperties": {"^x": {"type": "integer"}}, "required": ["xa"],
+         "additionalProperties": False},
+        {"type": "object", "properties": {"b": {"type": "integer"}}, "minProperties": 1,
+         "required": ["b"]},
+        {"type": "object", "properties": {"n": {"$ref": "#"}, "v": {"type": "integer"}},
+         "allOf": [{"required": ["v"]}]},
+    ],
+)
+def test_schemas_whose_required_values_can_finish_compile(tok, closers, schema):
+    grammar = compile_grammar(json_schema(schema), tok)
+    text = decoded(tok, random_output(grammar.new_constraint(), closers, random.Random(0)))
+    jsonschema.validate(json.loads(text), schema)
 
 
 def test_schema_files_name_the_file_and_line(tok, tmp_path: Path):

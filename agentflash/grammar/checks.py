@@ -132,26 +132,47 @@ class _Productivity:
             subs = node.get(key)
             if subs and not any(self.finite(s) for s in subs):
                 yield [key, 0], subs[0]
-        types = node.get("type")
+        parts = list(_all_of_parts(node, []))  # the node and what its allOf adds to it
+        types = next((p["type"] for _, p in parts if "type" in p), None)
         types = [types] if isinstance(types, str) else types
-        if types is None or set(types) - {"object", "array"}:
+        if not isinstance(types, list) or set(types) - {"object", "array"}:
             return
         options = []
         if "object" in types:
-            options.append(list(self._object_blockers(node)))
+            options.append(list(self._object_blockers(parts)))
         if "array" in types:
             options.append(list(self._array_blockers(node)))
         if options and all(options):  # no listed type admits a finite instance
             yield from options[0]
 
-    def _object_blockers(self, node: dict) -> Iterator[tuple[list[str | int], Any]]:
-        props = node.get("properties", {})
-        for name in node.get("required", []):
-            if name in props:
-                if not self.finite(props[name]):
-                    yield ["properties", name], props[name]
-            elif not self.finite(node.get("additionalProperties", True)):
-                yield ["additionalProperties"], node["additionalProperties"]
+    def _object_blockers(self, parts: list[tuple[list[str | int], dict]]
+                         ) -> Iterator[tuple[list[str | int], Any]]:
+        """What keeps an object of ``parts`` (a node and its allOf subschemas, all of which it
+        must satisfy) from a finite instance: a required property, or the properties that
+        ``minProperties`` asks for beyond the required ones, that no finite value can fill."""
+        required = list(dict.fromkeys(n for _, p in parts for n in p.get("required", [])
+                                      if isinstance(n, str)))
+        for name in required:
+            for path, sub in _property_schemas(parts, name):
+                if not self.finite(sub):
+                    yield path, sub
+                    break
+        wanted = max([p.get("minProperties", 0) for _, p in parts
+                      if isinstance(p.get("minProperties", 0), int)] or [0])
+        if wanted <= len(required):
+            return
+        listed = {n for _, p in parts for n in p.get("properties", {}) if n not in required}
+        fillable = [n for n in listed
+                    if all(self.finite(sub) for _, sub in _property_schemas(parts, n))]
+        if len(required) + len(fillable) >= wanted:
+            return
+        for path, part in parts:  # other names: each part's patterns or additionalProperties
+            others = [(path + ["patternProperties", k], v)
+                      for k, v in part.get("patternProperties", {}).items()]
+            others.append((path + ["additionalProperties"], part.get("additionalProperties", True)))
+            if not any(self.finite(sub) for _, sub in others):
+                yield others[-1]
+                return
 
     def _array_blockers(self, node: dict) -> Iterator[tuple[list[str | int], Any]]:
         prefix = node.get("prefixItems", [])
@@ -162,6 +183,41 @@ class _Productivity:
             elif not self.finite(node.get("items", True)):
                 yield ["items"], node["items"]
                 return
+
+
+def _all_of_parts(node: dict, path: list[str | int]
+                  ) -> Iterator[tuple[list[str | int], dict]]:
+    """``node`` and, depth first, the object subschemas of its ``allOf``, with their paths."""
+    yield path, node
+    for i, sub in enumerate(node.get("allOf", [])):
+        if isinstance(sub, dict):
+            yield from _all_of_parts(sub, path + ["allOf", i])
+
+
+def _property_schemas(parts: list[tuple[list[str | int], dict]], name: str
+                      ) -> Iterator[tuple[list[str | int], Any]]:
+    """Each schema a property ``name`` must match, one per part: its entry in ``properties``,
+    else those of the ``patternProperties`` that match it, else ``additionalProperties``."""
+    for path, part in parts:
+        props = part.get("properties", {})
+        if name in props:
+            yield path + ["properties", name], props[name]
+            continue
+        matched = [(path + ["patternProperties", k], v)
+                   for k, v in part.get("patternProperties", {}).items() if _matches(k, name)]
+        if matched:
+            yield from matched
+        elif "additionalProperties" in part:
+            yield path + ["additionalProperties"], part["additionalProperties"]
+
+
+def _matches(pattern: str, name: str) -> bool:
+    """Whether a ``patternProperties`` pattern matches ``name`` (a pattern Python cannot read
+    is taken to match: this check must never refuse a schema that can finish)."""
+    try:
+        return re.search(pattern, name) is not None
+    except re.error:
+        return True
 
 
 def _local_refs(node: Any) -> Iterator[str]:
