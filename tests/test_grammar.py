@@ -806,6 +806,8 @@ def test_schema_files_name_the_file_and_line(tok, tmp_path: Path):
         (lambda: lark('start: "a" b\nb: "x" b'), "can never finish: rule 'start'"),
         (lambda: lark('start: item+\nitem: "(" item ")"'), "can never finish"),
         (lambda: lark("start: foo"), "unknown name"),
+        (lambda: ebnf('root ::= item\nitem ::= "a" item\n'), "rule 'root' has no finite"),
+        (lambda: lark('start: "hi" <|im_end|>'), "writes the end token <|im_end|>: leave it out"),
         (lambda: lark("start: /[/"), "unclosed character class"),
         (lambda: regex("a[b"), "invalid regex"),
         (lambda: regex("[a&&b]"), "no output matches"),

@@ -181,4 +181,18 @@ class LLGuidanceConstraint(Constraint):
 def compile_source(
     source: GrammarSource, tokenizer: llguidance.LLTokenizer, info: TokenizerInfo
 ) -> LLGuidanceGrammar:
+    if source.kind is GrammarKind.LARK:
+        _check_no_end_token(source, info)
     return LLGuidanceGrammar(source, tokenizer, info.vocab_size, info.eos_token_id)
+
+
+def _check_no_end_token(source: GrammarSource, info: TokenizerInfo) -> None:
+    """The end token is the engine's to place (wherever the grammar is complete): a grammar that
+    writes it itself could never be complete after it, and every request would get stuck."""
+    eos = info.eos_token_id
+    convert = getattr(info.tokenizer, "convert_ids_to_tokens", None)
+    name = convert(eos) if convert is not None else None
+    for spelling in (name, f"<[{eos}]>"):
+        if spelling and spelling in source.text:
+            raise GrammarError(f"{source.origin}: the grammar writes the end token {spelling}: "
+                               f"leave it out (the reply ends wherever the grammar is complete)")

@@ -192,4 +192,7 @@ def ebnf(text: str, *, origin: str = "grammar") -> GrammarSource:
         converted = any_to_lark(text)
     except Exception as err:  # the converter raises its own error types and plain exceptions
         raise GrammarError(f"{origin}: cannot read the EBNF grammar: {err}") from None
-    return lark(converted, origin=origin)
+    try:
+        return lark(converted, origin=origin)
+    except GrammarError as err:  # the conversion renamed root to start: name the user's rule
+        raise GrammarError(str(err).replace("rule 'start'", "rule 'root'")) from None
