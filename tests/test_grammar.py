@@ -737,6 +737,18 @@ def test_apply_bitmask_masks_exactly_the_disallowed_tokens():
             "#/$defs/node/properties/kids/items",
             "no finite JSON value",
         ),
+        (  # an optional property no value can fill is a mistake, not a field to drop
+            {"type": "object", "properties": {"x": {"type": "integer", "minimum": 1.2,
+                                                    "exclusiveMaximum": 2}}},
+            "#/properties/x",
+            "no integer lies between minimum (1.2) and exclusiveMaximum (2)",
+        ),
+        (
+            {"type": "object", "properties": {"x": {"type": ["integer", "null"],
+                                                    "enum": ["a", 1.5]}}},
+            "#/properties/x",
+            "no value of enum is of type integer or null",
+        ),
         (  # required by an allOf of the same object
             {"type": "object", "properties": {"b": {"$ref": "#"}}, "allOf": [{"required": ["b"]}]},
             "#/properties/b",

@@ -9,6 +9,7 @@ would run until ``max_tokens``. Both are caught here, naming the field or rule.
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -76,6 +77,58 @@ def _contradictory_bounds(schema: Any) -> tuple[str, str] | None:
             strict = low_key.startswith("exclusive") or high_key.startswith("exclusive")
             if low > high or (strict and low == high):
                 return pointer(path), f"{low_key} ({low}) leaves no value under {high_key} ({high})"
+        found = _no_integer_between(node) or _no_value_of_type(node)
+        if found:
+            return pointer(path), found
+    return None
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _no_integer_between(node: dict) -> str | None:
+    """Why an integer schema's bounds, each consistent, hold no integer (1.2 to 1.8)."""
+    if node.get("type") != "integer":
+        return None
+    bounds = {k: v for k in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum")
+              if _is_number(v := node.get(k))}
+    # the least and the greatest integer each bound allows, with the bound
+    lows = [(math.ceil(v) if k == "minimum" else math.floor(v) + 1, k, v)
+            for k, v in bounds.items() if k.endswith("inimum")]
+    highs = [(math.floor(v) if k == "maximum" else math.ceil(v) - 1, k, v)
+             for k, v in bounds.items() if k.endswith("aximum")]
+    if not lows or not highs:
+        return None
+    low, high = max(lows), min(highs)
+    if low[0] > high[0]:
+        return f"no integer lies between {low[1]} ({low[2]}) and {high[1]} ({high[2]})"
+    return None
+
+
+_JSON_TYPES: dict[str, Callable[[Any], bool]] = {
+    "null": lambda v: v is None,
+    "boolean": lambda v: isinstance(v, bool),
+    "integer": lambda v: _is_number(v) and float(v).is_integer(),
+    "number": _is_number,
+    "string": lambda v: isinstance(v, str),
+    "array": lambda v: isinstance(v, list),
+    "object": lambda v: isinstance(v, dict),
+}
+
+
+def _no_value_of_type(node: dict) -> str | None:
+    """Why an ``enum`` or ``const`` holds no value of the node's ``type``."""
+    types = node.get("type")
+    types = [types] if isinstance(types, str) else types
+    if not isinstance(types, list) or not all(t in _JSON_TYPES for t in types):
+        return None
+    for key, values in (("enum", node.get("enum")), ("const", [node["const"]]
+                                                      if "const" in node else None)):
+        if isinstance(values, list) and values and not any(
+            _JSON_TYPES[t](v) for v in values for t in types
+        ):
+            return f"no value of {key} is of type {' or '.join(types)}"
     return None
 
 
