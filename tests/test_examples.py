@@ -212,3 +212,20 @@ def test_live_view_marks_the_failed_step_and_the_cancelled_ones_apart():
         "failed", "agent 'looper' reached max_turns")
     assert (view.rows["other"].status, view.rows["other"].writing) == ("cancelled", "")
     assert view.rows["later"].status == "waiting"  # never started
+
+
+def test_live_view_wraps_a_long_failure_instead_of_squeezing_the_columns():
+    from rich.console import Console
+
+    from agentflash.runtime.errors import StepFailed
+    from agentflash.runtime.live_view import WorkflowView
+
+    view = WorkflowView(load_workflow(EXAMPLES / "travel.yaml"))
+    view.rows["weather"].status = "running"
+    reason = "cannot reach http://127.0.0.1:9/v1/chat/completions after 5 attempts: refused"
+    view.fail(StepFailed("weather", "forecaster", RuntimeError(reason)))
+    console = Console(width=80, record=True)
+    console.print(view)
+    lines = console.export_text().splitlines()
+    assert max(map(len, lines)) <= 80
+    assert any(line.startswith("│ weather │ forecaster │ failed ") for line in lines), lines

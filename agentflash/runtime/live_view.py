@@ -92,9 +92,11 @@ class WorkflowView:
         from rich.table import Table
 
         table = Table(title=f"workflow {self.name}", title_justify="left")
-        for column in ("step", "agent", "status", "tool calls", "tokens", "tok/s", "writing"):
-            table.add_column(column, no_wrap=column != "tool calls",
+        for column in ("step", "agent", "status", "tool calls", "tokens", "tok/s"):
+            table.add_column(column, no_wrap=column != "tool calls", min_width=len(column),
                              justify="right" if column in ("tokens", "tok/s") else "left")
+        # what a step writes (or why it failed) wraps: it must not squeeze the columns before it
+        table.add_column("writing", ratio=1)
         for step_id, row in self.rows.items():
             table.add_row(step_id, row.agent, row.status, ", ".join(row.tools) or "-",
                           str(row.new_tokens), row.tokens_per_s, row.writing)
