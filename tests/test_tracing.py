@@ -112,3 +112,24 @@ def test_speculation_figures_of_the_segments_reach_the_spans():
     assert gen.attributes["agentflash.tau"] == 5.2
     timeline = tracer.timeline()
     assert "mode=auto" in timeline and "drafted=40 accepted=25 forced=9" in timeline
+
+
+def test_workflow_steps_and_handoffs_have_their_own_marks_in_the_trace():
+    from pathlib import Path
+
+    from agentflash.backends.scripted import tool_call_text
+    from agentflash.runtime import load_workflow
+
+    path = Path(__file__).resolve().parent.parent / "examples" / "handoff.yaml"
+    wf = load_workflow(path)
+    script = [ScriptedTurn(tool_call_text("transfer_to_forecaster", {"reason": "weather"})),
+              "Sunny."]
+    result = anyio.run(lambda: wf.run({"city": "Lima"}, backend=ScriptedBackend(script)))
+    spans = result.tracer.spans
+    (step,) = [s for s in spans if "agentflash.step.id" in s.attributes]
+    assert step.name == f"step {step.attributes['agentflash.step.id']}"
+    assert step.parent is spans[0] and spans[0].name == f"invoke_workflow {wf.name}"
+    run = next(s for s in spans if s.parent is step)
+    assert run.kind is SpanKind.RUN and run.name.startswith("run ")
+    turns = [s for s in spans if s.kind is SpanKind.TURN]
+    assert [t.attributes.get("agentflash.handoff.to") for t in turns] == ["forecaster", None]

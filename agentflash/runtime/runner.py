@@ -184,7 +184,10 @@ class _Loop:
                     start_tool = partial(tools_running.start_soon, self.call_tool)
                     await self.generate(request, turn, span, number, tools,
                                         lambda t, call: start_tool(t, call, turn, span))
-            return self.end_turn(request, turn, tools, handoffs)
+            end = self.end_turn(request, turn, tools, handoffs)
+            if isinstance(end, HandoffTo):  # the turn that handed the conversation over
+                span.attributes["agentflash.handoff.to"] = end.target.name
+            return end
 
     async def generate(self, request: ModelRequest, turn: _Turn, span: Span, number: int,
                        tools: dict[str, Tool], dispatch: Any) -> None:

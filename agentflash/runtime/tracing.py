@@ -117,7 +117,8 @@ _SHOWN = {"agentflash.mode": "mode", "gen_ai.usage.output_tokens": "tokens",
           "agentflash.tau": "tau", "agentflash.tokens_per_s": "tok/s",
           "agentflash.tokens.drafted": "drafted", "agentflash.tokens.accepted": "accepted",
           "agentflash.tokens.forced": "forced",
-          "agentflash.finish_reason": "finish", "agentflash.tool.is_error": "error"}
+          "agentflash.finish_reason": "finish", "agentflash.tool.is_error": "error",
+          "agentflash.handoff.to": "handoff"}
 
 
 def _figures(span: Span) -> str:

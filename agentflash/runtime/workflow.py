@@ -230,10 +230,12 @@ class _WorkflowRun:
         agent = self.wf.agents[step.agent]
         text = self.render(("steps", step.index, "input"), step.input, render_text)
         self.emit(StepStarted(step.id, agent.name, text))
-        async with Runner.run_streamed(agent, text, backend=self.backend, tracer=self.tracer,
-                                       trace_parent=span) as run:
-            async for event in run:
-                self.emit(StepEvent(step.id, event))
+        attrs = {"agentflash.step.id": step.id, "gen_ai.agent.name": agent.name}
+        with self.tracer.span(SpanKind.RUN, f"step {step.id}", span, attrs) as step_span:
+            async with Runner.run_streamed(agent, text, backend=self.backend, tracer=self.tracer,
+                                           trace_parent=step_span) as run:
+                async for event in run:
+                    self.emit(StepEvent(step.id, event))
         result = run.result
         step_result = StepResult(_jsonable(result.final_output), result.last_agent,
                                  result.tool_calls, result.stats())
