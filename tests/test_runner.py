@@ -256,6 +256,21 @@ def test_max_turns_counts_the_turns_of_the_agent_that_holds_the_conversation():
     assert len(backend.requests) == 2  # the triage's turn and the forecaster's one
 
 
+def test_handoffs_that_go_round_in_a_cycle_end_at_max_turns():
+    b = Agent("b", max_turns=3)
+    a = Agent("a", handoffs=[b], tool_choice=ForceTool("transfer_to_b"), max_turns=2)
+    b.handoffs.append(a)
+
+    def hand_over(request):  # each agent hands the conversation to the other, forever
+        name = request.tools[0]["function"]["name"]
+        return ScriptedTurn(tool_call_text(name, {"reason": "yours"}))
+
+    backend = ScriptedBackend(hand_over)
+    with pytest.raises(MaxTurnsExceeded, match=r"agent 'a' reached max_turns \(2\)"):
+        Runner.run_sync(a, "hi", backend=backend)
+    assert len(backend.requests) == 4  # a, b, a, b: a's third turn is over its two
+
+
 def test_tool_choice_is_checked_and_resets_after_a_call():
     agent = Agent("a", tools=[get_weather], tool_choice="required")
     result, _, backend = run(agent, [ScriptedTurn.calls(("get_weather", {"city": "Oslo"})), "ok"])

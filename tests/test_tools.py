@@ -156,6 +156,38 @@ def test_sync_and_async_tools_errors_and_timeouts():
     assert late_sync.is_error and "blocking timed out" in late_sync.output
     assert failed.is_error and "ValueError: cannot handle 3" in failed.output
     assert sleepy.name == "blocking" and sleepy(0) == "done"  # still callable directly
+    assert [o.error_type for o in (fast, late, late_sync, failed, unwritable)] == [
+        None, "timeout", "timeout", "ValueError", "unserializable_result"]
+
+
+def test_sync_tools_see_the_callers_context_and_wrapped_async_tools_are_awaited():
+    import contextvars
+
+    user = contextvars.ContextVar("user", default="<unset>")
+
+    @tool
+    def whoami() -> str:
+        return user.get()
+
+    def plain_wrapper(fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            return fn(*args, **kwargs)
+        return wrapper
+
+    @tool
+    @plain_wrapper
+    async def doubled(n: int) -> int:
+        await anyio.sleep(0)
+        return 2 * n
+
+    async def main():
+        user.set("alice")
+        return await run_tool(whoami, {}), await run_tool(doubled, {"n": 21})
+
+    seen, twice = anyio.run(main)
+    assert (seen.output, seen.is_error) == ("alice", False)
+    assert (twice.output, twice.is_error) == ("42", False)
 
 
 def test_a_sync_tool_past_its_timeout_holds_neither_the_run_nor_the_exit():

@@ -83,7 +83,40 @@ def test_opentelemetry_export_follows_the_genai_conventions():
     assert tool_span.parent.span_id == first_turn.context.span_id
     assert first_turn.parent.span_id == spans["run forecaster"].context.span_id
     assert spans["execute_tool broken"].status.status_code.name == "ERROR"
+    assert spans["execute_tool broken"].attributes["error.type"] == "RuntimeError"
     assert tool_span.end_time - tool_span.start_time >= 50_000_000  # ns
+
+
+def test_spans_a_tool_opens_nest_under_its_execute_tool_span():
+    pytest.importorskip("opentelemetry.sdk")
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from agentflash.runtime.tracing import OtelSink
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    app = provider.get_tracer("app")
+
+    @tool
+    def query(q: str) -> str:  # sync: runs in a thread of its own
+        with app.start_as_current_span("db query"):
+            return "rows"
+
+    @tool
+    async def fetch(url: str) -> str:
+        with app.start_as_current_span("http get"):
+            return "page"
+
+    agent = Agent("a", tools=[query, fetch])
+    script = [ScriptedTurn.calls(("query", {"q": "x"}), ("fetch", {"url": "y"})), "done"]
+    Runner.run_sync(agent, "go", backend=ScriptedBackend(script),
+                    tracer=Tracer(sinks=[OtelSink(provider)]))
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    for inner, outer in (("db query", "execute_tool query"), ("http get", "execute_tool fetch")):
+        assert spans[inner].parent.span_id == spans[outer].context.span_id
 
 
 def test_default_sinks_follow_what_is_importable():

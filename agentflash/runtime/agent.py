@@ -167,8 +167,8 @@ class Agent:
     """Speculation, block size, temperature, max_tokens per turn and seed."""
 
     max_turns: int = 10
-    """The run stops with ``MaxTurnsExceeded`` once it has taken more model turns than this,
-    while this agent holds the conversation."""
+    """The run stops with ``MaxTurnsExceeded`` once this agent has taken more model turns than
+    this in the run (its turns whenever it held the conversation: handoffs in a cycle end)."""
 
     input_guardrails: list[Guardrail | GuardrailCheck] = field(default_factory=list)
     """Checks on the run's input, before the first turn (when this agent starts the run)."""

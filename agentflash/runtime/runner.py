@@ -137,10 +137,12 @@ class _Loop:
         with self.tracer.span(SpanKind.RUN, f"run {self.agent.name}", self.trace_parent,
                               attrs) as span:
             await _guard("input", self.agent.input_guardrails, self.input)
-            held = 0  # turns of the agent that holds the conversation (its max_turns counts them)
+            # each agent's turns in this run, whenever it held the conversation: its max_turns
+            # bounds them, so handoffs that go round in a cycle end too
+            held: dict[int, int] = {}
             for turn in itertools.count(1):
-                held += 1
-                if held > self.agent.max_turns:
+                held[id(self.agent)] = held.get(id(self.agent), 0) + 1
+                if held[id(self.agent)] > self.agent.max_turns:
                     raise MaxTurnsExceeded(f"agent {self.agent.name!r} reached max_turns "
                                            f"({self.agent.max_turns}) without a final output")
                 end = await self.turn(turn, span)
@@ -148,7 +150,7 @@ class _Loop:
                     self.called_tools = True
                 elif isinstance(end, HandoffTo):
                     self.emit(ev.HandoffOccurred(self.agent.name, end.target.name, end.reason))
-                    self.agent, self.called_tools, held = end.target, False, 0
+                    self.agent, self.called_tools = end.target, False
                 elif isinstance(end, Final):
                     await _guard("output", self.agent.output_guardrails, end.output)
                     self.emit(ev.FinalOutput(self.agent.name, end.output))
@@ -232,8 +234,8 @@ class _Loop:
         with self.tracer.span(SpanKind.TOOL, f"execute_tool {call.name}", span, attrs) as tool_span:
             outcome = await run_tool(t, call.arguments)
             tool_span.attributes["agentflash.tool.is_error"] = outcome.is_error
-            if outcome.is_error:
-                tool_span.error = outcome.output
+            if outcome.is_error:  # "type: message", as a span that raised says it
+                tool_span.error = f"{outcome.error_type or 'tool_error'}: {outcome.output}"
         turn.outcomes[call.id] = outcome
         self.emit(ev.ToolResult(agent, call.id, call.name, call.arguments, outcome.output,
                                 outcome.is_error, outcome.duration_s))

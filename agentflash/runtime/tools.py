@@ -7,6 +7,7 @@ runs before every call cannot disagree.
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import inspect
 import json
@@ -176,7 +177,10 @@ class FunctionTool:
         args = [values.pop(name) for name in self.positional]
         if inspect.iscoroutinefunction(self.fn):
             return await self.fn(*args, **values)
-        return await _in_daemon_thread(functools.partial(self.fn, *args, **values))
+        result = await _in_daemon_thread(functools.partial(self.fn, *args, **values))
+        if inspect.isawaitable(result):  # an async function behind a plain wrapper
+            result = await result
+        return result
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Call the underlying function directly (no validation)."""
@@ -186,14 +190,16 @@ class FunctionTool:
 async def _in_daemon_thread(fn: Callable[[], Any]) -> Any:
     """``fn()`` in a daemon thread of its own. A call that outlives its timeout (or its run, or a
     Ctrl-C) keeps running there until it returns, but holds neither the run nor the process's
-    exit: a worker thread of anyio's pool would be joined when the interpreter exits."""
+    exit: a worker thread of anyio's pool would be joined when the interpreter exits. It sees
+    the caller's context variables (and so its current trace span), as an async tool would."""
     token = anyio.lowlevel.current_token()
+    context = contextvars.copy_context()
     done = anyio.Event()
     outcome: list[tuple[bool, Any]] = []
 
     def target() -> None:
         try:
-            outcome.append((True, fn()))
+            outcome.append((True, context.run(fn)))
         except BaseException as err:  # re-raised in the caller
             outcome.append((False, err))
         try:
@@ -368,25 +374,28 @@ class ToolOutcome:
     output: str
     is_error: bool
     duration_s: float
+    error_type: str | None = None  # the exception's type, or timeout, invalid_arguments...
 
 
 async def run_tool(t: Tool, arguments: dict[str, Any]) -> ToolOutcome:
     """Call ``t``; an exception or a timeout becomes an error result for the model."""
     started = anyio.current_time()
+
+    def failed(message: str, error_type: str) -> ToolOutcome:
+        return ToolOutcome(error_result(message), True, anyio.current_time() - started,
+                           error_type)
+
     try:
         with anyio.move_on_after(t.timeout_s) as scope:
             value = await t.call(arguments)
         if scope.cancelled_caught:
-            return ToolOutcome(error_result(f"{t.name} timed out after {t.timeout_s:g} s"), True,
-                               anyio.current_time() - started)
+            return failed(f"{t.name} timed out after {t.timeout_s:g} s", "timeout")
     except ToolArgumentsError as err:
-        return ToolOutcome(error_result(str(err)), True, anyio.current_time() - started)
+        return failed(str(err), "invalid_arguments")
     except Exception as err:  # the tool's own failure is the model's to handle
-        return ToolOutcome(error_result(f"{type(err).__name__}: {err}"), True,
-                           anyio.current_time() - started)
+        return failed(f"{type(err).__name__}: {err}", type(err).__name__)
     try:
         return ToolOutcome(format_result(value), False, anyio.current_time() - started)
     except Exception as err:  # bytes that are not UTF-8, a list that holds itself, a bad __str__
-        return ToolOutcome(error_result(f"{t.name} returned a value that cannot be written as "
-                                        f"JSON: {type(err).__name__}: {err}"), True,
-                           anyio.current_time() - started)
+        return failed(f"{t.name} returned a value that cannot be written as JSON: "
+                      f"{type(err).__name__}: {err}", "unserializable_result")

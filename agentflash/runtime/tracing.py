@@ -148,22 +148,26 @@ class OtelSink:
     """Mirrors spans into OpenTelemetry as they start and end (imported lazily)."""
 
     def __init__(self, tracer_provider: Any = None):
-        from opentelemetry import trace
+        from opentelemetry import context, trace
 
-        self._trace = trace
+        self._trace, self._context = trace, context
         self._tracer = trace.get_tracer("agentflash", tracer_provider=tracer_provider)
         self._live: dict[int, Any] = {}
 
     def on_start(self, span: Span) -> None:
-        parent = self._live.get(span.parent.id) if span.parent else None
+        parent = self._live.get(span.parent.id, (None,))[0] if span.parent else None
         context = self._trace.set_span_in_context(parent) if parent is not None else None
         kind = (self._trace.SpanKind.CLIENT if span.kind is SpanKind.GENERATION
                 else self._trace.SpanKind.INTERNAL)
-        self._live[span.id] = self._tracer.start_span(span.name, context=context, kind=kind,
-                                                      start_time=span.start_ns)
+        otel = self._tracer.start_span(span.name, context=context, kind=kind,
+                                       start_time=span.start_ns)
+        # current while it runs: spans a tool (or the application) opens inside it nest there
+        token = self._context.attach(self._trace.set_span_in_context(otel))
+        self._live[span.id] = (otel, token)
 
     def on_end(self, span: Span) -> None:
-        otel = self._live.pop(span.id)
+        otel, token = self._live.pop(span.id)
+        self._context.detach(token)
         for key, value in span.attributes.items():
             if value is not None:
                 otel.set_attribute(key, _otel_value(value))
