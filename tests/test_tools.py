@@ -244,6 +244,48 @@ def test_bad_tool_definitions_are_user_errors():
     with pytest.raises(UserError, match="timeout_s must be a positive number, got True"):
         tool(timeout_s=True)(star)
 
+    def configured(model_config: int) -> int:  # pydantic would read it as its settings
+        return model_config
+
+    with pytest.raises(UserError, match="parameter 'model_config' is a name pydantic keeps"):
+        tool(configured)
+
+
+def test_field_defaults_partials_and_callable_objects_make_tools():
+    from pydantic import Field
+
+    def weather(city: str, days: int = Field(1, ge=1, description="Days ahead."),
+                unit: str = "c") -> str:
+        """Weather.
+
+        Args:
+            city: The city.
+        """
+        return f"{city} {days} {unit}"
+
+    class Lookup:
+        def __call__(self, key: str, json: bool = False) -> str:  # json: a name BaseModel has
+            """Look up a key."""
+            return key.upper()
+
+    fahrenheit = tool(name="weather_f")(functools.partial(weather, unit="f"))
+    days = fahrenheit.parameters["properties"]["days"]
+    assert days == {"type": "integer", "description": "Days ahead.", "default": 1, "minimum": 1}
+    assert fahrenheit.description == "Weather."
+    assert fahrenheit.parameters["properties"]["unit"]["default"] == "f"
+    lookup = tool(name="lookup")(Lookup())
+    assert lookup.description == "Look up a key." and lookup.parameters["required"] == ["key"]
+
+    async def main():
+        return [await run_tool(fahrenheit, {"city": "Oslo"}),
+                await run_tool(fahrenheit, {"city": "Oslo", "days": 0}),
+                await run_tool(lookup, {"key": "a", "json": True})]
+
+    default, too_few, called = anyio.run(main)
+    assert (default.output, default.is_error) == ("Oslo 1 f", False)
+    assert too_few.error_type == "invalid_arguments" and "days" in too_few.output
+    assert (called.output, called.is_error) == ("A", False)
+
 
 # --- HTTP tools against a real server on loopback -----------------------------------------------
 

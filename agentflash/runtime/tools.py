@@ -8,12 +8,14 @@ runs before every call cannot disagree.
 from __future__ import annotations
 
 import contextvars
+import copy
 import functools
 import inspect
 import json
 import re
 import threading
 import typing
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, overload
@@ -24,6 +26,7 @@ import anyio.from_thread
 import anyio.lowlevel
 import pydantic
 import pydantic_core
+from pydantic.fields import FieldInfo
 
 from agentflash.errors import UserError, is_number
 
@@ -233,9 +236,16 @@ def function_tool(fn: Callable[..., Any], *, name: str | None = None,
         raise UserError(f"{where}: has no __name__; give the tool one (tool(name=...))")
     name = _check_name(name or fn.__name__, where)
     _check_timeout(timeout_s, where)
-    summary, param_docs = parse_docstring(inspect.getdoc(fn))
+    # where the hints and the docstring are: a partial's function, a callable object's __call__
+    source = fn
+    while isinstance(source, functools.partial):
+        source = source.func
+    if not (inspect.isfunction(source) or inspect.ismethod(source)) and not isinstance(
+            source, type):
+        source = getattr(type(source), "__call__", source)
+    summary, param_docs = parse_docstring(inspect.getdoc(source))
     try:
-        hints = typing.get_type_hints(fn, include_extras=True)
+        hints = typing.get_type_hints(source, include_extras=True)
     except Exception as err:  # unresolvable forward references and the like
         raise UserError(f"{where}: cannot read the type hints: {err}") from None
     fields: dict[str, Any] = {}
@@ -247,14 +257,25 @@ def function_tool(fn: Callable[..., Any], *, name: str | None = None,
         if param.name not in hints:
             raise UserError(f"{where}: parameter {param.name!r} has no type hint (the tool's "
                             f"schema is made from the hints)")
+        if param.name == "model_config":  # pydantic reads it as the model's settings
+            raise UserError(f"{where}: parameter 'model_config' is a name pydantic keeps for "
+                            f"itself; rename it")
         if param.kind is param.POSITIONAL_ONLY:
             positional.append(param.name)
-        default = ... if param.default is param.empty else param.default
-        fields[param.name] = (hints[param.name],
-                              pydantic.Field(default, description=param_docs.get(param.name)))
+        doc = param_docs.get(param.name)
+        if isinstance(param.default, FieldInfo):  # x: int = Field(3, ge=0): the field itself
+            info = copy.copy(param.default)
+            info.description = info.description or doc
+        else:
+            default = ... if param.default is param.empty else param.default
+            info = pydantic.Field(default, description=doc)
+        fields[param.name] = (hints[param.name], info)
     try:
-        model = pydantic.create_model(f"{name}_arguments",
-                                      __config__=pydantic.ConfigDict(extra="forbid"), **fields)
+        with warnings.catch_warnings():  # a parameter named json or copy is the tool's own
+            warnings.filterwarnings("ignore", message=".*shadows an attribute in parent")
+            model = pydantic.create_model(f"{name}_arguments",
+                                          __config__=pydantic.ConfigDict(extra="forbid"),
+                                          **fields)
         schema = strict_schema(model.model_json_schema())
     except (pydantic.PydanticUserError, pydantic.PydanticSchemaGenerationError, TypeError) as err:
         first = str(err).strip().splitlines()[0]  # pydantic adds paragraphs of advice after it
