@@ -240,9 +240,8 @@ def function_tool(fn: Callable[..., Any], *, name: str | None = None,
     source = fn
     while isinstance(source, functools.partial):
         source = source.func
-    if not (inspect.isfunction(source) or inspect.ismethod(source)) and not isinstance(
-            source, type):
-        source = getattr(type(source), "__call__", source)
+    if not (inspect.isroutine(source) or isinstance(source, type)):  # an object with __call__
+        source = type(source).__call__
     summary, param_docs = parse_docstring(inspect.getdoc(source))
     try:
         hints = typing.get_type_hints(source, include_extras=True)
