@@ -142,9 +142,13 @@ def test_tool_errors_timeouts_bad_calls_go_back_to_the_model():
     assert "RuntimeError: the service is down" in errors[1]
     assert "invalid arguments for explode: x:" in errors[2]
     assert "unknown tool 'nope' (tools: explode, hang)" in errors[3]
-    assert "malformed tool call: invalid JSON" in errors[4]
+    # what the model wrote goes back to it in the result, not as the call's arguments
+    assert errors[4].startswith("malformed tool call (invalid JSON")
+    assert errors[4].endswith('{"name": "explode", "arguments": {"x":')
     tool_messages = [m for m in backend.requests[1].messages if m["role"] == "tool"]
     assert [json.loads(m["content"])["error"] for m in tool_messages] == errors
+    # the conversation the run leaves is one a next run takes as its input
+    Runner.run_sync(agent, result.messages, backend=ScriptedBackend(["again"]))
     assert sum(isinstance(e, ToolResult) for e in events) == 5
     assert sum(isinstance(e, ToolStarted) for e in events) == 3  # only valid calls are started
 
@@ -269,6 +273,30 @@ def test_handoffs_that_go_round_in_a_cycle_end_at_max_turns():
     with pytest.raises(MaxTurnsExceeded, match=r"agent 'a' reached max_turns \(2\)"):
         Runner.run_sync(a, "hi", backend=backend)
     assert len(backend.requests) == 4  # a, b, a, b: a's third turn is over its two
+
+
+def test_a_required_call_is_made_only_by_a_call_that_reaches_a_tool():
+    agent = Agent("a", tools=[get_weather], tool_choice="required")
+    script = [ScriptedTurn('<tool_call>{"name": "get_weather", "arguments": {"ci'),  # cut
+              ScriptedTurn.calls(("get_weather", {"town": "Oslo"})),  # invalid arguments
+              ScriptedTurn.calls(("nope", {})),  # no such tool
+              ScriptedTurn.calls(("get_weather", {"city": "Oslo"})), "sunny"]
+    result, _, backend = run(agent, script)
+    assert result.final_output == "sunny" and result.finish_reason == "stop"
+    assert [r.tool_choice for r in backend.requests] == [ToolChoice.REQUIRED] * 4 + [
+        ToolChoice.AUTO]
+
+
+def test_an_answer_cut_by_max_tokens_says_so(tiny_model_dir):
+    from agentflash.backends.local import LocalBackend
+
+    async def main():
+        async with LocalBackend(str(tiny_model_dir), drafter="none") as backend:
+            agent = Agent("a", decoding=Decoding(max_tokens=3, temperature=0))
+            return await Runner.run(agent, "Tell me a long story.", backend=backend)
+
+    result = anyio.run(main)
+    assert result.finish_reason == "length" and result.stats()["new_tokens"] == 3
 
 
 def test_tool_choice_is_checked_and_resets_after_a_call():

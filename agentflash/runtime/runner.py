@@ -66,6 +66,12 @@ class RunResult:
     generations: list[ev.GenerationStats]
     tracer: Tracer
 
+    @property
+    def finish_reason(self) -> str:
+        """How the final answer's generation ended: ``stop``, or ``length`` where max_tokens
+        cut the answer (a text answer is then returned as it was cut)."""
+        return self.generations[-1].finish_reason if self.generations else "stop"
+
     def stats(self) -> dict[str, Any]:
         """Totals over the run's generations, and each generation's own stats."""
         gens = [g.stats for g in self.generations]
@@ -93,7 +99,11 @@ class RunResult:
 
 @dataclass(frozen=True)
 class ToolsRan:
-    """The model called tools; their results are in the conversation. Another turn follows."""
+    """The model called tools; their results are in the conversation. Another turn follows.
+    ``called``: a call reached a tool with valid arguments (what ``required`` or a forced tool
+    asks for; a malformed call, an unknown tool or invalid arguments leave the choice as it was)."""
+
+    called: bool = True
 
 
 @dataclass(frozen=True)
@@ -147,7 +157,7 @@ class _Loop:
                                            f"({self.agent.max_turns}) without a final output")
                 end = await self.turn(turn, span)
                 if isinstance(end, ToolsRan):
-                    self.called_tools = True
+                    self.called_tools = self.called_tools or end.called
                 elif isinstance(end, HandoffTo):
                     self.emit(ev.HandoffOccurred(self.agent.name, end.target.name, end.reason))
                     self.agent, self.called_tools = end.target, False
@@ -262,7 +272,10 @@ class _Loop:
         self.messages.append({"role": "assistant", "content": text,
                               "tool_calls": [_message_call(c) for c in turn.calls]})
         self.messages += results
-        return handoff if handoff is not None else ToolsRan()
+        called = any(isinstance(c, model.ToolCall) and c.name in tools
+                     and turn.outcomes[c.id].error_type != "invalid_arguments"
+                     for c in turn.calls)
+        return handoff if handoff is not None else ToolsRan(called)
 
     def call_result(self, call: model.ToolCall | model.MalformedToolCall, turn: _Turn,
                     tools: dict[str, Tool], handoffs: dict[str, Agent],
@@ -273,8 +286,9 @@ class _Loop:
             self._record(call.id, call.name, call.arguments, outcome.output, outcome.is_error,
                          outcome.duration_s)
             return outcome.output, outcome.is_error
-        if isinstance(call, model.MalformedToolCall):
-            output, is_error = error_result(f"malformed tool call: {call.error}"), True
+        if isinstance(call, model.MalformedToolCall):  # what it wrote is in the result
+            output = error_result(f"malformed tool call ({call.error}): {call.body}")
+            is_error = True
         elif call.name in handoffs:
             if handoff is None:
                 target = handoffs[call.name].name
@@ -343,9 +357,10 @@ def _call_args(call: model.ToolCall | model.MalformedToolCall) -> dict[str, Any]
 
 
 def _message_call(call: model.ToolCall | model.MalformedToolCall) -> dict[str, Any]:
-    """A call as an OpenAI assistant message lists it (arguments as JSON text; a malformed call
-    keeps the text the model wrote)."""
-    arguments = json.dumps(call.arguments) if isinstance(call, model.ToolCall) else call.body
+    """A call as an OpenAI assistant message lists it, arguments as JSON text: a malformed call
+    has none (the text it was is in its error result), so that the conversation is one that a
+    next run, a server or a chat template takes."""
+    arguments = json.dumps(call.arguments if isinstance(call, model.ToolCall) else {})
     return {"id": call.id, "type": "function",
             "function": {"name": _call_name(call), "arguments": arguments}}
 
