@@ -299,6 +299,26 @@ def test_an_answer_cut_by_max_tokens_says_so(tiny_model_dir):
     assert result.finish_reason == "length" and result.stats()["new_tokens"] == 3
 
 
+def test_an_agent_changed_after_it_was_built_is_checked_as_when_built():
+    class Answer(BaseModel):
+        city: str
+
+    agent = Agent("a")
+    agent.output_type = Answer
+    with pytest.raises(UserError, match="tool_choice is required but the agent has no tools"):
+        agent.tool_choice = "required"
+    assert agent.tool_choice is ToolChoice.AUTO  # a refused value is not kept
+    agent.tools.append(get_weather.fn)  # a plain function, as the constructor takes them
+    agent.tool_choice = "required"
+    script = [ScriptedTurn.calls(("get_weather", {"city": "Oslo"})), '{"city": "Oslo"}']
+    result, _, backend = run(agent, script)
+    assert result.final_output == Answer(city="Oslo")
+    assert backend.requests[0].tool_choice is ToolChoice.REQUIRED
+    assert backend.requests[0].tools[0]["function"]["name"] == "get_weather"
+    with pytest.raises(UserError, match="max_turns must be a positive integer"):
+        agent.max_turns = 0
+
+
 def test_tool_choice_is_checked_and_resets_after_a_call():
     agent = Agent("a", tools=[get_weather], tool_choice="required")
     result, _, backend = run(agent, [ScriptedTurn.calls(("get_weather", {"city": "Oslo"})), "ok"])
@@ -487,3 +507,43 @@ def test_a_conversation_continues_from_a_result_s_messages():
     assert backend.requests[0].messages[1:] == follow_up
     assert [m["role"] for m in second.messages] == ["user", "assistant", "tool", "assistant",
                                                     "user", "assistant"]
+
+
+def test_common_mistakes_with_the_runner_are_named():
+    import pydantic
+
+    from agentflash.backends.local import LocalBackend
+
+    agent = Agent("a")
+    with pytest.raises(UserError, match="backend must be a Backend .* got str"):
+        Runner.run_sync(agent, "hi", backend="demo")
+    with pytest.raises(UserError, match=r"got the class LocalBackend: make one \(LocalBackend"):
+        Runner.run_sync(agent, "hi", backend=LocalBackend)
+    with pytest.raises(UserError, match="tracer must be a Tracer, got str"):
+        Runner.run_sync(agent, "hi", backend=ScriptedBackend(["x"]), tracer="t")
+    with pytest.raises(UserError, match="output_type BaseModel: give a model of your own"):
+        Agent("b", output_type=pydantic.BaseModel)
+
+    async def inside_a_loop():
+        with pytest.raises(UserError, match=r"use await Runner.run\(\.\.\.\) there"):
+            Runner.run_sync(agent, "hi", backend=ScriptedBackend(["x"]))
+        with pytest.raises(UserError, match="run_streamed is a context manager: async with"):
+            async for _ in Runner.run_streamed(agent, "hi", backend=ScriptedBackend(["x"])):
+                pass
+        with pytest.raises(UserError, match="run_streamed is a context manager"):
+            await Runner.run_streamed(agent, "hi", backend=ScriptedBackend(["x"]))
+
+    anyio.run(inside_a_loop)
+
+
+def test_a_local_backend_opened_twice_says_so(tiny_model_dir):
+    from agentflash.backends.local import LocalBackend
+
+    async def main():
+        backend = LocalBackend(str(tiny_model_dir), drafter="none")
+        async with backend:
+            with pytest.raises(UserError, match="this LocalBackend is already open"):
+                async with backend:
+                    pass
+
+    anyio.run(main)

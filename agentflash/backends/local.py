@@ -288,7 +288,9 @@ class LocalBackend(Backend):
         from agentflash.engine.async_engine import AsyncEngine, run_in_own_thread
         from agentflash.engine.engine import Engine
 
-        assert self._aengine is None, "this LocalBackend is already open"
+        if self._aengine is not None:
+            raise UserError("this LocalBackend is already open: open it once "
+                            "(async with backend: ...) and hand it to every run")
         if self._engine is None:
 
             def build() -> Engine:  # here too: filling the KV cache starts an OpenMP team

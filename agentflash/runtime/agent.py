@@ -65,6 +65,9 @@ def output_spec(output_type: type | dict[str, Any] | None) -> OutputSpec | None:
     import pydantic
 
     name = getattr(output_type, "__name__", repr(output_type))
+    if output_type is pydantic.BaseModel:
+        raise UserError("output_type BaseModel: give a model of your own (class Answer(BaseModel): "
+                        "...), not pydantic's base class")
     try:
         adapter = pydantic.TypeAdapter(output_type)
         schema = strict_schema(adapter.json_schema())
@@ -132,6 +135,11 @@ def handoff_tool_spec(agent: Agent) -> dict[str, Any]:
     }}
 
 
+_CHECKED_FIELDS = frozenset({"name", "instructions", "tools", "handoffs", "output_type",
+                             "tool_choice", "decoding", "max_turns", "input_guardrails",
+                             "output_guardrails"})
+
+
 @dataclass
 class Agent:
     """A model with instructions, tools and handoffs. Checked when built; mistakes raise
@@ -177,6 +185,33 @@ class Agent:
     """Checks on the final output (when this agent gives it)."""
 
     def __post_init__(self) -> None:
+        self._check()
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # a field changed after the agent was built is checked as the constructor checks it;
+        # a value the check refuses is not kept
+        if name not in _CHECKED_FIELDS or not self.__dict__.get("_built") \
+                or self.__dict__.get("_checking"):
+            super().__setattr__(name, value)
+            return
+        before = dict(self.__dict__)
+        super().__setattr__(name, value)
+        try:
+            self._check()
+        except BaseException:
+            self.__dict__.clear()
+            self.__dict__.update(before)
+            raise
+
+    def _check(self) -> None:
+        self.__dict__["_checking"] = True
+        try:
+            self._check_fields()
+        finally:
+            self.__dict__["_checking"] = False
+        self.__dict__["_built"] = True
+
+    def _check_fields(self) -> None:
         if not isinstance(self.name, str) or not self.name.strip():
             raise UserError(f"Agent.name must be a non-empty string, got {self.name!r}")
         where = f"agent {self.name!r}"
@@ -233,6 +268,9 @@ class Agent:
 
     def turn_tools(self) -> tuple[dict[str, Tool], dict[str, Agent]]:
         """The tools and handoff targets of a turn, by the name the model calls them."""
+        if not all(isinstance(t, (FunctionTool, HttpTool)) for t in self.tools) or not all(
+                isinstance(g, Guardrail) for g in self.input_guardrails + self.output_guardrails):
+            self._check()  # a list added to since the agent was built: as the constructor does
         tools = {t.name: t for t in self.tools}
         handoffs: dict[str, Agent] = {}
         for target in self.handoffs:

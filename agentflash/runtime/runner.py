@@ -9,6 +9,7 @@ takes over), or the final output.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import math
@@ -525,29 +526,73 @@ class Runner:
     @staticmethod
     def run_sync(agent: Agent, input: str | list[dict[str, Any]], **options: Any) -> RunResult:
         """``Runner.run`` from synchronous code."""
-        return anyio.run(partial(Runner.run, agent, input, **options))
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # none: as it should be
+            return anyio.run(partial(Runner.run, agent, input, **options))
+        raise UserError("Runner.run_sync cannot run inside an event loop (an async function, "
+                        "Jupyter): use await Runner.run(...) there")
 
     @staticmethod
-    @asynccontextmanager
-    async def run_streamed(agent: Agent, input: str | list[dict[str, Any]], *,
-                           backend: Backend | None = None, tracer: Tracer | None = None,
-                           trace_parent: Span | None = None) -> AsyncIterator[StreamedRun]:
+    def run_streamed(agent: Agent, input: str | list[dict[str, Any]], *,
+                     backend: Backend | None = None, tracer: Tracer | None = None,
+                     trace_parent: Span | None = None) -> _StreamedRunContext:
         """``async with Runner.run_streamed(agent, input) as run: async for event in run: ...``
 
         Leaving the block while the run is still going cancels it.
         """
-        if not isinstance(agent, Agent):
-            raise UserError(f"Runner needs an Agent, got {type(agent).__name__}")
-        with single_errors():
-            async with AsyncExitStack() as stack:
-                if backend is None:
-                    from agentflash.backends.local import LocalBackend
+        return _StreamedRunContext(_run_streamed(agent, input, backend=backend, tracer=tracer,
+                                                 trace_parent=trace_parent))
 
-                    backend = await stack.enter_async_context(LocalBackend())
-                chosen, trace = backend, tracer or Tracer()
 
-                async def work(emit: Callable[[ev.RunEvent], None]) -> RunResult:
-                    return await _Loop(agent, input, chosen, trace, trace_parent, emit).run()
+class _StreamedRunContext:
+    """What ``Runner.run_streamed`` returns: a context manager, and only that (used as a stream
+    or awaited, it says how to use it)."""
 
-                async with streaming(work) as run:
-                    yield run
+    def __init__(self, manager: Any):
+        self._manager = manager
+
+    async def __aenter__(self) -> StreamedRun:
+        return await self._manager.__aenter__()
+
+    async def __aexit__(self, *exc: Any) -> bool | None:
+        return await self._manager.__aexit__(*exc)
+
+    def _misused(self) -> UserError:
+        return UserError("Runner.run_streamed is a context manager: "
+                         "async with Runner.run_streamed(agent, input) as run: "
+                         "async for event in run: ...")
+
+    def __aiter__(self) -> Any:
+        raise self._misused()
+
+    def __await__(self) -> Any:
+        raise self._misused()
+
+
+@asynccontextmanager
+async def _run_streamed(agent: Agent, input: str | list[dict[str, Any]], *,
+                        backend: Backend | None, tracer: Tracer | None,
+                        trace_parent: Span | None) -> AsyncIterator[StreamedRun]:
+    if not isinstance(agent, Agent):
+        raise UserError(f"Runner needs an Agent, got {type(agent).__name__}")
+    if backend is not None and not isinstance(backend, Backend):
+        made = (f"the class {backend.__name__}: make one ({backend.__name__}(...))"
+                if isinstance(backend, type) else type(backend).__name__)
+        raise UserError(f"backend must be a Backend (LocalBackend('demo'), "
+                        f"OpenAIBackend(url, model), ...), got {made}")
+    if tracer is not None and not isinstance(tracer, Tracer):
+        raise UserError(f"tracer must be a Tracer, got {type(tracer).__name__}")
+    with single_errors():
+        async with AsyncExitStack() as stack:
+            if backend is None:
+                from agentflash.backends.local import LocalBackend
+
+                backend = await stack.enter_async_context(LocalBackend())
+            chosen, trace = backend, tracer or Tracer()
+
+            async def work(emit: Callable[[ev.RunEvent], None]) -> RunResult:
+                return await _Loop(agent, input, chosen, trace, trace_parent, emit).run()
+
+            async with streaming(work) as run:
+                yield run
