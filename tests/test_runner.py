@@ -150,7 +150,13 @@ def test_tool_errors_timeouts_bad_calls_go_back_to_the_model():
     # the conversation the run leaves is one a next run takes as its input
     Runner.run_sync(agent, result.messages, backend=ScriptedBackend(["again"]))
     assert sum(isinstance(e, ToolResult) for e in events) == 5
-    assert sum(isinstance(e, ToolStarted) for e in events) == 3  # only valid calls are started
+    started = [e.call_id for e in events if isinstance(e, ToolStarted)]
+    results = [e.call_id for e in events if isinstance(e, ToolResult)]
+    assert sorted(started) == sorted(results)  # each result pairs with its start
+    assert all(events.index(next(e for e in events if isinstance(e, ToolStarted)
+                                 and e.call_id == cid))
+               < events.index(next(e for e in events if isinstance(e, ToolResult)
+                                   and e.call_id == cid)) for cid in results)
 
 
 def test_handoff_passes_the_conversation_to_the_target():

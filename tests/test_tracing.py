@@ -166,3 +166,6 @@ def test_workflow_steps_and_handoffs_have_their_own_marks_in_the_trace():
     assert run.kind is SpanKind.RUN and run.name.startswith("run ")
     turns = [s for s in spans if s.kind is SpanKind.TURN]
     assert [t.attributes.get("agentflash.handoff.to") for t in turns] == ["forecaster", None]
+    (call,) = [s for s in spans if s.kind is SpanKind.TOOL]
+    assert call.name == "execute_tool transfer_to_forecaster" and call.parent is turns[0]
+    assert call.attributes["gen_ai.tool.type"] == "handoff" and call.error is None

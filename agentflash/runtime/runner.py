@@ -129,6 +129,7 @@ class _Turn:
     calls: list[model.ToolCall | model.MalformedToolCall] = field(default_factory=list)
     outcomes: dict[str, ToolOutcome] = field(default_factory=dict)  # by call id
     finish: model.ModelFinish | None = None
+    span: Span | None = None  # the turn's
 
 
 class _Loop:
@@ -192,6 +193,7 @@ class _Loop:
         attrs = {"gen_ai.operation.name": "invoke_agent", "gen_ai.agent.name": agent.name,
                  "agentflash.turn": number}
         with self.tracer.span(SpanKind.TURN, f"invoke_agent {agent.name}", run_span, attrs) as span:
+            turn.span = span
             with single_errors():
                 async with anyio.create_task_group() as tools_running:
                     start_tool = partial(tools_running.start_soon, self.call_tool)
@@ -300,9 +302,17 @@ class _Loop:
         else:
             known = ", ".join(sorted([*tools, *handoffs])) or "none"
             output, is_error = error_result(f"unknown tool {call.name!r} (tools: {known})"), True
-        self._record(call.id, _call_name(call), _call_args(call), output, is_error, 0.0)
-        self.emit(ev.ToolResult(self.agent.name, call.id, _call_name(call), _call_args(call),
-                                output, is_error, 0.0))
+        name, arguments = _call_name(call), _call_args(call)
+        # answered by the runtime itself: started and done at once, each result after its start
+        self.emit(ev.ToolStarted(self.agent.name, call.id, name, arguments))
+        if isinstance(call, model.ToolCall) and call.name in handoffs:
+            attrs = {"gen_ai.operation.name": "execute_tool", "gen_ai.tool.name": name,
+                     "gen_ai.tool.call.id": call.id, "gen_ai.tool.type": "handoff"}
+            with self.tracer.span(SpanKind.TOOL, f"execute_tool {name}", turn.span, attrs) as span:
+                if is_error:
+                    span.error = f"handoff_refused: {output}"
+        self._record(call.id, name, arguments, output, is_error, 0.0)
+        self.emit(ev.ToolResult(self.agent.name, call.id, name, arguments, output, is_error, 0.0))
         return output, is_error
 
     def _record(self, call_id: str, name: str, arguments: dict[str, Any], result: str,
