@@ -553,3 +553,25 @@ def test_a_local_backend_opened_twice_says_so(tiny_model_dir):
                     pass
 
     anyio.run(main)
+
+
+def test_a_turn_the_engine_refuses_names_the_agent_and_an_empty_guardrail_reason_is_an_error(
+        tiny_model_dir):
+    from agentflash.backends.local import LocalBackend
+
+    @tool
+    def flood() -> str:
+        return "word " * 3000  # more than the engine holds per request
+
+    agent = Agent("reader", tools=[flood], tool_choice=ForceTool("flood"))
+
+    async def main():
+        async with LocalBackend(str(tiny_model_dir), drafter="none", max_len=512) as backend:
+            with pytest.raises(UserError, match=r"agent 'reader', turn 2: the prompt has \d+ "
+                                                r"tokens; this engine holds 512"):
+                await Runner.run(agent, "read it", backend=backend)
+
+    anyio.run(main)
+    quiet = Agent("q", input_guardrails=[lambda text: ""])
+    with pytest.raises(UserError, match="returned an empty reason: return None"):
+        Runner.run_sync(quiet, "hi", backend=ScriptedBackend(["x"]))

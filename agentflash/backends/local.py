@@ -341,8 +341,9 @@ class LocalBackend(Backend):
         begins like the turn's earlier ones, so the prefix cache serves it.
         """
         if request.decoding.speculation is Speculation.DFLASH and self._engine.drafter is None:
-            raise UserError("decoding.speculation 'dflash' needs a drafter: set model.drafter to "
-                            "demo or a drafter directory (or use speculation auto or off)")
+            raise UserError("decoding.speculation 'dflash' needs a drafter: LocalBackend(..., "
+                            "drafter='demo' or a drafter directory), model.drafter in a "
+                            "workflow (or use speculation auto or off)")
         prompt_ids = self._engine.chat_prompt(request.messages, request.tools)
         return self._aengine.stream(prompt_ids, sampling_params(request))
 

@@ -40,6 +40,9 @@ class Guardrail:
         if verdict is not None and not isinstance(verdict, str):
             raise UserError(f"guardrail {self.name!r} must return None or a reason (str), "
                             f"got {type(verdict).__name__}")
+        if verdict is not None and not verdict.strip():
+            raise UserError(f"guardrail {self.name!r} returned an empty reason: return None to "
+                            f"let the run go on, or the reason it stops")
         return verdict
 
 

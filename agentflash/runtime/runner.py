@@ -213,7 +213,7 @@ class _Loop:
                  "gen_ai.request.max_tokens": request.decoding.max_tokens,
                  "gen_ai.request.seed": request.decoding.seed}
         with self.tracer.span(SpanKind.GENERATION, f"chat {self.backend.model_name}", span,
-                              attrs) as gen_span:
+                              attrs) as gen_span, _naming_the_turn(agent.name, number):
             async with aclosing(self.backend.stream(request)) as stream:
                 async for event in stream:
                     if isinstance(event, model.TextDelta):
@@ -395,6 +395,16 @@ def _input_messages(input: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
 
         return list(check_messages(input, "the run's input"))
     raise UserError("the run's input must be a string or a non-empty list of chat messages")
+
+
+@contextmanager
+def _naming_the_turn(agent: str, number: int) -> Iterator[None]:
+    """A backend's refusal of a turn's request (a conversation past the engine's length, a
+    speculation it cannot do) names the agent and the turn it came from."""
+    try:
+        yield
+    except UserError as err:
+        raise UserError(f"agent {agent!r}, turn {number}: {err}") from None
 
 
 async def _guard(kind: str, guardrails: list[Guardrail], value: Any) -> None:
