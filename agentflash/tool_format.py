@@ -25,6 +25,33 @@ class MalformedToolCall:
     error: str
 
 
+class JsonScan:
+    """Where a JSON text's strings and brackets are, one character at a time. ``top_strings``:
+    whether a quote outside every bracket opens a string (a call's body reads quotes only inside
+    its JSON object, so that text around it cannot hide the closing tag)."""
+
+    def __init__(self, top_strings: bool = True) -> None:
+        self.depth = 0
+        self.in_string = False
+        self._escaped = False
+        self._top_strings = top_strings
+
+    def step(self, c: str) -> None:
+        if self.in_string:
+            if self._escaped:
+                self._escaped = False
+            elif c == "\\":
+                self._escaped = True
+            elif c == '"':
+                self.in_string = False
+        elif c == '"':
+            self.in_string = self.depth > 0 or self._top_strings
+        elif c in "{[":
+            self.depth += 1
+        elif c in "}]" and self.depth > 0:
+            self.depth -= 1
+
+
 class CallEnd:
     """Finds, in a call's body fed in pieces, the ``</tool_call>`` that closes it: the first one
     outside the body's JSON strings. An argument may hold the tag itself (the tools' grammar
@@ -34,33 +61,19 @@ class CallEnd:
         self.text = ""  # the body so far
         self.end: int | None = None  # where the closing tag starts, once found
         self.pos = 0  # ``text[:pos]`` is known to be body (a tag may be starting at ``pos``)
-        self._depth = 0
-        self._in_string = self._escaped = False
+        self._scan = JsonScan(top_strings=False)
 
     def feed(self, piece: str) -> int | None:
         self.text += piece
         text = self.text
         while self.end is None and self.pos < len(text):
-            c = text[self.pos]
-            if self._in_string:
-                if self._escaped:
-                    self._escaped = False
-                elif c == "\\":
-                    self._escaped = True
-                elif c == '"':
-                    self._in_string = False
-            elif c == "<":
+            if text[self.pos] == "<" and not self._scan.in_string:
                 if text.startswith(CLOSE, self.pos):
                     self.end = self.pos
                     break
                 if CLOSE.startswith(text[self.pos :]):  # the tag may be coming: wait
                     break
-            elif c == '"' and self._depth > 0:  # quotes count inside the JSON value only
-                self._in_string = True
-            elif c in "{[":
-                self._depth += 1
-            elif c in "}]" and self._depth > 0:
-                self._depth -= 1
+            self._scan.step(text[self.pos])
             self.pos += 1
         return self.end
 

@@ -34,7 +34,7 @@ from agentflash.backends.base import (
 )
 from agentflash.errors import UserError
 from agentflash.runtime.errors import RunError
-from agentflash.tool_format import CLOSE, OPEN, CallEnd, load_body
+from agentflash.tool_format import CLOSE, OPEN, CallEnd, JsonScan, load_body
 
 # ``{"name": "<name>", "arguments": `` at the start of a call body: from here on the arguments
 # can be streamed as they are written.
@@ -61,8 +61,7 @@ class _OpenCall:
         self.args_end: int | None = None  # one past its end, once the value closed
         self.sent = 0  # characters of the arguments handed out
         self._pos = 0  # scanner position in ``body``
-        self._depth = 0
-        self._in_string = self._escaped = False
+        self._json = JsonScan()  # over the arguments value, from ``args_start``
 
     def extend(self, text: str) -> list[ModelEvent]:
         self.body += text
@@ -75,7 +74,7 @@ class _OpenCall:
         if self.args_end is not None:
             limit = self.args_end
         else:  # only the inside of an object or array is known to be arguments text
-            limit = self._pos if self._depth > 0 else self.args_start + self.sent
+            limit = self._pos if self._json.depth > 0 else self.args_start + self.sent
         chunk = self.body[self.args_start + self.sent : limit]
         if chunk:
             self.sent += len(chunk)
@@ -95,25 +94,14 @@ class _OpenCall:
 
     def _scan(self) -> None:
         """Advance over the arguments value, noting where it ends (strings are skipped)."""
-        body = self.body
+        body, scan = self.body, self._json
         while self._pos < len(body) and self.args_end is None:
             c = body[self._pos]
             self._pos += 1
-            if self._in_string:
-                if self._escaped:
-                    self._escaped = False
-                elif c == "\\":
-                    self._escaped = True
-                elif c == '"':
-                    self._in_string = False
-            elif c == '"':
-                self._in_string = True
-            elif c in "{[":
-                self._depth += 1
-            elif c in "}]":
-                self._depth -= 1
-                if self._depth == 0:
-                    self.args_end = self._pos
+            closing = c in "}]" and not scan.in_string and scan.depth == 1
+            scan.step(c)
+            if closing:
+                self.args_end = self._pos
 
     def finish(self, call_id: str) -> list[ModelEvent]:
         """The call closed: its last argument delta and the parsed call (or why it is malformed)."""
