@@ -4,6 +4,8 @@ import json
 
 import anyio
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from agentflash.backends import create_backend, is_available
 from agentflash.backends.base import (
@@ -288,3 +290,21 @@ def test_local_backend_speculates_with_a_drafter_losslessly(tiny_model_dir, tiny
     dflash, plain = replies["dflash"][-1].stats, replies["off"][-1].stats
     assert dflash["draft_forwards"] > 0 and plain["draft_forwards"] == 0
     assert summary(replies["dflash"]) == summary(replies["off"])  # same text, fewer forwards
+
+
+PIECES = ["<tool_call>", "</tool_call>", '"', "{", "}", "[", "]", "\\", "a", " ", "\n",
+          '"name": "f"', ', "arguments": ', '{"x": 1}', "<tool", "_call>", "</tool_c",
+          '<tool_call>{"name": "f", "arguments": {"s": "</tool_call>"}}</tool_call>']
+
+
+@given(st.lists(st.sampled_from(PIECES), max_size=16), st.integers(1, 7))
+@settings(max_examples=300, deadline=None)
+def test_both_parsers_read_any_text_alike(pieces, chunk):
+    from agentflash.tool_format import parse_tool_calls
+
+    text = "".join(pieces)
+    calls, bad = parse_tool_calls(text)
+    streamed = [e.call for e in parse(text, chunk) if isinstance(e, ToolCallReady)]
+    assert [(c.name, c.arguments) for c in streamed if isinstance(c, ToolCall)] == [
+        (c.name, c.arguments) for c in calls]
+    assert sum(isinstance(c, MalformedToolCall) for c in streamed) == len(bad)
