@@ -177,7 +177,13 @@ def regex(pattern: str, *, origin: str = "regex") -> GrammarSource:
 def lark(text: str, *, origin: str = "grammar") -> GrammarSource:
     """A Lark grammar in llguidance's dialect (``start`` is the top rule; ``%json {...}`` and
     special tokens such as ``<tool_call>`` may appear in rules). The end token is implicit: it
-    becomes legal wherever ``start`` is complete, so the grammar does not mention it."""
+    becomes legal wherever ``start`` is complete, so the grammar does not mention it (one that
+    does is refused when compiled).
+
+    A ``%json`` schema is laid out as llguidance lays it out by default, with whitespace free
+    between tokens (a small model may then write newlines until max tokens); the layout of
+    ``json_schema`` (``json.dumps``'s) is ``"x-guidance": {"whitespace_flexible": false,
+    "item_separator": ", ", "key_separator": ": "}`` in that schema."""
     if not isinstance(text, str) or not text.strip():
         raise GrammarError(f"{origin}: the grammar is empty")
     check_lark_finishes(text, origin)
