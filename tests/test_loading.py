@@ -128,3 +128,38 @@ def test_missing_weights_and_weights_that_do_not_fit(tiny_model_dir, tmp_path):
 def test_missing_tokenizer(tmp_path):
     with pytest.raises(UserError, match="no tokenizer"):
         load_tokenizer(tmp_path)
+
+
+SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=2048)
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda t: t.Qwen3Config(**SMALL, rope_scaling={"rope_type": "linear", "factor": 4.0}),
+     r"rope_parameters .*'linear'.* is not supported \(plain rope only\)"),
+    (lambda t: t.LlamaConfig(**SMALL, rope_scaling={"rope_type": "llama3", "factor": 8.0,
+                                                    "low_freq_factor": 1.0,
+                                                    "high_freq_factor": 4.0,
+                                                    "original_max_position_embeddings": 64}),
+     r"rope_parameters .*'llama3'.* is not supported \(plain rope only\)"),
+    (lambda t: t.Qwen3Config(**SMALL, use_sliding_window=True, sliding_window=4,
+                             max_window_layers=0),
+     "sliding-window attention"),
+    (lambda t: t.Qwen3Config(**SMALL, hidden_act="gelu"), "hidden_act 'gelu' is not supported"),
+    (lambda t: t.LlamaConfig(**SMALL, attention_bias=True), "attention_bias is true"),
+    (lambda t: t.LlamaConfig(**SMALL, mlp_bias=True), "mlp_bias is true"),
+])
+def test_configs_whose_model_this_decoder_would_compute_wrongly_are_refused(tmp_path, make,
+                                                                          message):
+    import transformers
+
+    make(transformers).save_pretrained(tmp_path)  # as transformers writes config.json today
+    with pytest.raises(UserError, match=message):
+        load_model(tmp_path)
+
+
+def test_a_drafter_given_as_the_model_is_named(tmp_path):
+    from agentflash.models.loading import DEMO_DIR
+
+    with pytest.raises(UserError, match=r"this is a DFlash drafter .* \(--drafter DIR\)"):
+        load_model(DEMO_DIR / "drafter")

@@ -37,11 +37,12 @@ class ModelConfig:
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
         """Build from a parsed ``config.json``; raises ``ValueError`` naming a missing field."""
         model_type = cfg.get("model_type")
+        if "DFlashDraftModel" in (cfg.get("architectures") or []):
+            raise ValueError("this is a DFlash drafter (architectures DFlashDraftModel): give it "
+                             "as the drafter (--drafter DIR) beside the model it drafts for")
         if model_type not in ("qwen3", "llama", "qwen2"):
             raise ValueError(f"model_type {model_type!r} is not supported (qwen3, qwen2, llama)")
-        scaling = cfg.get("rope_scaling") or {}
-        if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
-            raise ValueError(f"rope_scaling {scaling!r} is not supported")
+        _check_supported(cfg, model_type)
         try:
             heads = cfg["num_attention_heads"]
             _check_sizes(cfg, ("vocab_size", "hidden_size", "intermediate_size",
@@ -70,6 +71,30 @@ class ModelConfig:
             )
         except KeyError as err:
             raise ValueError(f"config.json has no field {err.args[0]!r}") from None
+
+
+def _check_supported(cfg: dict[str, Any], model_type: str) -> None:
+    """Refuse what this decoder does not compute, which would load and then write other text
+    than the model: scaled rope (transformers 4's ``rope_scaling`` or 5's ``rope_parameters``),
+    sliding-window layers, another activation, biases Llama or Qwen3 may declare."""
+    for field in ("rope_scaling", "rope_parameters"):
+        scaling = cfg.get(field) or {}
+        if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type")) not in (
+                None, "default"):
+            raise ValueError(f"{field} {scaling!r} is not supported (plain rope only)")
+    kinds = set(cfg.get("layer_types") or ["full_attention"])
+    if kinds != {"full_attention"} or cfg.get("use_sliding_window"):
+        shown = sorted(kinds) if kinds != {"full_attention"} else "use_sliding_window true"
+        raise ValueError(f"sliding-window attention ({shown}) is not supported (full attention "
+                         f"only)")
+    act = cfg.get("hidden_act", cfg.get("hidden_activation", "silu"))
+    if act not in ("silu", "swish"):
+        raise ValueError(f"hidden_act {act!r} is not supported (silu only)")
+    if cfg.get("attention_bias") and model_type != "qwen2":
+        raise ValueError("attention_bias is true: biases on the attention projections are not "
+                         "supported for this model_type")
+    if cfg.get("mlp_bias"):
+        raise ValueError("mlp_bias is true: biases on the MLP projections are not supported")
 
 
 def _check_sizes(cfg: dict[str, Any], names: tuple[str, ...], optional: bool = False) -> None:
