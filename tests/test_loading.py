@@ -163,3 +163,20 @@ def test_a_drafter_given_as_the_model_is_named(tmp_path):
 
     with pytest.raises(UserError, match=r"this is a DFlash drafter .* \(--drafter DIR\)"):
         load_model(DEMO_DIR / "drafter")
+
+
+def test_the_eos_ids_of_generation_config_end_the_reply(tiny_model_dir, tmp_path):
+    from agentflash.engine.engine import Engine, EngineConfig
+    from agentflash.engine.request import SamplingParams
+
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    engine = Engine.from_pretrained(tiny_model_dir, EngineConfig(max_len=128), drafter=None)
+    ids = engine.chat_prompt([{"role": "user", "content": "hello"}])
+    free = engine.generate(ids, params).token_ids
+    shutil.copytree(tiny_model_dir, tmp_path / "m")
+    ends = free[2]  # a token the model writes: as a second eos (Llama 3's <|eom_id|>, say)
+    (tmp_path / "m" / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": [engine.tokenizer.eos_token_id, ends]}))
+    again = Engine.from_pretrained(tmp_path / "m", EngineConfig(max_len=128), drafter=None)
+    result = again.generate(ids, params)
+    assert result.token_ids == free[: free.index(ends) + 1] and result.finish_reason == "stop"

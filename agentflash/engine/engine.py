@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import numbers
@@ -170,7 +171,7 @@ class Engine:
         self.runner = ModelRunner(model, self.cache, batch_invariant=config.batch_invariant)
         self.scheduler = Scheduler(SchedulerConfig(slots, max_len), self.cache)
         self.prefix_cache = PrefixCache(int(config.prefix_cache_mb * 2**20))
-        self.eos_ids = end_of_turn_ids(tokenizer)
+        self.eos_ids = end_of_turn_ids(tokenizer, model_dir)
         self.cost = self.new_router_state()  # what the router has measured of this engine
         self._inbox: deque[Request] = deque()  # filled from any thread, drained by step()
         self._cancels: deque[Request] = deque()
@@ -891,13 +892,23 @@ def num_slots(cfg, config: EngineConfig, max_len: int, dtype: torch.dtype, draft
     return min(config.max_running, fits)
 
 
-def end_of_turn_ids(tokenizer) -> set[int]:
-    """Token ids that end an assistant turn: the tokenizer's eos and the chat end markers."""
+def end_of_turn_ids(tokenizer, model_dir: Path | None = None) -> set[int]:
+    """Token ids that end an assistant turn: the tokenizer's eos, the chat end markers, and the
+    ``eos_token_id`` (one or a list) of the model's ``generation_config.json``, as transformers'
+    ``generate`` stops on them."""
     ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     for marker in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>"):
         token_id = tokenizer.convert_tokens_to_ids(marker)
         if isinstance(token_id, int) and token_id != tokenizer.unk_token_id:
             ids.add(token_id)
+    path = model_dir / "generation_config.json" if model_dir is not None else None
+    if path is not None and path.is_file():
+        try:
+            listed = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id")
+        except (OSError, ValueError, AttributeError) as err:
+            raise UserError(f"{path}: cannot read it: {err}") from None
+        listed = listed if isinstance(listed, list) else [listed]
+        ids.update(t for t in listed if isinstance(t, int) and not isinstance(t, bool))
     return ids
 
 
