@@ -373,15 +373,19 @@ def bench_server(
 def train_target(
     out: Annotated[Path, typer.Option(help="output directory (resumes if it holds checkpoints)")],
     steps: Annotated[int, typer.Option()] = 1800,
+    save_every: Annotated[int, typer.Option(
+        "--save-every", help="steps between checkpoints (an interrupted run resumes there)")] = 100,
 ) -> None:
     """Train the demo tokenizer and target on the synthetic agent corpus."""
+    from agentflash.train.runs import check_out_dir
     from agentflash.train.target import TargetTrainConfig
     from agentflash.train.target import train_target as run
 
     try:
         _out_dir(out)
-        _positive(steps=steps)
-        run(out, TargetTrainConfig(steps=steps))
+        _positive(steps=steps, save_every=save_every)
+        check_out_dir(out, "target", steps)
+        run(out, TargetTrainConfig(steps=steps, save_every=save_every))
     except UserError as err:
         fail(str(err))
 
@@ -390,6 +394,8 @@ def train_target(
 def train_drafter(
     target: Annotated[Path, typer.Option(help="the target's Hugging Face directory")],
     out: Annotated[Path, typer.Option(help="output directory (resumes if it holds checkpoints)")],
+    save_every: Annotated[int, typer.Option(
+        "--save-every", help="steps between checkpoints (an interrupted run resumes there)")] = 100,
     steps: Annotated[int, typer.Option()] = 1000,
     num_layers: Annotated[int, typer.Option("--num-layers")] = 2,
     block_size: Annotated[int, typer.Option("--block-size")] = 16,
@@ -417,10 +423,12 @@ def train_drafter(
     from agentflash.train.corpus import CorpusConfig
     from agentflash.train.drafter import DrafterTrainConfig
     from agentflash.train.drafter import train_drafter as run
+    from agentflash.train.runs import check_out_dir
 
     try:
         _out_dir(out)
-        _positive(num_conversations=num_conversations)
+        _positive(num_conversations=num_conversations, save_every=save_every, steps=steps)
+        check_out_dir(out, "drafter", steps, str(target))
         shares = _int_list(mix, "--mix")
         if len(shares) != 4:
             raise UserError(f"--mix needs four shares (tool_call,code,math,prose), got {mix!r}")
@@ -442,7 +450,7 @@ def train_drafter(
                                  num_val_per_kind=HELD_OUT_PER_KIND, corpus=corpus, lr=lr,
                                  init=init,
                                  constrained_tool_calls=constrained_tool_calls,
-                                 target_layer_ids=layer_ids)
+                                 target_layer_ids=layer_ids, save_every=save_every)
         run(target, out, cfg)
     except (UserError, ValueError) as err:
         fail(str(err))

@@ -302,3 +302,69 @@ def test_tools_with_a_schema_answer_in_it_or_call_them(tmp_path):
     code, _, err = run("generate", "--prompt", "x", "--tools", str(tmp_path / "tools.json"),
                        "--regex", "a+")
     assert code == 2 and "a regex binds the whole reply" in err
+
+
+def _checkpoint(out, **state):
+    import torch
+
+    (out / "checkpoints").mkdir(parents=True)
+    torch.save(state, out / "checkpoints" / "latest.pt")
+
+
+@pytest.mark.parametrize(
+    ("kind", "setup", "steps", "message"),
+    [
+        ("drafter", "the target itself", 10, "--out is the target's directory"),
+        ("target", "a model", 10, "holds a model and no checkpoint to resume from"),
+        ("drafter", "a model", 10, "holds a target run (tokenizer.json)"),
+        ("target", "a drafter run", 10, "holds a drafter run (responses.json)"),
+        ("target", "a drafter checkpoint", 10, "a drafter run's checkpoint"),
+        ("target", "a target checkpoint at 12", 5, "the run is at step 12, past --steps 5"),
+        ("drafter", "a drafter checkpoint of another target", 10,
+         "the drafter was trained for the target /elsewhere"),
+    ],
+)
+def test_training_refuses_an_out_it_would_spoil_before_any_work(tmp_path, tiny_model_dir,
+                                                                monkeypatch, kind, setup, steps,
+                                                                message):
+    import shutil
+
+    import agentflash.models.loading as loading
+    import agentflash.train.corpus as corpus
+
+    def no_work(*_, **__):
+        raise AssertionError("work began before the --out was refused")
+
+    monkeypatch.setattr(loading, "load_model", no_work)
+    monkeypatch.setattr(corpus, "generate", no_work)
+    target = tmp_path / "target"
+    shutil.copytree(tiny_model_dir, target)
+    out = target if setup == "the target itself" else tmp_path / "out"
+    if setup == "a model":
+        shutil.copytree(tiny_model_dir, out)
+    elif setup == "a drafter run":
+        out.mkdir()
+        (out / "responses.json").write_text("[]")
+    elif setup.startswith("a drafter checkpoint"):
+        trained_for = "/elsewhere" if "another" in setup else str(target.resolve())
+        _checkpoint(out, step=2, drafter={}, target=trained_for)
+    elif setup == "a target checkpoint at 12":
+        _checkpoint(out, step=12, model={})
+    before = sorted((p.name, p.stat().st_mtime_ns) for p in out.rglob("*"))
+    command = (["train", "target"] if kind == "target"
+               else ["train", "drafter", "--target", str(target)])
+    code, _, err = run(*command, "--out", str(out), "--steps", str(steps))
+    assert code == 2 and message in err, err
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in out.rglob("*")) == before
+
+
+def test_a_resumed_run_keeps_one_log_line_a_step(tmp_path):
+    from agentflash.train.runs import open_log
+
+    log = tmp_path / "train_log.jsonl"
+    log.write_text("".join(json.dumps({"step": n, "loss": 1.0 / n}) + "\n" for n in range(1, 8))
+                   + '{"step": 8, "lo')  # cut short by the interruption
+    with open_log(log, 5) as f:  # the checkpoint was at step 5
+        f.write(json.dumps({"step": 6, "loss": 0.1}) + "\n")
+    assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == [1, 2, 3, 4,
+                                                                                   5, 6]

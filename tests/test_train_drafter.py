@@ -172,7 +172,8 @@ def test_training_reduces_loss_and_writes_a_loadable_drafter(run, tiny_model_dir
     assert drafter.cfg.block_size == 4 and drafter.cfg.target_layer_ids == (2,)
     summary = json.loads((run / "train_drafter.json").read_text())
     assert summary["val_tau"] == vals[-1]["val_tau"]
-    assert torch.load(run / "checkpoints" / "latest.pt", weights_only=False)["step"] == 30
+    state = torch.load(run / "checkpoints" / "latest.pt", weights_only=False)
+    assert state["step"] == 30 and state["target"] == str(tiny_model_dir.resolve())
 
 
 def test_a_rerun_resumes_without_regenerating(run, tiny_model_dir):
@@ -184,7 +185,7 @@ def test_a_rerun_resumes_without_regenerating(run, tiny_model_dir):
         train_drafter(tiny_model_dir, run, tiny_config(steps=33))
         steps = [e["step"] for e in read_log(run) if "loss" in e]
         assert steps == list(range(1, 31)) + [31, 32, 33]
-        with pytest.raises(UserError, match="different drafter"):
+        with pytest.raises(UserError, match="different drafter .*num_layers 1 there, 2 asked"):
             train_drafter(tiny_model_dir, run, tiny_config(steps=40, num_layers=2))
 
 

@@ -40,6 +40,7 @@ from agentflash.errors import UserError
 from agentflash.models.qwen3 import Qwen3Model
 from agentflash.train import corpus as corpus_mod
 from agentflash.train import tokenizer as tokenizer_mod
+from agentflash.train.runs import open_log, target_name
 
 IGNORE = -100
 
@@ -457,8 +458,8 @@ def train_drafter(
     from agentflash.models.loading import load_model, load_tokenizer
 
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     target, _, model_dir = load_model(target_dir, device=cfg.device, dtype=torch.float32)
+    out_dir.mkdir(parents=True, exist_ok=True)  # once the target loaded: no empty --out left
     target.requires_grad_(False)
     tokenizer = load_tokenizer(model_dir)
     mask_id = choose_mask_token(tokenizer, target.cfg.vocab_size, cfg.mask_token_id)
@@ -472,6 +473,7 @@ def train_drafter(
     )
     ckpt_dir = out_dir / "checkpoints"
     start = _resume(ckpt_dir, drafter, opt, dcfg)
+    trained_for = target_name(target_dir)
     if start == 0 and cfg.init is not None:
         _init_from(cfg.init, drafter, dcfg)
     num_params = sum(p.numel() for p in drafter.parameters())
@@ -480,7 +482,7 @@ def train_drafter(
         f"layers {list(dcfg.target_layer_ids)}; {len(train)} train / {len(val)} val sequences; "
         f"steps {start}..{cfg.steps}"
     )
-    log = (out_dir / "train_log.jsonl").open("a", encoding="utf-8")
+    log = open_log(out_dir / "train_log.jsonl", start)
     columns = (
         TextColumn("{task.description}"),
         BarColumn(),
@@ -509,7 +511,7 @@ def train_drafter(
                 task, advance=1, info=f"loss {loss:.3f}  acc@1 {acc:.2f}  {seq_s:.1f} seq/s"
             )
             if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
-                _save_checkpoint(ckpt_dir, step + 1, drafter, opt, dcfg)
+                _save_checkpoint(ckpt_dir, step + 1, drafter, opt, dcfg, trained_for)
             if val and ((step + 1) % cfg.val_every == 0 or step + 1 == cfg.steps):
                 taus = validation_tau(drafter, target, val)
                 log.write(json.dumps({"step": step + 1, "val_tau": _rounded(taus)}) + "\n")
@@ -555,13 +557,15 @@ def _format_taus(taus: dict[str, float]) -> str:
     return "  ".join(f"{kind} {tau:.2f}" for kind, tau in taus.items())
 
 
-def _save_checkpoint(ckpt_dir: Path, step: int, drafter, opt, dcfg: DrafterConfig) -> None:
+def _save_checkpoint(ckpt_dir: Path, step: int, drafter, opt, dcfg: DrafterConfig,
+                     target: str) -> None:
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     state = {
         "step": step,
         "drafter": drafter.state_dict(),
         "opt": opt.state_dict(),
         "drafter_config": asdict(dcfg),
+        "target": target,  # a rerun on another target is refused (runs.check_out_dir)
     }
     tmp = ckpt_dir / "latest.pt.tmp"
     torch.save(state, tmp)
@@ -639,10 +643,11 @@ def _resume(ckpt_dir: Path, drafter, opt, dcfg: DrafterConfig) -> int:
         return 0
     state: dict[str, Any] = torch.load(path, weights_only=False)
     if state["drafter_config"] != asdict(dcfg):
-        raise UserError(
-            f"{path}: checkpoint is of a different drafter "
-            f"({state['drafter_config']}); use another --out or delete it"
-        )
+        had, asked = state["drafter_config"], asdict(dcfg)
+        diff = ", ".join(f"{k} {had.get(k)!r} there, {asked[k]!r} asked"
+                         for k in asked if had.get(k) != asked[k])
+        raise UserError(f"{path}: checkpoint is of a different drafter ({diff}); use another "
+                        f"--out or delete it")
     drafter.load_state_dict(state["drafter"])
     opt.load_state_dict(state["opt"])
     return int(state["step"])

@@ -17,6 +17,7 @@ import torch
 
 from agentflash.train import corpus as corpus_mod
 from agentflash.train import tokenizer as tokenizer_mod
+from agentflash.train.runs import open_log
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,7 @@ def train_target(
     ckpt_dir = out_dir / "checkpoints"
     start = _resume(ckpt_dir, model, opt)
     order = torch.randperm(num_windows, generator=torch.Generator().manual_seed(cfg.seed))
-    log = (out_dir / "train_log.jsonl").open("a")
+    log = open_log(out_dir / "train_log.jsonl", start)
     print(
         f"target: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "
         f"{len(data) / 1e6:.2f}M corpus tokens, steps {start}..{cfg.steps}"
@@ -151,7 +152,7 @@ def train_target(
             progress.update(task, advance=1, info=f"loss {loss.item():.3f}  {tok_s:.0f} tok/s")
             if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
                 _save_checkpoint(ckpt_dir, step + 1, model, opt)
-    model.config.torch_dtype = "float32"
+    model.config.dtype = "float32"
     model.save_pretrained(out_dir, safe_serialization=True)
     (out_dir / "train_config.json").write_text(
         json.dumps({"target": asdict(cfg), "corpus": asdict(corpus_cfg)}, indent=2) + "\n"

@@ -1,0 +1,88 @@
+"""A training run's directory: what may be trained into it, and its loss log on a resume.
+
+``train target`` and ``train drafter`` write a model into ``--out`` and keep their checkpoint in
+``--out/checkpoints/latest.pt``, from which a rerun resumes. Before any work, the directory must
+be new, empty, or a run of the same kind to resume (the same target, for a drafter, and not past
+the steps asked for): training into a model's own directory, or into the other kind of run,
+overwrote what was there.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from agentflash.errors import UserError
+
+# files only one kind of run writes (besides the checkpoint, which says its kind itself)
+_OWN_FILES = {"target": ("tokenizer.json", "train_config.json"),
+              "drafter": ("responses.json", "train_drafter.json")}
+
+
+def checkpoint_path(out: Path) -> Path:
+    return out / "checkpoints" / "latest.pt"
+
+
+def check_out_dir(out: Path, kind: str, steps: int, target: str | None = None) -> None:
+    """Refuse an ``out`` that this run would spoil, naming why; ``target``: the drafter's target
+    as ``target_name`` writes it."""
+    if out.exists() and not out.is_dir():
+        raise UserError(f"{out}: --out must be a directory, and this is a file")
+    if target is not None and target != "demo" and Path(target).resolve() == out.resolve():
+        raise UserError(f"{out}: --out is the target's directory: the drafter would overwrite "
+                        f"the target; give another --out")
+    if not out.is_dir() or not any(out.iterdir()):
+        return
+    other = "drafter" if kind == "target" else "target"
+    found = [name for name in _OWN_FILES[other] if (out / name).exists()]
+    if found:
+        raise UserError(f"{out}: holds a {other} run ({found[0]}): give another --out")
+    path = checkpoint_path(out)
+    if not path.exists():
+        if (out / "config.json").exists() or (out / "model.safetensors").exists():
+            raise UserError(f"{out}: holds a model and no checkpoint to resume from: give a new "
+                            f"or empty --out (training would overwrite the model)")
+        return
+    state = read_checkpoint(path)
+    run_kind = "drafter" if "drafter" in state else "target"
+    if run_kind != kind:
+        raise UserError(f"{path}: a {run_kind} run's checkpoint: give another --out")
+    done = int(state.get("step", 0))
+    if done > steps:
+        raise UserError(f"{path}: the run is at step {done}, past --steps {steps}: give --steps "
+                        f"{done} or more to go on, or another --out")
+    trained_for = state.get("target")
+    if target is not None and trained_for is not None and trained_for != target_name(target):
+        raise UserError(f"{path}: the drafter was trained for the target {trained_for}, not "
+                        f"{target_name(target)}: give that target, or another --out")
+
+
+def read_checkpoint(path: Path) -> dict[str, Any]:
+    import torch
+
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    except Exception as err:  # a file cut short, or not a checkpoint
+        raise UserError(f"{path}: cannot read the checkpoint: {err}") from None
+
+
+def target_name(target: str | Path) -> str:
+    """How a drafter's checkpoint names its target: ``demo`` or the directory's full path."""
+    return "demo" if str(target) == "demo" else str(Path(target).resolve())
+
+
+def open_log(path: Path, start: int):
+    """The run's loss log, for appending from step ``start`` on: lines of later steps (written
+    after the checkpoint a resume starts from) are dropped, so that each step has one line."""
+    if path.exists():
+        kept = []
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                step = json.loads(line).get("step", 0)
+            except (ValueError, AttributeError):
+                continue  # a line cut short by the interruption
+            if isinstance(step, int) and step <= start:
+                kept.append(line + "\n")
+        path.write_text("".join(kept), encoding="utf-8")
+    return path.open("a", encoding="utf-8")
