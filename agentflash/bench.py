@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import random
+import statistics
 import time
 import weakref
 from dataclasses import dataclass
@@ -573,6 +575,9 @@ def run_concurrency(
     if rounds < 1 or not levels or min(levels) < 1:
         raise UserError("rounds and concurrency levels must be positive")
     num_prompts = num_prompts or max(levels)
+    if max(levels) > num_prompts:  # a level's label says how many requests were in flight
+        raise UserError(f"--concurrency {max(levels)} is more than --num-prompts {num_prompts}: "
+                        f"at most {num_prompts} requests could be in flight")
     engine = Engine.from_pretrained(model, EngineConfig(max_running=max(levels)), drafter=drafter)
     if engine.drafter is None:
         raise UserError("the concurrency benchmark compares dflash rows: load a drafter")
@@ -688,8 +693,8 @@ def _concurrency_row(
         "mode": mode,
         "new_tokens": tokens,
         "tokens_per_s": round(tokens / wall, 2),
-        "latency_median_s": round(lat[len(lat) // 2], 3),
-        "latency_p95_s": round(lat[min(len(lat) - 1, int(0.95 * len(lat)))], 3),
+        "latency_median_s": round(statistics.median(lat), 3),
+        "latency_p95_s": round(lat[math.ceil(0.95 * len(lat)) - 1], 3),  # nearest rank
         "tau": round(tokens / forwards, 3) if forwards else None,
         "identical_to_alone": all(o == a for o, a in zip(outs, alone, strict=True)),
     }

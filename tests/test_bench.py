@@ -251,3 +251,13 @@ def test_tables_print_whole_in_a_narrow_terminal(monkeypatch, capsys):
                  "mixed", "1200-1300", "1.040 (0.99-1.06)", "auto / better, paired", "345.6",
                  "openai client -> agentflash serve", "overhead %", "same tokens", "+12.5"):
         assert cell in out, cell
+
+
+def test_concurrency_row_latencies_are_the_median_and_the_nearest_rank_p95():
+    from agentflash.bench import _concurrency_row
+
+    row = _concurrency_row("prose", 2, "plain", [[1], [2]], [[1], [2]], 1.0, [3.0, 1.0], 2)
+    assert (row["latency_median_s"], row["latency_p95_s"]) == (2.0, 3.0)
+    lat = [float(n) for n in range(1, 21)]
+    row = _concurrency_row("prose", 4, "plain", [[1]] * 20, [[1]] * 20, 1.0, lat, 20)
+    assert (row["latency_median_s"], row["latency_p95_s"]) == (10.5, 19.0)

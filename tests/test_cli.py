@@ -232,6 +232,8 @@ def test_missing_model_and_missing_files(tmp_path):
         (["bench", "--num-prompts", "0"], "--num-prompts must be at least 1, got 0"),
         (["bench", "--max-tokens", "0", "--concurrency", "1"], "--max-tokens must be at least 1"),
         (["bench", "--rounds", "0"], "--rounds must be at least 1"),
+        (["bench", "--concurrency", "1,4", "--num-prompts", "2"],
+         "--concurrency 4 is more than --num-prompts 2"),
         (["bench-server", "--suites", "json"], "--suites: unknown suite 'json'"),
         (["eval-tool-calls", "--num", "0"], "--num must be at least 1, got 0"),
         (["train", "target", "--out", "FILE"], "--out must be a directory, and this is a file"),
