@@ -98,8 +98,10 @@ def train_target(
 
     torch.manual_seed(cfg.seed)
     out_dir.mkdir(parents=True, exist_ok=True)
+    print("target: generating the corpus", flush=True)  # a minute or so before the first step
     convos = corpus_mod.generate(corpus_cfg)
     if not (out_dir / "tokenizer.json").exists():
+        print(f"target: training the tokenizer on {len(convos)} conversations", flush=True)
         build_tokenizer(out_dir, convos, cfg.vocab_size)
     tokenizer = AutoTokenizer.from_pretrained(out_dir)
     data = token_stream(convos, tokenizer)
