@@ -200,8 +200,10 @@ def test_structured_output_is_parsed_into_the_output_type():
 
 
 @pytest.mark.parametrize("reply, problem", [
-    ("Oslo for three days.", "Invalid JSON"),
+    ("Oslo for three days.", "reply: not JSON"),
     ('{"city": "Oslo", "days": "three"}', "days:"),
+    # a backend without the grammar may add a key the strict schema has not
+    ('{"city": "Oslo", "days": 3, "note": "x"}', "('note' was unexpected)"),
     (ScriptedTurn('{"city": "Oslo", "da', finish_reason="length"), "cut at max_tokens"),
 ])
 def test_a_reply_that_is_not_the_output_type_stops_the_run_without_retrying(reply, problem):
@@ -323,6 +325,20 @@ def test_an_agent_changed_after_it_was_built_is_checked_as_when_built():
     assert backend.requests[0].tools[0]["function"]["name"] == "get_weather"
     with pytest.raises(UserError, match="max_turns must be a positive integer"):
         agent.max_turns = 0
+
+
+def test_a_handoff_with_arguments_a_handoff_has_not_is_refused():
+    writer = Agent("writer")
+    triage = Agent("triage", handoffs=[writer])
+    script = [ScriptedTurn(tool_call_text("transfer_to_writer", {"reason": 5})),
+              ScriptedTurn(tool_call_text("transfer_to_writer", {"why": "x"})),
+              ScriptedTurn(tool_call_text("transfer_to_writer", {"reason": "prose"})), "Done."]
+    result, _, _ = run(triage, script)
+    assert result.last_agent == "writer" and result.final_output == "Done."
+    errors = [json.loads(c.result).get("error") for c in result.tool_calls]
+    assert errors == ["invalid arguments for transfer_to_writer: reason: must be a string",
+                      "invalid arguments for transfer_to_writer: why: not an argument of a "
+                      "handoff (reason)", None]
 
 
 def test_tool_choice_is_checked_and_resets_after_a_call():

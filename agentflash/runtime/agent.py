@@ -78,8 +78,10 @@ def output_spec(output_type: type | dict[str, Any] | None) -> OutputSpec | None:
         first = str(err).strip().splitlines()[0]  # pydantic adds paragraphs of advice after it
         raise UserError(f"output_type {name}: pydantic cannot describe it: {first}") from None
     _check_supported(schema)
+    strict = _json_parser(schema)  # the schema the grammar writes to: no key it lacks
 
     def parse(text: str) -> Any:
+        strict(text)  # a backend without the grammar may add keys pydantic would drop
         try:
             return adapter.validate_json(text)
         except pydantic.ValidationError as err:
@@ -108,6 +110,13 @@ def _schema_spec(schema: dict[str, Any]) -> OutputSpec:
     except SchemaError as err:
         raise UserError(f"output schema is not a valid JSON Schema: {err.message}") from None
     _check_supported(schema)
+    return OutputSpec(schema.get("title", "its output schema"), schema, _json_parser(schema))
+
+
+def _json_parser(schema: dict[str, Any]) -> Callable[[str], Any]:
+    """A reply's JSON, checked against ``schema`` (``OutputValidationError`` naming where not)."""
+    from jsonschema import Draft202012Validator
+
     validator = Draft202012Validator(schema)
 
     def parse(text: str) -> Any:
@@ -121,7 +130,7 @@ def _schema_spec(schema: dict[str, Any]) -> OutputSpec:
                 f"{'.'.join(map(str, e.absolute_path)) or 'reply'}: {e.message}" for e in errors))
         return value
 
-    return OutputSpec(schema.get("title", "its output schema"), schema, parse)
+    return parse
 
 
 def handoff_tool_name(agent: Agent) -> str:

@@ -292,6 +292,8 @@ class _Loop:
         if isinstance(call, model.MalformedToolCall):  # what it wrote is in the result
             output = error_result(f"malformed tool call ({call.error}): {call.body}")
             is_error = True
+        elif call.name in handoffs and (problem := _handoff_arguments_problem(call)):
+            output, is_error = error_result(f"invalid arguments for {call.name}: {problem}"), True
         elif call.name in handoffs:
             if handoff is None:
                 target = handoffs[call.name].name
@@ -361,6 +363,17 @@ def _call_name(call: model.ToolCall | model.MalformedToolCall) -> str:
     except (json.JSONDecodeError, AttributeError):
         name = None
     return name if isinstance(name, str) else "invalid"
+
+
+def _handoff_arguments_problem(call: model.ToolCall) -> str | None:
+    """What is wrong with a handoff's arguments (``{"reason": str}``), which a backend without
+    the grammar may write otherwise; None if nothing."""
+    extra = sorted(set(call.arguments) - {"reason"})
+    if extra:
+        return f"{extra[0]}: not an argument of a handoff (reason)"
+    if not isinstance(call.arguments.get("reason", ""), str):
+        return "reason: must be a string"
+    return None
 
 
 def _call_args(call: model.ToolCall | model.MalformedToolCall) -> dict[str, Any]:
