@@ -427,7 +427,15 @@ def train_drafter(
 
     try:
         _out_dir(out)
-        _positive(num_conversations=num_conversations, save_every=save_every, steps=steps)
+        _positive(num_conversations=num_conversations, save_every=save_every, steps=steps,
+                  num_anchors=num_anchors, num_layers=num_layers)
+        if block_size < 2:
+            raise UserError(f"--block-size must be at least 2, got {block_size}")
+        if not 0.0 < lr < float("inf"):  # NaN too
+            raise UserError(f"--lr must be a positive number, got {lr}")
+        if not 0.0 <= constrained_tool_calls <= 1.0:
+            raise UserError(f"--constrained-tool-calls must be in [0, 1], got "
+                            f"{constrained_tool_calls}")
         check_out_dir(out, "drafter", steps, str(target))
         shares = _int_list(mix, "--mix")
         if len(shares) != 4:
