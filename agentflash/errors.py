@@ -1,6 +1,7 @@
 """Errors that agentflash reports to its user rather than as tracebacks."""
 
 
+import numbers
 from typing import Any
 
 
@@ -11,8 +12,21 @@ class UserError(Exception):
 # what the checks of user input ask of a value (a bool is an int to Python, never to a user)
 
 
+# the least non-zero sampling temperature (0 is greedy): below it, logits over the temperature
+# overflow float32 and sampling fails
+MIN_TEMPERATURE = 1e-6
+
+
+def is_temperature(value: Any) -> bool:
+    return is_number(value) and (value == 0 or MIN_TEMPERATURE <= value <= 10.0)
+
+
+TEMPERATURE_TEXT = f"0 (greedy) or a number from {MIN_TEMPERATURE:g} to 10"
+
+
 def is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    """An integer (a numpy one too), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def is_number(value: Any) -> bool:

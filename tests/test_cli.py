@@ -171,7 +171,7 @@ def test_bad_requests_line_is_named(tiny_model_dir, tmp_path):
         ('{"prompt": "x", "seed": 1.5, "temperature": 0.5}', "seed must be an integer"),
         ('{"prompt": "x", "seed": 100000000000000000000000}', "seed must be an integer in"),
         ('{"prompt": "x", "speculation": 5}', "speculation must be auto, dflash or off"),
-        ('{"prompt": "x", "temperature": "hot"}', "temperature must be a number"),
+        ('{"prompt": "x", "temperature": "hot"}', "temperature must be 0 (greedy) or a number"),
         ('{"prompt": "x", "tool_choice": 5, "tools": ' + json.dumps(TOOLS) + "}",
          "tool_choice: expected auto, none, required or a tool name"),
         ('{"prompt": "x", "regex": "([a-"}', "unclosed character class"),

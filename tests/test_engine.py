@@ -87,6 +87,28 @@ def test_sampling_is_reproducible_with_a_seed_and_varies_without(engine):
     assert len(other) > 1
 
 
+def test_an_unseeded_sampling_request_leaves_torchs_own_generator_alone(engine):
+    import numpy as np
+
+    params = SamplingParams(max_tokens=np.int64(2), temperature=0.7,
+                            stop_token_ids=(np.int64(3),))  # numpy integers are integers
+    assert type(params.max_tokens) is int and params.stop_token_ids == (3,)
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    engine.submit([1, 2, 3], params)
+    assert torch.equal(torch.rand(3), expected)
+    while engine.has_work:
+        engine.step()
+
+
+def test_dflash_on_an_engine_without_a_drafter_is_refused_not_decoded_plain(engine):
+    assert engine.drafter is None
+    with pytest.raises(UserError, match="speculation dflash needs a drafter, and this engine"):
+        engine.submit([1, 2, 3], SamplingParams(max_tokens=2, speculation="dflash"))
+    assert not engine.has_work
+
+
 def test_sampling_params_name_a_bad_field():
     assert SamplingParams(stop=["a", "b"]).stop == ("a", "b")  # a list is taken as a tuple
     assert SamplingParams(seed=2**64 - 1).seed == 2**64 - 1 and SamplingParams(seed=-(2**63))
@@ -94,7 +116,8 @@ def test_sampling_params_name_a_bad_field():
         (dict(seed=2**64), "seed must be an integer in"),  # torch refuses it: not at run time
         (dict(seed=True), "seed must be an integer in"),
         (dict(stop="abc"), "stop must hold non-empty strings"),  # not the strings a, b and c
-        (dict(temperature="0.5"), "temperature must be a number"),
+        (dict(temperature="0.5"), r"temperature must be 0 \(greedy\) or a number"),
+        (dict(temperature=1e-45), r"temperature must be 0 \(greedy\) or a number from 1e-06"),
         (dict(top_p=None), "top_p must be a number"),
         (dict(speculation=1), "speculation must be auto, dflash or off"),
         (dict(stop_token_ids=5), "stop_token_ids must hold token ids"),

@@ -15,7 +15,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agentflash.errors import SEED_TEXT, UserError, is_int, is_number, is_seed
+from agentflash.errors import (
+    SEED_TEXT,
+    TEMPERATURE_TEXT,
+    UserError,
+    is_int,
+    is_seed,
+    is_temperature,
+)
 
 
 class Speculation(str, enum.Enum):
@@ -46,8 +53,9 @@ class Decoding:
                                             or not 2 <= self.block_size <= 64):
             raise UserError(f"decoding.block_size must be an integer in [2, 64], "
                             f"got {self.block_size!r}")
-        if not is_number(self.temperature) or not 0.0 <= self.temperature <= 10.0:
-            raise UserError(f"decoding.temperature must be in [0, 10], got {self.temperature!r}")
+        if not is_temperature(self.temperature):
+            raise UserError(f"decoding.temperature must be {TEMPERATURE_TEXT}, got "
+                            f"{self.temperature!r}")
         if not is_int(self.max_tokens) or self.max_tokens < 1:
             raise UserError(f"decoding.max_tokens must be a positive integer, "
                             f"got {self.max_tokens!r}")

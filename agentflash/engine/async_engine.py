@@ -101,7 +101,10 @@ class AsyncEngine:
     ) -> AsyncIterator[TokenEvent | FinishEvent]:
         """Token events as they are decoded, then one ``FinishEvent``.
 
-        Leaving the iteration early (or being cancelled) cancels the request in the engine.
+        Leaving the iteration early (or being cancelled) cancels the request in the engine, once
+        the generator is closed: at once where ``async for`` iterates ``stream(...)`` itself; a
+        generator kept in a variable is closed only when collected, so hold it as
+        ``async with contextlib.aclosing(aengine.stream(...)) as events:``.
         """
         if self._thread is None:
             raise UserError("the AsyncEngine is not running: stream inside "

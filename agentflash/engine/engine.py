@@ -242,6 +242,10 @@ class Engine:
         if bad is not None:
             raise UserError(f"stop_token_ids holds {bad!r}, outside the vocabulary "
                             f"(0..{vocab - 1})")
+        if params.speculation is Speculation.DFLASH and self.drafter is None:
+            raise UserError("speculation dflash needs a drafter, and this engine has none "
+                            "(Engine.from_pretrained(..., drafter=DIR or 'demo'); or speculation "
+                            "auto or off)")
         prompt_ids = [int(t) for t in prompt_ids]
         limit = self.scheduler.cfg.max_len
         if len(prompt_ids) + 1 > limit:

@@ -9,7 +9,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from agentflash.errors import SEED_TEXT, is_int, is_number, is_seed
+from agentflash.errors import (
+    SEED_TEXT,
+    TEMPERATURE_TEXT,
+    is_int,
+    is_number,
+    is_seed,
+    is_temperature,
+)
 from agentflash.grammar.sources import GrammarSource
 from agentflash.router.policy import RequestRouting
 from agentflash.router.segments import SegmentTracker
@@ -51,8 +58,9 @@ class SamplingParams:
             raise ValueError(f"block_size must be an integer in [2, 64], got {self.block_size!r}")
         if not is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if not is_number(self.temperature) or not 0.0 <= self.temperature <= 10.0:
-            raise ValueError(f"temperature must be a number in [0, 10], got {self.temperature!r}")
+        object.__setattr__(self, "max_tokens", int(self.max_tokens))  # a numpy integer too
+        if not is_temperature(self.temperature):
+            raise ValueError(f"temperature must be {TEMPERATURE_TEXT}, got {self.temperature!r}")
         if not is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
         if self.seed is not None and not is_seed(self.seed):
@@ -63,6 +71,7 @@ class SamplingParams:
                 is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must hold token ids (integers from 0), "
                              f"got {self.stop_token_ids!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         if self.grammar is not None and not isinstance(self.grammar, GrammarSource):
             raise ValueError(f"grammar must be a GrammarSource (agentflash.grammar: json_schema, "
                              f"regex, lark, pydantic_model, assistant_turn), got "
@@ -135,7 +144,10 @@ class Request:
         self.generator: torch.Generator | None = None
         if not params.is_greedy:
             self.generator = torch.Generator()
-            self.generator.manual_seed(params.seed if params.seed is not None else torch.seed())
+            if params.seed is not None:
+                self.generator.manual_seed(params.seed)
+            else:  # its own entropy: torch.seed() reseeded the process's generator
+                self.generator.seed()
 
     @property
     def all_ids(self) -> list[int]:
