@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from agentflash.errors import UserError
+from agentflash.errors import UserError, UserErrors
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Agents and tool calls on an engine that makes structured output fast.")
@@ -17,8 +17,11 @@ train_app = typer.Typer(no_args_is_help=True, help="Train the demo tokenizer, ta
 app.add_typer(train_app, name="train")
 
 
-def fail(message: str) -> None:
-    typer.echo(f"error: {one_line(message)}", err=True)
+def fail(message: str | UserError) -> None:
+    """Exit 2 with the error on one line; several problems (a workflow file's) a line each."""
+    problems = message.problems if isinstance(message, UserErrors) else [str(message)]
+    for problem in problems:
+        typer.echo(f"error: {one_line(problem)}", err=True)
     raise typer.Exit(2)
 
 
@@ -242,7 +245,7 @@ def validate(
     try:
         wf = load_workflow(file)
     except UserError as err:
-        fail(str(err))
+        fail(err)
     typer.echo(f"{file}: ok (workflow {wf.name!r}: {len(wf.agents)} agents, {len(wf.tools)} "
                f"tools, {len(wf.steps)} steps)")
 
@@ -280,7 +283,7 @@ def run_workflow(
         else:
             result = anyio.run(run_with_view, wf, values, Console(stderr=True))
     except UserError as err:
-        fail(str(err))
+        fail(err)
     except RunError as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(1) from None

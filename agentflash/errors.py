@@ -9,6 +9,14 @@ class UserError(Exception):
     """Bad input from the user (a path, a file, a flag, a request): the message names it."""
 
 
+class UserErrors(UserError):
+    """Several problems found at once (a workflow file's): each names its place."""
+
+    def __init__(self, problems: list[str]):
+        super().__init__("\n".join(problems))
+        self.problems = problems
+
+
 # what the checks of user input ask of a value (a bool is an int to Python, never to a user)
 
 

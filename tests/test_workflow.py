@@ -420,3 +420,70 @@ def test_an_agent_may_be_made_to_hand_off(tmp_path):
             steps:
               - {id: one, agent: triage, input: Hi.}
             """))
+
+
+def test_names_of_dict_methods_off_as_a_word_and_json_booleans_in_templates(tmp_path):
+    # YAML 1.2: off and no are words (speculation off), not false
+    with pytest.raises(UserError, match=r"inputs.direct.default: .*'no' is not of type "
+                                        r"'boolean'"):
+        load_workflow(write(tmp_path, """\
+            version: 1
+            name: t
+            inputs:
+              direct: {type: boolean, default: no}
+            agents:
+              a: {instructions: You help.}
+            steps:
+              - {id: s, agent: a, input: hi}
+            """))
+    wf = load_workflow(write(tmp_path, """\
+        version: 1
+        name: t
+        decoding: {speculation: off}
+        inputs:
+          values: {type: string, default: "1,2,3"}
+          direct: {type: boolean, default: false}
+        agents:
+          a: {instructions: You help.}
+        steps:
+          - {id: items, agent: a, input: "Sum {{ inputs.values }} ({{ inputs.direct }})"}
+          - {id: report, agent: a, input: "Report {{ steps.items.output }}", needs: [items]}
+        outputs:
+          given: "{{ inputs.values }} {{ inputs.direct }}"
+        """))
+    assert wf.agents["a"].decoding.speculation.value == "off"
+    result = anyio.run(lambda: wf.run(backend=ScriptedBackend(lambda request: "six")))
+    assert result.outputs == {"given": "1,2,3 false"}
+
+
+def test_a_model_section_with_the_other_backends_keys_is_refused_a_line_each(tmp_path):
+    path = write(tmp_path, """\
+        version: 1
+        name: t
+        model: {base_url: "http://127.0.0.1:1/v1", model: gpt-4o-mini}
+        agents:
+          a: {instructions: You help.}
+        steps:
+          - {id: s, agent: a, input: hi}
+        """)
+    result = CliRunner().invoke(app, ["validate", str(path)])
+    assert result.exit_code == 2 and result.stderr.splitlines() == [
+        f"error: {path}:3: model.{key}: is a setting of the openai backend, and this model "
+        f"section's backend is local" for key in ("base_url", "model")]
+
+
+def test_an_agent_without_tools_cannot_write_a_call_on_the_embedded_engine(tmp_path):
+    # the demo model, trained on tool use, writes a call to a tool it was never given when
+    # nothing stops it; with no tools the reply is text without calls
+    wf = load_workflow(write(tmp_path, """\
+        version: 1
+        name: t
+        model: {path: demo, drafter: none}
+        decoding: {max_tokens: 48}
+        agents:
+          writer: {instructions: hi, max_turns: 1}
+        steps:
+          - {id: s, agent: writer, input: "z"}
+        """))
+    result = anyio.run(wf.run)
+    assert result.steps["s"].tool_calls == [] and "<tool_call>" not in result.steps["s"].output

@@ -348,11 +348,13 @@ def sampling_params(request: ModelRequest) -> Any:
 
 
 def turn_grammar(request: ModelRequest) -> Any:
-    """``assistant_turn`` over the request's tools, tool choice and output schema (or None)."""
+    """``assistant_turn`` over the request's tools, tool choice and output schema: without tools,
+    text without calls (a model trained to call tools may write a call to none, which the
+    runtime would then run as an unknown tool)."""
     from agentflash.grammar import assistant_turn
 
     if not request.tools and request.output_schema is None:
-        return None
+        return assistant_turn([], "none")
     choice = request.tool_choice
     value = choice.name if isinstance(choice, ForceTool) else choice.value
     return assistant_turn(request.tools, value, output_schema=request.output_schema)

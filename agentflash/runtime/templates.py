@@ -17,12 +17,22 @@ from jinja2.sandbox import SandboxedEnvironment
 
 
 def _finalize(value: Any) -> Any:
-    """Structured values are written as JSON, not as Python reprs."""
-    return json.dumps(value) if isinstance(value, (dict, list)) else value
+    """Values are written as JSON writes them (true, null, objects), not as Python reprs."""
+    return json.dumps(value) if isinstance(value, (dict, list, bool)) or value is None else value
 
 
-ENV = SandboxedEnvironment(undefined=StrictUndefined, autoescape=False, finalize=_finalize,
-                           keep_trailing_newline=True)
+class _Environment(SandboxedEnvironment):
+    """``inputs.values`` and ``steps.items.output`` name the input ``values`` and the step
+    ``items``: a mapping's keys come before the methods of Python's dict."""
+
+    def getattr(self, obj: Any, attribute: str) -> Any:
+        if isinstance(obj, dict) and attribute in obj:
+            return obj[attribute]
+        return super().getattr(obj, attribute)
+
+
+ENV = _Environment(undefined=StrictUndefined, autoescape=False, finalize=_finalize,
+                   keep_trailing_newline=True)
 _ONE_EXPRESSION = re.compile(r"^\s*\{\{(?P<expr>(?:(?!\}\}|\{\{|\{%|\{#).)*)\}\}\s*$", re.DOTALL)
 
 

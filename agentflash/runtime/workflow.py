@@ -30,7 +30,7 @@ from jinja2 import TemplateError
 
 from agentflash.backends import create_backend, is_available
 from agentflash.backends.base import Backend, BackendKind, Decoding, ForceTool, ModelSpec
-from agentflash.errors import UserError
+from agentflash.errors import UserError, UserErrors
 from agentflash.runtime import events as ev
 from agentflash.runtime.agent import Agent, output_spec
 from agentflash.runtime.errors import RunError, StepFailed
@@ -261,6 +261,14 @@ class _WorkflowRun:
                 "tokens_per_s": round(new / wall, 2) if wall > 0 else 0.0}
 
 
+_OPENAI_KEYS = ("base_url", "model", "api_key_env", "timeout_s", "max_retries")
+_BACKEND_KEYS = {
+    BackendKind.OPENAI: _OPENAI_KEYS,
+    BackendKind.LOCAL: ("path", "drafter", "prefix_cache_mb", "max_running", "max_len",
+                        "kv_budget_mb"),
+}
+
+
 def _jsonable(value: Any) -> Any:
     import pydantic_core
 
@@ -326,7 +334,7 @@ class _Problems:
     def raise_if_any(self) -> None:
         if self.items:
             lines = dict.fromkeys(m for _, m in sorted(self.items, key=lambda item: item[0]))
-            raise UserError("\n".join(lines))
+            raise UserErrors(list(lines))
 
 
 def load_workflow(path: str | Path) -> Workflow:
@@ -414,6 +422,15 @@ class _Builder:
         if not is_available(spec.backend):
             self.problems.add(("model", "backend"), f"backend {spec.backend.value!r} is not "
                                                     f"available in this version of agentflash")
+        # a key of the other backend is a mistake (a section that forgot backend: openai ran
+        # on the demo model), not a setting to ignore
+        for key in _BACKEND_KEYS[BackendKind.OPENAI if spec.backend is BackendKind.LOCAL
+                                 else BackendKind.LOCAL]:
+            if key in raw:
+                self.problems.add(("model", key), f"is a setting of the "
+                                                  f"{'openai' if key in _OPENAI_KEYS else 'local'}"
+                                                  f" backend, and this model section's backend "
+                                                  f"is {spec.backend.value}")
         if spec.backend is BackendKind.LOCAL:
             for key in ("path", "drafter"):
                 value = getattr(spec, key)

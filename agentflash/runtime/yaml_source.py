@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,19 @@ class YamlDoc:
         return f"{self.path}:{self.line(keys)}: {dotted(keys)}"
 
 
+class _Loader(yaml.SafeLoader):
+    """Safe YAML with YAML 1.2's booleans, true and false only: YAML 1.1 also reads on, off,
+    yes and no as booleans, so that ``speculation: off`` was false and refused."""
+
+
+_Loader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_Loader.add_implicit_resolver("tag:yaml.org,2002:bool",
+                              re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+
+
 def load_yaml(path: str | Path) -> YamlDoc:
     """Parse ``path`` (safe YAML: no Python objects), keeping the line of every key."""
     path = Path(path)
@@ -50,7 +64,7 @@ def load_yaml(path: str | Path) -> YamlDoc:
         raise UserError(f"{path}: file does not exist") from None
     except (OSError, UnicodeDecodeError) as err:
         raise UserError(f"{path}: cannot read the file: {err}") from None
-    loader = yaml.SafeLoader(text)
+    loader = _Loader(text)
     try:
         node = loader.get_single_node()
         if node is None:
@@ -65,11 +79,13 @@ def load_yaml(path: str | Path) -> YamlDoc:
         raise UserError(f"{path}:{line}: invalid YAML: {problem}") from None
     except yaml.YAMLError as err:
         raise UserError(f"{path}: invalid YAML: {err}") from None
+    except RecursionError:
+        raise UserError(f"{path}: the YAML nests deeper than it can be read") from None
     finally:
         loader.dispose()
 
 
-def _build(loader: yaml.SafeLoader, node: yaml.Node, keys: Keys, doc: YamlDoc) -> Any:
+def _build(loader: _Loader, node: yaml.Node, keys: Keys, doc: YamlDoc) -> Any:
     if isinstance(node, yaml.MappingNode):
         loader.flatten_mapping(node)  # YAML merge keys (<<)
         out: dict[str, Any] = {}
