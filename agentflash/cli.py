@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -272,16 +273,19 @@ def run_workflow(
     from agentflash.runtime.live_view import run_with_view
     from agentflash.runtime.workflow import load_workflow, parse_input_pairs
 
+    # with --json, stdout is the JSON alone: what python tools print goes to stderr
+    quiet = contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext()
     try:
-        wf = load_workflow(file)
-        if model is not None:
-            wf.model = dataclasses.replace(wf.model, backend=BackendKind.LOCAL, path=model,
-                                           drafter="auto", base_dir=None)
-        values = wf.resolve_inputs(parse_input_pairs(inputs or []))
-        if as_json:
-            result = anyio.run(wf.run, values)
-        else:
-            result = anyio.run(run_with_view, wf, values, Console(stderr=True))
+        with quiet:
+            wf = load_workflow(file)
+            if model is not None:
+                wf.model = dataclasses.replace(wf.model, backend=BackendKind.LOCAL, path=model,
+                                               drafter="auto", base_dir=None)
+            values = wf.resolve_inputs(parse_input_pairs(inputs or []))
+            if as_json:
+                result = anyio.run(wf.run, values)
+            else:
+                result = anyio.run(run_with_view, wf, values, Console(stderr=True))
     except UserError as err:
         fail(err)
     except RunError as err:

@@ -1,5 +1,6 @@
 """YAML workflows: the schema, the bad-file corpus, inputs, the DAG's concurrency and failures."""
 
+import json
 import re
 import textwrap
 from pathlib import Path
@@ -17,6 +18,7 @@ from agentflash.backends.scripted import ScriptedBackend
 from agentflash.cli import app
 from agentflash.errors import UserError
 from agentflash.runtime import StepFailed, load_workflow
+from agentflash.runtime.errors import OutputsFailed
 from agentflash.runtime.workflow import (
     SCHEMA_PATH,
     StepFinished,
@@ -326,7 +328,9 @@ def test_template_errors_at_run_time_name_the_key(tmp_path):
           days: "{{ steps.one.output.days }}"
         """)
     wf = load_workflow(path)
-    with pytest.raises(UserError, match=re.escape(f"{path}:8: outputs.days: template error: ")):
+    # the steps ran: a failed run (exit 1), not a bad file (exit 2)
+    with pytest.raises(OutputsFailed, match=re.escape(f"{path}:8: outputs.days: template "
+                                                      f"error: ")):
         anyio.run(lambda: wf.run(backend=ScriptedBackend(["plain text"])))
     # the template's own arithmetic failing, not Jinja: named the same way
     path = write(tmp_path, """\
@@ -342,8 +346,8 @@ def test_template_errors_at_run_time_name_the_key(tmp_path):
           share: "{{ 10 // inputs.n }}"
         """)
     wf = load_workflow(path)
-    with pytest.raises(UserError, match=re.escape(f"{path}:10: outputs.share: template error: "
-                                                  f"ZeroDivisionError")):
+    with pytest.raises(OutputsFailed, match=re.escape(f"{path}:10: outputs.share: template "
+                                                      f"error: ZeroDivisionError")):
         anyio.run(lambda: wf.run(backend=ScriptedBackend(["plain text"])))
 
 
@@ -487,3 +491,84 @@ def test_an_agent_without_tools_cannot_write_a_call_on_the_embedded_engine(tmp_p
         """))
     result = anyio.run(wf.run)
     assert result.steps["s"].tool_calls == [] and "<tool_call>" not in result.steps["s"].output
+
+
+def test_inputs_typed_as_a_list_of_types_or_an_enum_are_read_from_the_command_line(tmp_path):
+    wf = load_workflow(write(tmp_path, """\
+        version: 1
+        name: t
+        inputs:
+          n: {type: [integer, "null"], default: 3}
+          level: {enum: [1, 2, 3]}
+          tags: {type: [array, string]}
+        agents:
+          a: {instructions: You help.}
+        steps:
+          - {id: s, agent: a, input: "{{ inputs.n }} {{ inputs.level }} {{ inputs.tags }}"}
+        """))
+    assert wf.resolve_inputs({"n": "5", "level": "2", "tags": '["a"]'}) == {
+        "n": 5, "level": 2, "tags": ["a"]}
+    assert wf.resolve_inputs({"n": "null", "level": "3", "tags": "plain"}) == {
+        "n": None, "level": 3, "tags": "plain"}
+    with pytest.raises(UserError, match="input 'n' must be of type integer or null, got 'x'"):
+        wf.resolve_inputs({"n": "x", "level": "1", "tags": "t"})
+
+
+def test_python_tools_print_to_stderr_under_json_import_their_neighbours_and_may_not_exit(
+        tmp_path):
+    (tmp_path / "ptools.py").write_text(textwrap.dedent('''
+        print("ptools imported")
+
+        def add(a: int, b: int) -> int:
+            """Add two numbers."""
+            print("adding", a, b)
+            import helper  # beside the workflow, imported when the tool runs
+            return helper.plus(a, b)
+        '''))
+    (tmp_path / "helper.py").write_text("def plus(a, b):\n    return a + b\n")
+    (tmp_path / "exits.py").write_text("raise SystemExit(3)\n")
+    path = write(tmp_path, """\
+        version: 1
+        name: p
+        model: {path: demo, drafter: none}
+        decoding: {max_tokens: 40}
+        tools:
+          - {name: add, python: "ptools:add"}
+        agents:
+          a: {instructions: You add., tools: [add], tool_choice: add}
+        steps:
+          - {id: s, agent: a, input: "Use add with a 2, b 3."}
+        """)
+    result = CliRunner().invoke(app, ["run", str(path), "--json"])
+    assert result.exit_code == 0, result.stderr
+    report = json.loads(result.stdout)  # the JSON alone
+    assert report["steps"]["s"]["tool_calls"][0]["result"] == "5"
+    assert "ptools imported" in result.stderr and "adding 2 3" in result.stderr
+    bad = write(tmp_path, """\
+        version: 1
+        name: p
+        tools:
+          - {name: x, python: "exits:x"}
+        agents:
+          a: {instructions: You add., tools: [x]}
+        steps:
+          - {id: s, agent: a, input: "go"}
+        """, "bad.yaml")
+    result = CliRunner().invoke(app, ["validate", str(bad)])
+    assert result.exit_code == 2
+    assert "tools[0].python: cannot import 'exits': SystemExit: 3" in result.stderr
+
+
+def test_dflash_without_a_drafter_is_named_when_the_workflow_loads(tmp_path):
+    with pytest.raises(UserError, match=r"wf.yaml:4: decoding.speculation: dflash needs a "
+                                        r"drafter, and model.drafter is none"):
+        load_workflow(write(tmp_path, """\
+            version: 1
+            name: t
+            model: {drafter: none}
+            decoding: {speculation: dflash}
+            agents:
+              a: {instructions: You help.}
+            steps:
+              - {id: s, agent: a, input: hi}
+            """))

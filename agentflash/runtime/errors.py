@@ -41,3 +41,7 @@ class StepFailed(RunError):
     def __init__(self, step_id: str, agent: str, cause: BaseException):
         super().__init__(f"step {step_id!r} (agent {agent!r}) failed: {cause}")
         self.step_id, self.agent, self.cause = step_id, agent, cause
+
+
+class OutputsFailed(RunError):
+    """The steps ran, and the workflow's outputs could not be rendered from their results."""

@@ -29,11 +29,18 @@ import anyio
 from jinja2 import TemplateError
 
 from agentflash.backends import create_backend, is_available
-from agentflash.backends.base import Backend, BackendKind, Decoding, ForceTool, ModelSpec
+from agentflash.backends.base import (
+    Backend,
+    BackendKind,
+    Decoding,
+    ForceTool,
+    ModelSpec,
+    Speculation,
+)
 from agentflash.errors import UserError, UserErrors
 from agentflash.runtime import events as ev
 from agentflash.runtime.agent import Agent, output_spec
-from agentflash.runtime.errors import RunError, StepFailed
+from agentflash.runtime.errors import OutputsFailed, RunError, StepFailed
 from agentflash.runtime.runner import Runner, Streamed, ToolCallRecord, single_errors, streaming
 from agentflash.runtime.templates import references, render_text, render_value
 from agentflash.runtime.tools import FunctionTool, HttpTool, Tool, function_tool, no_parameters
@@ -209,8 +216,11 @@ class _WorkflowRun:
                     tg.start_soon(self.run_step, step, done, span, tg.cancel_scope)
             if self.failure is not None:
                 raise self.failure from self.failure.cause
-            outputs = {name: self.render(("outputs", name), text, render_value)
-                       for name, text in self.wf.outputs.items()}
+            try:  # a template that fails on the steps' results (1 / 0): the run failed
+                outputs = {name: self.render(("outputs", name), text, render_value)
+                           for name, text in self.wf.outputs.items()}
+            except UserError as err:
+                raise OutputsFailed(str(err)) from None
         return WorkflowResult(outputs, self.results, self.stats(span), self.tracer)
 
     async def run_step(self, step: Step, done: dict[str, anyio.Event], span: Span,
@@ -279,29 +289,62 @@ _INTEGER = re.compile(r"-?\d+")
 _NUMBER = re.compile(r"-?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
 
 
+_KINDS = ("null", "boolean", "integer", "number", "array", "object", "string")  # tried in order
+
+
 def _convert(name: str, text: str, schema: dict[str, Any]) -> Any:
-    """A command-line string as the input's declared type."""
-    kind = schema.get("type")
-    try:
-        if kind in ("integer", "number"):  # as JSON writes numbers: no 1_0, nan or inf
-            number = _INTEGER if kind == "integer" else _NUMBER
-            if not number.fullmatch(text.strip()):
-                raise ValueError
-            value = int(text) if kind == "integer" else float(text)
-            if not math.isfinite(value):  # 1e999
-                raise ValueError
-            return value
-        if kind == "boolean":
-            lowered = text.lower()
-            if lowered in ("true", "yes", "1", "on"):
-                return True
-            if lowered in ("false", "no", "0", "off"):
-                return False
+    """A command-line string as the input's declared type: one type, a list of types (the first
+    that reads it, in the order of ``_KINDS``), or an enum's values' types."""
+    kinds = schema.get("type")
+    if kinds is None and isinstance(schema.get("enum"), list):
+        kinds = [_json_kind(v) for v in schema["enum"]]
+    kinds = [kinds] if isinstance(kinds, str) else list(kinds or ["string"])
+    for kind in sorted(set(kinds) & set(_KINDS), key=_KINDS.index):
+        try:
+            return _convert_one(kind, text)
+        except (ValueError, json.JSONDecodeError):
+            continue
+    raise UserError(f"input {name!r} must be of type {' or '.join(kinds)}, got {text!r}")
+
+
+def _json_kind(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int):
+        return "integer"
+    if isinstance(value, float):
+        return "number"
+    return {list: "array", dict: "object"}.get(type(value), "string")
+
+
+def _convert_one(kind: str, text: str) -> Any:
+    """``text`` as one JSON type (``ValueError`` if it is not one)."""
+    if kind in ("integer", "number"):  # as JSON writes numbers: no 1_0, nan or inf
+        number = _INTEGER if kind == "integer" else _NUMBER
+        if not number.fullmatch(text.strip()):
             raise ValueError
-        if kind in ("array", "object"):
-            return json.loads(text)
-    except (ValueError, json.JSONDecodeError):
-        raise UserError(f"input {name!r} must be of type {kind}, got {text!r}") from None
+        value = int(text) if kind == "integer" else float(text)
+        if not math.isfinite(value):  # 1e999
+            raise ValueError
+        return value
+    if kind == "boolean":
+        lowered = text.lower()
+        if lowered in ("true", "yes", "1", "on"):
+            return True
+        if lowered in ("false", "no", "0", "off"):
+            return False
+        raise ValueError
+    if kind == "null":
+        if text.strip() != "null":
+            raise ValueError
+        return None
+    if kind in ("array", "object"):
+        value = json.loads(text)
+        if not isinstance(value, list if kind == "array" else dict):
+            raise ValueError
+        return value
     return text
 
 
@@ -402,12 +445,29 @@ class _Builder:
         inputs = self.inputs()
         tools = self.tools()
         agents = self.agents(tools, self.data.get("decoding", {}))
+        self.check_drafter(model, agents)
         steps = self.steps(agents, inputs)
         outputs = self.outputs(steps, inputs)
         self.problems.raise_if_any()
         assert decoding is not None
         return Workflow(self.doc.path, self.data["name"], model, decoding, inputs, tools, agents,
                         steps, outputs, self.doc)
+
+    def check_drafter(self, model: ModelSpec, agents: dict[str, Agent]) -> None:
+        """An agent that asks for DFlash on an embedded engine without a drafter (none, or auto
+        on another model than the demo) is named now, not when its step runs."""
+        if model.backend is not BackendKind.LOCAL or not (
+                model.drafter == "none" or (model.drafter == "auto" and model.path != "demo")):
+            return
+        for name, agent in agents.items():
+            if agent.decoding.speculation is not Speculation.DFLASH:
+                continue
+            own = "speculation" in self.data["agents"][name].get("decoding", {})
+            keys = ("agents", name, "decoding", "speculation") if own else ("decoding",
+                                                                            "speculation")
+            self.problems.add(keys, f"dflash needs a drafter, and model.drafter is "
+                                    f"{model.drafter} (give demo or a drafter directory, or "
+                                    f"speculation auto or off)")
 
     def model(self) -> ModelSpec:
         raw = self.data.get("model", {})
@@ -504,17 +564,14 @@ class _Builder:
 
     def import_function(self, keys: Keys, target: str) -> Any:
         module_name, _, attr = target.partition(":")
-        added = str(self.base_dir) not in sys.path
-        if added:
+        # the workflow's folder stays importable: a tool may import its neighbours when it runs
+        if str(self.base_dir) not in sys.path:
             sys.path.insert(0, str(self.base_dir))
         try:
             module = importlib.import_module(module_name)
-        except Exception as err:  # whatever the module raises while importing
+        except (Exception, SystemExit) as err:  # whatever the module raises while importing
             self.problems.add(keys, f"cannot import {module_name!r}: {type(err).__name__}: {err}")
             return None
-        finally:
-            if added:
-                sys.path.remove(str(self.base_dir))
         fn = getattr(module, attr, None)
         if fn is None or not callable(fn):
             self.problems.add(keys, f"module {module_name!r} has no function {attr!r}")
