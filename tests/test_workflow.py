@@ -287,6 +287,7 @@ def test_steps_whose_needs_are_met_run_concurrently(tmp_path):
     assert set(doc) == {"outputs", "steps", "stats"}
     assert set(doc["steps"]) == {"left", "right", "join"}
     assert set(doc["steps"]["join"]) == {"output", "tool_calls", "stats"}
+    assert doc["steps"]["join"]["stats"]["finish_reason"] == "stop"  # "length": max_tokens cut it
     assert doc["stats"]["steps"] == 3 and doc["stats"]["turns"] == 3
     spans = [s.name for s in result.tracer.spans]
     assert spans[0] == "invoke_workflow dag" and spans.count("run a") == 2

@@ -248,7 +248,8 @@ class _WorkflowRun:
                     self.emit(StepEvent(step.id, event))
         result = run.result
         step_result = StepResult(_jsonable(result.final_output), result.last_agent,
-                                 result.tool_calls, result.stats())
+                                 result.tool_calls,
+                                 {**result.stats(), "finish_reason": result.finish_reason})
         self.emit(StepFinished(step.id, step_result))
         return step_result
 
