@@ -1,6 +1,7 @@
 """The AsyncEngine: steps on its one engine thread, a failing step fails only its requests,
 cancelled and abandoned streams free their slots."""
 
+import dataclasses
 import logging
 import threading
 import time
@@ -166,7 +167,10 @@ def test_cancelled_streams_free_their_slots(engine):
 
 
 def test_closing_the_async_engine_fails_the_requests_still_open(engine):
-    results = []
+    results, deltas = [], []
+    # a stop string every prefix of the reply begins: the stream holds all its text back
+    whole = engine.generate(prompt(2), LONG).text
+    params = dataclasses.replace(LONG, stop=(whole + "ZZZ",))
 
     async def main():
         async with anyio.create_task_group() as tg:
@@ -174,10 +178,12 @@ def test_closing_the_async_engine_fails_the_requests_still_open(engine):
                 decoding = anyio.Event()
 
                 async def reader():
-                    async for event in aengine.stream(prompt(2), LONG):
+                    async for event in aengine.stream(prompt(2), params):
                         decoding.set()
                         if isinstance(event, FinishEvent):
                             results.append(event.result)
+                        else:
+                            deltas.append(event.text)
 
                 tg.start_soon(reader)
                 await decoding.wait()
@@ -186,6 +192,7 @@ def test_closing_the_async_engine_fails_the_requests_still_open(engine):
 
     anyio.run(main)
     assert results[0].finish_reason == "error" and "stopped" in results[0].error
+    assert "".join(deltas) == results[0].text != ""  # the held text is sent before the end
     assert_all_slots_free(engine)
 
 

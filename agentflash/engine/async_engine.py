@@ -175,9 +175,10 @@ class AsyncEngine:
         stream = self._streams.get(req.id)
         if stream is None:
             return
-        if new_ids:
+        if new_ids or req.is_finished:  # an end with no new token (an error) flushes held text
             text = stream.detok.delta(req.output_ids, final=req.is_finished, cut=req.stop_text_len)
-            stream.send.send_nowait(TokenEvent(new_ids, text))
+            if new_ids or text:
+                stream.send.send_nowait(TokenEvent(new_ids, text))
         if req.is_finished:
             stream.send.send_nowait(FinishEvent(self.engine.result(req)))
             stream.send.close()
