@@ -480,3 +480,14 @@ def test_a_failing_engine_step_ends_its_requests_with_500_and_the_server_serves_
         assert health.status_code == 200 and health.json()["requests_in_flight"] == 0
         reply = post(url, json.dumps({**body, "max_tokens": 2}))
         assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 2
+
+
+def test_dflash_asked_of_a_server_without_a_drafter_is_a_400(tiny_model_dir):
+    plain = Engine.from_pretrained(tiny_model_dir, EngineConfig(max_len=256), drafter=None)
+    with serving_in_thread(ServerConfig(port=0), plain) as base_url:
+        reply = httpx.post(f"{base_url}/chat/completions", timeout=60, json={
+            "model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+            "agentflash": {"speculation": "dflash"}})
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == "agentflash.speculation" and "needs a drafter" in error["message"]

@@ -28,7 +28,7 @@ from agentflash.backends.base import (
 from agentflash.backends.local import HermesStreamParser
 from agentflash.engine.async_engine import AsyncEngine, FinishEvent
 from agentflash.engine.engine import Engine, GenerationResult
-from agentflash.engine.request import FinishReason, SamplingParams
+from agentflash.engine.request import FinishReason, SamplingParams, Speculation
 from agentflash.errors import UserError
 from agentflash.grammar import (
     GrammarError,
@@ -106,6 +106,9 @@ def prepare(request: ChatCompletionRequest, engine: Engine, max_tokens_limit: in
         )
     except ValueError as err:  # the protocol's own checks catch these first; none is a 500
         raise APIError(400, str(err)) from None
+    if params.speculation is Speculation.DFLASH and engine.drafter is None:
+        raise APIError(400, "speculation dflash needs a drafter, and this server has none "
+                            "(agentflash serve --drafter DIR)", param="agentflash.speculation")
     return ChatJob(prompt_ids, params, bool(tools) and choice.mode is not ToolChoiceMode.NONE)
 
 
