@@ -108,11 +108,15 @@ def generate(
 
 
 def _compile_all(engine, todo) -> None:
-    """Every request's grammar compiled (and cached) before the first one runs, so that a bad
-    schema on a requests file's last line fails before the lines above it are answered."""
+    """Every request's grammar compiled (and cached), and its speculation possible, before the
+    first one runs, so that a bad last line fails before the lines above it are answered."""
+    from agentflash.engine.request import Speculation
     from agentflash.grammar import GrammarError
 
     for item in todo:
+        if item.params.speculation is Speculation.DFLASH and engine.drafter is None:
+            raise UserError(f"{item.where}: speculation dflash needs a drafter (--drafter demo "
+                            f"or a directory)")
         if item.params.grammar is not None:
             try:
                 engine.compile(item.params.grammar)

@@ -203,6 +203,12 @@ def test_requests_grammars_compile_before_any_answer_and_schema_files_sit_beside
     path.write_text('{"prompt": "x", "schema": "int.json", "max_tokens": 4}\n')
     code, out, _ = run("generate", "--model", str(tiny_model_dir), "--requests", str(path))
     assert code == 0 and out.strip().lstrip("-").isdigit()
+    # a line asking for dflash of a model without a drafter fails before any line is answered
+    path.write_text('{"prompt": "x", "max_tokens": 4}\n'
+                    '{"prompt": "x", "max_tokens": 4, "speculation": "dflash"}\n')
+    code, out, err = run("generate", "--model", str(tiny_model_dir), "--requests", str(path))
+    assert code == 2 and out == "" and err.startswith(f"error: {path}:2: speculation dflash "
+                                                      f"needs a drafter")
 
 
 def test_boolean_schemas_and_a_huge_seed(tiny_model_dir, tmp_path):
