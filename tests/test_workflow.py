@@ -477,16 +477,16 @@ def test_a_model_section_with_the_other_backends_keys_is_refused_a_line_each(tmp
         f"section's backend is local" for key in ("base_url", "model")]
 
 
-def test_an_agent_without_tools_cannot_write_a_call_on_the_embedded_engine(tmp_path):
+def test_an_agent_without_tools_and_tool_choice_none_cannot_write_a_call(tmp_path):
     # the demo model, trained on tool use, writes a call to a tool it was never given when
-    # nothing stops it; with no tools the reply is text without calls
+    # nothing stops it; tool_choice none binds the reply to text without calls
     wf = load_workflow(write(tmp_path, """\
         version: 1
         name: t
         model: {path: demo, drafter: none}
         decoding: {max_tokens: 48}
         agents:
-          writer: {instructions: hi, max_turns: 1}
+          writer: {instructions: hi, max_turns: 1, tool_choice: none}
         steps:
           - {id: s, agent: writer, input: "z"}
         """))

@@ -31,6 +31,7 @@ from agentflash.backends.base import (
     ToolCall,
     ToolCallDelta,
     ToolCallReady,
+    ToolChoice,
 )
 from agentflash.errors import UserError
 from agentflash.runtime.errors import RunError
@@ -348,13 +349,14 @@ def sampling_params(request: ModelRequest) -> Any:
 
 
 def turn_grammar(request: ModelRequest) -> Any:
-    """``assistant_turn`` over the request's tools, tool choice and output schema: without tools,
-    text without calls (a model trained to call tools may write a call to none, which the
-    runtime would then run as an unknown tool)."""
+    """``assistant_turn`` over the request's tools, tool choice and output schema (or None).
+    Without tools, ``tool_choice`` none still binds the turn to text without calls (a model
+    trained on tool use may write one); ``auto`` leaves it free: the grammar's masks cost a
+    plain turn about 3% and DFlash's acceptance about 9% (measured on the demo model)."""
     from agentflash.grammar import assistant_turn
 
     if not request.tools and request.output_schema is None:
-        return assistant_turn([], "none")
+        return assistant_turn([], "none") if request.tool_choice is ToolChoice.NONE else None
     choice = request.tool_choice
     value = choice.name if isinstance(choice, ForceTool) else choice.value
     return assistant_turn(request.tools, value, output_schema=request.output_schema)

@@ -465,6 +465,16 @@ def _lark_tokens(text: str) -> list[tuple[str, str]]:
     return tokens
 
 
+def special_tokens(text: str) -> list[str] | None:
+    """The special tokens (``<|im_end|>``, ``<[2]>``) a Lark grammar writes: outside its strings
+    and ``%json`` bodies, where the same characters are text; None if the checker cannot read
+    the grammar."""
+    try:
+        return [value for kind, value in _lark_tokens(text) if kind == "special"]
+    except _Unparsed:
+        return None
+
+
 def _json_object_end(text: str, start: int) -> int:
     try:
         _, end = json.JSONDecoder().raw_decode(text, start)

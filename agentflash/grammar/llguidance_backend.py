@@ -189,10 +189,13 @@ def compile_source(
 def _check_no_end_token(source: GrammarSource, info: TokenizerInfo) -> None:
     """The end token is the engine's to place (wherever the grammar is complete): a grammar that
     writes it itself could never be complete after it, and every request would get stuck."""
+    from agentflash.grammar.checks import special_tokens
+
     eos = info.eos_token_id
     convert = getattr(info.tokenizer, "convert_ids_to_tokens", None)
     name = convert(eos) if convert is not None else None
+    written = special_tokens(source.text) or []  # in a string or a %json schema it is text
     for spelling in (name, f"<[{eos}]>"):
-        if spelling and spelling in source.text:
+        if spelling and spelling in written:
             raise GrammarError(f"{source.origin}: the grammar writes the end token {spelling}: "
                                f"leave it out (the reply ends wherever the grammar is complete)")
