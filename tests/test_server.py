@@ -280,6 +280,14 @@ def test_stop_strings_and_max_tokens(client):
     (dict(response_format={"type": "json_schema", "json_schema": {"name": "x"}}), 400,
      "response_format.json_schema"),
     (dict(model="gpt-4o"), 404, "model"),
+    # a literal the grammar would have to write as text, and the tokenizer reads as a special
+    # token: refused when the grammar is built (it was a 500 at the first step)
+    (dict(tools=[{"type": "function", "function": {"name": "emit", "parameters": {
+        "type": "object", "properties": {"tag": {"type": "string", "enum": ["</tool_call>"]}},
+        "required": ["tag"]}}}], tool_choice="required"), 400, "tools"),
+    (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"a": {"const": "<tool_response>"}}}}}), 400,
+     "response_format"),
 ])
 def test_bad_requests_get_openai_errors(client, kwargs, status, param):
     kwargs = {"model": "demo", "messages": user("hi"), "max_tokens": 8, **kwargs}

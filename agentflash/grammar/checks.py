@@ -475,6 +475,63 @@ def special_tokens(text: str) -> list[str] | None:
         return None
 
 
+def written_literals(source_kind: str, text: str, schema: Any = None) -> list[tuple[str, str]]:
+    """(where, text) of each literal a grammar writes as text: a schema's property names and
+    enum and const strings; a Lark grammar's strings and its ``%json`` schemas' literals.
+    Patterns and regexes are left out (one may name a text to exclude it); so is what the
+    checker cannot read."""
+    if source_kind == "regex":
+        return []
+    if source_kind == "json_schema":
+        return list(_schema_literals(schema, []))
+    try:
+        tokens = _lark_tokens(text)
+    except _Unparsed:
+        return []
+    found: list[tuple[str, str]] = []
+    for kind, value in tokens:
+        if kind == "string":
+            found.append((f"the string {value}", value))
+        elif kind == "json":
+            try:
+                body = json.loads(value[value.index("{"):])
+            except ValueError:
+                continue
+            found += [(f"%json {where}", lit) for where, lit in _schema_literals(body, [])]
+    return found
+
+
+def _schema_literals(node: Any, path: list[str | int]) -> Iterator[tuple[str, str]]:
+    if isinstance(node, list):
+        for i, item in enumerate(node):
+            yield from _schema_literals(item, path + [i])
+        return
+    if not isinstance(node, dict):
+        return
+    for key, value in node.items():
+        if key in ("enum", "const"):
+            for text in _strings(value):
+                yield pointer(path + [key]), text
+        elif key == "properties" and isinstance(value, dict):
+            for name, sub in value.items():
+                yield pointer(path + [key]), name
+                yield from _schema_literals(sub, path + [key, name])
+        elif key not in ("description", "title", "$comment", "examples", "default", "pattern"):
+            yield from _schema_literals(value, path + [key])
+
+
+def _strings(value: Any) -> Iterator[str]:
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, list):
+        for item in value:
+            yield from _strings(item)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield key
+            yield from _strings(item)
+
+
 def _json_object_end(text: str, start: int) -> int:
     try:
         _, end = json.JSONDecoder().raw_decode(text, start)

@@ -183,7 +183,28 @@ def compile_source(
 ) -> LLGuidanceGrammar:
     if source.kind is GrammarKind.LARK:
         _check_no_end_token(source, info)
+    _check_no_special_text(source, info)
     return LLGuidanceGrammar(source, tokenizer, info.vocab_size, info.eos_token_id)
+
+
+def _check_no_special_text(source: GrammarSource, info: TokenizerInfo) -> None:
+    """A literal the grammar writes as text that holds a special token's text (an enum value
+    ``</tool_call>``) cannot be written: the tokenizer reads that text as the special token,
+    which the grammar does not take as text, and every request would fail at that point."""
+    from agentflash.grammar.checks import written_literals
+
+    added = getattr(info.tokenizer, "get_added_vocab", None)
+    specials = [t for t in (added() if added is not None else {}) if len(t) > 1]
+    if not specials:
+        return
+    kind = {GrammarKind.JSON_SCHEMA: "json_schema", GrammarKind.REGEX: "regex"}.get(
+        source.kind, "lark")
+    schema = source.schema if source.kind is GrammarKind.JSON_SCHEMA else None
+    for where, text in written_literals(kind, source.text, schema):
+        token = next((t for t in specials if t in text), None)
+        if token is not None:
+            raise GrammarError(f"{source.origin}: {where} holds {token!r}, the text of a special "
+                               f"token of this tokenizer: the grammar cannot write it as text")
 
 
 def _check_no_end_token(source: GrammarSource, info: TokenizerInfo) -> None:
