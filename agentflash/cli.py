@@ -267,12 +267,10 @@ def run_workflow(
                         "instead of the file's model section")] = None,
 ) -> None:
     """Run a workflow, with a live view of its steps (on stderr) unless --json."""
-    import dataclasses
 
     import anyio
     from rich.console import Console
 
-    from agentflash.backends.base import BackendKind
     from agentflash.runtime.errors import RunError
     from agentflash.runtime.live_view import run_with_view
     from agentflash.runtime.workflow import load_workflow, parse_input_pairs
@@ -281,10 +279,7 @@ def run_workflow(
     quiet = contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext()
     try:
         with quiet:
-            wf = load_workflow(file)
-            if model is not None:
-                wf.model = dataclasses.replace(wf.model, backend=BackendKind.LOCAL, path=model,
-                                               drafter="auto", base_dir=None)
+            wf = load_workflow(file, model)
             values = wf.resolve_inputs(parse_input_pairs(inputs or []))
             if as_json:
                 result = anyio.run(wf.run, values)
@@ -331,7 +326,13 @@ def serve(
                                "keys, values and drafter contexts fit")] = None,
 ) -> None:
     """Serve the engine behind the OpenAI chat-completions API (/v1/chat/completions)."""
+    import os
+
     try:
+        if api_key is None and os.environ.get("AGENTFLASH_API_KEY") is not None:
+            # set and empty (click reads it as unset): a key meant and none given
+            raise UserError("AGENTFLASH_API_KEY is set and empty: give it a key, or unset it "
+                            "to serve without one")
         from agentflash.server.app import ServerConfig
         from agentflash.server.app import serve as run_server
 

@@ -786,6 +786,7 @@ def test_recursive_schemas_that_can_end_compile(tok, closers):
 @pytest.mark.parametrize(
     "schema",
     [  # required keys that a pattern, or another branch of the object, lets finish
+
         {"type": "object", "patternProperties": {"^x": {"type": "integer"}}, "required": ["xa"],
          "additionalProperties": False},
         {"type": "object", "properties": {"b": {"type": "integer"}}, "minProperties": 1,
@@ -798,6 +799,16 @@ def test_schemas_whose_required_values_can_finish_compile(tok, closers, schema):
     grammar = compile_grammar(json_schema(schema), tok)
     text = decoded(tok, random_output(grammar.new_constraint(), closers, random.Random(0)))
     jsonschema.validate(json.loads(text), schema)
+
+
+@pytest.mark.parametrize("schema", [
+    # a pattern Python's re cannot read: what a name must match is not known, so no refusal
+    {"type": "object", "patternProperties": {"^\\p{Lu}": False}, "required": ["a"]},
+    {"type": "integer", "minimum": 0, "maximum": 10**400},  # past a float: still a bound
+    {"type": "integer", "enum": [10**400, 1]},
+])
+def test_the_schema_checks_refuse_nothing_they_cannot_tell(schema):
+    assert json_schema(schema).schema == json.loads(json.dumps(schema))
 
 
 def test_schema_files_name_the_file_and_line(tok, tmp_path: Path):

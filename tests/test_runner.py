@@ -2,6 +2,7 @@
 output, guardrails, max turns, tool choice and cancellation."""
 
 import json
+from typing import Literal
 
 import anyio
 import pytest
@@ -311,18 +312,27 @@ def test_an_agent_changed_after_it_was_built_is_checked_as_when_built():
 
     agent = Agent("a")
     agent.output_type = Answer
+    agent.tool_choice = "required"  # checked at the run: fields that must agree change in turn
     with pytest.raises(UserError, match="tool_choice is required but the agent has no tools"):
-        agent.tool_choice = "required"
-    assert agent.tool_choice is ToolChoice.AUTO  # a refused value is not kept
+        run(agent, ["x"])
     agent.tools.append(get_weather.fn)  # a plain function, as the constructor takes them
-    agent.tool_choice = "required"
     script = [ScriptedTurn.calls(("get_weather", {"city": "Oslo"})), '{"city": "Oslo"}']
     result, _, backend = run(agent, script)
     assert result.final_output == Answer(city="Oslo")
     assert backend.requests[0].tool_choice is ToolChoice.REQUIRED
     assert backend.requests[0].tools[0]["function"]["name"] == "get_weather"
+    agent.max_turns = 0
     with pytest.raises(UserError, match="max_turns must be a positive integer"):
-        agent.max_turns = 0
+        run(agent, ["x"])
+    # a forced tool swapped for another, one field after the other
+    def lookup(key: str) -> str:
+        """Look a key up."""
+        return key
+
+    swap = Agent("s", tools=[get_weather], tool_choice=ForceTool("get_weather"))
+    swap.tools = [lookup]
+    swap.tool_choice = ForceTool("lookup")
+    assert swap.turn_tools()[0].keys() == {"lookup"}
 
 
 def test_a_handoff_with_arguments_a_handoff_has_not_is_refused():
@@ -589,3 +599,18 @@ def test_a_turn_the_engine_refuses_names_the_agent_and_an_empty_guardrail_reason
     quiet = Agent("q", input_guardrails=[lambda text: ""])
     with pytest.raises(UserError, match="returned an empty reason: return None"):
         Runner.run_sync(quiet, "hi", backend=ScriptedBackend(["x"]))
+
+
+def test_a_refused_turn_keeps_the_class_of_its_error(tiny_model_dir):
+    from agentflash.backends.local import LocalBackend
+    from agentflash.grammar import GrammarError
+
+    class Tagged(BaseModel):
+        tag: Literal["</tool_call>"]  # text the tokenizer reads as a special token
+
+    async def main():
+        async with LocalBackend(str(tiny_model_dir), drafter="none") as backend:
+            await Runner.run(Agent("a", output_type=Tagged), "hi", backend=backend)
+
+    with pytest.raises(GrammarError, match="agent 'a', turn 1: .*holds '</tool_call>'"):
+        anyio.run(main)

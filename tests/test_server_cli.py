@@ -125,3 +125,10 @@ def test_serve_loads_the_engine_off_the_main_thread(monkeypatch):
     assert result.exit_code == 2 and "stop here" in result.stderr
     assert len(threads) == 1 and threads[0] is not threading.main_thread()
     assert not threads[0].is_alive()  # the loading thread ended with the loading
+
+
+def test_serve_refuses_an_api_key_variable_set_and_empty(tiny_model_dir, monkeypatch):
+    # a key meant and none given must not start a server without one
+    monkeypatch.setenv("AGENTFLASH_API_KEY", "")
+    result = CliRunner().invoke(app, ["serve", "--model", str(tiny_model_dir), "--port", "0"])
+    assert result.exit_code == 2 and "AGENTFLASH_API_KEY is set and empty" in result.stderr

@@ -573,3 +573,20 @@ def test_dflash_without_a_drafter_is_named_when_the_workflow_loads(tmp_path):
             steps:
               - {id: s, agent: a, input: hi}
             """))
+
+
+def test_run_model_is_checked_as_the_model_the_workflow_runs_on(tmp_path):
+    path = write(tmp_path, """\
+        version: 1
+        name: t
+        model: {path: no/such/model}
+        decoding: {speculation: dflash, max_tokens: 4}
+        agents:
+          a: {instructions: You help.}
+        steps:
+          - {id: s, agent: a, input: hi}
+        """)
+    with pytest.raises(UserError, match="dflash needs a drafter"):
+        load_workflow(path)
+    wf = load_workflow(path, model="demo")  # the demo drafter comes with it
+    assert wf.model.path == "demo" and wf.model.drafter == "auto"

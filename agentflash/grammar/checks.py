@@ -84,7 +84,10 @@ def _contradictory_bounds(schema: Any) -> tuple[str, str] | None:
 
 
 def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    """A JSON number (an int of any size: math.isfinite would overflow on one past a float)."""
+    if isinstance(value, bool):
+        return False
+    return isinstance(value, int) or (isinstance(value, float) and math.isfinite(value))
 
 
 def _no_integer_between(node: dict) -> str | None:
@@ -109,7 +112,7 @@ def _no_integer_between(node: dict) -> str | None:
 _JSON_TYPES: dict[str, Callable[[Any], bool]] = {
     "null": lambda v: v is None,
     "boolean": lambda v: isinstance(v, bool),
-    "integer": lambda v: _is_number(v) and float(v).is_integer(),
+    "integer": lambda v: _is_number(v) and (isinstance(v, int) or v.is_integer()),
     "number": _is_number,
     "string": lambda v: isinstance(v, str),
     "array": lambda v: isinstance(v, list),
@@ -256,21 +259,26 @@ def _property_schemas(parts: list[tuple[list[str | int], dict]], name: str
         if name in props:
             yield path + ["properties", name], props[name]
             continue
-        matched = [(path + ["patternProperties", k], v)
-                   for k, v in part.get("patternProperties", {}).items() if _matches(k, name)]
+        patterns = part.get("patternProperties", {})
+        matches = {k: _matches(k, name) for k in patterns}
+        if None in matches.values():
+            continue  # a pattern Python cannot read: what the name must match is not known
+        matched = [(path + ["patternProperties", k], v) for k, v in patterns.items()
+                   if matches[k]]
         if matched:
             yield from matched
         elif "additionalProperties" in part:
             yield path + ["additionalProperties"], part["additionalProperties"]
 
 
-def _matches(pattern: str, name: str) -> bool:
-    """Whether a ``patternProperties`` pattern matches ``name`` (a pattern Python cannot read
-    is taken to match: this check must never refuse a schema that can finish)."""
+def _matches(pattern: str, name: str) -> bool | None:
+    """Whether a ``patternProperties`` pattern matches ``name``; None for a pattern Python's
+    ``re`` cannot read (``\\p{Lu}``), whose part then refuses nothing: these checks must never
+    refuse a schema that can finish."""
     try:
         return re.search(pattern, name) is not None
     except re.error:
-        return True
+        return None
 
 
 def _local_refs(node: Any) -> Iterator[str]:

@@ -198,25 +198,21 @@ class Agent:
         self._check()
 
     def __setattr__(self, name: str, value: Any) -> None:
-        # a field changed after the agent was built is checked as the constructor checks it;
-        # a value the check refuses is not kept
-        if name not in _CHECKED_FIELDS or not self.__dict__.get("_built") \
-                or self.__dict__.get("_checking"):
-            super().__setattr__(name, value)
-            return
-        before = dict(self.__dict__)
         super().__setattr__(name, value)
-        try:
-            self._check()
-        except BaseException:
-            self.__dict__.clear()
-            self.__dict__.update(before)
-            raise
+        # a field changed after the agent was built is checked as the constructor checks it,
+        # at its next turn (not at once: fields that must agree, a forced tool and the tools,
+        # are changed one at a time)
+        if name in _CHECKED_FIELDS and self.__dict__.get("_built") \
+                and not self.__dict__.get("_checking"):
+            self.__dict__["_changed"] = True
 
     def _check(self) -> None:
-        self.__dict__["_checking"] = True
+        self.__dict__["_checking"], self.__dict__["_changed"] = True, False
         try:
             self._check_fields()
+        except BaseException:
+            self.__dict__["_changed"] = self.__dict__.get("_built", False)  # still to check
+            raise
         finally:
             self.__dict__["_checking"] = False
         self.__dict__["_built"] = True
@@ -278,9 +274,10 @@ class Agent:
 
     def turn_tools(self) -> tuple[dict[str, Tool], dict[str, Agent]]:
         """The tools and handoff targets of a turn, by the name the model calls them."""
-        if not all(isinstance(t, (FunctionTool, HttpTool)) for t in self.tools) or not all(
+        if self.__dict__.get("_changed") or not all(
+                isinstance(t, (FunctionTool, HttpTool)) for t in self.tools) or not all(
                 isinstance(g, Guardrail) for g in self.input_guardrails + self.output_guardrails):
-            self._check()  # a list added to since the agent was built: as the constructor does
+            self._check()  # changed since it was built: checked as the constructor checks it
         tools = {t.name: t for t in self.tools}
         handoffs: dict[str, Agent] = {}
         for target in self.handoffs:

@@ -24,7 +24,7 @@ import anyio
 
 from agentflash.backends import base as model
 from agentflash.backends.base import Backend, ForceTool, ModelRequest, ToolChoice
-from agentflash.errors import UserError
+from agentflash.errors import UserError, UserErrors
 from agentflash.runtime import events as ev
 from agentflash.runtime.agent import Agent, Guardrail, OutputValidationError, handoff_tool_spec
 from agentflash.runtime.errors import (
@@ -148,6 +148,7 @@ class _Loop:
         attrs = {"gen_ai.operation.name": "invoke_workflow", "gen_ai.agent.name": self.agent.name}
         with self.tracer.span(SpanKind.RUN, f"run {self.agent.name}", self.trace_parent,
                               attrs) as span:
+            self.agent.turn_tools()  # an agent changed since it was built is checked first
             await _guard("input", self.agent.input_guardrails, self.input)
             # each agent's turns in this run, whenever it held the conversation: its max_turns
             # bounds them, so handoffs that go round in a cycle end too
@@ -416,8 +417,15 @@ def _naming_the_turn(agent: str, number: int) -> Iterator[None]:
     speculation it cannot do) names the agent and the turn it came from."""
     try:
         yield
-    except UserError as err:
-        raise UserError(f"agent {agent!r}, turn {number}: {err}") from None
+    except UserError as err:  # of the same class (a GrammarError stays one)
+        where = f"agent {agent!r}, turn {number}: "
+        if isinstance(err, UserErrors):
+            raise UserErrors([where + p for p in err.problems]) from None
+        try:
+            named = type(err)(where + str(err))
+        except TypeError:  # a class built from other arguments than its message
+            named = UserError(where + str(err))
+        raise named from None
 
 
 async def _guard(kind: str, guardrails: list[Guardrail], value: Any) -> None:

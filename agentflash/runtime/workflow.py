@@ -381,14 +381,16 @@ class _Problems:
             raise UserErrors(list(lines))
 
 
-def load_workflow(path: str | Path) -> Workflow:
+def load_workflow(path: str | Path, model: str | None = None) -> Workflow:
     """Read, validate and build a workflow; every problem is a ``UserError`` naming the file,
-    line and key. Python tools are imported here (see the module's note)."""
+    line and key. Python tools are imported here (see the module's note). ``model``: run it on
+    the embedded engine with this model (``demo`` or a directory) instead of its model section
+    (``agentflash run --model``)."""
     doc = load_yaml(path)
     problems = _Problems(doc)
     _schema_problems(doc, problems)
     problems.raise_if_any()
-    return _Builder(doc, problems).build()
+    return _Builder(doc, problems, model).build()
 
 
 def _schema_problems(doc: YamlDoc, problems: _Problems) -> None:
@@ -436,12 +438,16 @@ def _is_key(data: Any, keys: Keys, name: str) -> bool:
 class _Builder:
     """Turns a schema-valid document into a ``Workflow``, collecting every semantic problem."""
 
-    def __init__(self, doc: YamlDoc, problems: _Problems):
+    def __init__(self, doc: YamlDoc, problems: _Problems, model: str | None = None):
         self.doc, self.problems, self.data = doc, problems, doc.data
         self.base_dir = doc.path.resolve().parent
+        self.model_override = model
 
     def build(self) -> Workflow:
         model = self.model()
+        if self.model_override is not None:  # checked below as the model it runs on
+            model = dataclasses.replace(model, backend=BackendKind.LOCAL,
+                                        path=self.model_override, drafter="auto", base_dir=None)
         decoding = self.decoding(("decoding",), self.data.get("decoding", {}), {})
         inputs = self.inputs()
         tools = self.tools()
@@ -492,6 +498,8 @@ class _Builder:
                                                   f"{'openai' if key in _OPENAI_KEYS else 'local'}"
                                                   f" backend, and this model section's backend "
                                                   f"is {spec.backend.value}")
+        if self.model_override is not None:  # run --model: the section's model is not used
+            return spec
         if spec.backend is BackendKind.LOCAL:
             for key in ("path", "drafter"):
                 value = getattr(spec, key)
