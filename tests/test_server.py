@@ -280,6 +280,10 @@ def test_stop_strings_and_max_tokens(client):
     (dict(response_format={"type": "json_schema", "json_schema": {"name": "x"}}), 400,
      "response_format.json_schema"),
     (dict(model="gpt-4o"), 404, "model"),
+    (dict(messages=[{"role": "user", "content": "hi"}, {"role": "tool", "content": "r"}]), 400,
+     "messages[1]"),
+    (dict(messages=[{"role": "user", "content": "hi"}, {"role": "assistant"}]), 400,
+     "messages[1]"),
     # a literal the grammar would have to write as text, and the tokenizer reads as a special
     # token: refused when the grammar is built (it was a 500 at the first step)
     (dict(tools=[{"type": "function", "function": {"name": "emit", "parameters": {

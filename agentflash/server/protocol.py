@@ -12,7 +12,14 @@ import json
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 
 class APIError(Exception):
@@ -94,6 +101,15 @@ class Message(_Wire):
     name: str | None = None
     tool_calls: list[MessageToolCall] | None = None
     tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _complete(self) -> Message:
+        # as OpenAI's API refuses them: a result that answers no call, a turn that says nothing
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        if self.role == "assistant" and self.content is None and not self.tool_calls:
+            raise ValueError("an assistant message needs content or tool_calls")
+        return self
 
     @property
     def text(self) -> str:
