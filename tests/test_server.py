@@ -4,6 +4,7 @@ concurrency and disconnects. The server runs the bundled demo model (it writes H
 
 import concurrent.futures
 import json
+import logging
 import socket
 import time
 
@@ -503,3 +504,14 @@ def test_dflash_asked_of_a_server_without_a_drafter_is_a_400(tiny_model_dir):
     assert reply.status_code == 400, reply.text
     error = reply.json()["error"]
     assert error["param"] == "agentflash.speculation" and "needs a drafter" in error["message"]
+
+
+def test_a_client_gone_while_sending_its_body_is_no_internal_error(url, caplog):
+    host, port = url.split("//")[1].split("/")[0].split(":")
+    with caplog.at_level(logging.ERROR), socket.create_connection((host, int(port))) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                     b"application/json\r\nContent-Length: 500\r\n\r\n{\"model\"")
+        time.sleep(0.2)
+    time.sleep(0.5)  # the server reads on, finds the client gone
+    assert not [r for r in caplog.records if "internal error" in r.getMessage()]
+    assert httpx.get(url.removesuffix("/v1") + "/health").json()["status"] == "ok"

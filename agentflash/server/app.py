@@ -28,7 +28,7 @@ from typing import Any
 import anyio
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
@@ -261,12 +261,16 @@ async def read_body(request: Request, limit: int) -> bytes:
     if declared.isdigit() and int(declared) > 16 * limit:
         raise _too_large(int(declared), limit)
     body, total = bytearray(), 0
-    async for part in request.stream():
-        total += len(part)
-        if total <= limit:
-            body += part
-        elif total > 16 * limit:
-            break
+    try:
+        async for part in request.stream():
+            total += len(part)
+            if total <= limit:
+                body += part
+            elif total > 16 * limit:
+                break
+    except ClientDisconnect:  # nobody to answer: no internal error to log
+        raise APIError(499, "the client went away while sending its request",
+                       code="client_closed_request") from None
     if total > limit:
         raise _too_large(total, limit)
     return bytes(body)
