@@ -152,8 +152,8 @@ _CHECKED_FIELDS = frozenset({"name", "instructions", "tools", "handoffs", "outpu
 
 @dataclass
 class Agent:
-    """A model with instructions, tools and handoffs. Checked when built; mistakes raise
-    ``UserError`` naming the field."""
+    """A model with instructions, tools and handoffs. Checked when built, and again at its next
+    turn once a field changed; mistakes raise ``UserError`` naming the field."""
 
     name: str
     """Names the agent in events, traces and its handoff tool (``transfer_to_<name>``)."""
