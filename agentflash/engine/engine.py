@@ -357,6 +357,8 @@ class Engine:
             return StepOutput(req, [])
 
     def _fail_alone(self, req: Request, err: Exception) -> None:
+        if req.is_finished:  # failed already in this step (another path met the same state)
+            return
         if isinstance(err, GrammarFailed):  # the request's grammar, not the engine: no traceback
             log.warning("request %d failed (%s); the other requests go on", req.id, err)
         else:
