@@ -1,5 +1,5 @@
-"""Two runs share one engine concurrently; a triage agent hands over to a specialist; an input
-guardrail stops requests it must not serve.
+"""Three runs share one engine concurrently; a triage agent hands over to a specialist; an input
+guardrail stops the third, a request it must not serve.
 
     python examples/sdk_handoff.py [MODEL_DIR]      # default: the bundled demo model
 """

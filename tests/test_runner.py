@@ -324,6 +324,11 @@ def test_an_agent_changed_after_it_was_built_is_checked_as_when_built():
     agent.max_turns = 0
     with pytest.raises(UserError, match="max_turns must be a positive integer"):
         run(agent, ["x"])
+    # a list changed in place is checked too
+    twice = Agent("t", tools=[get_weather])
+    twice.tools.append(get_weather)
+    with pytest.raises(UserError, match="tool 'get_weather' is listed twice"):
+        twice.turn_tools()
     # a forced tool swapped for another, one field after the other
     def lookup(key: str) -> str:
         """Look a key up."""

@@ -590,3 +590,6 @@ def test_run_model_is_checked_as_the_model_the_workflow_runs_on(tmp_path):
         load_workflow(path)
     wf = load_workflow(path, model="demo")  # the demo drafter comes with it
     assert wf.model.path == "demo" and wf.model.drafter == "auto"
+    with pytest.raises(UserError, match="dflash needs a drafter, and run --model elsewhere "
+                                        "brings none"):
+        load_workflow(path, model="elsewhere")

@@ -101,9 +101,10 @@ class AsyncEngine:
     ) -> AsyncIterator[TokenEvent | FinishEvent]:
         """Token events as they are decoded, then one ``FinishEvent``.
 
-        Leaving the iteration early (or being cancelled) cancels the request in the engine, once
-        the generator is closed: at once where ``async for`` iterates ``stream(...)`` itself; a
-        generator kept in a variable is closed only when collected, so hold it as
+        Leaving the iteration early (or being cancelled) cancels the request in the engine once
+        the generator is closed. A generator left without being closed is closed by the event
+        loop later (under asyncio, soon after the loop; kept in a variable, when collected); for
+        the request to end at once, hold the stream as
         ``async with contextlib.aclosing(aengine.stream(...)) as events:``.
         """
         if self._thread is None:

@@ -153,7 +153,8 @@ _CHECKED_FIELDS = frozenset({"name", "instructions", "tools", "handoffs", "outpu
 @dataclass
 class Agent:
     """A model with instructions, tools and handoffs. Checked when built, and again at its next
-    turn once a field changed; mistakes raise ``UserError`` naming the field."""
+    turn once a field changed (set, or a list changed in place); mistakes raise ``UserError``
+    naming the field."""
 
     name: str
     """Names the agent in events, traces and its handoff tool (``transfer_to_<name>``)."""
@@ -216,6 +217,12 @@ class Agent:
         finally:
             self.__dict__["_checking"] = False
         self.__dict__["_built"] = True
+        self.__dict__["_seen_lists"] = self._lists()
+
+    def _lists(self) -> tuple:
+        """What the list fields hold, to see a list changed in place (``tools.append``)."""
+        return tuple(tuple(map(id, items)) for items in (
+            self.tools, self.handoffs, self.input_guardrails, self.output_guardrails))
 
     def _check_fields(self) -> None:
         if not isinstance(self.name, str) or not self.name.strip():
@@ -274,9 +281,8 @@ class Agent:
 
     def turn_tools(self) -> tuple[dict[str, Tool], dict[str, Agent]]:
         """The tools and handoff targets of a turn, by the name the model calls them."""
-        if self.__dict__.get("_changed") or not all(
-                isinstance(t, (FunctionTool, HttpTool)) for t in self.tools) or not all(
-                isinstance(g, Guardrail) for g in self.input_guardrails + self.output_guardrails):
+        if not self.__dict__.get("_checking") and (
+                self.__dict__.get("_changed") or self.__dict__.get("_seen_lists") != self._lists()):
             self._check()  # changed since it was built: checked as the constructor checks it
         tools = {t.name: t for t in self.tools}
         handoffs: dict[str, Agent] = {}

@@ -472,9 +472,13 @@ class _Builder:
             own = "speculation" in self.data["agents"][name].get("decoding", {})
             keys = ("agents", name, "decoding", "speculation") if own else ("decoding",
                                                                             "speculation")
-            self.problems.add(keys, f"dflash needs a drafter, and model.drafter is "
-                                    f"{model.drafter} (give demo or a drafter directory, or "
-                                    f"speculation auto or off)")
+            if self.model_override is not None:  # run --model: only demo brings a drafter
+                why = (f"run --model {self.model_override} brings none (the demo model's "
+                       f"drafter comes with --model demo; or speculation auto or off)")
+            else:
+                why = (f"model.drafter is {model.drafter} (give demo or a drafter directory, "
+                       f"or speculation auto or off)")
+            self.problems.add(keys, f"dflash needs a drafter, and {why}")
 
     def model(self) -> ModelSpec:
         raw = self.data.get("model", {})
