@@ -196,26 +196,33 @@ def make_grammar(values: dict[str, Any], tools: list[ToolSpec], where: str):
     if "regex" in asked and tools:
         raise UserError(f"{where}: a regex binds the whole reply, so the tools could not be "
                         f"called: give tools or regex, not both")
+    if "schema" in asked:
+        schema = values["schema"]
+        if isinstance(schema, (str, Path)):
+            try:
+                source = grammar.json_schema_file(schema)
+            except grammar.GrammarError as err:
+                raise UserError(f"{where}: schema {err}") from None
+        else:  # its errors name the request already (the origin)
+            source = grammar.json_schema(schema, origin=f"{where}: schema")
+        if not tools:
+            return source
+        return _tools_turn(tools, choice, where, output_schema=source.schema)
+    if "regex" in asked:
+        return grammar.regex(values["regex"], origin=f"{where}: regex")
+    if choice is None and not tools:
+        return None
+    if not tools and choice not in ("none", "auto"):
+        raise UserError(f"{where}: tool_choice {choice!r} needs tools")
+    return _tools_turn(tools, choice, where)
+
+
+def _tools_turn(tools: list[ToolSpec], choice: Any, where: str,
+                output_schema: dict[str, Any] | None = None):
+    from agentflash import grammar
+
     try:
-        if "schema" in asked:
-            schema = values["schema"]
-            if isinstance(schema, (str, Path)):
-                try:
-                    source = grammar.json_schema_file(schema)
-                except grammar.GrammarError as err:
-                    raise UserError(f"{where}: schema {err}") from None
-            else:
-                source = grammar.json_schema(schema, origin=f"{where}: schema")
-            if not tools:
-                return source
-            return grammar.assistant_turn(tools, choice or "auto", output_schema=source.schema)
-        if "regex" in asked:
-            return grammar.regex(values["regex"], origin=f"{where}: regex")
-        if choice is None and not tools:
-            return None
-        if not tools and choice not in ("none", "auto"):
-            raise UserError(f"{where}: tool_choice {choice!r} needs tools")
-        return grammar.assistant_turn(tools, choice or "auto")
+        return grammar.assistant_turn(tools, choice or "auto", output_schema=output_schema)
     except grammar.GrammarError as err:
         raise UserError(f"{where}: {err}") from None
 

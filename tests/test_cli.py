@@ -177,6 +177,7 @@ def test_bad_requests_line_is_named(tiny_model_dir, tmp_path):
         ('{"prompt": "x", "regex": "([a-"}', "unclosed character class"),
         ('{"prompt": "x", "regex": "a+", "stop": "a"}',
          "stop cannot cut a reply the grammar binds whole"),
+        ('{"prompt": "x", "schema": {"type": "nonsense"}}', "schema: #/type: not a valid"),
     ],
 )
 def test_bad_request_fields_are_named_on_one_line(tiny_model_dir, tmp_path, line, message):
@@ -186,6 +187,7 @@ def test_bad_request_fields_are_named_on_one_line(tiny_model_dir, tmp_path, line
     assert code == 2 and out == ""  # the good line above it is not answered either
     assert err.startswith(f"error: {path}:2: ") and message in err, err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert err.count(str(path)) == 1  # named once, not once more by each layer it passed
 
 
 def test_requests_grammars_compile_before_any_answer_and_schema_files_sit_beside(
