@@ -18,7 +18,7 @@ import torch
 from agentflash.dflash.drafter import DFlashDrafter, DrafterConfig
 from agentflash.errors import UserError
 from agentflash.models.loading import load_state_dict, read_json
-from agentflash.models.qwen3 import ModelConfig
+from agentflash.models.qwen3 import ModelConfig, check_plain_attention
 
 ARCHITECTURE = "DFlashDraftModel"
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -139,12 +139,7 @@ def _check_supported(raw: dict[str, Any]) -> None:
         raise ValueError(f"model_type {raw['model_type']!r} is not supported (qwen3)")
     if raw.get("attention_bias"):
         raise ValueError("attention_bias is true; DFlash drafters here have no attention biases")
-    kinds = set(raw.get("layer_types") or ["full_attention"])
-    if kinds != {"full_attention"}:
-        raise ValueError(f"layer_types {sorted(kinds)} are not supported (full_attention only)")
-    scaling = raw.get("rope_scaling") or (raw.get("rope_parameters") or {})
-    if scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
-        raise ValueError(f"rope scaling {scaling!r} is not supported")
+    check_plain_attention(raw)
     dflash = raw.get("dflash_config") or {}
     if not isinstance(dflash, dict):
         raise ValueError("dflash_config must be an object")

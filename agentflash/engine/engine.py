@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import numbers
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -74,8 +73,6 @@ class EngineConfig:
                              f"got {self.device!r}") from None
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device {self.device!r}: this torch has no CUDA device")
-
-
 
 
 @dataclass(frozen=True)
@@ -862,8 +859,7 @@ class Engine:
 
 
 def _is_token(value: Any, vocab_size: int) -> bool:
-    return (isinstance(value, numbers.Integral) and not isinstance(value, bool)
-            and 0 <= value < vocab_size)
+    return is_int(value) and 0 <= value < vocab_size
 
 
 @contextmanager
@@ -914,7 +910,7 @@ def end_of_turn_ids(tokenizer, model_dir: Path | None = None) -> set[int]:
         except (OSError, ValueError, AttributeError) as err:
             raise UserError(f"{path}: cannot read it: {err}") from None
         listed = listed if isinstance(listed, list) else [listed]
-        ids.update(t for t in listed if isinstance(t, int) and not isinstance(t, bool))
+        ids.update(t for t in listed if is_int(t))
     return ids
 
 

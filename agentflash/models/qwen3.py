@@ -75,18 +75,9 @@ class ModelConfig:
 
 def _check_supported(cfg: dict[str, Any], model_type: str) -> None:
     """Refuse what this decoder does not compute, which would load and then write other text
-    than the model: scaled rope (transformers 4's ``rope_scaling`` or 5's ``rope_parameters``),
-    sliding-window layers, another activation, biases Llama or Qwen3 may declare."""
-    for field in ("rope_scaling", "rope_parameters"):
-        scaling = cfg.get(field) or {}
-        if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type")) not in (
-                None, "default"):
-            raise ValueError(f"{field} {scaling!r} is not supported (plain rope only)")
-    kinds = set(cfg.get("layer_types") or ["full_attention"])
-    if kinds != {"full_attention"} or cfg.get("use_sliding_window"):
-        shown = sorted(kinds) if kinds != {"full_attention"} else "use_sliding_window true"
-        raise ValueError(f"sliding-window attention ({shown}) is not supported (full attention "
-                         f"only)")
+    than the model: scaled rope and sliding-window layers (``check_plain_attention``), another
+    activation, biases Llama or Qwen3 may declare."""
+    check_plain_attention(cfg)
     act = cfg.get("hidden_act", cfg.get("hidden_activation", "silu"))
     if act not in ("silu", "swish"):
         raise ValueError(f"hidden_act {act!r} is not supported (silu only)")
@@ -95,6 +86,22 @@ def _check_supported(cfg: dict[str, Any], model_type: str) -> None:
                          "supported for this model_type")
     if cfg.get("mlp_bias"):
         raise ValueError("mlp_bias is true: biases on the MLP projections are not supported")
+
+
+def check_plain_attention(cfg: dict[str, Any]) -> None:
+    """Refuse a ``config.json`` (a target's or a drafter's) asking for scaled rope (transformers
+    4's ``rope_scaling`` or 5's ``rope_parameters``) or sliding-window layers."""
+    for field in ("rope_scaling", "rope_parameters"):
+        scaling = cfg.get(field) or {}
+        if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type")) not in (
+                None, "default"):
+            raise ValueError(f"{field} {scaling!r} is not supported (plain rope only)")
+    kinds = set(cfg.get("layer_types") or ["full_attention"])
+    if kinds != {"full_attention"} or cfg.get("use_sliding_window"):
+        field = (f"layer_types {sorted(kinds)}" if kinds != {"full_attention"}
+                 else "use_sliding_window true")
+        raise ValueError(f"{field}: sliding-window attention is not supported (full attention "
+                         f"only)")
 
 
 def _check_sizes(cfg: dict[str, Any], names: tuple[str, ...], optional: bool = False) -> None:
