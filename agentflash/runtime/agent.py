@@ -108,13 +108,6 @@ def _schema_spec(schema: dict[str, Any]) -> OutputSpec:
     except SchemaError as err:
         raise UserError(f"output schema is not a valid JSON Schema: {err.message}") from None
     _check_supported(schema)
-    return OutputSpec(schema.get("title", "its output schema"), schema, _json_parser(schema))
-
-
-def _json_parser(schema: dict[str, Any]) -> Callable[[str], Any]:
-    """A reply's JSON, checked against ``schema`` (``OutputValidationError`` naming where not)."""
-    from jsonschema import Draft202012Validator
-
     validator = Draft202012Validator(schema)
 
     def parse(text: str) -> Any:
@@ -128,7 +121,7 @@ def _json_parser(schema: dict[str, Any]) -> Callable[[str], Any]:
                 f"{'.'.join(map(str, e.absolute_path)) or 'reply'}: {e.message}" for e in errors))
         return value
 
-    return parse
+    return OutputSpec(schema.get("title", "its output schema"), schema, parse)
 
 
 def handoff_tool_name(agent: Agent) -> str:

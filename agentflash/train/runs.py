@@ -20,15 +20,9 @@ _OWN_FILES = {"target": ("tokenizer.json", "train_config.json"),
               "drafter": ("responses.json", "train_drafter.json")}
 
 
-def checkpoint_path(out: Path) -> Path:
-    return out / "checkpoints" / "latest.pt"
-
-
 def check_out_dir(out: Path, kind: str, steps: int, target: str | None = None) -> None:
-    """Refuse an ``out`` that this run would spoil, naming why; ``target``: the drafter's target
-    as ``target_name`` writes it."""
-    if out.exists() and not out.is_dir():
-        raise UserError(f"{out}: --out must be a directory, and this is a file")
+    """Refuse an ``out`` (a directory, or a path to make one at: the CLI's ``_out_dir`` checks
+    that) that this run would spoil, naming why; ``target``: the drafter's target as given."""
     if target is not None and target != "demo" and Path(target).resolve() == out.resolve():
         raise UserError(f"{out}: --out is the target's directory: the drafter would overwrite "
                         f"the target; give another --out")
@@ -38,7 +32,7 @@ def check_out_dir(out: Path, kind: str, steps: int, target: str | None = None) -
     found = [name for name in _OWN_FILES[other] if (out / name).exists()]
     if found:
         raise UserError(f"{out}: holds a {other} run ({found[0]}): give another --out")
-    path = checkpoint_path(out)
+    path = out / "checkpoints" / "latest.pt"  # where target.py and drafter.py keep it
     if not path.exists():
         if (out / "config.json").exists() or (out / "model.safetensors").exists():
             raise UserError(f"{out}: holds a model and no checkpoint to resume from: give a new "
