@@ -483,17 +483,15 @@ def special_tokens(text: str) -> list[str] | None:
         return None
 
 
-def written_literals(source_kind: str, text: str, schema: Any = None) -> list[tuple[str, str]]:
-    """(where, text) of each literal a grammar writes as text: a schema's property names and
-    enum and const strings; a Lark grammar's strings and its ``%json`` schemas' literals.
+def written_literals(lark_text: str | None, schema: Any = None) -> list[tuple[str, str]]:
+    """(where, text) of each literal a grammar writes as text: a JSON ``schema``'s property names
+    and enum and const strings, or a Lark grammar's strings and its ``%json`` schemas' literals.
     Patterns and regexes are left out (one may name a text to exclude it); so is what the
     checker cannot read."""
-    if source_kind == "regex":
-        return []
-    if source_kind == "json_schema":
+    if lark_text is None:
         return list(_schema_literals(schema, []))
     try:
-        tokens = _lark_tokens(text)
+        tokens = _lark_tokens(lark_text)
     except _Unparsed:
         return []
     found: list[tuple[str, str]] = []

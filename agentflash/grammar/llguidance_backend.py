@@ -195,12 +195,13 @@ def _check_no_special_text(source: GrammarSource, info: TokenizerInfo) -> None:
 
     added = getattr(info.tokenizer, "get_added_vocab", None)
     specials = [t for t in (added() if added is not None else {}) if len(t) > 1]
-    if not specials:
+    if not specials or source.kind is GrammarKind.REGEX:
         return
-    kind = {GrammarKind.JSON_SCHEMA: "json_schema", GrammarKind.REGEX: "regex"}.get(
-        source.kind, "lark")
-    schema = source.schema if source.kind is GrammarKind.JSON_SCHEMA else None
-    for where, text in written_literals(kind, source.text, schema):
+    if source.kind is GrammarKind.JSON_SCHEMA:
+        literals = written_literals(None, source.schema)
+    else:
+        literals = written_literals(source.text)
+    for where, text in literals:
         token = next((t for t in specials if t in text), None)
         if token is not None:
             raise GrammarError(f"{source.origin}: {where} holds {token!r}, the text of a special "
