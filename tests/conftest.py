@@ -7,6 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
+
+# The Triton kernels (agentflash/kernels) run on the CPU under Triton's interpreter where there is
+# no GPU; it is read when a kernel is defined, so before any test imports one.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 from hypothesis import settings
 
 from agentflash.models.loading import DEMO_DIR

@@ -19,6 +19,7 @@ def test_an_installed_wheel_validates_and_runs_a_workflow_outside_the_repository
     names = set(zipfile.ZipFile(wheel).namelist())
     assert "agentflash/schemas/workflow.schema.json" in names
     assert "agentflash/assets/demo/target/model.safetensors" in names
+    assert "agentflash/kernels/token_bitmask.py" in names  # the top-level kernels/ ships
     subprocess.run([*pip, "install", "--no-deps", "--target", str(tmp_path / "site"), str(wheel)],
                    check=True, capture_output=True)
     work = tmp_path / "work"

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from agentflash.errors import UserError
+from agentflash.kernels import use_kernels
 
 
 class GrammarError(UserError):
@@ -79,7 +80,12 @@ def apply_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """
     vocab_size = logits.shape[-1]
     assert bitmask.shape[-1] * 32 >= vocab_size, "bitmask narrower than the logits"
-    allowed = unpack_bitmask(bitmask.to(logits.device, non_blocking=True), vocab_size)
+    bitmask = bitmask.to(logits.device, non_blocking=True)
+    if use_kernels(logits):  # the packed words read in place, no [..., V] bool tensor
+        from agentflash.kernels.token_bitmask import apply_token_bitmask_
+
+        return apply_token_bitmask_(logits, bitmask)
+    allowed = unpack_bitmask(bitmask, vocab_size)
     return logits.masked_fill_(allowed.logical_not_(), float("-inf"))
 
 
@@ -552,6 +558,14 @@ def _allows(row: torch.Tensor, token: int, vocab_size: int) -> bool:
 
 
 def _masked_argmax(row: torch.Tensor, logits: torch.Tensor, vocab_size: int) -> int:
+    if use_kernels(logits):  # on the GPU: one kernel, one int read back
+        from agentflash.kernels.masked_argmax import masked_argmax
+
+        token = int(masked_argmax(logits.detach()[None, :vocab_size],
+                                  row.to(logits.device)[None])[0])
+        if token < 0:
+            raise GrammarFailed("no legal token: the grammar is stuck here")
+        return token
     bits = _unpacked(row, vocab_size) if row.device.type == "cpu" else (
         unpack_bitmask(row, vocab_size).cpu().numpy())
     # compare only the legal tokens' scores (the first highest of them, as an argmax over the
