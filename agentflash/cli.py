@@ -77,6 +77,7 @@ def generate(
         if requests is not None:
             if prompt is not None or messages is not None:
                 raise UserError("--requests cannot be combined with --prompt or --messages")
+            inputs.make_params(defaults, "command line")  # a bad flag is not a line's fault
             todo = inputs.load_requests(requests, defaults)
         else:
             if (prompt is None) == (messages is None):
@@ -85,14 +86,14 @@ def generate(
                 defaults["messages"] = inputs.load_messages(messages)
             else:
                 defaults["prompt"] = prompt
-            todo = [inputs.make_input(defaults, "command line")]
+            todo = [inputs.make_input(defaults, str(messages) if messages else "command line")]
         engine = _load_engine(model, drafter)
         if speculation == "dflash" and engine.drafter is None:
             raise UserError("--mode dflash needs a drafter (--drafter demo or a directory)")
-        _compile_all(engine, todo)
+        prompts = _check_all(engine, todo)
         failed = 0
-        for item in todo:
-            result = engine.generate(engine.chat_prompt(item.messages, item.tools), item.params)
+        for item, ids in zip(todo, prompts):
+            result = engine.generate(ids, item.params)
             if as_json:
                 typer.echo(json.dumps(result.to_dict()))
             else:
@@ -107,16 +108,23 @@ def generate(
         raise typer.Exit(1)
 
 
-def _compile_all(engine, todo) -> None:
-    """Every request's grammar compiled (and cached), and its speculation possible, before the
-    first one runs, so that a bad last line fails before the lines above it are answered."""
+def _check_all(engine, todo) -> list[list[int]]:
+    """Every request's prompt (token ids) within the engine's limits, its grammar compiled (and
+    cached) and its speculation possible, before the first one runs, so that a bad last line
+    fails before the lines above it are answered. Returns the prompts."""
     from agentflash.engine.request import Speculation
     from agentflash.grammar import GrammarError
 
+    prompts = []
     for item in todo:
         if item.params.speculation is Speculation.DFLASH and engine.drafter is None:
             raise UserError(f"{item.where}: speculation dflash needs a drafter (--drafter demo "
                             f"or a directory)")
+        prompts.append(engine.chat_prompt(item.messages, item.tools))
+        try:
+            engine.check_prompt(prompts[-1])
+        except UserError as err:
+            raise UserError(f"{item.where}: {err}") from None
         if item.params.grammar is not None:
             try:
                 engine.compile(item.params.grammar)
@@ -125,6 +133,7 @@ def _compile_all(engine, todo) -> None:
                 if not message.startswith(item.where):
                     message = f"{item.where}: {message}"
                 raise UserError(message) from None
+    return prompts
 
 
 def _suites(text: str, known: tuple[str, ...]) -> list[str]:

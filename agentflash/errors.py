@@ -38,7 +38,8 @@ def is_int(value: Any) -> bool:
 
 
 def is_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
+    """A real number (a numpy one too), not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 # the seeds a torch generator takes as they are (it refuses the others rather than fold them in)

@@ -28,13 +28,21 @@ class GenerateInput:
     where: str = "command line"  # what its errors name: a requests file's path and line
 
 
-def read_json_file(path: Path, what: str) -> Any:
+def read_text(path: Path, what: str) -> str:
+    """The UTF-8 text of ``what`` file ``path``; a one-line ``UserError`` naming it if it is
+    missing, unreadable (a directory) or not UTF-8."""
     try:
-        text = path.read_text(encoding="utf-8")
+        return path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise UserError(f"{path}: {what} file does not exist") from None
     except OSError as err:
         raise UserError(f"{path}: cannot read {what} file: {err.strerror}") from None
+    except UnicodeDecodeError as err:
+        raise UserError(f"{path}: {what} file is not UTF-8 text (byte {err.start})") from None
+
+
+def read_json_file(path: Path, what: str) -> Any:
+    text = read_text(path, what)
     try:
         return json.loads(text)
     except json.JSONDecodeError as err:
@@ -136,6 +144,9 @@ def make_params(values: dict[str, Any], where: str) -> SamplingParams:
     fields = {k: v for k, v in values.items() if k in PARAM_FIELDS and v is not None}
     if isinstance(fields.get("stop"), str):
         fields["stop"] = (fields["stop"],)
+    elif "stop" in fields and not isinstance(fields["stop"], list | tuple):
+        raise UserError(f"{where}: stop must be a string or a list of strings, "
+                        f"got {fields['stop']!r}")
     try:
         return SamplingParams(**fields)
     except (TypeError, ValueError) as err:
@@ -229,10 +240,7 @@ def _tools_turn(tools: list[ToolSpec], choice: Any, where: str,
 
 def load_requests(path: Path, defaults: dict[str, Any]) -> list[GenerateInput]:
     """One request per JSON line; ``defaults`` fill the fields a line does not set."""
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except FileNotFoundError:
-        raise UserError(f"{path}: requests file does not exist") from None
+    lines = read_text(path, "requests").splitlines()
     requests = []
     for lineno, line in enumerate(lines, start=1):
         if not line.strip():

@@ -83,6 +83,56 @@ def test_a_failing_step_fails_its_requests_and_the_engine_serves_on(engine, capl
     assert failures and failures[0].levelno == logging.ERROR  # logged with its traceback
 
 
+def test_a_request_that_finished_in_a_step_that_then_raised_gets_its_end(engine, monkeypatch):
+    """A decode step finishes a request (its max tokens) and raises after: the request is
+    neither running nor waiting, yet its stream still gets its tokens and end."""
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    expected = engine.generate(prompt(2), params)
+
+    def failing_observe(*args, **kwargs):
+        raise RuntimeError("boom after the commit")
+
+    monkeypatch.setattr(engine.cost, "observe_step", failing_observe)
+    events = []
+
+    async def main():
+        async with AsyncEngine(engine) as aengine:
+            with anyio.fail_after(30):
+                async for event in aengine.stream(prompt(2), params):
+                    events.append(event)
+            await wait_idle(engine)
+
+    anyio.run(main)
+    finish = events[-1]
+    assert isinstance(finish, FinishEvent)
+    assert finish.result.token_ids == expected.token_ids
+    assert [t for e in events[:-1] for t in e.token_ids] == expected.token_ids
+    assert "".join(e.text for e in events[:-1]) == expected.text
+    assert_all_slots_free(engine)
+
+
+def test_the_engine_is_not_stepped_beside_its_async_engine(engine):
+    """Engine.generate (or step) from the loop while an AsyncEngine's thread steps the engine
+    would race it: refused, and allowed again once the AsyncEngine is closed."""
+    expected = engine.generate(prompt(1), SHORT)
+
+    async def main():
+        async with AsyncEngine(engine) as aengine:
+            first = await aengine.generate(prompt(1), SHORT)
+            with pytest.raises(UserError, match="an AsyncEngine serves this engine"):
+                engine.generate(prompt(1), SHORT)
+            with pytest.raises(UserError, match="an AsyncEngine serves this engine"):
+                engine.step()
+            with pytest.raises(UserError, match="another AsyncEngine serves this engine"):
+                async with AsyncEngine(engine):
+                    pass
+            return first
+
+    assert anyio.run(main).token_ids == expected.token_ids
+    assert engine.generate(prompt(1), SHORT).token_ids == expected.token_ids
+    assert_all_slots_free(engine)
+
+
 def test_a_stream_whose_events_fail_ends_alone(engine, caplog):
     result = engine.result
 

@@ -165,8 +165,9 @@ def test_bad_requests_line_is_named(tiny_model_dir, tmp_path):
 @pytest.mark.parametrize(
     "line, message",
     [
-        ('{"prompt": "x", "stop": 5}', "stop must hold non-empty strings, got 5"),
-        ('{"prompt": "x", "stop": {"a": 1}}', "stop must hold non-empty strings"),
+        ('{"prompt": "x", "stop": 5}', "stop must be a string or a list of strings, got 5"),
+        ('{"prompt": "x", "stop": {"a": 1}}',
+         "stop must be a string or a list of strings, got {'a': 1}"),
         ('{"prompt": "x", "seed": "abc", "temperature": 0.5}', "seed must be an integer"),
         ('{"prompt": "x", "seed": 1.5, "temperature": 0.5}', "seed must be an integer"),
         ('{"prompt": "x", "seed": 100000000000000000000000}', "seed must be an integer in"),
@@ -211,6 +212,40 @@ def test_requests_grammars_compile_before_any_answer_and_schema_files_sit_beside
     code, out, err = run("generate", "--model", str(tiny_model_dir), "--requests", str(path))
     assert code == 2 and out == "" and err.startswith(f"error: {path}:2: speculation dflash "
                                                       f"needs a drafter")
+
+
+def test_a_prompt_too_long_is_named_before_any_answer(tiny_model_dir, tmp_path):
+    path = tmp_path / "r.jsonl"
+    path.write_text(json.dumps({"prompt": "x", "max_tokens": 2}) + "\n"
+                    + json.dumps({"prompt": "word " * 1200, "max_tokens": 2}) + "\n")
+    code, out, err = run("generate", "--model", str(tiny_model_dir), "--requests", str(path))
+    assert code == 2 and out == ""
+    assert err.startswith(f"error: {path}:2: the prompt has ") and "holds 1024" in err
+    messages = tmp_path / "m.json"
+    messages.write_text(json.dumps([{"role": "user", "content": "word " * 1200}]))
+    code, out, err = run("generate", "--model", str(tiny_model_dir), "--messages", str(messages))
+    assert code == 2 and err.startswith(f"error: {messages}: the prompt has ")
+
+
+def test_unreadable_input_files_get_an_error_line(tmp_path):
+    bad = tmp_path / "bad"
+    bad.write_bytes(b'\xff{"prompt": "x"}\n')
+    for flag, what in (("--requests", "requests"), ("--messages", "messages"),
+                       ("--tools", "tools")):
+        args = ["generate", flag, str(bad)] + ([] if flag != "--tools" else ["--prompt", "x"])
+        code, out, err = run(*args)
+        assert (code, out) == (2, "")
+        assert err == f"error: {bad}: {what} file is not UTF-8 text (byte 0)\n"
+        code, _, err = run(*args[:2], str(tmp_path), *args[3:])
+        assert code == 2 and err == f"error: {tmp_path}: cannot read {what} file: Is a directory\n"
+
+
+def test_a_bad_flag_is_not_blamed_on_a_requests_line(tiny_model_dir, tmp_path):
+    path = tmp_path / "r.jsonl"
+    path.write_text('{"prompt": "x"}\n')
+    code, _, err = run("generate", "--model", str(tiny_model_dir), "--requests", str(path),
+                       "--max-tokens", "0")
+    assert code == 2 and err.startswith("error: command line: max_tokens must be a positive")
 
 
 def test_boolean_schemas_and_a_huge_seed(tiny_model_dir, tmp_path):

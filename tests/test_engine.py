@@ -93,6 +93,13 @@ def test_an_unseeded_sampling_request_leaves_torchs_own_generator_alone(engine):
     params = SamplingParams(max_tokens=np.int64(2), temperature=0.7,
                             stop_token_ids=(np.int64(3),))  # numpy integers are integers
     assert type(params.max_tokens) is int and params.stop_token_ids == (3,)
+    # numpy numbers are numbers, taken as Python's (torch's generator refused a numpy seed)
+    seeded = SamplingParams(max_tokens=3, temperature=np.float32(0.5), top_p=np.float64(0.9),
+                            seed=np.int64(3))
+    assert (type(seeded.seed), type(seeded.temperature), type(seeded.top_p)) == (int, float, float)
+    plain = SamplingParams(max_tokens=3, temperature=0.5, top_p=0.9, seed=3)
+    assert engine.generate([1, 2, 3], seeded).token_ids == engine.generate([1, 2, 3],
+                                                                           plain).token_ids
     torch.manual_seed(0)
     expected = torch.rand(3)
     torch.manual_seed(0)
@@ -100,6 +107,15 @@ def test_an_unseeded_sampling_request_leaves_torchs_own_generator_alone(engine):
     assert torch.equal(torch.rand(3), expected)
     while engine.has_work:
         engine.step()
+
+
+def test_the_result_of_an_unfinished_request_is_refused(engine):
+    req = engine.submit([1, 2, 3], SamplingParams(max_tokens=2))
+    with pytest.raises(UserError, match=f"request {req.id} has not finished"):
+        engine.result(req)
+    while engine.has_work:
+        engine.step()
+    assert engine.result(req).finish_reason in ("stop", "length")
 
 
 def test_dflash_on_an_engine_without_a_drafter_is_refused_not_decoded_plain(engine):
@@ -115,7 +131,9 @@ def test_sampling_params_name_a_bad_field():
     for fields, message in [
         (dict(seed=2**64), "seed must be an integer in"),  # torch refuses it: not at run time
         (dict(seed=True), "seed must be an integer in"),
-        (dict(stop="abc"), "stop must hold non-empty strings"),  # not the strings a, b and c
+        (dict(stop="abc"), "stop must be a tuple or list of strings, got 'abc'"),
+        (dict(stop=("a", "")), "stop must hold non-empty strings"),
+        (dict(temperature=float("nan")), "temperature must be 0"),
         (dict(temperature="0.5"), r"temperature must be 0 \(greedy\) or a number"),
         (dict(temperature=1e-45), r"temperature must be 0 \(greedy\) or a number from 1e-06"),
         (dict(top_p=None), "top_p must be a number"),

@@ -58,6 +58,8 @@ class _Stream:
     req: Request
     send: MemoryObjectSendStream
     detok: Detokenizer
+    num_sent: int = 0  # output tokens sent in its events
+    finished: bool = False  # its FinishEvent is sent
 
 
 class AsyncEngine:
@@ -74,10 +76,13 @@ class AsyncEngine:
 
     async def __aenter__(self) -> AsyncEngine:
         assert self._thread is None, "this AsyncEngine is already running"
+        if self.engine.stepping_thread is not None:
+            raise UserError("another AsyncEngine serves this engine already")
         self._loop_token = anyio.lowlevel.current_token()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="agentflash-engine", daemon=True)
         self._thread.start()
+        self.engine.stepping_thread = self._thread.ident
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -88,6 +93,7 @@ class AsyncEngine:
         self._wake.set()
         with anyio.CancelScope(shield=True):
             await anyio.to_thread.run_sync(thread.join)
+        self.engine.stepping_thread = None
         # the engine thread is gone: safe here. Streams cancelled just before it stopped had
         # no step left to free their slots
         self.engine.apply_cancels()
@@ -140,17 +146,18 @@ class AsyncEngine:
             self._wake.wait()
             self._wake.clear()
             while self.engine.has_work and not self._stopping:
-                outputs = self._step()
+                outputs, raised = self._step()
                 try:  # waits for the loop: the streams read requests the next step changes
-                    anyio.from_thread.run_sync(self._publish_all, outputs, token=self._loop_token)
+                    anyio.from_thread.run_sync(self._publish_all, outputs, raised,
+                                               token=self._loop_token)
                 except anyio.RunFinishedError:
                     return
 
-    def _step(self) -> list[StepOutput]:
-        """One engine step. If it raises, the requests it was running or admitting (whose state
-        it may have left half-updated) fail, and the outputs say so."""
+    def _step(self) -> tuple[list[StepOutput], bool]:
+        """One engine step, and whether it raised. If it did, the requests it was running or
+        admitting (whose state it may have left half-updated) fail, and the outputs say so."""
         try:
-            return self.engine.step()
+            return self.engine.step(), False
         except Exception as err:
             log.exception("an engine step failed; failing the requests it was running")
             scheduler = self.engine.scheduler
@@ -159,11 +166,19 @@ class AsyncEngine:
             failed = list(scheduler.running) or list(scheduler.waiting)
             for req in failed:
                 self.engine.fail(req, f"a step raised {type(err).__name__}: {err}")
-            return [StepOutput(req, []) for req in failed]
+            return [StepOutput(req, []) for req in failed], True
 
     # --- on the event loop -----------------------------------------------------------------
 
-    def _publish_all(self, outputs: list[StepOutput]) -> None:
+    def _publish_all(self, outputs: list[StepOutput], raised: bool = False) -> None:
+        """``outputs`` to their streams; after a step that raised, also the end of every
+        request that finished in it before it raised (its outputs were lost with the step)."""
+        if raised:
+            published = {out.request.id for out in outputs}
+            outputs = outputs + [StepOutput(s.req, s.req.output_ids[s.num_sent:])
+                                 for s in self._streams.values()
+                                 if s.req.is_finished and not s.finished
+                                 and s.req.id not in published]
         for out in outputs:
             try:
                 self._publish(out.request, out.new_ids)
@@ -180,9 +195,11 @@ class AsyncEngine:
             text = stream.detok.delta(req.output_ids, final=req.is_finished, cut=req.stop_text_len)
             if new_ids or text:
                 stream.send.send_nowait(TokenEvent(new_ids, text))
+                stream.num_sent += len(new_ids)
         if req.is_finished:
             stream.send.send_nowait(FinishEvent(self.engine.result(req)))
             stream.send.close()
+            stream.finished = True
 
 
 @asynccontextmanager

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import threading
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -171,6 +172,8 @@ class Engine:
         self.eos_ids = end_of_turn_ids(tokenizer, model_dir)
         self.cost = self.new_router_state()  # what the router has measured of this engine
         self._inbox: deque[Request] = deque()  # filled from any thread, drained by step()
+        # the thread that alone may step this engine while an AsyncEngine serves it
+        self.stepping_thread: int | None = None
         self._cancels: deque[Request] = deque()
         # the most held at once since ``reset_memory_peak`` (``memory_in_use`` after each forward)
         self.memory_peak = MemoryUse()
@@ -224,6 +227,26 @@ class Engine:
 
     def submit(self, prompt_ids: list[int], params: SamplingParams) -> Request:
         """Queue a request; safe to call from any thread."""
+        self.check_prompt(prompt_ids)
+        vocab = self.model.cfg.vocab_size
+        bad = next((t for t in params.stop_token_ids if not _is_token(t, vocab)), None)
+        if bad is not None:
+            raise UserError(f"stop_token_ids holds {bad!r}, outside the vocabulary "
+                            f"(0..{vocab - 1})")
+        if params.speculation is Speculation.DFLASH and self.drafter is None:
+            raise UserError("speculation dflash needs a drafter, and this engine has none "
+                            "(Engine.from_pretrained(..., drafter=DIR or 'demo'); or speculation "
+                            "auto or off)")
+        req = Request([int(t) for t in prompt_ids], params)
+        if params.grammar is not None:
+            req.constraint = self.compile(params.grammar).new_constraint()
+            req.segments.schema_bound = params.grammar.kind is GrammarKind.JSON_SCHEMA
+        self._inbox.append(req)
+        return req
+
+    def check_prompt(self, prompt_ids: list[int]) -> None:
+        """A ``UserError`` unless ``prompt_ids`` are token ids of this model that leave room for
+        one new token within ``max_len`` (what ``submit`` checks first)."""
         if not isinstance(prompt_ids, (list, tuple)):
             raise UserError(f"the prompt must be a list of token ids, got "
                             f"{type(prompt_ids).__name__}")
@@ -235,26 +258,11 @@ class Engine:
         if bad is not None:
             raise UserError(f"prompt token {bad} is {prompt_ids[bad]!r}; token ids are integers "
                             f"in the vocabulary (0..{vocab - 1})")
-        bad = next((t for t in params.stop_token_ids if not _is_token(t, vocab)), None)
-        if bad is not None:
-            raise UserError(f"stop_token_ids holds {bad!r}, outside the vocabulary "
-                            f"(0..{vocab - 1})")
-        if params.speculation is Speculation.DFLASH and self.drafter is None:
-            raise UserError("speculation dflash needs a drafter, and this engine has none "
-                            "(Engine.from_pretrained(..., drafter=DIR or 'demo'); or speculation "
-                            "auto or off)")
-        prompt_ids = [int(t) for t in prompt_ids]
         limit = self.scheduler.cfg.max_len
         if len(prompt_ids) + 1 > limit:
             raise UserError(
                 f"the prompt has {len(prompt_ids)} tokens; this engine holds {limit} per request"
             )
-        req = Request(prompt_ids, params)
-        if params.grammar is not None:
-            req.constraint = self.compile(params.grammar).new_constraint()
-            req.segments.schema_bound = params.grammar.kind is GrammarKind.JSON_SCHEMA
-        self._inbox.append(req)
-        return req
 
     def compile(self, source):  # -> agentflash.grammar.CompiledGrammar
         """A grammar source compiled for this engine's tokenizer and vocabulary (cached)."""
@@ -282,6 +290,7 @@ class Engine:
         The forward holds every decoding request's verify row (its last token, then its draft or
         forced run) and the prompts of newly admitted requests, each row at its own offset.
         """
+        self._check_stepping_thread()
         self._drain_inbox()
         admitted, decoding = self.scheduler.schedule()
         if not admitted and not decoding:
@@ -830,7 +839,9 @@ class Engine:
 
     def result(self, req: Request) -> GenerationResult:
         """The finished request as text, token ids and stats."""
-        assert req.status is Status.FINISHED and req.finish_reason is not None
+        if req.status is not Status.FINISHED or req.finish_reason is None:
+            raise UserError(f"request {req.id} has not finished: step the engine until "
+                            f"req.is_finished (or use Engine.generate)")
         text = Detokenizer(self.tokenizer).text(req.output_ids)
         if req.stop_text_len is not None:
             text = text[: req.stop_text_len]
@@ -840,10 +851,16 @@ class Engine:
 
     def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationResult:
         """Run one request to completion (other queued requests advance with it)."""
+        self._check_stepping_thread()
         req = self.submit(prompt_ids, params)
         while not req.is_finished:
             self.step()
         return self.result(req)
+
+    def _check_stepping_thread(self) -> None:
+        if self.stepping_thread not in (None, threading.get_ident()):
+            raise UserError("an AsyncEngine serves this engine: its thread alone steps it; "
+                            "use `await aengine.generate(...)` or `aengine.stream(...)`")
 
     # --- failures --------------------------------------------------------------------------
 

@@ -65,6 +65,10 @@ class SamplingParams:
             raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
         if self.seed is not None and not is_seed(self.seed):
             raise ValueError(f"seed must be {SEED_TEXT}, got {self.seed!r}")
+        for name in ("temperature", "top_p"):  # numpy numbers as Python's (torch wants them)
+            object.__setattr__(self, name, float(getattr(self, name)))
+        if self.seed is not None:
+            object.__setattr__(self, "seed", int(self.seed))
         if isinstance(self.stop_token_ids, list):
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         if not isinstance(self.stop_token_ids, tuple) or not all(
@@ -78,8 +82,9 @@ class SamplingParams:
                              f"{type(self.grammar).__name__}")
         if isinstance(self.stop, list):
             object.__setattr__(self, "stop", tuple(self.stop))
-        if not isinstance(self.stop, tuple) or any(not isinstance(s, str) or not s
-                                                   for s in self.stop):
+        if not isinstance(self.stop, tuple):
+            raise ValueError(f"stop must be a tuple or list of strings, got {self.stop!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop must hold non-empty strings, got {self.stop!r}")
 
     @property
