@@ -207,6 +207,18 @@ def test_prompt_token_outside_the_vocabulary_is_a_user_error_naming_it(engine):
     assert engine.generate(torch.tensor([11, 12]).tolist(), SamplingParams(max_tokens=2)).token_ids
 
 
+def test_a_request_cancelled_before_any_step_is_never_scheduled(engine):
+    """Cancelled while still in the inbox (a run cancelled as it was submitted, with the engine
+    thread stopping): it must not be admitted, decoded or left waiting by a later step."""
+    req = engine.submit([1, 2, 3], SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.cancel(req)
+    engine.apply_cancels()  # as AsyncEngine.__aexit__ does, its thread gone
+    assert req.finish_reason.value == "cancelled" and not engine.has_work
+    assert engine.generate([4, 5, 6], SamplingParams(max_tokens=3)).finish_reason
+    assert req.output_ids == [] and req.slot is None
+    assert not engine.scheduler.waiting and not engine.scheduler.running
+
+
 def test_async_streams_many_requests_and_cancels_one(engine):
     ps = prompts(engine, 3)
     expected = [engine.generate(ids, SamplingParams(max_tokens=15, ignore_eos=True)) for ids in ps]

@@ -414,6 +414,50 @@ def test_cancelling_a_run_stops_the_generation_and_running_tools():
     assert cancelled == [True]
 
 
+def test_a_tool_whose_own_awaited_task_is_cancelled_fails_like_any_tool():
+    """A CancelledError raised inside the tool (a task it awaited was cancelled), not by a
+    cancel scope around the run, is the tool's failure: an error result for the model."""
+    import asyncio
+
+    @tool
+    async def fetch() -> str:
+        """Fetch something."""
+        inner = asyncio.ensure_future(asyncio.sleep(10))
+        asyncio.get_running_loop().call_later(0.01, inner.cancel)
+        await inner
+        return "never"
+
+    agent = Agent("a", tools=[fetch])
+    result, events, _ = run(agent, [tool_call_text("fetch"), "It failed."])
+    assert result.final_output == "It failed."
+    (done,) = [e for e in events if isinstance(e, ToolResult)]
+    assert done.is_error and json.loads(done.output) == {"status": "error",
+                                                         "error": "CancelledError"}
+
+
+def test_system_exit_in_a_run_exits_the_process(tmp_path):
+    """sys.exit in a guardrail (or a tool) leaves anyio.run as SystemExit and the process
+    ends: raised bare past anyio's task group it aborted the loop before anyio stopped its
+    worker threads, and the interpreter waited for them forever."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "exit.py"
+    script.write_text(
+        "import sys, time, anyio\n"
+        "from agentflash.backends.scripted import ScriptedBackend\n"
+        "from agentflash.runtime import Agent, Runner\n"
+        "def guard(text):\n"
+        "    sys.exit(3)\n"
+        "async def main():\n"
+        "    await anyio.to_thread.run_sync(time.sleep, 0.01)\n"
+        "    await Runner.run(Agent('f', input_guardrails=[guard]), 'hi',\n"
+        "                     backend=ScriptedBackend(['hello']))\n"
+        "anyio.run(main)\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, timeout=60)
+    assert done.returncode == 3, done.stderr.decode()[-2000:]
+
+
 def test_leaving_the_block_early_cancels_the_run():
     backend = ScriptedBackend([ScriptedTurn("word " * 200, delay_s=0.01)])
 

@@ -749,7 +749,9 @@ class Engine:
 
     def _drain_inbox(self) -> None:
         while self._inbox:
-            self.scheduler.add(self._inbox.popleft())
+            req = self._inbox.popleft()
+            if not req.is_finished:  # cancelled or failed while queued: never scheduled
+                self.scheduler.add(req)
         self.apply_cancels()
 
     def apply_cancels(self) -> None:
@@ -758,6 +760,8 @@ class Engine:
         while self._cancels:
             req = self._cancels.popleft()
             if not req.is_finished:
+                if req in self._inbox:  # not queued yet: it must not be scheduled later
+                    self._inbox.remove(req)
                 req.finish_reason = FinishReason.CANCELLED
                 self._finish(req)
 

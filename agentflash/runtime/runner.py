@@ -455,12 +455,14 @@ def sole_error(group: BaseExceptionGroup) -> BaseException | None:
 
 @contextmanager
 def single_errors() -> Iterator[None]:
-    """Let a task group's single error out as itself rather than wrapped in a group."""
+    """Let a task group's single error out as itself rather than wrapped in a group. Only an
+    ``Exception``: a ``SystemExit`` or ``KeyboardInterrupt`` raised bare past anyio's task group
+    aborted the event loop before it stopped its worker threads, and the process never exited."""
     try:
         yield
     except BaseExceptionGroup as group:
         leaf = sole_error(group)
-        if leaf is None:
+        if not isinstance(leaf, Exception):
             raise
         raise leaf from leaf.__cause__
 

@@ -171,7 +171,9 @@ class FunctionTool:
     positional: tuple[str, ...] = field(default=(), repr=False)  # positional-only parameters
 
     async def call(self, arguments: dict[str, Any]) -> Any:
-        """Validate ``arguments`` and call the function (sync ones in a worker thread)."""
+        """Validate ``arguments`` and call the function (a sync one in a daemon thread of its
+        own, ``_in_daemon_thread``: not one of anyio's workers, so ``anyio.from_thread`` needs
+        a token there; a tool that needs the event loop is best written async)."""
         try:
             validated = self.params_model.model_validate(arguments)
         except pydantic.ValidationError as err:
@@ -216,6 +218,19 @@ async def _in_daemon_thread(fn: Callable[[], Any]) -> Any:
     if not ok:
         raise value
     return value
+
+
+def _raised_by_the_tool() -> bool:
+    """Whether a cancellation exception that reached ``run_tool`` came from inside the tool
+    rather than from a cancel scope around it: under asyncio, one that nobody requested of the
+    running task (a cancel scope's cancellation is requested of the task it cancels)."""
+    import asyncio
+
+    try:
+        task = asyncio.current_task()
+    except RuntimeError:  # another event loop (trio): its cancellation cannot be raised by hand
+        return False
+    return task is not None and task.cancelling() == 0
 
 
 def _validation_message(name: str, err: pydantic.ValidationError) -> str:
@@ -414,6 +429,11 @@ async def run_tool(t: Tool, arguments: dict[str, Any]) -> ToolOutcome:
         return failed(str(err), "invalid_arguments")
     except Exception as err:  # the tool's own failure is the model's to handle
         return failed(f"{type(err).__name__}: {err}", type(err).__name__)
+    except anyio.get_cancelled_exc_class() as err:
+        if not _raised_by_the_tool():
+            raise  # the run (or its caller) is cancelled
+        # a task the tool awaited was cancelled under it: its failure, like any other
+        return failed(f"{type(err).__name__}: {err}".rstrip(": "), type(err).__name__)
     try:
         return ToolOutcome(format_result(value), False, anyio.current_time() - started)
     except Exception as err:  # bytes that are not UTF-8, a list that holds itself, a bad __str__
