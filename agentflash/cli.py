@@ -350,7 +350,7 @@ def serve(
                               max_concurrent=max_concurrent, max_body_bytes=max_body_bytes,
                               prefix_cache_mb=prefix_cache_mb, max_running=max_running,
                               max_len=max_len, kv_budget_mb=kv_budget_mb)
-        typer.echo(f"agentflash serve: {config.name} on http://{host}:{port}/v1"
+        typer.echo(f"agentflash serve: loading {config.name}, to serve on http://{host}:{port}/v1"
                    f"{' (API key required)' if api_key else ''}", err=True)
         run_server(config)
     except ImportError as err:

@@ -167,7 +167,8 @@ def test_a_workflow_selects_the_backend_in_yaml(server, embedded, tmp_path, monk
     wf = load_workflow(tmp_path / "handoff.yaml")
     assert summary(run(wf, wf.resolve_inputs(INPUTS["handoff"]))) == embedded["handoff"]
     monkeypatch.delenv("AF_KEY")
-    with pytest.raises(UserError, match="AF_KEY, which is not set"):
+    with pytest.raises(UserError, match=r"handoff\.yaml:\d+: model\.api_key_env names AF_KEY, "
+                                        r"which is not set"):
         run(wf, wf.resolve_inputs(INPUTS["handoff"]))
     (tmp_path / "bad.yaml").write_text(text.replace("name: handoff\n", "name: handoff\nmodel: "
                                                     "{backend: openai, model: demo}\n"))

@@ -117,18 +117,31 @@ def test_tool_choice_required_returns_valid_calls(client, ask):
     assert_valid_calls(reply.choices[0].message, SCHEMAS)
 
 
-def test_a_call_cut_by_max_tokens_stays_in_the_reply_as_text(client):
+def test_a_call_cut_by_max_tokens_is_the_same_call_streamed_or_not(client):
+    """Cut inside its arguments, a call is a tool call with the arguments written so far
+    (finish reason length, as OpenAI's API gives it), in the whole reply as in the stream; cut
+    before its name was read, it is text in both."""
     args = dict(model="demo", messages=user("Use get_weather with city Oslo, days 3."),
                 tools=TOOLS, tool_choice="required", temperature=0)
     whole = client.chat.completions.create(max_tokens=120, **args)
     (call,) = whole.choices[0].message.tool_calls
-    arguments = json.loads(call.function.arguments)
-    body = json.dumps({"name": call.function.name, "arguments": arguments})
-    # cut inside the arguments, after the server has begun to stream them as a call's deltas
-    cut = client.chat.completions.create(max_tokens=whole.usage.completion_tokens - 3, **args)
-    assert cut.choices[0].finish_reason == "length" and cut.choices[0].message.tool_calls is None
-    text = cut.choices[0].message.content
-    assert text and len(text) > body.index("{", 1) and body.startswith(text)
+    cut = client.chat.completions.create(max_tokens=whole.usage.completion_tokens - 6, **args)
+    assert cut.choices[0].finish_reason == "length" and cut.choices[0].message.content is None
+    (partial,) = cut.choices[0].message.tool_calls
+    assert partial.function.name == call.function.name
+    assert 0 < len(partial.function.arguments) < len(call.function.arguments)
+    assert call.function.arguments.startswith(partial.function.arguments)
+    streamed = {"arguments": "", "content": ""}
+    for chunk in client.chat.completions.create(max_tokens=whole.usage.completion_tokens - 6,
+                                                stream=True, **args):
+        for choice in chunk.choices:
+            streamed["content"] += choice.delta.content or ""
+            for piece in choice.delta.tool_calls or []:
+                assert piece.function.name in (None, call.function.name)
+                streamed["arguments"] += piece.function.arguments or ""
+    assert streamed == {"arguments": partial.function.arguments, "content": ""}
+    early = client.chat.completions.create(max_tokens=3, **args)  # the name is not out yet
+    assert early.choices[0].message.tool_calls is None and early.choices[0].message.content
 
 
 def test_named_tool_choice_and_sampling_still_give_valid_calls(client):
@@ -158,7 +171,7 @@ def test_a_schema_the_grammar_cannot_take_is_named_without_grammar_internals(cli
             model="demo", messages=user("hi"), max_tokens=8, response_format={
                 "type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
     message = info.value.body["message"]
-    assert info.value.body["param"] == "response_format"
+    assert info.value.body["param"] == "response_format.json_schema.schema"
     assert message.startswith("response_format.json_schema.schema: #/properties/tags: ")
     assert "uniqueItems" in message and "%json" not in message and "start:" not in message
 
@@ -275,11 +288,15 @@ def test_stop_strings_and_max_tokens(client):
      "messages[1].tool_calls[0].function.arguments"),
     (dict(max_tokens=10**6), 400, "max_tokens"),
     (dict(n=2), 400, "n"),
+    (dict(top_logprobs=2), 400, "top_logprobs"),  # not silently without logprobs
+    (dict(logprobs=True), 400, "logprobs"),
     (dict(stop=["a", "b", "c", "d", "e"]), 400, "stop"),
     (dict(tools=[{"type": "function", "function": {"name": "x", "parameters": {
         "type": "object", "properties": {"a": {"type": "nonsense"}}}}}]), 400, "tools"),
     (dict(response_format={"type": "json_schema", "json_schema": {"name": "x"}}), 400,
      "response_format.json_schema"),
+    (dict(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "bogus"}}}), 400, "response_format.json_schema.schema"),
     (dict(model="gpt-4o"), 404, "model"),
     (dict(messages=[{"role": "user", "content": "hi"}, {"role": "tool", "content": "r"}]), 400,
      "messages[1]"),

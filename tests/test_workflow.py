@@ -105,8 +105,9 @@ def test_inputs_are_converted_defaulted_and_checked(tmp_path):
                 ({"days": "0"}, "input 'days': 0 is less than the minimum of 1"),
                 ({"days": "1", "direct": "maybe"}, "input 'direct' must be of type boolean")]
     for values, message in problems:
-        with pytest.raises(UserError, match=re.escape(message)):
+        with pytest.raises(UserError, match=re.escape(message)) as caught:
             wf.resolve_inputs(values)
+        assert str(caught.value).startswith(f"{wf.path}: ")  # every one names the file
     with pytest.raises(UserError, match="--input expects KEY=VALUE, got 'days'"):
         parse_input_pairs(["days"])
     with pytest.raises(UserError, match="--input days is given twice"):
@@ -389,6 +390,24 @@ def test_all_problems_of_a_file_are_reported_in_line_order(tmp_path):
         load_workflow(path)
     lines = str(err.value).splitlines()
     assert [line.split(": ")[0] for line in lines] == [f"{path}:4", f"{path}:6", f"{path}:6"]
+
+
+def test_an_unknown_tool_lists_the_declared_ones_even_those_that_failed(tmp_path):
+    path = write(tmp_path, """\
+        version: 1
+        name: t
+        tools:
+          - {name: t, python: "nomodule:f"}
+        agents:
+          a: {instructions: You help., tools: [t, v]}
+        steps:
+          - {id: one, agent: a, input: go}
+        """)
+    with pytest.raises(UserError) as err:
+        load_workflow(path)
+    lines = str(err.value).splitlines()
+    assert len(lines) == 2 and "tools[0].python: cannot import 'nomodule'" in lines[0]
+    assert lines[1].endswith("agents.a.tools[1]: unknown tool 'v' (tools: t)")
 
 
 def test_an_agent_may_be_made_to_hand_off(tmp_path):

@@ -98,7 +98,10 @@ class Workflow:
             if name in given:
                 value = given[name]
                 if isinstance(value, str):
-                    value = _convert(name, value, schema)
+                    try:
+                        value = _convert(name, value, schema)
+                    except UserError as err:
+                        raise UserError(f"{self.path}: {err}") from None
             elif "default" in schema:
                 value = schema["default"]
             else:
@@ -131,7 +134,7 @@ class Workflow:
         with single_errors():
             async with AsyncExitStack() as stack:
                 if backend is None:
-                    backend = await stack.enter_async_context(create_backend(self.model))
+                    backend = await stack.enter_async_context(self._open_backend())
                 chosen = backend
 
                 async def work(emit: Callable[[WorkflowEvent], None]) -> WorkflowResult:
@@ -139,6 +142,22 @@ class Workflow:
 
                 async with streaming(work) as run:
                     yield run
+
+
+    def _open_backend(self):
+        """The backend the ``model:`` section names; what it refuses as it opens (an unset
+        ``api_key_env``, a model it cannot load) names the file and the section's line."""
+        try:
+            return create_backend(self.model)
+        except UserError as err:
+            raise self._model_error(err) from None
+
+    def _model_error(self, err: UserError) -> UserError:
+        message = str(err)
+        key = message.split(" ", 1)[0].removeprefix("model.") if message.startswith(
+            "model.") else None
+        return UserError(f"{self.doc.path}:{self.doc.line(('model', key) if key else ('model',))}"
+                         f": {message}")
 
 
 # --- events and results -------------------------------------------------------------------------
@@ -603,7 +622,7 @@ class _Builder:
 
     def agents(self, tools: dict[str, Tool], defaults: dict[str, Any]) -> dict[str, Agent]:
         agents: dict[str, Agent] = {}
-        declared = {t["name"] for t in self.data.get("tools", [])}
+        declared = [t["name"] for t in self.data.get("tools", [])]
         for name, raw in self.data["agents"].items():
             keys: Keys = ("agents", name)
             own = []
@@ -611,7 +630,7 @@ class _Builder:
                 if tool_name in tools:
                     own.append(tools[tool_name])
                 elif tool_name not in declared:  # a declared tool that failed is reported
-                    known = ", ".join(tools) or "none declared"
+                    known = ", ".join(declared) or "none declared"
                     self.problems.add((*keys, "tools", j), f"unknown tool {tool_name!r} "
                                                            f"(tools: {known})")
             decoding = self.decoding((*keys, "decoding"), raw.get("decoding", {}), defaults)

@@ -196,7 +196,7 @@ def _turn_grammar(key: str) -> GrammarSource:
             json_schema(answer_schema, origin="response_format.json_schema.schema")
             check_schema_supported(answer_schema, "response_format.json_schema.schema")
         except GrammarError as err:
-            raise APIError(400, str(err), param="response_format") from None
+            raise APIError(400, str(err), param="response_format.json_schema.schema") from None
     try:
         return assistant_turn(specs, choice, parallel, strict, output_schema=answer_schema)
     except GrammarError as err:
@@ -286,10 +286,15 @@ class ReplyWriter:
                 deltas = []
             self.complete.append(index)
             return deltas
-        # A call that does not parse (cut by max_tokens, or written without a grammar) stays text:
-        # in the whole reply's content, and in the stream where no delta of it went out as a call.
+        # A call that does not parse (cut by max_tokens, or written without a grammar): where its
+        # deltas went out as a call's, the whole reply holds it as the stream did, its arguments
+        # as written (cut by max_tokens: finish reason length, as OpenAI's API gives a call cut
+        # there); where none did (its name was never read), it stays text in both.
+        if index in self.calls:
+            self.complete.append(index)
+            return []
         self.content.append(call.body)
-        return [] if index in self.calls else [{"content": call.body}]
+        return [{"content": call.body}]
 
     def tool_calls(self) -> list[dict[str, Any]]:
         return [{"id": self.calls[i].id, "type": "function",

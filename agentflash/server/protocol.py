@@ -163,6 +163,7 @@ class ChatCompletionRequest(_Wire):
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     logprobs: bool | None = None
+    top_logprobs: int | None = None
     agentflash: AgentflashOptions | None = None
 
     def check_supported(self) -> None:
@@ -174,6 +175,9 @@ class ChatCompletionRequest(_Wire):
                 raise APIError(400, f"{name}: not supported (use 0 or leave it out)", param=name)
         if self.logprobs:
             raise APIError(400, "logprobs: not supported", param="logprobs")
+        if self.top_logprobs is not None:  # OpenAI's API asks for logprobs with it; no silence
+            raise APIError(400, "top_logprobs: not supported (logprobs are not)",
+                           param="top_logprobs")
         if self.max_tokens is not None and self.max_completion_tokens is not None \
                 and self.max_tokens != self.max_completion_tokens:
             raise APIError(400, "max_tokens and max_completion_tokens differ; give one",
