@@ -390,55 +390,6 @@ def test_the_legal_argmax_is_the_first_best_allowed_token():
         assert _masked_argmax(row, logits.bfloat16(), 4096) in legal  # the tensor path
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("seed", range(3))
-def test_best_allowed_is_the_argmax_of_the_masked_logits(tok, closers, backend, seed,
-                                                         monkeypatch):
-    """Along a valid output, for logits that put legal tokens at every rank (and ties among
-    the best few and at the cut), ``best_allowed`` picks what masking and argmax pick, whichever
-    of tied tokens ``topk`` returns (here the highest ids: the order most likely to mislead)."""
-    import numpy as np
-
-    from agentflash.grammar.constraint import CANDIDATES, best_allowed
-
-    pytest.importorskip("outlines_core")
-
-    def topk_last_of_ties(x, k):
-        order = np.lexsort((-np.arange(x.shape[-1]), -x.numpy()))[:k]
-        return x[order], torch.from_numpy(order)
-
-    monkeypatch.setattr(torch, "topk", topk_last_of_ties)
-    rng = random.Random(seed)
-    schema = random_schema(rng, kind="object", number_bounds=backend is Backend.LLGUIDANCE)
-    vocab = len(tok) + 40
-    grammar = compile_grammar(json_schema(schema), tok, backend=backend, vocab_size=vocab)
-    constraint = grammar.new_constraint()
-    gen = torch.Generator().manual_seed(seed)
-    masked_ones = 0
-    for step, token in enumerate(walk(tok, closers, grammar, seed)):
-        legal = allowed_token_ids(constraint.bitmask(), vocab)
-        for trial in range(12):
-            logits = torch.randn(vocab, generator=gen)
-            if trial == 1:  # a legal token just past the few best
-                logits[rng.choice(legal)] = 3.0
-                logits[rng.sample(range(vocab), CANDIDATES)] = 4.0
-            if trial == 2:  # ties: the lowest id of the best legal ones wins
-                logits = logits.round()
-            if trial == 3:  # a tie at the cut between a checked token and others
-                logits[rng.sample(range(vocab), 2 * CANDIDATES)] = 5.0
-                logits[rng.choice(legal)] = 5.0
-            if trial == 4 and len(legal) > 1:  # two legal tokens tie above the cut
-                logits[rng.sample(legal, 2)] = 6.0
-            if trial >= 5 and len(legal) > 1:  # legal tokens tie at the cut with others
-                logits[rng.sample(range(vocab), CANDIDATES)] = 5.0
-                logits[rng.sample(legal, 2)] = 5.0
-            expected = int(apply_bitmask_(logits.clone(), constraint.bitmask()).argmax())
-            assert best_allowed(constraint, logits) == expected, (step, trial)
-            masked_ones += expected not in logits.topk(CANDIDATES).indices.tolist()
-        constraint.advance([token])
-    assert masked_ones  # the fallback to the mask was taken too
-
-
 def test_batched_masks_equal_single_masks(tok, closers):
     grammars = [
         compile_grammar(json_schema(random_schema(random.Random(s), kind="object")), tok)

@@ -424,10 +424,9 @@ def greedy_verify(
             _commit_to_end(constraint, draft[done:j])
             done = j
             row = None
-            if not constraint.allows(token):  # the legal argmax decides
-                token = best_allowed(constraint, logits[j], token)
-                if token == drafted:
-                    continue
+            if not constraint.allows(token):
+                row = constraint._scratch_row()
+                constraint.fill_bitmask(row)
         else:
             row = constraint.mask_unless_allowed(draft[:j], token)
         if row is not None:  # the target's choice is illegal: the legal argmax decides
@@ -494,8 +493,8 @@ def constrained_draft(
     best = list(proposals) if proposals is not None else draft_logits.argmax(dim=-1).tolist()
     if with_masks:
         masks = allocate_bitmask(min(max_tokens, num_slots) + 1, constraint.vocab_size)
-    else:  # one row, filled and read where no few best tokens of a slot are legal
-        scratch = constraint._scratch_row()
+    else:  # one row, filled and read where a drafted token is illegal
+        masks = constraint._scratch_row()[None]
     tokens: list[int] = []
     num_forced = 0
     after_run = False  # the last tokens were a forced run (as long as the grammar forces)
@@ -529,44 +528,22 @@ def constrained_draft(
             if slot >= num_slots or slot - num_forced >= max_drafted:
                 break
             token = best[slot]
+            row = masks[slot if with_masks else 0]
             if with_masks:
-                ahead.fill_bitmask(masks[slot])
-                if not _allows(masks[slot], token, ahead.vocab_size):  # the best legal token
-                    token = _masked_argmax(masks[slot], draft_logits[slot], ahead.vocab_size)
-            elif not ahead.allows(token):  # one token checked costs a fraction of a mask
-                token = best_allowed(ahead, draft_logits[slot], token, scratch)
+                ahead.fill_bitmask(row)
+                legal = _allows(row, token, ahead.vocab_size)
+            else:  # one token checked costs a fraction of a mask
+                legal = ahead.allows(token)
+                if not legal:
+                    ahead.fill_bitmask(row)
+            if not legal:  # the slot's best legal token (no ranking of the whole block first)
+                token = _masked_argmax(row, draft_logits[slot], ahead.vocab_size)
             ahead._commit([token])
             tokens.append(token)
         if not with_masks:
             return Draft(tokens, num_forced, None)
         ahead.fill_bitmask(masks[len(tokens)])
     return Draft(tokens, num_forced, masks[: len(tokens) + 1])
-
-
-CANDIDATES = 4  # tokens ``best_allowed`` checks one by one before it makes a mask
-
-
-def best_allowed(constraint: Constraint, logits: torch.Tensor, refused: int | None = None,
-                 scratch: torch.Tensor | None = None) -> int:
-    """The argmax of ``logits`` [V] over the tokens ``constraint`` allows next, the first of
-    equal maxima: what masking the logits and taking their argmax gives. The few best tokens
-    are checked one by one, best first (a token checked costs a fraction of a mask: 3 against
-    25 us at the demo's 4,096 tokens, more at a real vocabulary), and the mask is made only
-    where none of them is allowed, or where the one found ties with the last of them (a token
-    past the few may tie with it and come first). ``refused``: a token known to be illegal
-    (the argmax the caller checked); ``scratch``: a mask row [W] to fill (default: the
-    constraint's own)."""
-    values, ids = torch.topk(logits.detach(), min(CANDIDATES, logits.shape[-1]))
-    ranked = sorted(zip(values.tolist(), ids.tolist()), key=lambda pair: (-pair[0], pair[1]))
-    last = ranked[-1][0]
-    for value, token in ranked:
-        if value == last:
-            break  # every token worth more than ``last`` is among these, but not its ties
-        if token != refused and constraint.allows(token):
-            return token
-    row = constraint._scratch_row() if scratch is None else scratch
-    constraint.fill_bitmask(row)
-    return _masked_argmax(row, logits, constraint.vocab_size)
 
 
 def _grow(masks: torch.Tensor, rows: int) -> torch.Tensor:
