@@ -86,11 +86,12 @@ def generate(
                 defaults["messages"] = inputs.load_messages(messages)
             else:
                 defaults["prompt"] = prompt
-            todo = [inputs.make_input(defaults, str(messages) if messages else "command line")]
+            todo = [inputs.make_input(defaults, "command line")]
         engine = _load_engine(model, drafter)
         if speculation == "dflash" and engine.drafter is None:
             raise UserError("--mode dflash needs a drafter (--drafter demo or a directory)")
-        prompts = _check_all(engine, todo)
+        # a prompt the engine cannot hold is the messages file's fault, a bad flag is not
+        prompts = _check_all(engine, todo, str(messages) if messages is not None else None)
         failed = 0
         for item, ids in zip(todo, prompts):
             result = engine.generate(ids, item.params)
@@ -108,7 +109,7 @@ def generate(
         raise typer.Exit(1)
 
 
-def _check_all(engine, todo) -> list[list[int]]:
+def _check_all(engine, todo, prompt_source: str | None = None) -> list[list[int]]:
     """Every request's prompt (token ids) within the engine's limits, its grammar compiled (and
     cached) and its speculation possible, before the first one runs, so that a bad last line
     fails before the lines above it are answered. Returns the prompts."""
@@ -124,7 +125,7 @@ def _check_all(engine, todo) -> list[list[int]]:
         try:
             engine.check_prompt(prompts[-1])
         except UserError as err:
-            raise UserError(f"{item.where}: {err}") from None
+            raise UserError(f"{prompt_source or item.where}: {err}") from None
         if item.params.grammar is not None:
             try:
                 engine.compile(item.params.grammar)

@@ -176,6 +176,29 @@ def test_decoding_checks_each_field():
                        (dict(seed="x"), "seed"), (dict(max_tokens=True), "max_tokens")]:
         with pytest.raises(UserError, match=f"decoding.{field}"):
             Decoding(**bad)
+    import numpy as np
+
+    warm = Decoding(temperature=np.float32(0.5))  # a number; JSON (a server's request) takes it
+    assert type(warm.temperature) is float and warm.temperature == 0.5
+
+
+def test_a_backend_refused_as_its_engine_is_served_stays_closed(tiny_model_dir):
+    from agentflash.engine.async_engine import AsyncEngine
+    from agentflash.engine.engine import Engine
+
+    engine = Engine.from_pretrained(tiny_model_dir)
+    backend = LocalBackend(engine=engine)
+
+    async def main():
+        async with AsyncEngine(engine):
+            with pytest.raises(UserError, match="another AsyncEngine serves this engine"):
+                async with backend:
+                    pass
+        async with backend:  # once the other is gone, it opens
+            return await collect(backend, ModelRequest([{"role": "user", "content": "x"}],
+                                                       decoding=Decoding(max_tokens=2)))
+
+    assert isinstance(anyio.run(main)[-1], ModelFinish)
 
 
 def test_backend_kinds_are_modules_of_the_package(tmp_path):

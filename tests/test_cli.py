@@ -246,6 +246,12 @@ def test_a_bad_flag_is_not_blamed_on_a_requests_line(tiny_model_dir, tmp_path):
     code, _, err = run("generate", "--model", str(tiny_model_dir), "--requests", str(path),
                        "--max-tokens", "0")
     assert code == 2 and err.startswith("error: command line: max_tokens must be a positive")
+    messages = tmp_path / "m.json"
+    messages.write_text('[{"role": "user", "content": "x"}]')
+    for flags in (["--max-tokens", "0"], ["--regex", "("], ["--tool-choice", "foo"]):
+        code, _, err = run("generate", "--model", str(tiny_model_dir), "--messages",
+                           str(messages), *flags)
+        assert code == 2 and err.startswith("error: command line: "), (flags, err)
 
 
 def test_boolean_schemas_and_a_huge_seed(tiny_model_dir, tmp_path):

@@ -58,6 +58,20 @@ def test_apply_token_bitmask_on_rows_of_a_verify_block():
     apply_token_bitmask_reference(expected[0], one)
     apply_token_bitmask_(logits[0], one)
     assert torch.equal(logits, expected)
+    # rows that are not one even stride (the first 3 positions of both rows), and words that
+    # are not contiguous: the same as the reference
+    words = _random_bitmask(2 * 3, 300, 0.3, gen).view(2, 3, -1)
+    odd = words.transpose(0, 1).contiguous().transpose(0, 1)  # same values, other strides
+    assert odd.stride(-1) != 1 or odd.stride(0) != words.stride(0)
+    apply_token_bitmask_reference(expected[:, :3], words)
+    apply_token_bitmask_(logits[:, :3], odd)
+    assert torch.equal(logits, expected)
+    cols = _random_bitmask(10, 300, 0.4, gen)  # [10, W] read through a transposed view
+    bits = cols.t().contiguous().t()
+    assert bits.stride(-1) != 1 and torch.equal(bits, cols)
+    apply_token_bitmask_reference(expected[1], bits[:5])
+    apply_token_bitmask_(logits[1], bits[:5])
+    assert torch.equal(logits, expected)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -131,6 +145,7 @@ def test_masked_argmax_refuses_bad_input():
                       torch.zeros(1, 2, dtype=torch.int32, device=DEVICE))
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors stand in for the GPU's")
 def test_the_grammar_layer_takes_the_kernels_for_gpu_tensors(monkeypatch):
     """``apply_bitmask_`` and the greedy fallback's masked argmax go to the kernels where
     ``use_kernels`` says so (CUDA tensors; here the interpreter's CPU tensors stand in), and

@@ -70,6 +70,27 @@ def flights():
         yield
 
 
+def _chunk(delta=None, finish=None):
+    chunk = {"choices": [{"index": 0, "delta": delta or {}, "finish_reason": finish}]}
+    return f"data: {json.dumps(chunk)}\n\n".encode()
+
+
+SSE = b"text/event-stream"
+QUIRKS = {
+    # a proxy's keep-alive comments while the upstream is stuck: 1 s of them
+    "keepalive": (SSE, [_chunk({"content": "he"})] + [b": keep-alive\n\n", None] * 10),
+    "event-error": (SSE, [_chunk({"content": "he"}), b"event: error\ndata: "
+                          b'{"message": "model overloaded", "code": 503}\n\n']),
+    "object-error": (SSE, [b'data: {"object": "error", "message": "KV cache full", '
+                           b'"type": "InternalServerError", "code": 500}\n\n']),
+    "json-200": (b"application/json", [b'{"error": {"message": "quota exceeded"}}']),
+    "abort": (SSE, [_chunk({"content": "The answer"}), _chunk({"content": " is"}, "abort"),
+                    b"data: [DONE]\n\n"]),
+    "bad-arguments": (SSE, [_chunk({"tool_calls": [{"index": 0, "id": "c", "function": {
+        "name": "f", "arguments": {"x": 1}}}]}), _chunk(finish="tool_calls")]),
+}
+
+
 class Flaky:
     """An ASGI wrapper that answers the next chat requests with the given failures ("stall":
     no answer for 2 s; "cut": a reply stream that stops short) before passing requests on to
@@ -90,6 +111,18 @@ class Flaky:
                                 "headers": [(b"content-type", b"text/event-stream")]})
                     await send({"type": "http.response.body",
                                 "body": f"data: {json.dumps(chunk)}\n\n".encode()})
+                    return
+                if failure in QUIRKS:  # a reply as a quirky server or proxy sends it
+                    kind, pieces = QUIRKS[failure]
+                    await send({"type": "http.response.start", "status": 200,
+                                "headers": [(b"content-type", kind)]})
+                    for piece in pieces:
+                        if piece is None:
+                            await anyio.sleep(0.1)
+                            continue
+                        await send({"type": "http.response.body", "body": piece,
+                                    "more_body": True})
+                    await send({"type": "http.response.body", "body": b""})
                     return
                 if failure == "stall":
                     await anyio.sleep(2.0)
@@ -241,6 +274,25 @@ def test_429_5xx_and_stalls_are_retried_with_backoff(server):
     app.failures = []
 
 
+@pytest.mark.parametrize("quirk, message", [
+    ("keepalive", r"no data in 0\.3 s \(timeout_s\)"),
+    ("event-error", r"the server stopped the reply: model overloaded \(503\)"),
+    ("object-error", r"the server stopped the reply: KV cache full \(500\)"),
+    ("json-200", r"answered with application/json, not an event stream: quota exceeded"),
+    ("abort", r"ended the reply with finish_reason 'abort'"),
+    ("bad-arguments", r"a chunk this client cannot read \(TypeError: function\.arguments is "
+                      r"dict, not text\)"),
+])
+def test_a_quirky_server_gives_a_clear_error_not_a_hang_or_a_cut_answer(server, quirk, message):
+    url, app = server
+    app.failures = [quirk]
+    request = ModelRequest([{"role": "user", "content": "Hello"}], decoding=Decoding(max_tokens=8))
+    backend = OpenAIBackend(url, "demo", timeout_s=0.3, retry=RetryPolicy(0, 0.01, 0.05))
+    with pytest.raises(ServerUnavailable, match=message):
+        stream(backend, request)
+    app.failures = []
+
+
 def test_client_errors_are_reported_without_retries(server):
     url, app = server
     app.attempts = 0
@@ -265,6 +317,45 @@ def test_connection_errors_are_retried_then_reported():
         stream(backend, ModelRequest([{"role": "user", "content": "hi"}]))
     with pytest.raises(UserError, match="base_url"):
         OpenAIBackend("localhost:8000", "demo")
+
+
+def _calls(chunks) -> list:
+    reader = _ChunkReader()
+    events = [e for c in chunks for e in reader.read(c)] + reader.close()
+    return [e for e in events if isinstance(e, ToolCallReady)]
+
+
+def _tool_chunk(*entries, finish=None):
+    return {"choices": [{"delta": {"tool_calls": list(entries)}, "finish_reason": finish}]}
+
+
+def test_chunk_reader_tells_calls_apart_as_quirky_servers_send_them():
+    weather = '{"city": "Oslo"}'
+    # Ollama-like: no index; every call at index 0 with its own id
+    for index in ({}, {"index": 0}):
+        calls = _calls([
+            _tool_chunk({**index, "id": "a", "function": {"name": "get_weather",
+                                                         "arguments": weather}}),
+            _tool_chunk({**index, "id": "b", "function": {"name": "get_time",
+                                                         "arguments": '{"zone": "UTC"}'}}),
+        ])
+        assert [(c.index, c.call.id, c.call.name) for c in calls] == [
+            (0, "a", "get_weather"), (1, "b", "get_time")]
+    # no ids either: a new name once the call is whole
+    calls = _calls([_tool_chunk({"function": {"name": "get_weather", "arguments": weather}}),
+                    _tool_chunk({"function": {"name": "get_time", "arguments": "{}"}})])
+    assert [c.call.name for c in calls] == ["get_weather", "get_time"]
+    # DeepSeek-like: one id for two calls; each keeps an id of its own
+    calls = _calls([_tool_chunk({"index": 0, "id": "call_0", "function": {
+                        "name": "get_weather", "arguments": weather}}),
+                    _tool_chunk({"index": 1, "id": "call_0", "function": {
+                        "name": "get_time", "arguments": "{}"}})])
+    assert [c.call.id for c in calls] == ["call_0", "call_0_2"]
+    # NIM-like: the id and the name on every piece of one call
+    calls = _calls([_tool_chunk({"index": 0, "id": "x", "function": {
+        "name": "get_weather", "arguments": piece}}) for piece in ('{"city": ', '"Oslo"}')])
+    assert [(c.call.name, c.call.arguments) for c in calls] == [("get_weather",
+                                                                 {"city": "Oslo"})]
 
 
 def test_chunk_reader_closes_calls_as_their_arguments_complete():

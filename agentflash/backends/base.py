@@ -56,6 +56,7 @@ class Decoding:
         if not is_temperature(self.temperature):
             raise UserError(f"decoding.temperature must be {TEMPERATURE_TEXT}, got "
                             f"{self.temperature!r}")
+        object.__setattr__(self, "temperature", float(self.temperature))  # a numpy float too
         if not is_int(self.max_tokens) or self.max_tokens < 1:
             raise UserError(f"decoding.max_tokens must be a positive integer, "
                             f"got {self.max_tokens!r}")

@@ -287,8 +287,9 @@ class LocalBackend(Backend):
                 return Engine(net, tokenizer, self.config, model_dir=model_dir, drafter=draft)
 
             self._engine = await run_in_own_thread(build)
-        self._aengine = AsyncEngine(self._engine)
-        await self._aengine.__aenter__()
+        aengine = AsyncEngine(self._engine)
+        await aengine.__aenter__()  # a refusal leaves this backend closed, as it was
+        self._aengine = aengine
         return self
 
     async def __aexit__(self, *exc: object) -> bool | None:

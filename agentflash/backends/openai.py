@@ -18,6 +18,7 @@ and the server's message.
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import time
@@ -51,6 +52,10 @@ from agentflash.errors import UserError
 from agentflash.runtime.errors import RunError
 
 RETRY_STATUS = frozenset({408, 409, 429, 500, 502, 503, 504})
+# the finish reasons of a whole reply (OpenAI's, and TGI's words for them); another (SGLang's
+# and vLLM's abort, error, a content filter) means the reply was cut short: not an answer
+FINISH_REASONS = frozenset({"stop", "length", "tool_calls", "function_call", "eos_token",
+                            "stop_sequence"})
 
 
 class ServerUnavailable(RunError):
@@ -69,9 +74,11 @@ class RetryPolicy:
         """Seconds to wait before retry ``attempt`` (0-based)."""
         if retry_after is not None:
             try:
-                return min(max(float(retry_after), 0.0), self.max_backoff_s)
+                seconds = float(retry_after)
             except ValueError:
-                pass  # an HTTP date: use the backoff
+                seconds = math.nan  # an HTTP date: use the backoff
+            if math.isfinite(seconds):
+                return min(max(seconds, 0.0), self.max_backoff_s)
         base = min(self.backoff_s * 2**attempt, self.max_backoff_s)
         return base * (0.5 + random.random() / 2)
 
@@ -127,12 +134,18 @@ class OpenAIBackend(Backend):
         reader = _ChunkReader()
         async with self._post(request_body(self.model_name, request)) as response:
             try:
-                async for data in _sse_data(response):
+                async for data in self._events(response):
                     if data == "[DONE]":
                         break
-                    for event in reader.read(self._chunk(data)):
+                    try:
+                        events = reader.read(self._chunk(data))
+                    except (TypeError, AttributeError, ValueError) as err:
+                        raise ServerUnavailable(f"{self.base_url}: the stream sent a chunk this "
+                                                f"client cannot read ({type(err).__name__}: "
+                                                f"{err}): {data[:200]!r}") from None
+                    for event in events:
                         yield event
-            except httpx.TransportError as err:
+            except httpx.RequestError as err:  # transport, and a body that does not decode
                 raise ServerUnavailable(f"{self.base_url}: the reply stream broke: "
                                         f"{_describe(err)}") from None
         if reader.finish_reason is None:  # a reply cut off without a word: not a whole one
@@ -142,6 +155,32 @@ class OpenAIBackend(Backend):
             yield event
         yield ModelFinish(reader.finish_reason, reader.stats(time.perf_counter() - started))
 
+    async def _events(self, response: httpx.Response) -> AsyncIterator[str]:
+        """The ``data`` of the reply's events, each within ``timeout_s`` of the one before (a
+        proxy's keep-alive comments reset the socket's read timeout, not this one); an
+        ``event: error`` raises with its message; a body that is not an event stream (a JSON
+        error with status 200, a proxy's HTML page) raises with what it says."""
+        kind = response.headers.get("content-type", "").split(";")[0].strip().lower()
+        if kind in ("application/json", "text/html"):
+            text = (await response.aread()).decode("utf-8", "replace")
+            raise ServerUnavailable(f"{self.base_url}: the server answered with {kind}, not an "
+                                    f"event stream: {_error_message(text)}")
+        events = _sse_events(response)
+        wait = self.timeout.read
+        while True:
+            with anyio.move_on_after(wait if wait is not None else math.inf) as scope:
+                item = await anext(events, None)
+            if scope.cancelled_caught:
+                raise ServerUnavailable(f"{self.base_url}: no data in {wait:g} s (timeout_s)")
+            if item is None:
+                return
+            name, data = item
+            if name == "error":
+                obj = _parse(data)
+                raise ServerUnavailable(f"{self.base_url}: the server stopped the reply: "
+                                        f"{_error_message(obj if obj is not None else data)}")
+            yield data
+
     def _chunk(self, data: str) -> dict[str, Any]:
         try:
             chunk = json.loads(data)
@@ -150,9 +189,14 @@ class OpenAIBackend(Backend):
                                     f"{data[:200]!r}") from None
         if not isinstance(chunk, dict):
             raise ServerUnavailable(f"{self.base_url}: the stream sent {data[:200]!r}")
-        if "error" in chunk:
+        if "error" in chunk or chunk.get("object") == "error":
             raise ServerUnavailable(f"{self.base_url}: the server stopped the reply: "
                                     f"{_error_message(chunk)}")
+        finish = next((c.get("finish_reason") for c in chunk.get("choices") or []
+                       if isinstance(c, dict) and c.get("finish_reason")), None)
+        if finish is not None and finish not in FINISH_REASONS:  # abort, error, content_filter
+            raise ServerUnavailable(f"{self.base_url}: the server ended the reply with "
+                                    f"finish_reason {finish!r}")
         return chunk
 
     @asynccontextmanager
@@ -237,32 +281,38 @@ def _tool_choice(choice: ToolChoiceSpec) -> str | dict[str, Any]:
 # --- the reply -----------------------------------------------------------------------------------
 
 
-async def _sse_data(response: httpx.Response) -> AsyncIterator[str]:
-    """The ``data`` of each server-sent event."""
+async def _sse_events(response: httpx.Response) -> AsyncIterator[tuple[str, str]]:
+    """The ``(event, data)`` of each server-sent event (event ``message`` unless named)."""
     lines: list[str] = []
+    name = "message"
     async for line in response.aiter_lines():
         if line.startswith("data:"):
             lines.append(line[5:].removeprefix(" "))
+        elif line.startswith("event:"):
+            name = line[6:].strip() or "message"
         elif not line and lines:
-            yield "\n".join(lines)
-            lines = []
+            yield name, "\n".join(lines)
+            lines, name = [], "message"
     if lines:
-        yield "\n".join(lines)
+        yield name, "\n".join(lines)
 
 
 @dataclass
 class _RemoteCall:
-    id: str
+    id: str  # unique in the reply
     name: str
     arguments: str = ""
     is_ready: bool = False
+    server_id: str | None = None  # the id the server gave it
 
 
 class _ChunkReader:
     """``chat.completion.chunk`` objects in, model events out."""
 
     def __init__(self) -> None:
-        self.calls: dict[int, _RemoteCall] = {}
+        self.calls: dict[int, _RemoteCall] = {}  # by index in the reply, in the order begun
+        self._slots: dict[Any, int] = {}  # the server's index of a call -> its index here
+        self._last_slot: Any = 0
         self.finish_reason: str | None = None  # until a choice says why it ended
         self.usage: dict[str, Any] = {}
         self.engine_stats: dict[str, Any] = {}
@@ -275,27 +325,39 @@ class _ChunkReader:
         events: list[ModelEvent] = []
         for choice in chunk.get("choices") or []:
             delta = choice.get("delta") or {}
-            if delta.get("content"):
-                events.append(TextDelta(delta["content"]))
+            content = delta.get("content")
+            if content is not None and not isinstance(content, str):
+                raise TypeError(f"delta.content is {type(content).__name__}, not text")
+            if content:
+                events.append(TextDelta(content))
             for entry in delta.get("tool_calls") or []:
                 events += self._tool_call_delta(entry)
-            if choice.get("finish_reason"):
+            if choice.get("finish_reason"):  # the others are refused by ``_chunk``
                 self.finish_reason = "length" if choice["finish_reason"] == "length" else "stop"
         return events
 
     def _tool_call_delta(self, entry: dict[str, Any]) -> list[ModelEvent]:
         events: list[ModelEvent] = []
-        index = entry.get("index", 0)
         fn = entry.get("function") or {}
-        call = self.calls.get(index)
+        name = fn.get("name") or ""
+        slot = entry.get("index")
+        slot = self._last_slot if slot is None else slot  # pieces without one: the last call's
+        self._last_slot = slot
+        index = self._slots.get(slot)
+        call = self.calls.get(index) if index is not None else None
+        piece = fn.get("arguments") or ""
+        if not isinstance(piece, str):
+            raise TypeError(f"function.arguments is {type(piece).__name__}, not text")
+        if call is not None and self._starts_another(call, entry.get("id"), name, piece):
+            call = None
         if call is None:  # a new call: the ones before it whose arguments are whole are ready
             # (a server may interleave the calls' pieces: an unfinished one stays open)
+            index = self._slots[slot] = len(self.calls)
             events += self._ready(lambda i: i < index and self._is_whole(self.calls[i]))
-            call = self.calls[index] = _RemoteCall(entry.get("id") or f"call_{uuid.uuid4().hex}",
-                                                   fn.get("name") or "")
-        elif fn.get("name"):
-            call.name += fn["name"]
-        piece = fn.get("arguments") or ""
+            call = self.calls[index] = _RemoteCall(self._unique_id(entry.get("id")), name,
+                                                   server_id=entry.get("id"))
+        elif name and name != call.name and not call.arguments:
+            call.name += name  # a name streamed in pieces (a repeat of the whole is no piece)
         call.arguments += piece
         if call.is_ready:
             return events
@@ -303,6 +365,27 @@ class _ChunkReader:
         if piece.rstrip().endswith("}") and self._is_whole(call):
             events += self._ready(lambda i: i == index)
         return events
+
+    def _starts_another(self, call: _RemoteCall, id_: str | None, name: str,
+                        piece: str) -> bool:
+        """Whether a piece at ``call``'s index begins another call (a server that gives every
+        call one index, or none): it brings another id; or, without ids, a name once ``call``
+        is whole, another name or the same with arguments of its own (a server that repeats
+        the name on every piece of a call repeats it while the call is not whole yet)."""
+        if id_ and call.server_id:
+            return id_ != call.server_id
+        return (bool(name) and self._is_whole(call)
+                and (name != call.name or piece.lstrip().startswith("{")))
+
+    def _unique_id(self, id_: str | None) -> str:
+        """The server's id for a new call, made unique in the reply (some servers give every
+        call of a turn one id: each call's result must find its own call)."""
+        taken = {c.id for c in self.calls.values()}
+        new = id_ or f"call_{uuid.uuid4().hex}"
+        n = 2
+        while new in taken:
+            new, n = f"{id_}_{n}", n + 1
+        return new
 
     @staticmethod
     def _is_whole(call: _RemoteCall) -> bool:
@@ -332,13 +415,19 @@ class _ChunkReader:
         tells (forwards unknown: 0)."""
         stats = {"mode": "remote", "target_forwards": 0, "draft_forwards": 0, "tau": 0.0,
                  "wall_s": round(wall_s, 4), "segments": []}
-        new = int(self.usage.get("completion_tokens", 0) or 0)
-        details = self.usage.get("prompt_tokens_details") or {}
-        stats.update(prompt_tokens=int(self.usage.get("prompt_tokens", 0) or 0), new_tokens=new,
-                     cached_prompt_tokens=int(details.get("cached_tokens", 0) or 0),
+        new = _count(self.usage.get("completion_tokens"))
+        details = self.usage.get("prompt_tokens_details")
+        details = details if isinstance(details, dict) else {}
+        stats.update(prompt_tokens=_count(self.usage.get("prompt_tokens")), new_tokens=new,
+                     cached_prompt_tokens=_count(details.get("cached_tokens")),
                      tokens_per_s=round(new / wall_s, 2) if wall_s > 0 else 0.0)
         stats.update(self.engine_stats)
         return stats
+
+
+def _count(value: Any) -> int:
+    """A token count from the usage object; 0 where the server gave none it could mean."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
 
 
 def _parse(text: str) -> Any:
@@ -352,12 +441,12 @@ def _error_message(body: str | dict[str, Any]) -> str:
     """The ``error.message`` of an OpenAI error body, else the body itself (clipped)."""
     obj = body if isinstance(body, dict) else _parse(body)
     if isinstance(obj, dict) and isinstance(obj.get("error"), dict):
-        err = obj["error"]
-        message = str(err.get("message", ""))
-        code = err.get("code") or err.get("type")
-        return f"{message} ({code})" if code else message
-    if isinstance(obj, dict) and isinstance(obj.get("error"), str):
+        obj = obj["error"]
+    elif isinstance(obj, dict) and isinstance(obj.get("error"), str):
         return obj["error"]
+    if isinstance(obj, dict) and isinstance(obj.get("message"), str):  # also vLLM's older form
+        code = obj.get("code") or obj.get("type")
+        return f"{obj['message']} ({code})" if code else obj["message"]
     text = body if isinstance(body, str) else json.dumps(body)
     return text[:300] or "(empty body)"
 

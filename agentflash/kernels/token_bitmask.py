@@ -33,13 +33,16 @@ def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.T
     returns ``logits``."""
     vocab_size = logits.shape[-1]
     _check(logits, bitmask)
-    rows = logits.view(-1, vocab_size)  # [N, V]: raises if the rows are not evenly strided
-    masks = bitmask.expand(*logits.shape[:-1], bitmask.shape[-1]).reshape(-1, bitmask.shape[-1])
+    rows = logits.reshape(-1, vocab_size)  # [N, V]: a copy where the rows are not evenly strided
+    masks = bitmask.expand(*logits.shape[:-1], bitmask.shape[-1])
+    masks = masks.reshape(-1, bitmask.shape[-1]).contiguous()  # [N, W]
     if rows.shape[0]:
         grid = (rows.shape[0], triton.cdiv(vocab_size, BLOCK))
         _apply_token_bitmask_kernel[grid](
             rows, masks, vocab_size, rows.stride(0), masks.stride(0), BLOCK=BLOCK
         )
+        if rows.data_ptr() != logits.data_ptr():  # reshape copied: the copy was masked
+            logits.copy_(rows.view(logits.shape))
     return logits
 
 

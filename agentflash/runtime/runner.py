@@ -127,6 +127,7 @@ class _Turn:
 
     text: list[str] = field(default_factory=list)
     calls: list[model.ToolCall | model.MalformedToolCall] = field(default_factory=list)
+    call_indexes: list[int] = field(default_factory=list)  # each call's index in the reply
     outcomes: dict[str, ToolOutcome] = field(default_factory=dict)  # by call id
     finish: model.ModelFinish | None = None
     span: Span | None = None  # the turn's
@@ -226,6 +227,7 @@ class _Loop:
                     elif isinstance(event, model.ToolCallReady):
                         call = event.call
                         turn.calls.append(call)
+                        turn.call_indexes.append(event.index)
                         _check_call_allowed(agent, request, call)
                         if isinstance(call, model.ToolCall) and call.name in tools:
                             dispatch(tools[call.name], call)
@@ -234,6 +236,9 @@ class _Loop:
                     else:
                         raise AssertionError(f"unknown model event {event!r}")
             assert turn.finish is not None, "the backend's stream ended without a ModelFinish"
+            # in the order the model wrote them (a server may finish a later call first)
+            order = sorted(range(len(turn.calls)), key=turn.call_indexes.__getitem__)
+            turn.calls = [turn.calls[i] for i in order]
             gen_span.attributes.update(generation_attributes(turn.finish.stats,
                                                              turn.finish.finish_reason))
         stats = ev.GenerationStats(agent.name, number, turn.finish.finish_reason, turn.finish.stats)

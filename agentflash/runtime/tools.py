@@ -230,7 +230,8 @@ def _raised_by_the_tool() -> bool:
         task = asyncio.current_task()
     except RuntimeError:  # another event loop (trio): its cancellation cannot be raised by hand
         return False
-    return task is not None and task.cancelling() == 0
+    cancelling = getattr(task, "cancelling", None)  # Python 3.11+
+    return cancelling is not None and cancelling() == 0
 
 
 def _validation_message(name: str, err: pydantic.ValidationError) -> str:

@@ -145,8 +145,8 @@ class Workflow:
 
 
     def _open_backend(self):
-        """The backend the ``model:`` section names; what it refuses as it opens (an unset
-        ``api_key_env``, a model it cannot load) names the file and the section's line."""
+        """The backend the ``model:`` section names; what it refuses as it is made (an unset
+        ``api_key_env``) names the file and the section's line."""
         try:
             return create_backend(self.model)
         except UserError as err:

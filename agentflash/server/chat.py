@@ -248,6 +248,7 @@ class ReplyWriter:
     content: list[str] = field(default_factory=list)
     calls: dict[int, _Call] = field(default_factory=dict)
     complete: list[int] = field(default_factory=list)  # indexes of well-formed calls
+    cut: list[int] = field(default_factory=list)  # of calls that do not parse, sent as calls
     _blank: str = ""  # whitespace held back: it separates calls and is not content
 
     def deltas(self, event: ModelEvent) -> list[dict[str, Any]]:
@@ -291,7 +292,7 @@ class ReplyWriter:
         # as written (cut by max_tokens: finish reason length, as OpenAI's API gives a call cut
         # there); where none did (its name was never read), it stays text in both.
         if index in self.calls:
-            self.complete.append(index)
+            self.cut.append(index)
             return []
         self.content.append(call.body)
         return [{"content": call.body}]
@@ -299,7 +300,7 @@ class ReplyWriter:
     def tool_calls(self) -> list[dict[str, Any]]:
         return [{"id": self.calls[i].id, "type": "function",
                  "function": {"name": self.calls[i].name, "arguments": self.calls[i].arguments}}
-                for i in self.complete]
+                for i in sorted(self.complete + self.cut)]
 
     def text(self) -> str | None:
         return "".join(self.content).strip() or None

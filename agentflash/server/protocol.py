@@ -175,7 +175,7 @@ class ChatCompletionRequest(_Wire):
                 raise APIError(400, f"{name}: not supported (use 0 or leave it out)", param=name)
         if self.logprobs:
             raise APIError(400, "logprobs: not supported", param="logprobs")
-        if self.top_logprobs is not None:  # OpenAI's API asks for logprobs with it; no silence
+        if self.top_logprobs not in (None, 0):  # OpenAI's API asks for logprobs with it
             raise APIError(400, "top_logprobs: not supported (logprobs are not)",
                            param="top_logprobs")
         if self.max_tokens is not None and self.max_completion_tokens is not None \
