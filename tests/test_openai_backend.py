@@ -86,6 +86,14 @@ QUIRKS = {
     "json-200": (b"application/json", [b'{"error": {"message": "quota exceeded"}}']),
     "abort": (SSE, [_chunk({"content": "The answer"}), _chunk({"content": " is"}, "abort"),
                     b"data: [DONE]\n\n"]),
+    # the second call closes before the first: the model wrote get_weather first
+    "late-first": (SSE, [
+        _chunk({"tool_calls": [{"index": 0, "id": "a", "function": {
+            "name": "get_weather", "arguments": '{"city": '}}]}),
+        _chunk({"tool_calls": [{"index": 1, "id": "b", "function": {
+            "name": "get_time", "arguments": '{"zone": "UTC"}'}}]}),
+        _chunk({"tool_calls": [{"index": 0, "function": {"arguments": '"Oslo"}'}}]}),
+        _chunk(finish="tool_calls")]),
     "bad-arguments": (SSE, [_chunk({"tool_calls": [{"index": 0, "id": "c", "function": {
         "name": "f", "arguments": {"x": 1}}}]}), _chunk(finish="tool_calls")]),
 }
@@ -291,6 +299,36 @@ def test_a_quirky_server_gives_a_clear_error_not_a_hang_or_a_cut_answer(server, 
     with pytest.raises(ServerUnavailable, match=message):
         stream(backend, request)
     app.failures = []
+
+
+def test_calls_go_back_in_the_order_the_model_wrote_them(server):
+    from agentflash.runtime import Agent, Runner, tool
+
+    @tool
+    def get_weather(city: str) -> str:
+        """Weather."""
+        return f"sunny in {city}"
+
+    @tool
+    def get_time(zone: str) -> str:
+        """Time."""
+        return f"noon {zone}"
+
+    url, app = server
+    app.failures = ["late-first"]  # the next turn goes to the demo model
+    agent = Agent("a", tools=[get_weather, get_time], decoding=Decoding(max_tokens=8),
+                  max_turns=2)
+
+    async def main():
+        async with OpenAIBackend(url, "demo", retry=FAST_RETRY) as backend:
+            return await Runner.run(agent, "Weather and time?", backend=backend)
+
+    result = anyio.run(main)
+    app.failures = []
+    assistant = next(m for m in result.messages if m.get("tool_calls"))
+    assert [c["function"]["name"] for c in assistant["tool_calls"]] == ["get_weather", "get_time"]
+    results = [m["content"] for m in result.messages if m["role"] == "tool"]
+    assert results[:2] == ["sunny in Oslo", "noon UTC"]
 
 
 def test_client_errors_are_reported_without_retries(server):
