@@ -79,6 +79,8 @@ SSE = b"text/event-stream"
 QUIRKS = {
     # a proxy's keep-alive comments while the upstream is stuck: 1 s of them
     "keepalive": (SSE, [_chunk({"content": "he"})] + [b": keep-alive\n\n", None] * 10),
+    # the headers at once, then nothing (a server that queues the request after answering 200)
+    "silent": (SSE, [None] * 10),
     "event-error": (SSE, [_chunk({"content": "he"}), b"event: error\ndata: "
                           b'{"message": "model overloaded", "code": 503}\n\n']),
     "object-error": (SSE, [b'data: {"object": "error", "message": "KV cache full", '
@@ -297,6 +299,20 @@ def test_a_quirky_server_gives_a_clear_error_not_a_hang_or_a_cut_answer(server, 
     request = ModelRequest([{"role": "user", "content": "Hello"}], decoding=Decoding(max_tokens=8))
     backend = OpenAIBackend(url, "demo", timeout_s=0.3, retry=RetryPolicy(0, 0.01, 0.05))
     with pytest.raises(ServerUnavailable, match=message):
+        stream(backend, request)
+    app.failures = []
+
+
+def test_a_reply_that_brings_no_data_is_asked_again(server):
+    url, app = server
+    app.failures, app.attempts = ["silent"], 0
+    request = ModelRequest([{"role": "user", "content": "Hello"}], decoding=Decoding(max_tokens=8))
+    backend = OpenAIBackend(url, "demo", timeout_s=0.3, retry=RetryPolicy(1, 0.01, 0.05))
+    events = stream(backend, request)
+    assert isinstance(events[-1], ModelFinish) and app.attempts == 2
+    app.failures, app.attempts = ["silent", "silent"], 0
+    with pytest.raises(ServerUnavailable, match=r"no data in 0\.3 s \(timeout_s\) \(after 2 "
+                                                r"attempts\)"):
         stream(backend, request)
     app.failures = []
 

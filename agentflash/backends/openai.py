@@ -62,6 +62,10 @@ class ServerUnavailable(RunError):
     """The server could not be reached or kept failing (after the retries), or broke a stream."""
 
 
+class _NoDataYet(ServerUnavailable):
+    """An attempt whose reply brought no data at all: it may be made again."""
+
+
 @dataclass(frozen=True)
 class RetryPolicy:
     """How often and how patiently failed calls are retried."""
@@ -131,10 +135,34 @@ class OpenAIBackend(Backend):
         if self._client is None:
             raise UserError("open the OpenAIBackend first: `async with OpenAIBackend(...) as b:`")
         started = time.perf_counter()
-        reader = _ChunkReader()
-        async with self._post(request_body(self.model_name, request)) as response:
+        body = request_body(self.model_name, request)
+        for attempt in range(self.retry.max_retries + 1):
+            reader = _ChunkReader()
+            try:
+                async for event in self._reply(body, reader):
+                    yield event
+            except _NoDataYet as err:  # a server that answered 200 and then nothing (queued)
+                if attempt == self.retry.max_retries:
+                    raise ServerUnavailable(f"{err} (after {attempt + 1} attempts)") from None
+                await anyio.sleep(self.retry.delay(attempt))
+                continue
+            break
+        if reader.finish_reason is None:  # a reply cut off without a word: not a whole one
+            raise ServerUnavailable(f"{self.base_url}: the reply stream ended without a "
+                                    f"finish_reason")
+        for event in reader.close():
+            yield event
+        yield ModelFinish(reader.finish_reason, reader.stats(time.perf_counter() - started))
+
+    async def _reply(self, body: dict[str, Any], reader: _ChunkReader
+                     ) -> AsyncIterator[ModelEvent]:
+        """One attempt: the reply's events as ``reader`` reads them. ``_NoDataYet`` where the
+        server sent no data at all (nothing was handed on: the attempt may be made again)."""
+        got_data = False
+        async with self._post(body) as response:
             try:
                 async for data in self._events(response):
+                    got_data = True
                     if data == "[DONE]":
                         break
                     try:
@@ -146,14 +174,9 @@ class OpenAIBackend(Backend):
                     for event in events:
                         yield event
             except httpx.RequestError as err:  # transport, and a body that does not decode
-                raise ServerUnavailable(f"{self.base_url}: the reply stream broke: "
-                                        f"{_describe(err)}") from None
-        if reader.finish_reason is None:  # a reply cut off without a word: not a whole one
-            raise ServerUnavailable(f"{self.base_url}: the reply stream ended without a "
-                                    f"finish_reason")
-        for event in reader.close():
-            yield event
-        yield ModelFinish(reader.finish_reason, reader.stats(time.perf_counter() - started))
+                error = _NoDataYet if not got_data else ServerUnavailable
+                raise error(f"{self.base_url}: the reply stream broke: "
+                            f"{_describe(err)}") from None
 
     async def _events(self, response: httpx.Response) -> AsyncIterator[str]:
         """The ``data`` of the reply's events, each within ``timeout_s`` of the one before (a
@@ -167,11 +190,14 @@ class OpenAIBackend(Backend):
                                     f"event stream: {_error_message(text)}")
         events = _sse_events(response)
         wait = self.timeout.read
+        first = True
         while True:
             with anyio.move_on_after(wait if wait is not None else math.inf) as scope:
                 item = await anext(events, None)
             if scope.cancelled_caught:
-                raise ServerUnavailable(f"{self.base_url}: no data in {wait:g} s (timeout_s)")
+                error = _NoDataYet if first else ServerUnavailable
+                raise error(f"{self.base_url}: no data in {wait:g} s (timeout_s)")
+            first = False
             if item is None:
                 return
             name, data = item
