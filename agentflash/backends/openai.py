@@ -24,7 +24,7 @@ import random
 import time
 import uuid
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,10 +52,11 @@ from agentflash.errors import UserError
 from agentflash.runtime.errors import RunError
 
 RETRY_STATUS = frozenset({408, 409, 429, 500, 502, 503, 504})
-# the finish reasons of a whole reply (OpenAI's, and TGI's words for them); another (SGLang's
-# and vLLM's abort, error, a content filter) means the reply was cut short: not an answer
-FINISH_REASONS = frozenset({"stop", "length", "tool_calls", "function_call", "eos_token",
-                            "stop_sequence"})
+# the finish reasons of a reply the server cut short (SGLang's and vLLM's abort and error, a
+# content filter): not an answer. Any other ends a whole reply (stop, tool_calls, length, and
+# other servers' words for them: eos, eos_token, stop_sequence, Mistral's model_length)
+CUT_SHORT = frozenset({"abort", "error", "content_filter", "cancelled"})
+LENGTH = frozenset({"length", "model_length"})
 
 
 class ServerUnavailable(RunError):
@@ -139,9 +140,10 @@ class OpenAIBackend(Backend):
         for attempt in range(self.retry.max_retries + 1):
             reader = _ChunkReader()
             try:
-                async for event in self._reply(body, reader):
-                    yield event
-            except _NoDataYet as err:  # a server that answered 200 and then nothing (queued)
+                async with aclosing(self._reply(body, reader)) as events:
+                    async for event in events:
+                        yield event
+            except _NoDataYet as err:  # a connection that broke before any data
                 if attempt == self.retry.max_retries:
                     raise ServerUnavailable(f"{err} (after {attempt + 1} attempts)") from None
                 await anyio.sleep(self.retry.delay(attempt))
@@ -157,11 +159,12 @@ class OpenAIBackend(Backend):
     async def _reply(self, body: dict[str, Any], reader: _ChunkReader
                      ) -> AsyncIterator[ModelEvent]:
         """One attempt: the reply's events as ``reader`` reads them. ``_NoDataYet`` where the
-        server sent no data at all (nothing was handed on: the attempt may be made again)."""
+        connection broke before any data (nothing was handed on: the attempt may be made again;
+        a server that is slow to start is not asked again, which would queue it anew)."""
         got_data = False
-        async with self._post(body) as response:
+        async with self._post(body) as response, aclosing(self._events(response)) as stream:
             try:
-                async for data in self._events(response):
+                async for data in stream:
                     got_data = True
                     if data == "[DONE]":
                         break
@@ -188,24 +191,23 @@ class OpenAIBackend(Backend):
             text = (await response.aread()).decode("utf-8", "replace")
             raise ServerUnavailable(f"{self.base_url}: the server answered with {kind}, not an "
                                     f"event stream: {_error_message(text)}")
-        events = _sse_events(response)
         wait = self.timeout.read
-        first = True
-        while True:
-            with anyio.move_on_after(wait if wait is not None else math.inf) as scope:
-                item = await anext(events, None)
-            if scope.cancelled_caught:
-                error = _NoDataYet if first else ServerUnavailable
-                raise error(f"{self.base_url}: no data in {wait:g} s (timeout_s)")
-            first = False
-            if item is None:
-                return
-            name, data = item
-            if name == "error":
-                obj = _parse(data)
-                raise ServerUnavailable(f"{self.base_url}: the server stopped the reply: "
-                                        f"{_error_message(obj if obj is not None else data)}")
-            yield data
+        async with aclosing(_sse_events(response)) as events:
+            while True:
+                with anyio.move_on_after(wait if wait is not None else math.inf) as scope:
+                    item = await anext(events, None)
+                if scope.cancelled_caught:
+                    raise ServerUnavailable(f"{self.base_url}: no data in {wait:g} s "
+                                            f"(timeout_s)")
+                if item is None:
+                    return
+                name, data = item
+                if name == "error":
+                    obj = _parse(data)
+                    raise ServerUnavailable(f"{self.base_url}: the server stopped the reply: "
+                                            f"{_error_message(obj if obj is not None else data)}")
+                if name == "message":  # others (a ping) are not chunks
+                    yield data
 
     def _chunk(self, data: str) -> dict[str, Any]:
         try:
@@ -220,7 +222,7 @@ class OpenAIBackend(Backend):
                                     f"{_error_message(chunk)}")
         finish = next((c.get("finish_reason") for c in chunk.get("choices") or []
                        if isinstance(c, dict) and c.get("finish_reason")), None)
-        if finish is not None and finish not in FINISH_REASONS:  # abort, error, content_filter
+        if isinstance(finish, str) and finish.lower() in CUT_SHORT:
             raise ServerUnavailable(f"{self.base_url}: the server ended the reply with "
                                     f"finish_reason {finish!r}")
         return chunk
@@ -316,8 +318,9 @@ async def _sse_events(response: httpx.Response) -> AsyncIterator[tuple[str, str]
             lines.append(line[5:].removeprefix(" "))
         elif line.startswith("event:"):
             name = line[6:].strip() or "message"
-        elif not line and lines:
-            yield name, "\n".join(lines)
+        elif not line:  # an event ends (one without data is none, but its name ends too)
+            if lines:
+                yield name, "\n".join(lines)
             lines, name = [], "message"
     if lines:
         yield name, "\n".join(lines)
@@ -358,14 +361,17 @@ class _ChunkReader:
                 events.append(TextDelta(content))
             for entry in delta.get("tool_calls") or []:
                 events += self._tool_call_delta(entry)
-            if choice.get("finish_reason"):  # the others are refused by ``_chunk``
-                self.finish_reason = "length" if choice["finish_reason"] == "length" else "stop"
+            finish = choice.get("finish_reason")
+            if finish:  # those of a reply cut short are refused by ``_chunk``
+                self.finish_reason = "length" if str(finish).lower() in LENGTH else "stop"
         return events
 
     def _tool_call_delta(self, entry: dict[str, Any]) -> list[ModelEvent]:
         events: list[ModelEvent] = []
         fn = entry.get("function") or {}
         name = fn.get("name") or ""
+        if not isinstance(name, str) or not isinstance(entry.get("id") or "", str):
+            raise TypeError("a tool call's id and function.name are text")
         slot = entry.get("index")
         slot = self._last_slot if slot is None else slot  # pieces without one: the last call's
         self._last_slot = slot
@@ -374,19 +380,25 @@ class _ChunkReader:
         piece = fn.get("arguments") or ""
         if not isinstance(piece, str):
             raise TypeError(f"function.arguments is {type(piece).__name__}, not text")
+        replaced = None  # a call that no piece can reach any more: its index begins another
         if call is not None and self._starts_another(call, entry.get("id"), name, piece):
-            call = None
+            call, replaced = None, index
         if call is None:  # a new call: the ones before it whose arguments are whole are ready
             # (a server may interleave the calls' pieces: an unfinished one stays open)
             index = self._slots[slot] = len(self.calls)
-            events += self._ready(lambda i: i < index and self._is_whole(self.calls[i]))
+            # and so is one this call replaces at its index, arguments or none (``{}``)
+            events += self._ready(lambda i: i == replaced or (i < index
+                                                              and self._is_whole(self.calls[i])))
             call = self.calls[index] = _RemoteCall(self._unique_id(entry.get("id")), name,
                                                    server_id=entry.get("id"))
-        elif name and name != call.name and not call.arguments:
-            call.name += name  # a name streamed in pieces (a repeat of the whole is no piece)
-        call.arguments += piece
-        if call.is_ready:
+        elif name and not call.name:
+            call.name = name  # its first pieces came without one
+        if call.is_ready:  # a piece after the call was handed on: nothing may be lost
+            if piece.strip():
+                raise ValueError(f"arguments {piece[:80]!r} came after call {call.name!r} was "
+                                 f"whole")
             return events
+        call.arguments += piece
         events.append(ToolCallDelta(index, call.name, piece))
         if piece.rstrip().endswith("}") and self._is_whole(call):
             events += self._ready(lambda i: i == index)
@@ -394,14 +406,20 @@ class _ChunkReader:
 
     def _starts_another(self, call: _RemoteCall, id_: str | None, name: str,
                         piece: str) -> bool:
-        """Whether a piece at ``call``'s index begins another call (a server that gives every
-        call one index, or none): it brings another id; or, without ids, a name once ``call``
-        is whole, another name or the same with arguments of its own (a server that repeats
-        the name on every piece of a call repeats it while the call is not whole yet)."""
-        if id_ and call.server_id:
-            return id_ != call.server_id
-        return (bool(name) and self._is_whole(call)
-                and (name != call.name or piece.lstrip().startswith("{")))
+        """Whether a piece at ``call``'s index begins another call (servers that give every
+        call one index, or none). Another id does where it names a tool or brings arguments
+        once ``call`` is whole (an id that changes within a call, as some servers send, does
+        not); without a telling id, a name or a new JSON object does once ``call`` is whole, or
+        another tool's name once a call without arguments has its name (a name repeated on
+        every piece of a call comes while its arguments are still being written)."""
+        whole = self._is_whole(call)
+        if id_ and call.server_id and id_ != call.server_id:
+            return bool(name) or (whole and bool(piece.strip()))
+        if whole:
+            return bool(name) or piece.lstrip().startswith("{")
+        if call.arguments.strip():
+            return False
+        return bool(name) and bool(call.name) and name != call.name
 
     def _unique_id(self, id_: str | None) -> str:
         """The server's id for a new call, made unique in the reply (some servers give every
@@ -414,7 +432,10 @@ class _ChunkReader:
         return new
 
     @staticmethod
-    def _is_whole(call: _RemoteCall) -> bool:
+    def _is_whole(call: _RemoteCall, empty_is: bool = False) -> bool:
+        """Whether ``call``'s arguments are a whole JSON object (``empty_is``: none count)."""
+        if not call.arguments.strip():
+            return empty_is
         return isinstance(_parse(call.arguments), dict)
 
     def _ready(self, which: Any) -> list[ModelEvent]:
@@ -424,12 +445,13 @@ class _ChunkReader:
                 continue
             call.is_ready = True
             args = _parse(call.arguments or "{}")
-            if isinstance(args, dict):
+            if isinstance(args, dict) and call.name:
                 events.append(ToolCallReady(index, ToolCall(call.id, call.name, args)))
             else:
                 body = json.dumps({"name": call.name, "arguments": call.arguments})
-                error = ("the arguments are not a JSON object"
-                         if args is not None else "the arguments are not valid JSON")
+                error = ("the call names no tool" if not call.name
+                         else "the arguments are not a JSON object" if args is not None
+                         else "the arguments are not valid JSON")
                 events.append(ToolCallReady(index, MalformedToolCall(call.id, body, error)))
         return events
 
