@@ -182,6 +182,30 @@ def test_decoding_checks_each_field():
     assert type(warm.temperature) is float and warm.temperature == 0.5
 
 
+def test_a_long_conversation_is_tokenized_off_the_event_loop(tiny_model_dir, monkeypatch):
+    """A tool's huge result held every other run on the loop while it was tokenized."""
+    import threading
+
+    from agentflash.backends import local
+
+    monkeypatch.setattr(local, "LONG_PROMPT_CHARS", 1_000)
+    threads = []
+    backend = LocalBackend(tiny_model_dir, max_len=1024)
+
+    async def main():
+        async with backend:
+            render = backend._engine.chat_prompt
+            monkeypatch.setattr(backend._engine, "chat_prompt", lambda *a: (
+                threads.append(threading.current_thread()), render(*a))[1])
+            for content in ("short", "word " * 250):
+                await collect(backend, ModelRequest([{"role": "user", "content": content}],
+                                                    decoding=Decoding(max_tokens=2)))
+
+    anyio.run(main)
+    main_thread = threading.main_thread()
+    assert threads[0] is main_thread and threads[1] is not main_thread
+
+
 def test_a_backend_refused_as_its_engine_is_served_stays_closed(tiny_model_dir):
     from agentflash.engine.async_engine import AsyncEngine
     from agentflash.engine.engine import Engine

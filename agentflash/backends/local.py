@@ -18,6 +18,8 @@ from contextlib import aclosing
 from pathlib import Path
 from typing import Any
 
+import anyio
+
 from agentflash.backends.base import (
     Backend,
     ForceTool,
@@ -37,6 +39,8 @@ from agentflash.errors import UserError
 from agentflash.runtime.errors import RunError
 from agentflash.tool_format import CLOSE, OPEN, CallEnd, JsonScan, load_body
 
+# a conversation this long is tokenized off the event loop (``LocalBackend._prompt_ids``)
+LONG_PROMPT_CHARS = 100_000
 # ``{"name": "<name>", "arguments": `` at the start of a call body: from here on the arguments
 # can be streamed as they are written.
 _HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
@@ -306,7 +310,8 @@ class LocalBackend(Backend):
             raise UserError("open the LocalBackend first: "
                             "`async with LocalBackend(...) as backend:`")
         parser = HermesStreamParser(f"call_{uuid.uuid4().hex[:8]}")
-        async with aclosing(self._engine_stream(request)) as tokens:
+        prompt_ids = await self._prompt_ids(request)
+        async with aclosing(self._engine_stream(request, prompt_ids)) as tokens:
             async for event in tokens:
                 if isinstance(event, FinishEvent):
                     result = event.result
@@ -321,7 +326,19 @@ class LocalBackend(Backend):
                     yield parsed
         raise AssertionError("the engine stream ended without a FinishEvent")
 
-    def _engine_stream(self, request: ModelRequest) -> AsyncIterator[Any]:
+    async def _prompt_ids(self, request: ModelRequest) -> list[int]:
+        """The turn's prompt under the chat template. A long conversation (a tool's huge
+        result) is rendered and tokenized in a worker thread: on the event loop it held every
+        other run still (2 s for 2M characters); the tokenizer runs no torch, so the worker
+        starts no OpenMP team (the engine module's concern)."""
+        size = sum(len(str(m.get("content") or "")) for m in request.messages)
+        if size < LONG_PROMPT_CHARS:
+            return self._engine.chat_prompt(request.messages, request.tools)
+        return await anyio.to_thread.run_sync(self._engine.chat_prompt, request.messages,
+                                              request.tools)
+
+    def _engine_stream(self, request: ModelRequest, prompt_ids: list[int]
+                       ) -> AsyncIterator[Any]:
         """The one place a turn reaches the engine.
 
         Decoding settings go to the engine's router and drafter; the request's ``tool_choice``
@@ -334,7 +351,6 @@ class LocalBackend(Backend):
             raise UserError("decoding.speculation 'dflash' needs a drafter: LocalBackend(..., "
                             "drafter='demo' or a drafter directory), model.drafter in a "
                             "workflow (or use speculation auto or off)")
-        prompt_ids = self._engine.chat_prompt(request.messages, request.tools)
         return self._aengine.stream(prompt_ids, sampling_params(request))
 
 
