@@ -213,6 +213,22 @@ def test_a_reply_that_is_not_the_output_type_stops_the_run_without_retrying(repl
     assert ("cut at max_tokens" in str(err.value)) == isinstance(reply, ScriptedTurn)
 
 
+def test_a_number_cut_at_max_tokens_is_no_answer_a_whole_value_is():
+    """A number cut short still parses (848 of 8481): not an answer. An object the grammar
+    closed on the last token is whole, cut or not."""
+    with pytest.raises(ModelBehaviorError, match="the number was cut at max_tokens"):
+        run(Agent("a", output_type=int), [ScriptedTurn("848", finish_reason="length")])
+    result, _, _ = run(Agent("a", output_type=int), [ScriptedTurn("848")])
+    assert result.final_output == 848
+
+    class City(BaseModel):
+        city: str
+
+    result, _, _ = run(Agent("a", output_type=City),
+                       [ScriptedTurn('{"city": "Oslo"}', finish_reason="length")])
+    assert result.final_output == City(city="Oslo")
+
+
 def test_json_schema_output_type():
     schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
     result, _, _ = run(Agent("a", output_type=schema), ['{"n": 4}'])

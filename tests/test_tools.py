@@ -250,6 +250,67 @@ def test_bad_tool_definitions_are_user_errors():
     with pytest.raises(UserError, match="parameter 'model_config' is a name pydantic keeps"):
         tool(configured)
 
+    from pydantic import constr
+
+    def looks_ahead(code: constr(pattern=r"^(?=.*\d)[a-z0-9]+$")) -> str:  # pydantic's own
+        return code  # regex engine refuses it as the schema is made: named, not raised raw
+
+    with pytest.raises(UserError, match="looks_ahead.*pydantic cannot describe the parameters"):
+        tool(looks_ahead)
+
+    def shadows(model_dump: int) -> int:  # a BaseModel member
+        return model_dump
+
+    with pytest.raises(UserError, match="shadows.*pydantic cannot describe the parameters"):
+        tool(shadows)
+
+
+def test_the_schema_binds_what_pydantic_checks_and_arguments_are_read_as_json():
+    """The grammar writes whatever a tool's schema allows, so where pydantic's JSON validation
+    is stricter than its schema the schema says so (a Decimal as a string is a number; a dict's
+    integer keys are integers); and arguments are validated as the JSON they are (a strict
+    model takes a date, an enum, a UUID, a tuple from JSON's strings and arrays)."""
+    import datetime
+    import decimal
+    import enum
+    import uuid as uuid_module
+
+    from jsonschema import Draft202012Validator
+    from pydantic import ConfigDict
+
+    def pay(amount: decimal.Decimal, counts: dict[int, str]) -> str:
+        return f"{amount} {counts}"
+
+    schema = tool(pay).parameters
+    check = Draft202012Validator(schema)
+    assert check.is_valid({"amount": "12.50", "counts": {"3": "x", "-1": "y"}})
+    assert check.is_valid({"amount": 12.5, "counts": {}})
+    for bad in ({"amount": "river", "counts": {}}, {"amount": 1, "counts": {"status": "x"}}):
+        assert not check.is_valid(bad), bad
+
+    class Color(enum.Enum):
+        RED = "red"
+
+    class Event(BaseModel):
+        model_config = ConfigDict(strict=True)
+        when: datetime.date
+        color: Color
+        id: uuid_module.UUID
+        pair: tuple[int, str]
+
+    got = []
+
+    def book(event: Event) -> str:
+        got.append(event)
+        return "ok"
+
+    arguments = {"event": {"when": "2026-12-01", "color": "red",
+                           "id": "12345678-1234-5678-1234-567812345678", "pair": [1, "a"]}}
+    outcome = anyio.run(run_tool, tool(book), arguments)
+    assert not outcome.is_error, outcome.output
+    assert got[0].when == datetime.date(2026, 12, 1) and got[0].color is Color.RED
+    assert got[0].pair == (1, "a")
+
 
 def test_field_defaults_partials_and_callable_objects_make_tools():
     from pydantic import Field

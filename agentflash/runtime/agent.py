@@ -11,7 +11,15 @@ from typing import Any
 
 from agentflash.backends.base import Decoding, ForceTool, ToolChoice, ToolChoiceSpec
 from agentflash.errors import UserError
-from agentflash.runtime.tools import FunctionTool, HttpTool, Tool, function_tool, strict_schema
+from agentflash.runtime.tools import (
+    SCHEMA_ERRORS,
+    FunctionTool,
+    GrammarJsonSchema,
+    HttpTool,
+    Tool,
+    function_tool,
+    strict_schema,
+)
 
 GuardrailCheck = Callable[[Any], str | None | Awaitable[str | None]]
 
@@ -73,9 +81,9 @@ def output_spec(output_type: type | dict[str, Any] | None) -> OutputSpec | None:
                         "...), not pydantic's base class")
     try:
         adapter = pydantic.TypeAdapter(output_type)
-        schema = strict_schema(adapter.json_schema())
-    except (pydantic.PydanticUserError, pydantic.PydanticSchemaGenerationError, TypeError) as err:
-        first = str(err).strip().splitlines()[0]  # pydantic adds paragraphs of advice after it
+        schema = strict_schema(adapter.json_schema(schema_generator=GrammarJsonSchema))
+    except SCHEMA_ERRORS as err:
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]  # then advice
         raise UserError(f"output_type {name}: pydantic cannot describe it: {first}") from None
     _check_supported(schema)
 

@@ -334,9 +334,14 @@ class _Loop:
         if spec is None:
             return text
         try:
+            # an object, array or string cut short does not parse; a number does (848 of
+            # 8481), and would be a wrong value
+            if cut and text.strip()[-1:].isdigit():
+                raise OutputValidationError("the number was cut at max_tokens")
             return spec.parse(text)
         except OutputValidationError as err:
-            why = f"{err}; the reply was cut at max_tokens" if cut else str(err)
+            why = f"{err}; the reply was cut at max_tokens" if cut and "cut" not in str(err) \
+                else str(err)
             raise ModelBehaviorError(
                 f"agent {self.agent.name!r} must answer with {spec.name} but its reply does not "
                 f"match ({why}): {_clip(text)}") from None

@@ -25,6 +25,7 @@ import anyio
 import anyio.from_thread
 import anyio.lowlevel
 import pydantic
+import pydantic.json_schema
 import pydantic_core
 from pydantic.fields import FieldInfo
 
@@ -108,6 +109,32 @@ def _flush_section(section: str | None, numpy: bool, body: list[str], out: dict[
 _KEY_ORDER = ("type", "description", "enum", "items", "properties", "required")
 
 
+class GrammarJsonSchema(pydantic.json_schema.GenerateJsonSchema):
+    """pydantic's JSON Schema, tightened where pydantic's JSON validation is stricter than the
+    schema says, since the grammar writes whatever the schema allows: a ``Decimal`` written as
+    a string is a decimal number (not any string), and a dict with integer keys has keys that
+    are integers (pydantic names no pattern for them)."""
+
+    def get_decimal_pattern(self, schema):
+        return self.build_decimal_pattern(schema)
+
+    def _common_dict_schema(self, schema):
+        out = super()._common_dict_schema(schema)
+        keys = schema.get("keys_schema", {})
+        if keys.get("type") in ("int", "float") and "additionalProperties" in out:
+            pattern = INTEGER_KEY if keys["type"] == "int" else NUMBER_KEY
+            out["patternProperties"] = {pattern: out.pop("additionalProperties")}
+            out["additionalProperties"] = False
+        return out
+
+
+INTEGER_KEY = r"^-?(0|[1-9][0-9]*)$"
+NUMBER_KEY = r"^-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?$"
+# what pydantic raises where it cannot make a schema of a type: the tool or agent names it
+SCHEMA_ERRORS = (pydantic.PydanticUserError, pydantic.PydanticSchemaGenerationError, TypeError,
+                 ValueError, pydantic_core.SchemaError, ImportError, RecursionError)
+
+
 def strict_schema(schema: dict[str, Any]) -> dict[str, Any]:
     """A JSON Schema without pydantic's titles, its keys in ``_KEY_ORDER``, every object closed
     to unknown keys (``close_objects``)."""
@@ -175,7 +202,9 @@ class FunctionTool:
         own, ``_in_daemon_thread``: not one of anyio's workers, so ``anyio.from_thread`` needs
         a token there; a tool that needs the event loop is best written async)."""
         try:
-            validated = self.params_model.model_validate(arguments)
+            # as JSON, which the arguments are: a strict model takes a date or an enum from a
+            # string there, not in Python mode
+            validated = self.params_model.model_validate_json(json.dumps(arguments))
         except pydantic.ValidationError as err:
             raise ToolArgumentsError(_validation_message(self.name, err)) from None
         values = {name: getattr(validated, name) for name in type(validated).model_fields}
@@ -291,9 +320,9 @@ def function_tool(fn: Callable[..., Any], *, name: str | None = None,
             model = pydantic.create_model(f"{name}_arguments",
                                           __config__=pydantic.ConfigDict(extra="forbid"),
                                           **fields)
-        schema = strict_schema(model.model_json_schema())
-    except (pydantic.PydanticUserError, pydantic.PydanticSchemaGenerationError, TypeError) as err:
-        first = str(err).strip().splitlines()[0]  # pydantic adds paragraphs of advice after it
+        schema = strict_schema(model.model_json_schema(schema_generator=GrammarJsonSchema))
+    except SCHEMA_ERRORS as err:
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]  # then advice
         raise UserError(f"{where}: pydantic cannot describe the parameters: {first}") from None
     from agentflash.grammar.tool_calls import check_parameters
 
