@@ -300,6 +300,9 @@ def run_workflow(
     except RunError as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(1) from None
+    except KeyboardInterrupt:  # Ctrl-C: the view shows what ran; the shell's code for it
+        typer.echo("error: interrupted", err=True)
+        raise typer.Exit(130) from None
     if as_json:
         typer.echo(json.dumps(result.to_dict(), indent=2, default=str))
     else:

@@ -211,21 +211,35 @@ def test_live_view_marks_the_failed_step_and_the_cancelled_ones_apart():
     assert (view.rows["bad"].status, view.rows["bad"].writing) == (
         "failed", "agent 'looper' reached max_turns")
     assert (view.rows["other"].status, view.rows["other"].writing) == ("cancelled", "")
-    assert view.rows["later"].status == "waiting"  # never started
+    assert view.rows["later"].status == "not run"  # never started
+    view.rows["other"].status = "running"
+    view.fail(KeyboardInterrupt())  # Ctrl-C: what ran is cancelled, not failed
+    assert view.rows["other"].status == "cancelled"
 
 
-def test_live_view_wraps_a_long_failure_instead_of_squeezing_the_columns():
+def test_live_view_fits_any_terminal_with_every_status_shown():
+    """At any width the table fits, a step is one line, and its status and counts stay whole
+    (rich squeezed them to nothing once a row was too wide); long names are cut, and below 90
+    columns the tool calls and the writing are left out."""
     from rich.console import Console
 
     from agentflash.runtime.errors import StepFailed
     from agentflash.runtime.live_view import WorkflowView
 
     view = WorkflowView(load_workflow(EXAMPLES / "travel.yaml"))
-    view.rows["weather"].status = "running"
+    long_step = "a_step_whose_identifier_goes_on_and_on_and_on"
+    view.rows[long_step] = view.rows.pop("weather")
+    view.rows[long_step].status = "running"
+    view.rows[long_step].tools = ["lookup_flights ok", "get_weather ok"]
     reason = "cannot reach http://127.0.0.1:9/v1/chat/completions after 5 attempts: refused"
-    view.fail(StepFailed("weather", "forecaster", RuntimeError(reason)))
-    console = Console(width=80, record=True)
-    console.print(view)
-    lines = console.export_text().splitlines()
-    assert max(map(len, lines)) <= 80
-    assert any(line.startswith("│ weather │ forecaster │ failed ") for line in lines), lines
+    view.fail(StepFailed(long_step, "forecaster", RuntimeError(reason)))
+    for width in (50, 60, 80, 100, 160):
+        console = Console(width=width, record=True)
+        console.print(view)
+        lines = console.export_text().splitlines()
+        assert max(map(len, lines)) <= width, (width, lines)
+        body = [line for line in lines if line.startswith("│")]
+        assert len(body) == len(view.rows), (width, lines)  # one line a step
+        (failed,) = [line for line in body if "│ failed    │" in line]
+        assert failed.startswith("│ a_ste") and sum("not run" in line for line in body) == 2
+        assert ("│ cannot reach" in failed) == (width >= 90), (width, failed)

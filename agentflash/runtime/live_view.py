@@ -50,15 +50,19 @@ class WorkflowView:
         else:
             raise AssertionError(f"unknown workflow event {event!r}")
 
-    def fail(self, err: Exception) -> None:
+    def fail(self, err: BaseException) -> None:
         """The run ended with ``err``: the step it names failed, the others still running were
-        cancelled (a failure without a step, such as an output template's, fails them all)."""
+        cancelled (a failure without a step, such as an output template's, fails them all; an
+        interruption, Ctrl-C, cancels them), and the steps still waiting never ran."""
+        interrupted = not isinstance(err, Exception)
         failed = err.step_id if isinstance(err, StepFailed) else None
         for step, row in self.rows.items():
-            if row.status != "running":
+            if row.status == "waiting":
+                row.status = "not run"
+            elif row.status != "running":
                 continue
-            if failed is None or step == failed:
-                row.status, row.writing = "failed", str(getattr(err, "cause", err))[:60]
+            elif not interrupted and (failed is None or step == failed):
+                row.status, row.writing = "failed", str(getattr(err, "cause", err))
             else:
                 row.status, row.writing = "cancelled", ""
 
@@ -88,19 +92,50 @@ class WorkflowView:
         elif isinstance(event, ev.FinalOutput):
             row.writing = ""
 
-    def __rich__(self) -> Any:
+    def __rich_console__(self, console: Any, options: Any) -> Any:
         from rich.table import Table
 
         table = Table(title=f"workflow {self.name}", title_justify="left")
-        for column in ("step", "agent", "status", "tool calls", "tokens", "tok/s"):
-            table.add_column(column, no_wrap=column != "tool calls", min_width=len(column),
+        # one line a step, every column given its width here: the status and the counts keep
+        # theirs, names and tool calls are cut with an ellipsis, what a step writes (or why it
+        # failed) takes the rest; below 90 columns the tool calls and the writing are left out
+        # (left to rich, a row too wide for the terminal squeezed the status and the counts to
+        # nothing, and a wrapping column made rows of blank lines)
+        widths = self._widths(options.max_width)
+        for column, width in widths.items():
+            table.add_column(column, width=width, no_wrap=True, overflow="ellipsis",
                              justify="right" if column in ("tokens", "tok/s") else "left")
-        # what a step writes (or why it failed) wraps: it must not squeeze the columns before it
-        table.add_column("writing", ratio=1)
         for step_id, row in self.rows.items():
-            table.add_row(step_id, row.agent, row.status, ", ".join(row.tools) or "-",
-                          str(row.new_tokens), row.tokens_per_s, row.writing)
-        return table
+            cells = {"step": step_id, "agent": row.agent, "status": row.status,
+                     "tool calls": ", ".join(row.tools) or "-", "tokens": str(row.new_tokens),
+                     "tok/s": row.tokens_per_s, "writing": row.writing}
+            table.add_row(*(cells[column] for column in widths))
+        yield table
+
+    def _widths(self, total: int) -> dict[str, int]:
+        """Each shown column's width for a table at most ``total`` characters wide."""
+        wide = total >= 90
+        columns = COLUMNS if wide else tuple(c for c in COLUMNS
+                                             if c not in ("tool calls", "writing"))
+        rows = self.rows.values()
+        want = {"step": max([4, *map(len, self.rows)]),
+                "agent": max([5, *(len(r.agent) for r in rows)]),
+                "tool calls": max([10, *(len(", ".join(r.tools)) for r in rows)])}
+        flexible = {c: min(want[c], 24) for c in want if c in columns}
+        fixed = {"status": len("cancelled"), "tokens": 6, "tok/s": 6}
+        # borders and padding: 3 characters a column and 1
+        room = total - (3 * len(columns) + 1) - sum(fixed.values())
+        least = 20 if wide else 0  # what the writing column gets before names are cut
+        while sum(flexible.values()) > room - least and max(flexible.values()) > 5:
+            widest = max(flexible, key=flexible.get)
+            flexible[widest] -= 1
+        widths = {**flexible, **fixed}
+        if wide:
+            widths["writing"] = max(room - sum(flexible.values()), 1)
+        return {c: widths[c] for c in columns}
+
+
+COLUMNS = ("step", "agent", "status", "tool calls", "tokens", "tok/s", "writing")
 
 
 async def run_with_view(wf: Workflow, inputs: dict[str, Any], console: Any) -> WorkflowResult:
@@ -108,16 +143,20 @@ async def run_with_view(wf: Workflow, inputs: dict[str, Any], console: Any) -> W
     from rich.live import Live
 
     view = WorkflowView(wf)
+    live = Live(view, console=console, refresh_per_second=8, transient=False)
     try:
-        with Live(view, console=console, refresh_per_second=8, transient=False):
-            try:
-                async with wf.run_streamed(inputs) as run:
-                    async for event in run:
-                        view.update(event)
-            except Exception as err:
-                view.fail(err)
-                raise
+        try:
+            async with wf.run_streamed(inputs) as run:
+                async for event in run:
+                    if not live.is_started:  # drawn once the run is under way: a model that
+                        live.start()  # does not load, a budget too small, draw no table
+                    view.update(event)
+        except BaseException as err:  # Ctrl-C and cancellation too: no row left running
+            view.fail(err)
+            raise
     finally:
-        if not console.is_terminal:  # a file or a pipe: Live leaves its last line open
-            console.line()
+        if live.is_started:
+            live.stop()
+            if not console.is_terminal:  # a file or a pipe: Live leaves its last line open
+                console.line()
     return run.result
