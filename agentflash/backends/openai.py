@@ -48,7 +48,7 @@ from agentflash.backends.base import (
     ToolChoice,
     ToolChoiceSpec,
 )
-from agentflash.errors import UserError
+from agentflash.errors import UserError, is_int
 from agentflash.runtime.errors import RunError
 
 RETRY_STATUS = frozenset({408, 409, 429, 500, 502, 503, 504})
@@ -475,7 +475,7 @@ class _ChunkReader:
 
 def _count(value: Any) -> int:
     """A token count from the usage object; 0 where the server gave none it could mean."""
-    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
+    return int(value) if is_int(value) and value >= 0 else 0
 
 
 def _parse(text: str) -> Any:

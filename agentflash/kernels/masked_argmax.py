@@ -58,9 +58,10 @@ def masked_argmax(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
 
 def masked_argmax_reference(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """``masked_argmax`` in plain torch."""
+    from agentflash.grammar.constraint import unpack_bitmask
+
     _check(logits, bitmask)
-    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).flatten(-2)[:, : logits.shape[1]].bool()
+    allowed = unpack_bitmask(bitmask, logits.shape[1])  # [N, V]
     # allowed tokens rank above every disallowed one; among them, the logit decides
     ranked = torch.where(allowed, logits.float(), torch.tensor(float("-inf"), device=logits.device))
     best = ranked.argmax(-1)

@@ -48,12 +48,11 @@ def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.T
 
 def apply_token_bitmask_reference(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """``apply_token_bitmask_`` in plain torch, in place."""
-    vocab_size = logits.shape[-1]
+    from agentflash.grammar.constraint import unpack_bitmask
+
     _check(logits, bitmask)
-    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [..., W, 32]
-    allowed = bits.flatten(-2)[..., :vocab_size].bool()  # [..., V]
-    return logits.masked_fill_(~allowed, float("-inf"))
+    allowed = unpack_bitmask(bitmask, logits.shape[-1])  # [..., V]
+    return logits.masked_fill_(~allowed.to(logits.device), float("-inf"))
 
 
 def _check(logits: torch.Tensor, bitmask: torch.Tensor) -> None:

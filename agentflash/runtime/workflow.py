@@ -150,14 +150,7 @@ class Workflow:
         try:
             return create_backend(self.model)
         except UserError as err:
-            raise self._model_error(err) from None
-
-    def _model_error(self, err: UserError) -> UserError:
-        message = str(err)
-        key = message.split(" ", 1)[0].removeprefix("model.") if message.startswith(
-            "model.") else None
-        return UserError(f"{self.doc.path}:{self.doc.line(('model', key) if key else ('model',))}"
-                         f": {message}")
+            raise UserError(f"{self.doc.path}:{self.doc.line(('model',))}: {err}") from None
 
 
 # --- events and results -------------------------------------------------------------------------
