@@ -97,6 +97,11 @@ QUIRKS = {
             "name": "get_time", "arguments": '{"zone": "UTC"}'}}]}),
         _chunk({"tool_calls": [{"index": 0, "function": {"arguments": '"Oslo"}'}}]}),
         _chunk(finish="tool_calls")]),
+    # the answer whole, then the connection breaks or falls silent before the usage and [DONE]
+    "drop-after-finish": (SSE, [_chunk({"content": "Hi"}), _chunk(finish="stop"), "break"]),
+    "silent-after-finish": (SSE, [_chunk({"content": "Hi"}), _chunk(finish="stop")]
+                            + [None] * 10),
+    "empty": (SSE, []),  # a 200 and no body
     "bad-arguments": (SSE, [_chunk({"tool_calls": [{"index": 0, "id": "c", "function": {
         "name": "f", "arguments": {"x": 1}}}]}), _chunk(finish="tool_calls")]),
 }
@@ -320,6 +325,41 @@ def test_a_reply_broken_before_any_data_is_asked_again_a_slow_one_is_not(server)
         stream(backend, request)
     assert app.attempts == 1
     app.failures = []
+
+
+def test_an_empty_reply_is_asked_again_and_the_retries_share_one_budget(server):
+    url, app = server
+    request = ModelRequest([{"role": "user", "content": "Hello"}], decoding=Decoding(max_tokens=8))
+    app.failures, app.attempts = ["empty"], 0
+    events = stream(OpenAIBackend(url, "demo", retry=RetryPolicy(1, 0.01, 0.05)), request)
+    assert isinstance(events[-1], ModelFinish) and app.attempts == 2
+    app.failures, app.attempts = ["empty", "empty"], 0
+    with pytest.raises(ServerUnavailable, match=r"ended before any data \(after 2 attempts\)$"):
+        stream(OpenAIBackend(url, "demo", retry=RetryPolicy(1, 0.01, 0.05)), request)
+    assert app.attempts == 2
+    # a refused request and a broken reply are retried from one budget of 1 + max_retries
+    # requests, not one inside the other
+    app.failures, app.attempts = ["broken", 503, "broken", "broken"], 0
+    with pytest.raises(ServerUnavailable, match=r"the reply stream broke.*after 3 attempts"):
+        stream(OpenAIBackend(url, "demo", retry=FAST_RETRY), request)
+    assert app.attempts == 3
+    app.failures, app.attempts = [503, "broken"], 0
+    events = stream(OpenAIBackend(url, "demo", retry=FAST_RETRY), request)
+    assert isinstance(events[-1], ModelFinish) and app.attempts == 3
+    app.failures = []
+
+
+@pytest.mark.parametrize("quirk", ["drop-after-finish", "silent-after-finish"])
+def test_a_reply_whole_before_the_connection_ends_badly_is_the_answer(server, quirk):
+    url, app = server
+    request = ModelRequest([{"role": "user", "content": "Hello"}], decoding=Decoding(max_tokens=8))
+    app.failures, app.attempts = [quirk], 0
+    backend = OpenAIBackend(url, "demo", timeout_s=0.3, retry=RetryPolicy(0, 0.01, 0.05))
+    events = stream(backend, request)
+    app.failures = []
+    assert [e.text for e in events if isinstance(e, TextDelta)] == ["Hi"]
+    assert isinstance(events[-1], ModelFinish) and events[-1].finish_reason == "stop"
+    assert app.attempts == 1
 
 
 def test_calls_go_back_in_the_order_the_model_wrote_them(server):

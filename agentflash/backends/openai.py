@@ -67,6 +67,10 @@ class _NoDataYet(ServerUnavailable):
     """An attempt whose reply brought no data at all: it may be made again."""
 
 
+class _Silent(ServerUnavailable):
+    """A reply stream that sent nothing for ``timeout_s``."""
+
+
 @dataclass(frozen=True)
 class RetryPolicy:
     """How often and how patiently failed calls are retried."""
@@ -137,16 +141,17 @@ class OpenAIBackend(Backend):
             raise UserError("open the OpenAIBackend first: `async with OpenAIBackend(...) as b:`")
         started = time.perf_counter()
         body = request_body(self.model_name, request)
-        for attempt in range(self.retry.max_retries + 1):
+        tries = _Tries(self.retry)  # one budget for every kind of retry of this call
+        while True:
             reader = _ChunkReader()
             try:
-                async with aclosing(self._reply(body, reader)) as events:
+                async with aclosing(self._reply(body, reader, tries)) as events:
                     async for event in events:
                         yield event
             except _NoDataYet as err:  # a connection that broke before any data
-                if attempt == self.retry.max_retries:
-                    raise ServerUnavailable(f"{err} (after {attempt + 1} attempts)") from None
-                await anyio.sleep(self.retry.delay(attempt))
+                if tries.spent:
+                    raise ServerUnavailable(f"{err} (after {tries.made} attempts)") from None
+                await anyio.sleep(tries.delay())
                 continue
             break
         if reader.finish_reason is None:  # a reply cut off without a word: not a whole one
@@ -156,13 +161,16 @@ class OpenAIBackend(Backend):
             yield event
         yield ModelFinish(reader.finish_reason, reader.stats(time.perf_counter() - started))
 
-    async def _reply(self, body: dict[str, Any], reader: _ChunkReader
+    async def _reply(self, body: dict[str, Any], reader: _ChunkReader, tries: _Tries
                      ) -> AsyncIterator[ModelEvent]:
         """One attempt: the reply's events as ``reader`` reads them. ``_NoDataYet`` where the
-        connection broke before any data (nothing was handed on: the attempt may be made again;
-        a server that is slow to start is not asked again, which would queue it anew)."""
+        connection broke, or the stream ended, before any data (nothing was handed on: the
+        attempt may be made again; a server that is slow to start is not asked again, which
+        would queue it anew). A connection that breaks or falls silent after the reply's
+        finish_reason loses nothing of the answer (at most the usage counts sent after it)."""
         got_data = False
-        async with self._post(body) as response, aclosing(self._events(response)) as stream:
+        async with self._post(body, tries) as response, \
+                aclosing(self._events(response)) as stream:
             try:
                 async for data in stream:
                     got_data = True
@@ -176,10 +184,18 @@ class OpenAIBackend(Backend):
                                                 f"{err}): {data[:200]!r}") from None
                     for event in events:
                         yield event
+            except _Silent:
+                if reader.finish_reason is not None:  # the answer is whole
+                    return
+                raise
             except httpx.RequestError as err:  # transport, and a body that does not decode
+                if reader.finish_reason is not None:  # the answer is whole
+                    return
                 error = _NoDataYet if not got_data else ServerUnavailable
                 raise error(f"{self.base_url}: the reply stream broke: "
                             f"{_describe(err)}") from None
+        if not got_data:  # a 200 with an empty body
+            raise _NoDataYet(f"{self.base_url}: the reply stream ended before any data")
 
     async def _events(self, response: httpx.Response) -> AsyncIterator[str]:
         """The ``data`` of the reply's events, each within ``timeout_s`` of the one before (a
@@ -197,8 +213,7 @@ class OpenAIBackend(Backend):
                 with anyio.move_on_after(wait if wait is not None else math.inf) as scope:
                     item = await anext(events, None)
                 if scope.cancelled_caught:
-                    raise ServerUnavailable(f"{self.base_url}: no data in {wait:g} s "
-                                            f"(timeout_s)")
+                    raise _Silent(f"{self.base_url}: no data in {wait:g} s (timeout_s)")
                 if item is None:
                     return
                 name, data = item
@@ -228,21 +243,21 @@ class OpenAIBackend(Backend):
         return chunk
 
     @asynccontextmanager
-    async def _post(self, body: dict[str, Any]) -> AsyncIterator[httpx.Response]:
+    async def _post(self, body: dict[str, Any], tries: _Tries) -> AsyncIterator[httpx.Response]:
         """The streamed response of ``/chat/completions`` once it answered 200, retrying
-        connection errors, timeouts and the statuses of ``RETRY_STATUS``."""
+        connection errors, timeouts and the statuses of ``RETRY_STATUS`` while ``tries`` lasts."""
         assert self._client is not None
         url = f"{self.base_url}/chat/completions"
-        for attempt in range(self.retry.max_retries + 1):
-            last = attempt == self.retry.max_retries
+        while True:
+            tries.made += 1
             try:
                 response = await self._client.send(
                     self._client.build_request("POST", url, json=body), stream=True)
             except httpx.TransportError as err:
-                if last:
-                    raise ServerUnavailable(f"{url}: {_describe(err)} (after {attempt + 1} "
+                if tries.spent:
+                    raise ServerUnavailable(f"{url}: {_describe(err)} (after {tries.made} "
                                             f"attempts)") from None
-                await anyio.sleep(self.retry.delay(attempt))
+                await anyio.sleep(tries.delay())
                 continue
             if response.status_code == 200:
                 try:
@@ -252,14 +267,31 @@ class OpenAIBackend(Backend):
                 return
             text = (await response.aread()).decode("utf-8", "replace")
             await response.aclose()
-            if response.status_code in RETRY_STATUS and not last:
-                await anyio.sleep(self.retry.delay(attempt, response.headers.get("retry-after")))
+            if response.status_code in RETRY_STATUS and not tries.spent:
+                await anyio.sleep(tries.delay(response.headers.get("retry-after")))
                 continue
             message = f"{url}: HTTP {response.status_code}: {_error_message(text)}"
             if response.status_code in RETRY_STATUS:
-                raise ServerUnavailable(f"{message} (after {attempt + 1} attempts)")
+                raise ServerUnavailable(f"{message} (after {tries.made} attempts)")
             raise UserError(message)
-        raise AssertionError("unreachable")
+
+
+class _Tries:
+    """The attempts at one call, counted across its kinds of retry (a refused or failed
+    request, a reply that broke before any data), so that they add up to at most
+    ``1 + max_retries`` requests, not their product."""
+
+    def __init__(self, policy: RetryPolicy):
+        self.policy, self.made = policy, 0
+
+    @property
+    def spent(self) -> bool:
+        """Whether the attempt just made was the last one allowed."""
+        return self.made > self.policy.max_retries
+
+    def delay(self, retry_after: str | None = None) -> float:
+        """Seconds to wait before the next attempt."""
+        return self.policy.delay(self.made - 1, retry_after)
 
 
 def from_spec(spec: ModelSpec) -> Backend:
