@@ -207,6 +207,7 @@ def run(
             "num_prompts": num_prompts,
             "max_tokens": max_tokens,
             "threads": torch.get_num_threads(),
+            "exact_path_off": engine.runner.exactness_problem,
             **_memory_config(engine),
         },
         "rows": rows,
@@ -410,6 +411,14 @@ def _memory_config(engine: Engine) -> dict[str, Any]:
             "peak_rss_mb": round(peak_rss_kb / 2**10, 1)}
 
 
+def _exactness_caption(table, report: dict[str, Any]) -> None:
+    """Say under ``table`` where the engine ran without the exact path (``ModelRunner``)."""
+    problem = report["config"].get("exact_path_off")
+    if problem:
+        table.caption = (f"exact path off on this machine ({problem}): an output can differ "
+                         "from the reference at a near tie")
+
+
 def _mb(num_bytes: int) -> float:
     return round(num_bytes / 2**20, 3)
 
@@ -469,6 +478,7 @@ def print_table(report: dict[str, Any]) -> None:
             f"{r['memory_mb']:.1f}" if "memory_mb" in r else "-",
             "yes" if r["identical_to_plain"] else "NO",
         )
+    _exactness_caption(table, report)
     print_whole(table)
 
 
@@ -639,6 +649,7 @@ def run_concurrency(
             "max_tokens": max_tokens,
             "rounds": rounds,
             "threads": torch.get_num_threads(),
+            "exact_path_off": engine.runner.exactness_problem,
             **_memory_config(engine),
         },
         "rows": rows,
@@ -728,4 +739,5 @@ def print_concurrency_table(report: dict[str, Any]) -> None:
             f"{r['vs_better_median']:.3f} ({min(r['vs_better_rounds']):.2f}-"
             f"{max(r['vs_better_rounds']):.2f})" if "vs_better_median" in r else "",
         )
+    _exactness_caption(table, report)
     print_whole(table)

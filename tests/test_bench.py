@@ -3,6 +3,9 @@
 import pytest
 
 from agentflash import bench
+from agentflash.engine.model_runner import exactness_problem
+from agentflash.models.loading import load_model
+from agentflash.models.qwen3 import batch_invariant_
 from agentflash.server import bench as server_bench
 from agentflash.train import corpus
 
@@ -53,6 +56,9 @@ def test_rows_are_side_by_side_and_peers_match_plain_greedy(tiny_model_dir):
     weights = report["config"]["weights_mb"]
     assert weights["drafter"] == 0 and weights["target"] > 0 and report["config"]["kv_pool_mb"] > 0
     assert report["config"]["peak_rss_mb"] > weights["target"] + report["config"]["kv_pool_mb"]
+    # whether the rows ran the exact path: the probe's finding on the same weights, if any
+    same_weights = batch_invariant_(load_model(tiny_model_dir)[0])
+    assert report["config"]["exact_path_off"] == exactness_problem(same_weights)
     for row in engine_rows:
         parts = row["memory_parts_mb"]
         assert parts["weights"] == weights["target"] and parts["draft_context"] == 0

@@ -7,7 +7,10 @@ A prompt's prefill and decoding rows can share a forward without padding each ot
 
 from __future__ import annotations
 
+import logging
+import weakref
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 from itertools import accumulate, takewhile
 
@@ -16,9 +19,12 @@ import torch
 from agentflash.engine.kv_cache import KVCache
 from agentflash.models.qwen3 import (
     EXACT_CHUNK,
+    MLP,
+    Attention,
     ExactBlockRows,
     ExactMasks,
     ExactTokenRows,
+    Linear,
     PackedRows,
     Qwen3Model,
     SingleTokenRows,
@@ -27,7 +33,12 @@ from agentflash.models.qwen3 import (
     query_chunks,
 )
 
+log = logging.getLogger(__name__)
+
 MAX_BLOCK = 64  # the longest verify block that attends batched with others (longer: alone)
+# Row counts at which the exactness probe compares a projection's rows with each row alone:
+# every count a step of a few requests has, and a spread of prompt lengths
+PROBE_ROW_COUNTS = (*range(1, 49), 64, 96, 128, 192, 256)
 
 
 @dataclass
@@ -61,6 +72,7 @@ class ModelRunner:
         cache: KVCache,
         batch_single_tokens: bool | None = None,
         batch_invariant: bool = True,
+        check_exactness: bool = True,
     ):
         """``batch_single_tokens``: attend the one-token rows in one call over their gathered
         slots rather than one call per row. The default does so off the CPU, where calls are
@@ -73,7 +85,11 @@ class ModelRunner:
         those of one-token decoding, and a prompt's keys and values the same however it is cut
         (a prompt prefilled after a cached prefix of it: ``PrefixCache``), so greedy output
         depends neither on the requests a step is shared with, nor on speculation, nor on what
-        the prefix cache held."""
+        the prefix cache held. That rests on how this machine's GEMM kernels block their work,
+        so it is probed first (``exactness_problem``, with ``check_exactness``): where the probe
+        finds a row that changes with its batch (MKL's AVX2 kernels do), the runner warns and
+        runs the plain path (``exactness_problem`` says why), whose rows agree to rounding only.
+        """
         self.model, self.cache = model, cache
         self._group = model.cfg.num_heads // model.cfg.num_kv_heads  # query heads per key head
         self.device = next(model.parameters()).device
@@ -83,8 +99,18 @@ class ModelRunner:
         self.batch_invariant = (
             batch_invariant and self.device.type == "cpu" and not batch_single_tokens
         )
+        self.exactness_problem: str | None = None  # why the exact path was refused, if it was
         if self.batch_invariant:
             batch_invariant_(model)
+            self.exactness_problem = exactness_problem(model) if check_exactness else None
+        if self.exactness_problem is not None:
+            log.warning("exact decoding is off on this machine: %s; greedy output may then "
+                        "differ at near ties with the rows a step batches and with speculation",
+                        self.exactness_problem)
+            for linear in _linears(model):
+                linear.pad_single_row = False
+            self.batch_invariant = False
+        if self.batch_invariant:
             cache.lay_out_for_exact_attention_()
             self._masks = ExactMasks(cache.max_capacity, self._group, self.device, cache.dtype)
 
@@ -251,3 +277,101 @@ def _pad(packed: torch.Tensor, begins: list[int], lengths: list[int]) -> torch.T
     for i, (begin, n) in enumerate(zip(begins, lengths)):
         out[i, :n] = packed[begin : begin + n]
     return out
+
+
+_probed: weakref.WeakKeyDictionary[Qwen3Model, dict[int, str | None]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def exactness_problem(model: Qwen3Model) -> str | None:
+    """Why the exact path (a model made ``batch_invariant_``, attending with exact attention)
+    is not bitwise exact on this machine's kernels, or None where a probe finds it exact.
+
+    Its bitwise guarantees are not the BLAS library's: they were measured on its kernels (a
+    projection's rows are the same for every row count from 2 with column-major weights, on
+    MKL's AVX-512 kernels; not on its AVX2 kernels, which compute the last rows of a block their
+    own way). So the probe runs the model's own projections at ``PROBE_ROW_COUNTS`` rows, and
+    forwards in which a row is batched, a verify block decoded and a prompt cut, against each
+    row alone. A probe, not a proof: it samples the shapes a step can have. Done once per model
+    and thread count (the kernels' blocking follows both); the demo model's takes about 0.2 s.
+    """
+    by_threads = _probed.setdefault(model, {})
+    threads = torch.get_num_threads()
+    if threads not in by_threads:
+        with torch.inference_mode():
+            by_threads[threads] = _probe_projections(model) or _probe_forwards(model)
+    return by_threads[threads]
+
+
+def _linears(model: Qwen3Model) -> Iterator[Linear]:
+    """Every projection of ``model``, the fused ones (not registered submodules) too."""
+    for module in model.modules():
+        if isinstance(module, Linear):
+            yield module
+        elif isinstance(module, Attention | MLP) and module._fused is not None:
+            yield module._fused
+
+
+def _probe_projections(model: Qwen3Model) -> str | None:
+    """Where a projection's row differs from the row alone (first, middle and last rows of a
+    batch of each of ``PROBE_ROW_COUNTS``), or None."""
+    gen = torch.Generator().manual_seed(0)
+    seen = set()
+    for linear in _linears(model):
+        weight = linear.weight
+        shape = (*weight.shape, weight.stride(), linear.bias is not None, weight.dtype)
+        if shape in seen:
+            continue
+        seen.add(shape)
+        probes = torch.randn(3, weight.shape[1], generator=gen).to(weight)
+        alone = torch.cat([linear(probes[i : i + 1]) for i in range(3)])
+        filler = torch.randn(max(PROBE_ROW_COUNTS), weight.shape[1], generator=gen).to(weight)
+        for n in PROBE_ROW_COUNTS:
+            batch = filler[:n].clone()
+            where = {0: 0, n // 2: 1, n - 1: 2}  # row -> probe (a later one wins a shared row)
+            for row, probe in where.items():
+                batch[row] = probes[probe]
+            out = linear(batch)
+            for row, probe in where.items():
+                if not torch.equal(out[row], alone[probe]):
+                    return (f"a projection of {weight.shape[1]} to {weight.shape[0]} features "
+                            f"gives row {row} of {n} other bits than the row alone")
+    return None
+
+
+def _probe_forwards(model: Qwen3Model) -> str | None:
+    """Where a forward's row differs from the row alone: rows of each kind batched in one
+    step, a verify block against one-token decoding, a prompt prefilled after a cut."""
+    cfg, device = model.cfg, next(model.parameters()).device
+    gen = torch.Generator().manual_seed(0)
+
+    def tokens(n: int) -> list[int]:
+        return torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist()
+
+    def runner() -> ModelRunner:
+        cache = KVCache(cfg, 4, 3 * EXACT_CHUNK, device, model.lm_head.weight.dtype)
+        return ModelRunner(model, cache, batch_single_tokens=False, check_exactness=False)
+
+    alone, mixed = runner(), runner()
+    prompts = [tokens(n) for n in (70, 9, 33)]
+    whole = [alone.forward([Row(slot, 0, p)]).logits[0] for slot, p in enumerate(prompts)]
+    cut = 37  # a prompt prefilled after a cached prefix of it
+    mixed.forward([Row(0, 0, prompts[0][:cut])])
+    rest = mixed.forward([Row(0, cut, prompts[0][cut:])]).logits[0]
+    if not torch.equal(rest, whole[0][cut:]):
+        return "a prompt prefilled after a cut of it gets other logits than prefilled whole"
+    for slot in (1, 2):
+        mixed.forward([Row(slot, 0, prompts[slot])])
+    block, first, second, prompt = tokens(16), tokens(1), tokens(1), tokens(3)
+    rows = [Row(0, 70, block), Row(1, 9, first), Row(2, 33, second), Row(3, 0, prompt)]
+    out = mixed.forward(rows).logits
+    decoded = torch.cat([alone.forward([Row(0, 70 + i, [t])]).logits[0] for i, t in
+                         enumerate(block)])
+    if not torch.equal(out[0], decoded):
+        return "a verify block batched with other rows gets other logits than decoding"
+    for i, r in enumerate(rows[1:], start=1):
+        own = alone.forward([r]).logits[0]
+        if not torch.equal(out[i, : own.shape[0]], own):
+            return f"a row of {len(r.tokens)} tokens gets other logits batched than alone"
+    return None
