@@ -39,6 +39,9 @@ MAX_BLOCK = 64  # the longest verify block that attends batched with others (lon
 # Row counts at which the exactness probe compares a projection's rows with each row alone:
 # every count a step of a few requests has, and a spread of prompt lengths
 PROBE_ROW_COUNTS = (*range(1, 49), 64, 96, 128, 192, 256)
+# the sweep of one projection stops at the row count past these multiply-adds (the demo's
+# lm_head sweeps every count; a 151k-token lm_head of 4,096 inputs stops after 3 rows)
+PROBE_MACS = 4 * 10**9
 
 
 @dataclass
@@ -290,8 +293,9 @@ def exactness_problem(model: Qwen3Model) -> str | None:
 
     Its bitwise guarantees are not the BLAS library's: they were measured on its kernels (a
     projection's rows are the same for every row count from 2 with column-major weights, on
-    MKL's AVX-512 kernels; not on its AVX2 kernels, which compute the last rows of a block their
-    own way). So the probe runs the model's own projections at ``PROBE_ROW_COUNTS`` rows, and
+    MKL's AVX-512 kernels at the demo's widths; not at 896 or 1,024 inputs, nor on its AVX2
+    kernels, which compute the last rows of a block their own way). So the probe runs the
+    model's own projections at ``PROBE_ROW_COUNTS`` rows, and
     forwards in which a row is batched, a verify block decoded and a prompt cut, against each
     row alone. A probe, not a proof: it samples the shapes a step can have. Done once per model
     and thread count (the kernels' blocking follows both); the demo model's takes about 0.2 s.
@@ -315,7 +319,7 @@ def _linears(model: Qwen3Model) -> Iterator[Linear]:
 
 def _probe_projections(model: Qwen3Model) -> str | None:
     """Where a projection's row differs from the row alone (first, middle and last rows of a
-    batch of each of ``PROBE_ROW_COUNTS``), or None."""
+    batch of each of ``PROBE_ROW_COUNTS``, within ``PROBE_MACS``), or None."""
     gen = torch.Generator().manual_seed(0)
     seen = set()
     for linear in _linears(model):
@@ -327,7 +331,10 @@ def _probe_projections(model: Qwen3Model) -> str | None:
         probes = torch.randn(3, weight.shape[1], generator=gen).to(weight)
         alone = torch.cat([linear(probes[i : i + 1]) for i in range(3)])
         filler = torch.randn(max(PROBE_ROW_COUNTS), weight.shape[1], generator=gen).to(weight)
-        for n in PROBE_ROW_COUNTS:
+        counts = accumulate(PROBE_ROW_COUNTS)  # rows swept so far
+        for n, swept in zip(PROBE_ROW_COUNTS, counts):
+            if swept * weight.numel() > PROBE_MACS:
+                break
             batch = filler[:n].clone()
             where = {0: 0, n // 2: 1, n - 1: 2}  # row -> probe (a later one wins a shared row)
             for row, probe in where.items():
