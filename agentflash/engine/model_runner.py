@@ -295,10 +295,10 @@ def exactness_problem(model: Qwen3Model) -> str | None:
     projection's rows are the same for every row count from 2 with column-major weights, on
     MKL's AVX-512 kernels at the demo's widths; not at 896 or 1,024 inputs, nor on its AVX2
     kernels, which compute the last rows of a block their own way). So the probe runs the
-    model's own projections at ``PROBE_ROW_COUNTS`` rows, and
-    forwards in which a row is batched, a verify block decoded and a prompt cut, against each
-    row alone. A probe, not a proof: it samples the shapes a step can have. Done once per model
-    and thread count (the kernels' blocking follows both); the demo model's takes about 0.2 s.
+    model's own projections at ``PROBE_ROW_COUNTS`` rows, and forwards in which a row is
+    batched, a verify block decoded and a prompt cut, against each row alone. A probe, not a
+    proof: it samples the shapes a step can have. Done once per model and thread count (the
+    kernels' blocking follows both); the demo model's takes about 0.2 s.
     """
     by_threads = _probed.setdefault(model, {})
     threads = torch.get_num_threads()
