@@ -279,7 +279,21 @@ def test_a_prompt_prefilled_after_a_cached_prefix_is_bitwise_the_prompt_prefille
     """What lets the engine's prefix cache skip a prompt's cached beginning without changing a
     token: on the CPU every row attends exactly, so the cut does not show (nor where a long
     row's queries are cut into chunks, ``EXACT_QUERY_CHUNK``: 128)."""
-    cut = data.draw(st.integers(1, length - 1))
+    check_prefix_cut(model, length, data.draw(st.integers(1, length - 1)), seed)
+
+
+@pytest.mark.usefixtures("exact_mha_model")
+@settings(max_examples=15, deadline=None)
+@given(length=st.integers(130, 300), data=st.data(), seed=st.integers(0, 2**16))
+def test_a_prompt_cut_is_bitwise_the_prompt_whole_with_one_key_head_per_query_head(
+    mha_model, length, data, seed
+):
+    """A query chunk of an odd number of rows of 16-number heads: its chunk sums are padded
+    (``sum_chunks``), so the masked chunks past its last key add nothing to the last bit."""
+    check_prefix_cut(mha_model, length, data.draw(st.integers(1, length - 1)), seed)
+
+
+def check_prefix_cut(model, length: int, cut: int, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     tokens = torch.randint(10, 4000, (length,), generator=gen).tolist()
     r = runner(model, batch_single_tokens=False, max_len=320)

@@ -540,10 +540,10 @@ def exact_attention(
     n = width // EXACT_CHUNK
     out = torch.stack(
         [
-            torch.bmm(
+            sum_chunks(torch.bmm(
                 probs[h].view(rows, n, EXACT_CHUNK).transpose(0, 1),  # [n, rows, C]
                 v_pool[:n, slot, h],  # [n, C, D]
-            ).sum(0)  # [rows, D]: the chunks' partial products summed, chunk after chunk
+            ))  # [rows, D]: the chunks' partial products summed, chunk after chunk
             for h in range(kv)
         ]
     )  # [KV, rows, D]
@@ -637,7 +637,20 @@ def _attend_slots(
     chunked = probs.view(slots, m, n, EXACT_CHUNK).permute(2, 0, 1, 3).reshape(n * slots, m, -1)
     values = v_pool[:n, :upto].reshape(n * slots, EXACT_CHUNK, d)
     parts = torch.bmm(chunked, values).view(n, slots, m, d)
-    return parts.sum(0).view(upto, kv, m, d)
+    return sum_chunks(parts).view(upto, kv, m, d)
+
+
+def sum_chunks(parts: torch.Tensor) -> torch.Tensor:
+    """``parts`` [n, ...] summed over its first dimension, bitwise the same whatever all-zero
+    chunks follow (the keys past a query's last, masked). Measured on the CPU kernels: a sum
+    over the first dimension is so where each chunk holds a multiple of 32 numbers (a head of
+    64 or 128 always does), not otherwise (16-number heads at an odd number of rows); other
+    chunks are padded to a multiple of 64 numbers first."""
+    inner = parts[0].numel()
+    if inner % 64 == 0:
+        return parts.sum(0)
+    padded = F.pad(parts.reshape(parts.shape[0], inner), (0, -inner % 64))
+    return padded.sum(0)[:inner].view(parts.shape[1:])
 
 
 class Qwen3Model(nn.Module):
