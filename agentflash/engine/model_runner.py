@@ -37,8 +37,8 @@ log = logging.getLogger(__name__)
 
 MAX_BLOCK = 64  # the longest verify block that attends batched with others (longer: alone)
 # Row counts at which the exactness probe compares a projection's rows with each row alone:
-# every count a step of a few requests has, and a spread of prompt lengths
-PROBE_ROW_COUNTS = (*range(1, 49), 64, 96, 128, 192, 256)
+# every count a step of a few requests has, and a spread of prompt lengths up to 2,048
+PROBE_ROW_COUNTS = (*range(1, 49), 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
 # the sweep of one projection stops at the row count past these multiply-adds (the demo's
 # lm_head sweeps every count; a 151k-token lm_head of 4,096 inputs stops after 3 rows)
 PROBE_MACS = 4 * 10**9
@@ -298,7 +298,7 @@ def exactness_problem(model: Qwen3Model) -> str | None:
     model's own projections at ``PROBE_ROW_COUNTS`` rows, and forwards in which a row is
     batched, a verify block decoded and a prompt cut, against each row alone. A probe, not a
     proof: it samples the shapes a step can have. Done once per model and thread count (the
-    kernels' blocking follows both); the demo model's takes about 0.2 s.
+    kernels' blocking follows both); the demo model's takes 0.3-0.4 s.
     """
     by_threads = _probed.setdefault(model, {})
     threads = torch.get_num_threads()
@@ -357,13 +357,14 @@ def _probe_forwards(model: Qwen3Model) -> str | None:
         return torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist()
 
     def runner() -> ModelRunner:
-        cache = KVCache(cfg, 4, 3 * EXACT_CHUNK, device, model.lm_head.weight.dtype)
+        cache = KVCache(cfg, 4, 6 * EXACT_CHUNK, device, model.lm_head.weight.dtype)
         return ModelRunner(model, cache, batch_single_tokens=False, check_exactness=False)
 
     alone, mixed = runner(), runner()
-    prompts = [tokens(n) for n in (70, 9, 33)]
+    # the first prompt's queries attend in more than one chunk of 128 (``query_chunks``)
+    prompts = [tokens(n) for n in (300, 9, 33)]
     whole = [alone.forward([Row(slot, 0, p)]).logits[0] for slot, p in enumerate(prompts)]
-    cut = 37  # a prompt prefilled after a cached prefix of it
+    cut = 137  # a prompt prefilled after a cached prefix of it
     mixed.forward([Row(0, 0, prompts[0][:cut])])
     rest = mixed.forward([Row(0, cut, prompts[0][cut:])]).logits[0]
     if not torch.equal(rest, whole[0][cut:]):
@@ -371,9 +372,9 @@ def _probe_forwards(model: Qwen3Model) -> str | None:
     for slot in (1, 2):
         mixed.forward([Row(slot, 0, prompts[slot])])
     block, first, second, prompt = tokens(16), tokens(1), tokens(1), tokens(3)
-    rows = [Row(0, 70, block), Row(1, 9, first), Row(2, 33, second), Row(3, 0, prompt)]
+    rows = [Row(0, 300, block), Row(1, 9, first), Row(2, 33, second), Row(3, 0, prompt)]
     out = mixed.forward(rows).logits
-    decoded = torch.cat([alone.forward([Row(0, 70 + i, [t])]).logits[0] for i, t in
+    decoded = torch.cat([alone.forward([Row(0, 300 + i, [t])]).logits[0] for i, t in
                          enumerate(block)])
     if not torch.equal(out[0], decoded):
         return "a verify block batched with other rows gets other logits than decoding"
