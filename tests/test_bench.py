@@ -29,11 +29,14 @@ def test_rows_are_side_by_side_and_peers_match_plain_greedy(tiny_model_dir):
     )
     modes = [(r["suite"], r["mode"]) for r in report["rows"]]
     peers = ("plain", "transformers", "prompt_lookup")
+    # outlines' row, unless its own mask kernel is wrong on this machine (and then said why)
+    skipped = bench.outlines_masks_wrong()
+    assert report["config"]["outlines_skipped"] == skipped
     assert modes == (
         [("tool_call", m) for m in peers]
         + [("tool_call", "plain+grammar")]
         + [("math", m) for m in peers]
-        + [("json", "plain+grammar"), ("json", "outlines")]
+        + [("json", "plain+grammar")] + [("json", "outlines")] * (skipped is None)
     )
     for row in report["rows"]:
         if row["mode"] != "outlines":  # outlines' JSON may differ in layout
