@@ -457,9 +457,9 @@ print("exact" if run.batch_invariant else run.exactness_problem)
 
 
 def test_the_probe_on_mkls_avx2_kernels_never_claims_what_they_do_not_keep(tiny_model_dir):
-    """Under ``MKL_ENABLE_INSTRUCTIONS=AVX2`` (where the CI run on an AVX2 machine failed the
-    bitwise tests: rows of 3 and 4 rounded differently) the runner is exact only if verify
-    blocks really are one-token decoding to the last bit."""
+    """Under ``MKL_ENABLE_INSTRUCTIONS=AVX2`` (which fails the bitwise tests here as the last
+    CI run, on another machine, failed them: rows of 3 and 4 round differently) the runner is
+    exact only if verify blocks really are one-token decoding to the last bit."""
     import os
     import subprocess
     import sys

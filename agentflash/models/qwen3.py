@@ -646,7 +646,7 @@ def sum_chunks(parts: torch.Tensor) -> torch.Tensor:
     over the first dimension is so where each chunk holds a multiple of 32 numbers (a head of
     64 or 128 always does), not otherwise (16-number heads at an odd number of rows); other
     chunks are padded to a multiple of 64 numbers first."""
-    inner = parts[0].numel()
+    inner = parts.numel() // parts.shape[0]  # no view made: this runs per head and layer
     if inner % 64 == 0:
         return parts.sum(0)
     padded = F.pad(parts.reshape(parts.shape[0], inner), (0, -inner % 64))
