@@ -199,6 +199,45 @@ def test_one_token_rows_attend_together_and_get_bitwise_what_they_get_alone(
 
 
 @pytest.mark.usefixtures("exact_model")
+@settings(max_examples=30, deadline=None)
+@given(
+    lasts=st.lists(st.one_of(st.integers(0, 63), st.integers(0, 400)), min_size=1, max_size=6),
+    free=st.integers(0, 3),
+    seed=st.integers(0, 2**16),
+)
+def test_attention_over_slots_skips_the_chunks_no_row_sees_and_gets_the_same_bits(
+    lasts, free, seed
+):
+    """``_attend_slots`` computes a slot's 64-key chunk of values only where its row sees a key
+    in it, reading the values in place (a pool with more slots than the step's rows): bitwise
+    what every chunk of every slot gives in one batched call over a pool of just those slots."""
+    from agentflash.models.qwen3 import EXACT_CHUNK, ExactMasks, _attend_slots, chunk_reach
+
+    gen = torch.Generator().manual_seed(seed)
+    upto, kv, m, d, capacity = len(lasts), 2, 2, 16, 7 * EXACT_CHUNK
+    keys = torch.randn(upto + free, kv, d, capacity, generator=gen).transpose(2, 3)
+    values = torch.randn(capacity // EXACT_CHUNK, upto + free, kv, EXACT_CHUNK, d, generator=gen)
+    queries = torch.randn(upto, kv, m, d, generator=gen)
+    width = (max(lasts) // EXACT_CHUNK + 1) * EXACT_CHUNK
+    bias = ExactMasks(capacity, 1, torch.device("cpu")).up_to(torch.tensor(lasts), width)
+    bias = bias[:, None, None].expand(upto, kv, m, width).reshape(upto * kv, m, width)
+    reach = chunk_reach(range(upto), lasts, upto)
+    assert reach[0] == upto and list(reach) == sorted(reach, reverse=True)
+    every = (upto,) * len(reach)  # every chunk of every slot, one call: a pool of upto slots
+    whole = _attend_slots(queries, keys[:upto].contiguous(), values[:, :upto].contiguous(), bias,
+                          every)
+    assert torch.equal(_attend_slots(queries, keys, values, bias, reach), whole)
+    # a slot's result does not depend on the others': each alone, in a pool of its own
+    for s, last in enumerate(lasts):
+        own = slice(s, s + 1)
+        n = last // EXACT_CHUNK + 1
+        alone = _attend_slots(queries[own], keys[own].contiguous(),
+                              values[:, own].contiguous(), bias[s * kv : (s + 1) * kv, :,
+                                                                : n * EXACT_CHUNK], (1,) * n)
+        assert torch.equal(whole[s], alone[0])
+
+
+@pytest.mark.usefixtures("exact_model")
 @settings(max_examples=20, deadline=None)
 @given(start=st.integers(1, 60), n=st.integers(2, 16), seed=st.integers(0, 2**16))
 def test_a_verify_block_gives_bitwise_the_logits_of_one_token_decoding(model, start, n, seed):

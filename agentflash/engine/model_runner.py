@@ -30,6 +30,7 @@ from agentflash.models.qwen3 import (
     SingleTokenRows,
     Span,
     batch_invariant_,
+    chunk_reach,
     query_chunks,
 )
 
@@ -236,8 +237,9 @@ class ModelRunner:
         bias = self._masks.up_to(last.view(-1), width).view(upto, 1, t, width)
         kv, g = self.model.cfg.num_kv_heads, self._group
         bias = bias.expand(upto, kv * g, t, width).reshape(upto * kv, g * t, width)
+        reach = chunk_reach([r.slot for r in group], [r.start + t - 1 for r in group], upto)
         return ExactBlockRows(slots, t, begin, upto, slots.repeat_interleave(t),
-                              positions.reshape(-1), bias)
+                              positions.reshape(-1), bias, reach)
 
     def _exact_token_rows(self, rows: list[Row], upto: int) -> ExactTokenRows:
         """One-token rows for ``exact_attention_rows``: each slot's queries see its row's cached
@@ -250,7 +252,8 @@ class ModelRunner:
         bias = self._masks.up_to(last, width)  # [upto, L]
         kv, m = self.model.cfg.num_kv_heads, max(self._group, 2)
         bias = bias[:, None, None].expand(upto, kv, m, width).reshape(upto * kv, m, width)
-        return ExactTokenRows(slots, positions, upto, bias)
+        reach = chunk_reach([r.slot for r in rows], [r.start for r in rows], upto)
+        return ExactTokenRows(slots, positions, upto, bias, reach)
 
     def _causal_mask(self, start: int, t: int) -> torch.Tensor | None:
         """[T, start + T]: new token i sees the prefix and the new tokens up to itself; None when

@@ -8,6 +8,7 @@ states of chosen layers for the DFlash drafter. Weight names are the Hugging Fac
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -364,6 +365,7 @@ class ExactTokenRows:
     positions: torch.Tensor  # [B1] where each row's token is cached
     upto: int  # slots computed: one past the highest slot of a row
     bias: torch.Tensor  # [upto * KV, rows, width]: what each slot's query rows see
+    reach: tuple[int, ...]  # per chunk of EXACT_CHUNK keys: the slots computed in it
 
 
 @dataclass(frozen=True)
@@ -379,6 +381,7 @@ class ExactBlockRows:
     token_slots: torch.Tensor  # [B2 * t]: each token's slot...
     token_positions: torch.Tensor  # [B2 * t]: ...and cache position
     bias: torch.Tensor  # [upto * KV, G * t, width]: what each slot's query rows see
+    reach: tuple[int, ...]  # per chunk of EXACT_CHUNK keys: the slots computed in it
 
 
 @dataclass(frozen=True)
@@ -571,7 +574,8 @@ def exact_attention_rows(
     queries[rows.slots, :, :group] = mine
     if group < m:  # lone rows are doubled, as alone
         queries[rows.slots, :, group:] = mine
-    out = _attend_slots(queries, k_pool, v_pool, rows.bias).index_select(0, rows.slots)
+    out = _attend_slots(queries, k_pool, v_pool, rows.bias, rows.reach)
+    out = out.index_select(0, rows.slots)
     return out[:, :, :group].reshape(b1, kv * group, d).transpose(0, 1)[None]  # [1, H, B1, D]
 
 
@@ -598,7 +602,8 @@ def exact_attention_blocks(
     mine = q[0, :, lo:hi].reshape(kv, group, b2, t, d).permute(2, 0, 1, 3, 4).reshape(b2, kv, m, d)
     queries = q.new_zeros(rows.upto, kv, m, d)
     queries[rows.slots] = mine
-    out = _attend_slots(queries, k_pool, v_pool, rows.bias).index_select(0, rows.slots)
+    out = _attend_slots(queries, k_pool, v_pool, rows.bias, rows.reach)
+    out = out.index_select(0, rows.slots)
     return out.view(b2, kv, group, t, d).permute(1, 2, 0, 3, 4).reshape(1, kv * group, b2 * t, d)
 
 
@@ -618,26 +623,54 @@ def _write_tokens(
 
 
 def _attend_slots(
-    queries: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, bias: torch.Tensor
+    queries: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    bias: torch.Tensor,
+    reach: Sequence[int],
 ) -> torch.Tensor:
     """Exact attention of queries [upto, KV, m, D] over slots ``0 .. upto - 1``, one batch
     element per (slot, key head) under ``bias`` [upto * KV, m, L]: the products of
     ``exact_attention``, so each query row's result is bitwise what it gets alone (keys padded
-    to a common width change neither the softmax nor the chunk sums), and the 64-key chunks'
-    partial products of every slot in one batched call (bitwise the same as a call per chunk,
-    checked on random pools of 1 to 32 slots; 3-4% more tokens/s at 32 plain streams).
-    Returns [upto, KV, m, D]."""
+    to a common width change neither the softmax nor the chunk sums). ``reach[c]``: the slots
+    ``0 .. reach[c] - 1`` whose rows see keys in chunk ``c`` (``chunk_reach``); the other slots'
+    partial products there are exact zeros (their keys are masked), so they are not computed.
+    Where every slot reaches every chunk of a pool of ``upto`` slots, the partial products are
+    one batched call (bitwise the same as a call per chunk, checked on random pools of 1 to 32
+    slots); else one call per chunk over its slots, reading the values in place (a batch over
+    chunks of fewer slots than the pool's would copy them: at 8 rows in a pool of 32 slots,
+    2 MB a layer). Returns [upto, KV, m, D]."""
     upto, kv, m, d = queries.shape
     slots, width = upto * kv, bias.shape[-1]
     keys = k_pool[:upto].transpose(2, 3).reshape(slots, d, -1)[:, :, :width]
+    n = width // EXACT_CHUNK
+    assert len(reach) == n, "one reach per chunk of keys"
     scores = torch.baddbmm(bias, queries.view(slots, m, d), keys, alpha=d**-0.5)
     probs = torch.softmax(scores, dim=-1)  # [slots * KV, m, L]
-    n = width // EXACT_CHUNK
-    # every chunk's partial product in one call: [n * slots * KV, m, C] @ [n * slots * KV, C, D]
+    # every chunk's probabilities: [n * slots * KV, m, C], chunk after chunk
     chunked = probs.view(slots, m, n, EXACT_CHUNK).permute(2, 0, 1, 3).reshape(n * slots, m, -1)
-    values = v_pool[:n, :upto].reshape(n * slots, EXACT_CHUNK, d)
-    parts = torch.bmm(chunked, values).view(n, slots, m, d)
+    if upto == v_pool.shape[1] and all(r == upto for r in reach):
+        values = v_pool[:n].view(n * slots, EXACT_CHUNK, d)
+        parts = torch.bmm(chunked, values).view(n, slots, m, d)
+    else:
+        parts = queries.new_zeros(n, slots, m, d)
+        for c, r in enumerate(reach):
+            torch.bmm(chunked[c * slots : c * slots + r * kv],
+                      v_pool[c, :r].view(r * kv, EXACT_CHUNK, d), out=parts[c, : r * kv])
     return sum_chunks(parts).view(upto, kv, m, d)
+
+
+def chunk_reach(slots: Sequence[int], last: Sequence[int], upto: int) -> tuple[int, ...]:
+    """For ``_attend_slots``: per chunk of ``EXACT_CHUNK`` keys up to the furthest of ``last``
+    (each row's last key, the row in ``slots``), how many leading slots have a row that sees a
+    key in it. Chunk 0 computes every slot up to ``upto`` (a slot without a row sees its first
+    key: computed, finite, dropped)."""
+    n = max(last) // EXACT_CHUNK + 1
+    reach = [upto] + [0] * (n - 1)
+    for slot, key in zip(slots, last, strict=True):
+        for c in range(1, key // EXACT_CHUNK + 1):
+            reach[c] = max(reach[c], slot + 1)
+    return tuple(reach)
 
 
 def sum_chunks(parts: torch.Tensor) -> torch.Tensor:
