@@ -512,3 +512,33 @@ def test_the_probe_on_mkls_avx2_kernels_never_claims_what_they_do_not_keep(tiny_
     assert done.returncode == 0, done.stderr
     said = done.stdout.strip().splitlines()[-1]
     assert said == "exact" or "projection" in said or "logits" in said, said
+
+
+
+FIRST_FORWARD = """
+import torch
+from agentflash.engine.engine import Engine
+torch.set_num_threads(2)
+print(repr(Engine.from_pretrained("demo", drafter=None).runner.exactness_problem))
+"""
+
+
+def test_every_fresh_process_finds_the_same_about_the_exact_path():
+    """The demo engine loaded in fresh processes at 2 threads: its probe (the process's first
+    forwards) finds the same in each. Its first forward's rotary ``cos`` was the process's first
+    parallel transcendental op, which in a few percent of processes computed the second thread's
+    half with other bits, and the probe then refused the exact path there alone (10 of 110
+    processes in one evening); the runner warms the threads up first (``warm_up_threads``: 0 of
+    110). Without it this fails about 4 runs in 5."""
+    import subprocess
+    import sys
+
+    said = []
+    for _ in range(8):  # two at once, on the machine's two cores, as in the runs that showed it
+        procs = [subprocess.Popen([sys.executable, "-c", FIRST_FORWARD], stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True) for _ in range(2)]
+        for proc in procs:
+            out, err = proc.communicate(timeout=300)
+            assert proc.returncode == 0, err
+            said.append(out.strip().splitlines()[-1])
+    assert said == [said[0]] * len(said), said

@@ -8,6 +8,7 @@ A prompt's prefill and decoding rows can share a forward without padding each ot
 from __future__ import annotations
 
 import logging
+import threading
 import weakref
 from collections import Counter
 from collections.abc import Iterator
@@ -105,6 +106,7 @@ class ModelRunner:
         )
         self.exactness_problem: str | None = None  # why the exact path was refused, if it was
         if self.batch_invariant:
+            warm_up_threads()
             batch_invariant_(model)
             self.exactness_problem = exactness_problem(model) if check_exactness else None
         if self.exactness_problem is not None:
@@ -130,6 +132,8 @@ class ModelRunner:
         for r in rows:
             assert r.tokens and r.start + len(r.tokens) <= self.cache.max_len, "forward past a slot"
         assert len({r.slot for r in rows}) == len(rows), "two rows in one slot"
+        if self.batch_invariant:  # a thread's first forward: its team warmed up first
+            warm_up_threads()
         self.cache.ensure(max(r.start + len(r.tokens) for r in rows))
         order = self._packing_order(rows)
         packed = [rows[i] for i in order]
@@ -283,6 +287,29 @@ def _pad(packed: torch.Tensor, begins: list[int], lengths: list[int]) -> torch.T
     for i, (begin, n) in enumerate(zip(begins, lengths)):
         out[i, :n] = packed[begin : begin + n]
     return out
+
+
+_warmed_up = threading.local()  # .counts: the thread counts this thread has warmed up at
+
+
+def warm_up_threads() -> None:
+    """Run one parallel transcendental op before this thread's model math, once a thread and
+    thread count (each thread that runs parallel ops gets its own OpenMP team: the engine's
+    stepping thread too).
+
+    Seen on this project's machines (torch 2.13's CPU wheel, 2 threads): in a few percent of
+    processes the first such op computes the part of its tensor that the second thread takes
+    with other bits (``cos`` of 19,200 numbers: its second half, in the last bits); the same call
+    again, and every op after it, got the usual bits. That op was the first forward's rotary
+    ``cos``: the forward got other logits, and as it was the exactness probe's, the probe
+    refused the exact path for that process (10 of 110 demo engines loaded one evening, 0 of
+    110 with this warm-up first). The cause inside torch is not known."""
+    threads, counts = torch.get_num_threads(), _warmed_up.__dict__.setdefault("counts", set())
+    if threads in counts:
+        return
+    counts.add(threads)
+    x = torch.linspace(0.0, 8.0, 1 << 16)  # 32 grains of ATen's 2,048 numbers: every thread
+    x.cos().add_(x.sin()).add_(x.exp())
 
 
 _probed: weakref.WeakKeyDictionary[Qwen3Model, dict[int, str | None]] = (
