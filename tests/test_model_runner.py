@@ -514,7 +514,6 @@ def test_the_probe_on_mkls_avx2_kernels_never_claims_what_they_do_not_keep(tiny_
     assert said == "exact" or "projection" in said or "logits" in said, said
 
 
-
 FIRST_FORWARD = """
 import torch
 from agentflash.engine.engine import Engine

@@ -304,7 +304,10 @@ def warm_up_threads() -> None:
     ``cos``: the forward got other logits, and as it was the exactness probe's, the probe
     refused the exact path for that process (10 of 110 demo engines loaded one evening, 0 of
     110 with this warm-up first). The cause inside torch is not known."""
-    threads, counts = torch.get_num_threads(), _warmed_up.__dict__.setdefault("counts", set())
+    counts = getattr(_warmed_up, "counts", None)
+    if counts is None:
+        counts = _warmed_up.counts = set()
+    threads = torch.get_num_threads()
     if threads in counts:
         return
     counts.add(threads)
