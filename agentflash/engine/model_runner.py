@@ -106,7 +106,6 @@ class ModelRunner:
         )
         self.exactness_problem: str | None = None  # why the exact path was refused, if it was
         if self.batch_invariant:
-            warm_up_threads()
             batch_invariant_(model)
             self.exactness_problem = exactness_problem(model) if check_exactness else None
         if self.exactness_problem is not None:
@@ -132,7 +131,7 @@ class ModelRunner:
         for r in rows:
             assert r.tokens and r.start + len(r.tokens) <= self.cache.max_len, "forward past a slot"
         assert len({r.slot for r in rows}) == len(rows), "two rows in one slot"
-        if self.batch_invariant:  # a thread's first forward: its team warmed up first
+        if self.batch_invariant:  # a thread's first forward (the probe's too): warmed up first
             warm_up_threads()
         self.cache.ensure(max(r.start + len(r.tokens) for r in rows))
         order = self._packing_order(rows)
