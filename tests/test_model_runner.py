@@ -6,7 +6,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agentflash.engine.kv_cache import KVCache
-from agentflash.engine.model_runner import ModelRunner, Row, _linears, exactness_problem
+from agentflash.engine.model_runner import (
+    ROW_MULTIPLES,
+    ModelRunner,
+    Row,
+    _linears,
+    exact_rows,
+    exactness_problem,
+)
 from agentflash.models.loading import load_model
 from agentflash.models.qwen3 import batch_invariant_
 
@@ -30,17 +37,20 @@ def mha_model(tmp_path_factory, demo_tokenizer_dir):
     return load_model(path)[0]
 
 
-def skip_unless_exact(model) -> None:
+def skip_unless_exact(model) -> int:
     """The tests of the exact path's bitwise guarantees run where this machine's kernels keep
-    them (the runner's probe), and are skipped elsewhere with the probe's finding."""
-    problem = exactness_problem(batch_invariant_(model))
+    them (the runner's probe), and are skipped elsewhere with the probe's finding; the row
+    multiple the probe found."""
+    multiple, problem = exact_rows(batch_invariant_(model))
     if problem is not None:
         pytest.skip(f"the exact path is off on this machine: {problem}")
+    return multiple
 
 
 @pytest.fixture(scope="module")
 def exact_model(model):
-    skip_unless_exact(model)
+    """The row multiple of the exact path on this machine."""
+    return skip_unless_exact(model)
 
 
 @pytest.fixture(scope="module")
@@ -198,7 +208,6 @@ def test_one_token_rows_attend_together_and_get_bitwise_what_they_get_alone(
             assert torch.equal(got, want)
 
 
-@pytest.mark.usefixtures("exact_model")
 @settings(max_examples=30, deadline=None)
 @given(
     lasts=st.lists(st.one_of(st.integers(0, 63), st.integers(0, 400)), min_size=1, max_size=6),
@@ -206,15 +215,22 @@ def test_one_token_rows_attend_together_and_get_bitwise_what_they_get_alone(
     seed=st.integers(0, 2**16),
 )
 def test_attention_over_slots_skips_the_chunks_no_row_sees_and_gets_the_same_bits(
-    lasts, free, seed
+    exact_model, lasts, free, seed
 ):
     """``_attend_slots`` computes a slot's 64-key chunk of values only where its row sees a key
     in it, reading the values in place (a pool with more slots than the step's rows): bitwise
     what every chunk of every slot gives in one batched call over a pool of just those slots."""
-    from agentflash.models.qwen3 import EXACT_CHUNK, ExactMasks, _attend_slots, chunk_reach
+    from agentflash.models.qwen3 import (
+        EXACT_CHUNK,
+        ExactMasks,
+        _attend_slots,
+        chunk_reach,
+        padded_rows,
+    )
 
     gen = torch.Generator().manual_seed(seed)
-    upto, kv, m, d, capacity = len(lasts), 2, 2, 16, 7 * EXACT_CHUNK
+    m = padded_rows(2, exact_model)  # a one-token row's query rows (two heads a key head)
+    upto, kv, d, capacity = len(lasts), 2, 16, 7 * EXACT_CHUNK
     keys = torch.randn(upto + free, kv, d, capacity, generator=gen).transpose(2, 3)
     values = torch.randn(capacity // EXACT_CHUNK, upto + free, kv, EXACT_CHUNK, d, generator=gen)
     queries = torch.randn(upto, kv, m, d, generator=gen)
@@ -448,8 +464,8 @@ def test_a_pool_grows_by_a_quarter_at_least_to_max_len_and_no_further():
 
 def test_the_probe_names_a_projection_whose_rows_change_with_their_batch(tiny_model_dir):
     """A projection that rounds a row by the rows beside it (as MKL's AVX2 kernels do: a
-    block's last rows their own way) fails the probe; the runner then runs the plain path, and
-    its rows agree with the exact path's to rounding."""
+    block's last rows their own way) fails the probe at every row multiple; the runner then
+    runs the plain path, and its rows agree with the exact path's to rounding."""
     model, ref_model = load_model(tiny_model_dir)[0], load_model(tiny_model_dir)[0]
     batch_invariant_(model)
 
@@ -462,15 +478,20 @@ def test_the_probe_names_a_projection_whose_rows_change_with_their_batch(tiny_mo
     for layer in model.model.layers:
         layer.mlp.down_proj.forward = rounding_by_batch(layer.mlp.down_proj.forward)
     problem = exactness_problem(model)
-    if exactness_problem(batch_invariant_(ref_model)) is None:  # this machine's kernels keep it
-        assert problem == (
-            "a projection of 128 to 64 features gives row 0 of 41 other bits than the row alone")
-    else:  # they do not (MKL's AVX2 kernels): the probe stops at their first difference
-        assert problem is not None and problem.startswith("a projection of ")
+    multiple = exact_rows(batch_invariant_(ref_model))[0]
+    if multiple:  # this machine's kernels keep it, from that row multiple on
+        found = "a projection of 128 to 64 features gives row 0 of 41 other bits than the row alone"
+        parts = problem.split("; ")  # one for each row multiple the probe tries
+        assert len(parts) == len(ROW_MULTIPLES)
+        for m, part in zip(ROW_MULTIPLES, parts):
+            if m >= multiple:
+                assert part == (f"{found} (rows padded to a multiple of {m})" if m > 1 else found)
+    else:  # they do not at any row multiple
+        assert problem is not None
     cache = KVCache(model.cfg, 2, MAX_LEN, torch.device("cpu"), torch.float32)
     run = ModelRunner(model, cache, batch_single_tokens=False)
     assert (run.batch_invariant, run.exactness_problem, cache.exact) == (False, problem, False)
-    assert not any(linear.pad_single_row for linear in _linears(model))
+    assert not any(linear.row_multiple for linear in _linears(model))
     ref = runner(ref_model, False, slots=2)
     ids = torch.randint(0, model.cfg.vocab_size, (60,)).tolist()
     for rn in (run, ref):

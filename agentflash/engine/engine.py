@@ -45,8 +45,9 @@ class EngineConfig:
     # drafter's context of each); None: max_running slots
     kv_budget_mb: float | None = None
     # CPU: a row's logits bitwise the same whatever shares its step, and a verify block's
-    # those of one-token decoding (ModelRunner); costs a lone one-token forward about 13% (its
-    # row is padded to two: half the two-row kernel, half the padding); exact attention costs
+    # those of one-token decoding (ModelRunner); costs a lone one-token forward about 13% on
+    # MKL's AVX-512 kernels (its row is padded to two: half the two-row kernel, half the
+    # padding), about 50% on its AVX2 ones (an AMD EPYC: padded to four); exact attention costs
     # about what SDPA does (a prompt's prefill about 8% more at 200-470 tokens, 20% at 900), and
     # a prompt prefilled after a cached prefix has bitwise the keys and values it has prefilled
     # whole

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from itertools import accumulate, takewhile
 
 import torch
+import torch.nn.functional as F
 
 from agentflash.engine.kv_cache import KVCache
 from agentflash.models.qwen3 import (
@@ -32,6 +33,7 @@ from agentflash.models.qwen3 import (
     Span,
     batch_invariant_,
     chunk_reach,
+    padded_rows,
     query_chunks,
 )
 
@@ -44,6 +46,8 @@ PROBE_ROW_COUNTS = (*range(1, 49), 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1
 # the sweep of one projection stops at the row count past these multiply-adds (the demo's
 # lm_head sweeps every count; a 151k-token lm_head of 4,096 inputs stops after 3 rows)
 PROBE_MACS = 4 * 10**9
+# the row multiples the exact path's products may be padded to (``Linear``), tried in turn
+ROW_MULTIPLES = (1, 4, 8)
 
 
 @dataclass
@@ -78,6 +82,7 @@ class ModelRunner:
         batch_single_tokens: bool | None = None,
         batch_invariant: bool = True,
         check_exactness: bool = True,
+        row_multiple: int = 1,
     ):
         """``batch_single_tokens``: attend the one-token rows in one call over their gathered
         slots rather than one call per row. The default does so off the CPU, where calls are
@@ -91,9 +96,11 @@ class ModelRunner:
         (a prompt prefilled after a cached prefix of it: ``PrefixCache``), so greedy output
         depends neither on the requests a step is shared with, nor on speculation, nor on what
         the prefix cache held. That rests on how this machine's GEMM kernels block their work,
-        so it is probed first (``exactness_problem``, with ``check_exactness``): where the probe
-        finds a row that changes with its batch (MKL's AVX2 kernels do), the runner warns and
-        runs the plain path (``exactness_problem`` says why), whose rows agree to rounding only.
+        so it is probed first (``exact_rows``, with ``check_exactness``; without it the products'
+        rows are padded to ``row_multiple``): the probe picks the row multiple the products are
+        padded to (``Linear``; 1 on MKL's AVX-512 kernels, 4 on its AVX2 ones); where no multiple
+        keeps a row the same in every batch, the runner warns and runs the plain path
+        (``exactness_problem`` says why), whose rows agree to rounding only.
         """
         self.model, self.cache = model, cache
         self._group = model.cfg.num_heads // model.cfg.num_kv_heads  # query heads per key head
@@ -105,19 +112,21 @@ class ModelRunner:
             batch_invariant and self.device.type == "cpu" and not batch_single_tokens
         )
         self.exactness_problem: str | None = None  # why the exact path was refused, if it was
+        self.row_multiple = 0  # the exact path's products' rows padded to a multiple of this
         if self.batch_invariant:
             batch_invariant_(model)
-            self.exactness_problem = exactness_problem(model) if check_exactness else None
+            self.row_multiple, self.exactness_problem = (
+                exact_rows(model) if check_exactness else (row_multiple, None))
+            _set_row_multiple(model, self.row_multiple)
         if self.exactness_problem is not None:
             log.warning("exact decoding is off on this machine: %s; greedy output may then "
                         "differ at near ties with the rows a step batches and with speculation",
                         self.exactness_problem)
-            for linear in _linears(model):
-                linear.pad_single_row = False
             self.batch_invariant = False
         if self.batch_invariant:
             cache.lay_out_for_exact_attention_()
-            self._masks = ExactMasks(cache.max_capacity, self._group, self.device, cache.dtype)
+            self._masks = ExactMasks(cache.max_capacity, self._group, self.device, cache.dtype,
+                                     self.row_multiple)
 
     @torch.inference_mode()
     def forward(
@@ -240,6 +249,9 @@ class ModelRunner:
         bias = self._masks.up_to(last.view(-1), width).view(upto, 1, t, width)
         kv, g = self.model.cfg.num_kv_heads, self._group
         bias = bias.expand(upto, kv * g, t, width).reshape(upto * kv, g * t, width)
+        rows = padded_rows(g * t, self.row_multiple)  # padded rows see every key
+        if rows > g * t:
+            bias = F.pad(bias, (0, 0, 0, rows - g * t))
         reach = chunk_reach([r.slot for r in group], [r.start + t - 1 for r in group], upto)
         return ExactBlockRows(slots, t, begin, upto, slots.repeat_interleave(t),
                               positions.reshape(-1), bias, reach)
@@ -253,7 +265,7 @@ class ModelRunner:
         last = torch.zeros(upto, dtype=torch.long, device=self.device)
         last[slots] = positions
         bias = self._masks.up_to(last, width)  # [upto, L]
-        kv, m = self.model.cfg.num_kv_heads, max(self._group, 2)
+        kv, m = self.model.cfg.num_kv_heads, padded_rows(self._group, self.row_multiple)
         bias = bias[:, None, None].expand(upto, kv, m, width).reshape(upto * kv, m, width)
         reach = chunk_reach([r.slot for r in rows], [r.start for r in rows], upto)
         return ExactTokenRows(slots, positions, upto, bias, reach)
@@ -314,30 +326,51 @@ def warm_up_threads() -> None:
     x.cos().add_(x.sin()).add_(x.exp())
 
 
-_probed: weakref.WeakKeyDictionary[Qwen3Model, dict[int, str | None]] = (
+_probed: weakref.WeakKeyDictionary[Qwen3Model, dict[int, tuple[int, str | None]]] = (
     weakref.WeakKeyDictionary()
 )
 
 
-def exactness_problem(model: Qwen3Model) -> str | None:
-    """Why the exact path (a model made ``batch_invariant_``, attending with exact attention)
-    is not bitwise exact on this machine's kernels, or None where a probe finds it exact.
+def exact_rows(model: Qwen3Model) -> tuple[int, str | None]:
+    """The row multiple (``Linear``) at which the exact path (a model made
+    ``batch_invariant_``, attending with exact attention) is bitwise exact on this machine's
+    kernels, and None; or 0 and why no multiple of ``ROW_MULTIPLES`` is.
 
     Its bitwise guarantees are not the BLAS library's: they were measured on its kernels (a
     projection's rows are the same for every row count from 2 with column-major weights, on
-    MKL's AVX-512 kernels at the demo's widths; not at 896 or 1,024 inputs, nor on its AVX2
-    kernels, which compute the last rows of a block their own way). So the probe runs the
-    model's own projections at ``PROBE_ROW_COUNTS`` rows, and forwards in which a row is
-    batched, a verify block decoded and a prompt cut, against each row alone. A probe, not a
-    proof: it samples the shapes a step can have. Done once per model and thread count (the
-    kernels' blocking follows both); the demo model's takes 0.3-0.4 s.
+    MKL's AVX-512 kernels at the demo's widths, not at 896 or 1,024 inputs; on its AVX2
+    kernels, as an AMD EPYC gets, only with the rows padded to a multiple of 4). So the probe
+    runs, at each multiple in turn, the model's own projections at ``PROBE_ROW_COUNTS`` rows,
+    and forwards in which a row is batched, a verify block decoded and a prompt cut, against
+    each row alone. A probe, not a proof: it samples the shapes a step can have. Done once per
+    model and thread count (the kernels' blocking follows both); the demo model's takes
+    0.3-0.4 s a multiple. Leaves the model's rows padded to the last multiple tried.
     """
     by_threads = _probed.setdefault(model, {})
     threads = torch.get_num_threads()
     if threads not in by_threads:
+        problems = []
         with torch.inference_mode():
-            by_threads[threads] = _probe_projections(model) or _probe_forwards(model)
+            for multiple in ROW_MULTIPLES:
+                _set_row_multiple(model, multiple)
+                problem = _probe_projections(model) or _probe_forwards(model, multiple)
+                if problem is None:
+                    break
+                problems.append(f"{problem} (rows padded to a multiple of {multiple})"
+                                if multiple > 1 else problem)
+        by_threads[threads] = (0, "; ".join(problems)) if problem else (multiple, None)
     return by_threads[threads]
+
+
+def exactness_problem(model: Qwen3Model) -> str | None:
+    """Why the exact path is not bitwise exact on this machine's kernels at any row multiple,
+    or None (``exact_rows``)."""
+    return exact_rows(model)[1]
+
+
+def _set_row_multiple(model: Qwen3Model, multiple: int) -> None:
+    for linear in _linears(model):
+        linear.row_multiple = multiple
 
 
 def _linears(model: Qwen3Model) -> Iterator[Linear]:
@@ -379,7 +412,7 @@ def _probe_projections(model: Qwen3Model) -> str | None:
     return None
 
 
-def _probe_forwards(model: Qwen3Model) -> str | None:
+def _probe_forwards(model: Qwen3Model, row_multiple: int) -> str | None:
     """Where a forward's row differs from the row alone: rows of each kind batched in one
     step, a verify block against one-token decoding, a prompt prefilled after a cut."""
     cfg, device = model.cfg, next(model.parameters()).device
@@ -390,7 +423,8 @@ def _probe_forwards(model: Qwen3Model) -> str | None:
 
     def runner() -> ModelRunner:
         cache = KVCache(cfg, 4, 6 * EXACT_CHUNK, device, model.lm_head.weight.dtype)
-        return ModelRunner(model, cache, batch_single_tokens=False, check_exactness=False)
+        return ModelRunner(model, cache, batch_single_tokens=False, check_exactness=False,
+                           row_multiple=row_multiple)
 
     alone, mixed = runner(), runner()
     # the first prompt's queries attend in more than one chunk of 128 (``query_chunks``)

@@ -153,21 +153,36 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + rotated * sin
 
 
+def padded_rows(n: int, multiple: int) -> int:
+    """The rows a batch-invariant product of ``n`` rows runs on (``Linear``, exact attention):
+    at least two (one row takes a matrix-vector path), a multiple of ``multiple``."""
+    return max(2, -(-n // multiple) * multiple)
+
+
 class Linear(nn.Linear):
     """``nn.Linear`` that can give a row the same output whatever rows share its matmul.
 
     CPU GEMM kernels pick their blocking by the number of rows, so a row's output changed in
     its last bits with the batch around it (and greedy decoding followed the change at a near
-    tie). With the weight stored column-major, the CPU kernels gave bitwise the same rows for
-    every row count from 2 up (measured from 2 to 300); a single row, which takes a
-    matrix-vector path, is padded to two. ``batch_invariant_`` switches a model to this.
+    tie). With the weight stored column-major, MKL's AVX-512 kernels gave bitwise the same rows
+    for every row count from 2 up (measured from 2 to 300); a single row, which takes a
+    matrix-vector path, is padded to two (``row_multiple`` 1). The kernels MKL runs on an AMD
+    EPYC (its AVX2 ones) give a product of 2 or 3 rows other bits than one of 4 or more, and
+    one whose row count is not a multiple of 4 other bits in its first rows: padded with zero
+    rows to a multiple of 4 (``row_multiple`` 4), every row count from 1 to 365 gave each row
+    the bits it has alone. The exactness probe picks the multiple (``ModelRunner``); 0 leaves
+    the rows as they come. ``batch_invariant_`` switches a model to this.
     """
 
-    pad_single_row = False
+    row_multiple = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.pad_single_row and x.numel() == x.shape[-1]:
-            return F.linear(torch.cat((x, x), dim=-2), self.weight, self.bias).narrow(-2, 0, 1)
+        if self.row_multiple:
+            n = x.numel() // x.shape[-1]
+            m = padded_rows(n, self.row_multiple)
+            if m != n:
+                rows = F.pad(x.reshape(n, x.shape[-1]), (0, 0, 0, m - n))
+                return F.linear(rows, self.weight, self.bias)[:n].view(*x.shape[:-1], -1)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -180,7 +195,7 @@ def batch_invariant_(model: nn.Module) -> nn.Module:
             weight = module.weight.data
             if weight.stride() != (1, weight.shape[0]):
                 module.weight.data = weight.t().contiguous().t()
-            module.pad_single_row = True
+            module.row_multiple = 1
     for module in list(model.modules()):
         if isinstance(module, Attention | MLP):
             fuse_projections_(module)
@@ -223,7 +238,7 @@ def fused(linears: list[Linear]) -> Linear:
     out.weight.data = weight
     if out.bias is not None:
         out.bias.data = torch.cat([b.data for b in biases])
-    out.pad_single_row = True
+    out.row_multiple = 1
     begin = 0
     for lin in linears:
         end = begin + lin.out_features
@@ -380,7 +395,7 @@ class ExactBlockRows:
     upto: int  # slots computed: one past the highest slot of a row
     token_slots: torch.Tensor  # [B2 * t]: each token's slot...
     token_positions: torch.Tensor  # [B2 * t]: ...and cache position
-    bias: torch.Tensor  # [upto * KV, G * t, width]: what each slot's query rows see
+    bias: torch.Tensor  # [upto * KV, padded_rows(G * t), width]: what each slot's query rows see
     reach: tuple[int, ...]  # per chunk of EXACT_CHUNK keys: the slots computed in it
 
 
@@ -478,14 +493,21 @@ class ExactMasks:
 
     For ``t`` queries cached from ``start``, with ``group`` query heads per key head, row
     ``j * t + i`` is query ``i`` of a group's head ``j`` and sees keys ``0 .. start + i``; L is
-    ``start + t`` rounded up to ``EXACT_CHUNK``. A lone row is doubled (see ``exact_attention``).
-    A one-token row's mask is a view: no tensor is built per row and step.
+    ``start + t`` rounded up to ``EXACT_CHUNK``. The rows are padded to ``padded_rows`` (with
+    ``row_multiple``, as the projections are; ``exact_attention`` pads its queries with zeros to
+    them); a padded row sees every key. A one-token row's mask is a view: no tensor is built per
+    row and step.
     """
 
     def __init__(
-        self, capacity: int, group: int, device: torch.device, dtype: torch.dtype = torch.float32
+        self,
+        capacity: int,
+        group: int,
+        device: torch.device,
+        dtype: torch.dtype = torch.float32,
+        row_multiple: int = 1,
     ):
-        self.capacity, self.group = capacity, group
+        self.capacity, self.group, self.row_multiple = capacity, group, row_multiple
         inf = torch.full((capacity,), float("-inf"), device=device, dtype=dtype)
         zeros = torch.zeros(capacity, device=device, dtype=dtype)
         self._steps = torch.cat((zeros, inf))  # [2 * capacity], in the scores' dtype
@@ -494,9 +516,11 @@ class ExactMasks:
         width = -(-(start + t) // EXACT_CHUNK) * EXACT_CHUNK
         windows = self._steps.unfold(0, width, 1)  # window o: 0 up to key capacity - 1 - o
         first = self.capacity - start - t  # the window of query t - 1; query i's is + (t-1-i)
+        rows = padded_rows(self.group * t, self.row_multiple)
         if t == 1:
-            return windows[first][None].expand(max(self.group, 2), width)
-        return windows[first : first + t].flip(0).repeat(self.group, 1)
+            return windows[first][None].expand(rows, width)
+        bias = windows[first : first + t].flip(0).repeat(self.group, 1)
+        return F.pad(bias, (0, 0, 0, rows - bias.shape[0])) if rows > bias.shape[0] else bias
 
     def up_to(self, last: torch.Tensor, width: int) -> torch.Tensor:
         """[len(last), width]: row i sees keys ``0 .. last[i]``."""
@@ -527,17 +551,18 @@ def exact_attention(
     any number of keys when the keys are stored transposed; softmax is unchanged by extra masked
     keys; and the weighted sum of values is a sum, chunk after chunk, of ``EXACT_CHUNK``-key
     partial products, so extra masked keys only add exact zeros (one product over all keys
-    rounds differently with the row count). A lone query row is doubled: the one-row kernels
-    round differently. About 50-75 us a call at 400 keys where SDPA takes 20-35 us, and a
-    16-token verify block 120-180 us where 16 one-query SDPA calls took 560 us (2 threads,
-    demo model's heads).
+    rounds differently with the row count). The query rows are padded with zeros to the mask's
+    rows (``padded_rows``: a lone row, as the one-row kernels round differently; and on some
+    kernels to a multiple of 4, see ``Linear``). About 50-75 us a call at 400 keys where SDPA
+    takes 20-35 us, and a 16-token verify block 120-180 us where 16 one-query SDPA calls took
+    560 us (2 threads, demo model's heads).
     """
     kv, d = k_slot.shape[0], k_slot.shape[-1]
     rows, width = bias.shape
     t = q.shape[2]
     queries = q[0].reshape(kv, -1, d)  # [KV, group * T, D]: row j * T + i is head j's query i
-    if queries.shape[1] < rows:  # a lone row
-        queries = torch.cat((queries, queries), dim=1)
+    if queries.shape[1] < rows:  # padded to the mask's rows
+        queries = F.pad(queries, (0, 0, 0, rows - queries.shape[1]))
     keys = k_slot.transpose(1, 2)[:, :, :width]  # [KV, D, L], rows contiguous
     probs = torch.softmax(torch.baddbmm(bias, queries, keys, alpha=d**-0.5), dim=-1)
     n = width // EXACT_CHUNK
@@ -568,12 +593,10 @@ def exact_attention_rows(
     kv, d = k.shape[1], k.shape[-1]
     group = q.shape[1] // kv
     _write_tokens(k_pool, v_pool, rows.slots, rows.positions, k[0, :, :b1], v[0, :, :b1])
-    m = rows.bias.shape[1]  # query rows per slot and key head: the group, at least 2
+    m = rows.bias.shape[1]  # query rows per slot and key head: the group, padded (zeros)
     mine = q[0, :, :b1].transpose(0, 1).reshape(b1, kv, group, d)  # [B1, KV, G, D]
     queries = q.new_zeros(rows.upto, kv, m, d)
     queries[rows.slots, :, :group] = mine
-    if group < m:  # lone rows are doubled, as alone
-        queries[rows.slots, :, group:] = mine
     out = _attend_slots(queries, k_pool, v_pool, rows.bias, rows.reach)
     out = out.index_select(0, rows.slots)
     return out[:, :, :group].reshape(b1, kv * group, d).transpose(0, 1)[None]  # [1, H, B1, D]
@@ -597,14 +620,14 @@ def exact_attention_blocks(
     lo, hi = rows.begin, rows.begin + b2 * t
     _write_tokens(k_pool, v_pool, rows.token_slots, rows.token_positions, k[0, :, lo:hi],
                   v[0, :, lo:hi])
-    m = group * t
+    m = group * t  # then zero rows up to the mask's (``padded_rows``)
     # row g * t + i of a (slot, key head): query head g's token i, as in ``exact_attention``
     mine = q[0, :, lo:hi].reshape(kv, group, b2, t, d).permute(2, 0, 1, 3, 4).reshape(b2, kv, m, d)
-    queries = q.new_zeros(rows.upto, kv, m, d)
-    queries[rows.slots] = mine
+    queries = q.new_zeros(rows.upto, kv, rows.bias.shape[1], d)
+    queries[rows.slots, :, :m] = mine
     out = _attend_slots(queries, k_pool, v_pool, rows.bias, rows.reach)
-    out = out.index_select(0, rows.slots)
-    return out.view(b2, kv, group, t, d).permute(1, 2, 0, 3, 4).reshape(1, kv * group, b2 * t, d)
+    out = out.index_select(0, rows.slots)[:, :, :m]
+    return out.reshape(b2, kv, group, t, d).permute(1, 2, 0, 3, 4).reshape(1, kv * group, b2 * t, d)
 
 
 def _write_tokens(
