@@ -15,7 +15,7 @@ from agentflash.engine.model_runner import (
     exactness_problem,
 )
 from agentflash.models.loading import load_model
-from agentflash.models.qwen3 import batch_invariant_
+from agentflash.models.qwen3 import batch_invariant_, padded_rows
 
 CAPTURE = (0, 2)
 MAX_LEN = 128
@@ -499,6 +499,54 @@ def test_the_probe_names_a_projection_whose_rows_change_with_their_batch(tiny_mo
     rows = [Row(0, 50, ids[50:]), Row(1, 0, ids[:7])]
     got, want = run.forward(rows).logits, ref.forward(rows).logits
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_the_probe_pads_rows_to_a_multiple_of_4_where_other_counts_round_otherwise(
+    tiny_model_dir
+):
+    """Projections that round a product whose row count is not a multiple of 4 their own way
+    (as MKL's AVX2 kernels, on an AMD EPYC, do) fail the probe unpadded and pass it with their
+    rows padded to 4: the runner keeps the exact path there, and its rows are padded."""
+    model = batch_invariant_(load_model(tiny_model_dir)[0])
+    if exact_rows(batch_invariant_(load_model(tiny_model_dir)[0]))[0] not in (1, 4):
+        pytest.skip("this machine's kernels need other padding than the test's")
+
+    def rounding_unless_fours(linear):
+        forward = linear.forward
+
+        def rounded(x):
+            out = forward(x)  # pads the rows as the probe asks, then cuts them
+            rows = padded_rows(x.numel() // x.shape[-1], linear.row_multiple)
+            return out if rows % 4 == 0 else torch.nextafter(out, out + 1)
+        return rounded
+
+    for linear in _linears(model):
+        linear.forward = rounding_unless_fours(linear)
+    multiple, problem = exact_rows(model)
+    assert (multiple, problem) == (4, None)
+    cache = KVCache(model.cfg, 2, MAX_LEN, torch.device("cpu"), torch.float32)
+    run = ModelRunner(model, cache, batch_single_tokens=False)
+    assert (run.batch_invariant, run.row_multiple) == (True, 4)
+    assert all(linear.row_multiple == 4 for linear in _linears(model))
+    assert run._masks(10, 1).shape[0] == 4  # a one-token row's query rows: 2 heads, padded
+    assert run._masks(10, 3).shape[0] == 8  # 2 heads x 3 tokens, padded
+
+
+def test_exact_masks_pad_rows_that_see_every_key():
+    """``ExactMasks`` pads a row's mask to ``padded_rows`` with rows that see every key (a
+    one-token row's with its own mask: a view, nothing built), and keeps the real rows as they
+    are unpadded."""
+    from agentflash.models.qwen3 import ExactMasks
+
+    plain = ExactMasks(256, 2, torch.device("cpu"))
+    padded = ExactMasks(256, 2, torch.device("cpu"), row_multiple=4)
+    for start, t in ((0, 1), (5, 1), (70, 3), (10, 16), (0, 5)):
+        got, want = padded(start, t), plain(start, t)
+        assert got.shape == (padded_rows(2 * t, 4), want.shape[1])
+        assert torch.equal(got[: want.shape[0]], want)
+        pad = got[want.shape[0]:]
+        assert torch.equal(pad, want[:1].expand_as(pad)) if t == 1 else not pad.any()
+    assert padded_rows(1, 1) == 2 and padded_rows(3, 1) == 3 and padded_rows(5, 4) == 8
 
 
 PROBE_UNDER_AVX2 = """

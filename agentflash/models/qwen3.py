@@ -195,7 +195,7 @@ def batch_invariant_(model: nn.Module) -> nn.Module:
             weight = module.weight.data
             if weight.stride() != (1, weight.shape[0]):
                 module.weight.data = weight.t().contiguous().t()
-            module.row_multiple = 1
+            module.row_multiple = module.row_multiple or 1  # a probed multiple stays
     for module in list(model.modules()):
         if isinstance(module, Attention | MLP):
             fuse_projections_(module)
@@ -495,8 +495,8 @@ class ExactMasks:
     ``j * t + i`` is query ``i`` of a group's head ``j`` and sees keys ``0 .. start + i``; L is
     ``start + t`` rounded up to ``EXACT_CHUNK``. The rows are padded to ``padded_rows`` (with
     ``row_multiple``, as the projections are; ``exact_attention`` pads its queries with zeros to
-    them); a padded row sees every key. A one-token row's mask is a view: no tensor is built per
-    row and step.
+    them); a padded row sees every key (a one-token row's sees what the row does). A one-token
+    row's mask is a view: no tensor is built per row and step.
     """
 
     def __init__(
