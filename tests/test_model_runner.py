@@ -7,11 +7,11 @@ from hypothesis import strategies as st
 
 from agentflash.engine.kv_cache import KVCache
 from agentflash.engine.model_runner import (
-    ROW_MULTIPLES,
+    EXACT_PRODUCTS,
     ModelRunner,
     Row,
     _linears,
-    exact_rows,
+    exact_products,
     exactness_problem,
 )
 from agentflash.models.loading import load_model
@@ -41,10 +41,10 @@ def skip_unless_exact(model) -> int:
     """The tests of the exact path's bitwise guarantees run where this machine's kernels keep
     them (the runner's probe), and are skipped elsewhere with the probe's finding; the row
     multiple the probe found."""
-    multiple, problem = exact_rows(batch_invariant_(model))
+    products, problem = exact_products(batch_invariant_(model))
     if problem is not None:
         pytest.skip(f"the exact path is off on this machine: {problem}")
-    return multiple
+    return products.row_multiple
 
 
 @pytest.fixture(scope="module")
@@ -478,15 +478,15 @@ def test_the_probe_names_a_projection_whose_rows_change_with_their_batch(tiny_mo
     for layer in model.model.layers:
         layer.mlp.down_proj.forward = rounding_by_batch(layer.mlp.down_proj.forward)
     problem = exactness_problem(model)
-    multiple = exact_rows(batch_invariant_(ref_model))[0]
-    if multiple:  # this machine's kernels keep it, from that row multiple on
+    kept = exact_products(batch_invariant_(ref_model))[0]
+    if kept is not None:  # this machine's kernels keep it, from that try of the probe's on
         found = "a projection of 128 to 64 features gives row 0 of 41 other bits than the row alone"
-        parts = problem.split("; ")  # one for each row multiple the probe tries
-        assert len(parts) == len(ROW_MULTIPLES)
-        for m, part in zip(ROW_MULTIPLES, parts):
-            if m >= multiple:
-                assert part == (f"{found} (rows padded to a multiple of {m})" if m > 1 else found)
-    else:  # they do not at any row multiple
+        parts = problem.split("; ")  # one for each way the probe tries
+        assert len(parts) == len(EXACT_PRODUCTS)
+        for i, (products, part) in enumerate(zip(EXACT_PRODUCTS, parts)):
+            if i >= EXACT_PRODUCTS.index(kept):
+                assert part == (f"{found} ({products})" if i else found)
+    else:  # they do not however its projections run
         assert problem is not None
     cache = KVCache(model.cfg, 2, MAX_LEN, torch.device("cpu"), torch.float32)
     run = ModelRunner(model, cache, batch_single_tokens=False)
@@ -508,7 +508,8 @@ def test_the_probe_pads_rows_to_a_multiple_of_4_where_other_counts_round_otherwi
     (as MKL's AVX2 kernels, on an AMD EPYC, do) fail the probe unpadded and pass it with their
     rows padded to 4: the runner keeps the exact path there, and its rows are padded."""
     model = batch_invariant_(load_model(tiny_model_dir)[0])
-    if exact_rows(batch_invariant_(load_model(tiny_model_dir)[0]))[0] not in (1, 4):
+    kept = exact_products(batch_invariant_(load_model(tiny_model_dir)[0]))[0]
+    if kept is None or kept.row_multiple not in (1, 4):
         pytest.skip("this machine's kernels need other padding than the test's")
 
     def rounding_unless_fours(linear):
@@ -522,12 +523,12 @@ def test_the_probe_pads_rows_to_a_multiple_of_4_where_other_counts_round_otherwi
 
     for linear in _linears(model):
         linear.forward = rounding_unless_fours(linear)
-    multiple, problem = exact_rows(model)
-    assert (multiple, problem) == (4, None)
+    products, problem = exact_products(model)
+    assert (products.row_multiple, problem) == (4, None)
     cache = KVCache(model.cfg, 2, MAX_LEN, torch.device("cpu"), torch.float32)
     run = ModelRunner(model, cache, batch_single_tokens=False)
-    assert (run.batch_invariant, run.row_multiple) == (True, 4)
-    assert all(linear.row_multiple == 4 for linear in _linears(model))
+    assert (run.batch_invariant, run.products, run.row_multiple) == (True, products, 4)
+    assert all((linear.onednn, linear.row_multiple) == products for linear in _linears(model))
     assert run._masks(10, 1).shape[0] == 4  # a one-token row's query rows: 2 heads, padded
     assert run._masks(10, 3).shape[0] == 8  # 2 heads x 3 tokens, padded
 

@@ -14,6 +14,7 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from itertools import accumulate, takewhile
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -46,8 +47,28 @@ PROBE_ROW_COUNTS = (*range(1, 49), 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1
 # the sweep of one projection stops at the row count past these multiply-adds (the demo's
 # lm_head sweeps every count; a 151k-token lm_head of 4,096 inputs stops after 3 rows)
 PROBE_MACS = 4 * 10**9
-# the row multiples the exact path's products may be padded to (``Linear``), tried in turn
-ROW_MULTIPLES = (1, 4, 8)
+
+
+class Products(NamedTuple):
+    """How the exact path's projections run (``Linear``): on oneDNN's matmul or MKL's, their
+    rows padded to a multiple of ``row_multiple`` (exact attention's too)."""
+
+    onednn: bool
+    row_multiple: int
+
+    def __str__(self) -> str:
+        kernel = "oneDNN" if self.onednn else "MKL"
+        return f"{kernel}, rows padded to a multiple of {self.row_multiple}"
+
+
+# what the probe tries, in turn: MKL's AVX-512 kernels keep the exact path unpadded; on an AMD
+# EPYC (MKL's AVX2 kernels) oneDNN's and MKL's do with rows padded to 4, oneDNN's the faster
+EXACT_PRODUCTS = (
+    Products(False, 1),
+    *((Products(True, 4),) if torch.backends.mkldnn.is_available() else ()),
+    Products(False, 4),
+    Products(False, 8),
+)
 
 
 @dataclass
@@ -82,7 +103,7 @@ class ModelRunner:
         batch_single_tokens: bool | None = None,
         batch_invariant: bool = True,
         check_exactness: bool = True,
-        row_multiple: int = 1,
+        products: Products = Products(False, 1),
     ):
         """``batch_single_tokens``: attend the one-token rows in one call over their gathered
         slots rather than one call per row. The default does so off the CPU, where calls are
@@ -96,11 +117,12 @@ class ModelRunner:
         (a prompt prefilled after a cached prefix of it: ``PrefixCache``), so greedy output
         depends neither on the requests a step is shared with, nor on speculation, nor on what
         the prefix cache held. That rests on how this machine's GEMM kernels block their work,
-        so it is probed first (``exact_rows``, with ``check_exactness``; without it the products'
-        rows are padded to ``row_multiple``): the probe picks the row multiple the products are
-        padded to (``Linear``; 1 on MKL's AVX-512 kernels, 4 on its AVX2 ones); where no multiple
-        keeps a row the same in every batch, the runner warns and runs the plain path
-        (``exactness_problem`` says why), whose rows agree to rounding only.
+        so it is probed first (``exact_products``, with ``check_exactness``; without it the
+        projections run as ``products`` say): the probe picks the projections' kernel and the
+        row multiple the products are padded to (``Linear``; MKL's unpadded on its AVX-512
+        kernels, oneDNN's padded to 4 on an AMD EPYC); where none keeps a row the same in every
+        batch, the runner warns and runs the plain path (``exactness_problem`` says why), whose
+        rows agree to rounding only.
         """
         self.model, self.cache = model, cache
         self._group = model.cfg.num_heads // model.cfg.num_kv_heads  # query heads per key head
@@ -112,12 +134,14 @@ class ModelRunner:
             batch_invariant and self.device.type == "cpu" and not batch_single_tokens
         )
         self.exactness_problem: str | None = None  # why the exact path was refused, if it was
-        self.row_multiple = 0  # the exact path's products' rows padded to a multiple of this
+        self.products: Products | None = None  # the exact path's projections, if it runs
         if self.batch_invariant:
             batch_invariant_(model)
-            self.row_multiple, self.exactness_problem = (
-                exact_rows(model) if check_exactness else (row_multiple, None))
-            _set_row_multiple(model, self.row_multiple)
+            self.products, self.exactness_problem = (
+                exact_products(model) if check_exactness else (products, None))
+            _set_products(model, self.products)
+        # the exact path's products' rows padded to a multiple of this
+        self.row_multiple = self.products.row_multiple if self.products else 0
         if self.exactness_problem is not None:
             log.warning("exact decoding is off on this machine: %s; greedy output may then "
                         "differ at near ties with the rows a step batches and with speculation",
@@ -326,57 +350,68 @@ def warm_up_threads() -> None:
     x.cos().add_(x.sin()).add_(x.exp())
 
 
-_probed: weakref.WeakKeyDictionary[Qwen3Model, dict[int, tuple[int, str | None]]] = (
+_probed: weakref.WeakKeyDictionary[Qwen3Model, dict[int, tuple[Products | None, str | None]]] = (
     weakref.WeakKeyDictionary()
 )
 
 
-def exact_rows(model: Qwen3Model) -> tuple[int, str | None]:
-    """The row multiple (``Linear``) at which the exact path (a model made
-    ``batch_invariant_``, attending with exact attention) is bitwise exact on this machine's
-    kernels, and None; or 0 and why no multiple of ``ROW_MULTIPLES`` is.
+def exact_products(model: Qwen3Model) -> tuple[Products | None, str | None]:
+    """The projections' kernel and row multiple (``Products``) at which the exact path (a model
+    made ``batch_invariant_``, attending with exact attention) is bitwise exact on this
+    machine's kernels, and None; or None and why none of ``EXACT_PRODUCTS`` is.
 
     Its bitwise guarantees are not the BLAS library's: they were measured on its kernels (a
     projection's rows are the same for every row count from 2 with column-major weights, on
     MKL's AVX-512 kernels at the demo's widths, not at 896 or 1,024 inputs; on its AVX2
-    kernels, as an AMD EPYC gets, only with the rows padded to a multiple of 4). So the probe
-    runs, at each multiple in turn, the model's own projections at ``PROBE_ROW_COUNTS`` rows,
-    and forwards in which a row is batched, a verify block decoded and a prompt cut, against
-    each row alone. A probe, not a proof: it samples the shapes a step can have. Done once per
-    model and thread count (the kernels' blocking follows both); the demo model's takes
-    0.3-0.4 s a multiple. Leaves the model's rows padded to the last multiple tried.
+    kernels, as an AMD EPYC gets, and on oneDNN's there, only with the rows padded to a
+    multiple of 4). So the probe runs, with each of ``EXACT_PRODUCTS`` in turn, the model's own
+    projections at ``PROBE_ROW_COUNTS`` rows, and forwards in which a row is batched, a verify
+    block decoded and a prompt cut, against each row alone. A probe, not a proof: it samples
+    the shapes a step can have. Done once per model and thread count (the kernels' blocking
+    follows both); the demo model's takes 0.3-0.4 s a try. Leaves the model's projections as
+    the last try had them.
     """
     by_threads = _probed.setdefault(model, {})
     threads = torch.get_num_threads()
     if threads not in by_threads:
         problems = []
         with torch.inference_mode():
-            for multiple in ROW_MULTIPLES:
-                _set_row_multiple(model, multiple)
-                problem = _probe_projections(model) or _probe_forwards(model, multiple)
+            for products in EXACT_PRODUCTS:
+                _set_products(model, products)
+                problem = _probe_projections(model) or _probe_forwards(model, products)
                 if problem is None:
                     break
-                problems.append(f"{problem} (rows padded to a multiple of {multiple})"
-                                if multiple > 1 else problem)
-        by_threads[threads] = (0, "; ".join(problems)) if problem else (multiple, None)
+                problems.append(f"{problem} ({products})" if problems else problem)
+        by_threads[threads] = (None, "; ".join(problems)) if problem else (products, None)
     return by_threads[threads]
 
 
 def exactness_problem(model: Qwen3Model) -> str | None:
-    """Why the exact path is not bitwise exact on this machine's kernels at any row multiple,
-    or None (``exact_rows``)."""
-    return exact_rows(model)[1]
+    """Why the exact path is not bitwise exact on this machine's kernels however its
+    projections run, or None (``exact_products``)."""
+    return exact_products(model)[1]
 
 
-def _set_row_multiple(model: Qwen3Model, multiple: int) -> None:
+def _set_products(model: Qwen3Model, products: Products | None) -> None:
+    """Every projection of ``model`` run as ``products`` say (None: MKL's, rows unpadded)."""
     for linear in _linears(model):
-        linear.row_multiple = multiple
+        linear.onednn = bool(products and products.onednn)
+        linear.row_multiple = products.row_multiple if products else 0
 
 
-def _linears(model: Qwen3Model) -> Iterator[Linear]:
-    """Every projection of ``model``, the fused ones (not registered submodules) too."""
+def _linears(model: Qwen3Model, in_forward: bool = False) -> Iterator[Linear]:
+    """Every projection of ``model``, the fused ones (not registered submodules) too;
+    ``in_forward``: only those an inference forward runs, not the ones a fused projection
+    stands for (views of its weight: oneDNN's matmul takes a slow path on such strides)."""
+    fused_away = set()
+    if in_forward:
+        for module in model.modules():
+            if isinstance(module, Attention) and module._fused is not None:
+                fused_away |= {id(module.q_proj), id(module.k_proj), id(module.v_proj)}
+            elif isinstance(module, MLP) and module._fused is not None:
+                fused_away |= {id(module.gate_proj), id(module.up_proj)}
     for module in model.modules():
-        if isinstance(module, Linear):
+        if isinstance(module, Linear) and id(module) not in fused_away:
             yield module
         elif isinstance(module, Attention | MLP) and module._fused is not None:
             yield module._fused
@@ -387,7 +422,7 @@ def _probe_projections(model: Qwen3Model) -> str | None:
     batch of each of ``PROBE_ROW_COUNTS``, within ``PROBE_MACS``), or None."""
     gen = torch.Generator().manual_seed(0)
     seen = set()
-    for linear in _linears(model):
+    for linear in _linears(model, in_forward=True):
         weight = linear.weight
         shape = (*weight.shape, weight.stride(), linear.bias is not None, weight.dtype)
         if shape in seen:
@@ -412,7 +447,7 @@ def _probe_projections(model: Qwen3Model) -> str | None:
     return None
 
 
-def _probe_forwards(model: Qwen3Model, row_multiple: int) -> str | None:
+def _probe_forwards(model: Qwen3Model, products: Products) -> str | None:
     """Where a forward's row differs from the row alone: rows of each kind batched in one
     step, a verify block against one-token decoding, a prompt prefilled after a cut."""
     cfg, device = model.cfg, next(model.parameters()).device
@@ -424,7 +459,7 @@ def _probe_forwards(model: Qwen3Model, row_multiple: int) -> str | None:
     def runner() -> ModelRunner:
         cache = KVCache(cfg, 4, 6 * EXACT_CHUNK, device, model.lm_head.weight.dtype)
         return ModelRunner(model, cache, batch_single_tokens=False, check_exactness=False,
-                           row_multiple=row_multiple)
+                           products=products)
 
     alone, mixed = runner(), runner()
     # the first prompt's queries attend in more than one chunk of 128 (``query_chunks``)

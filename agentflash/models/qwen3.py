@@ -170,20 +170,33 @@ class Linear(nn.Linear):
     EPYC (its AVX2 ones) give a product of 2 or 3 rows other bits than one of 4 or more, and
     one whose row count is not a multiple of 4 other bits in its first rows: padded with zero
     rows to a multiple of 4 (``row_multiple`` 4), every row count from 1 to 365 gave each row
-    the bits it has alone. The exactness probe picks the multiple (``ModelRunner``); 0 leaves
-    the rows as they come. ``batch_invariant_`` switches a model to this.
+    the bits it has alone; so did oneDNN's matmul there (``onednn``: its AVX-512 kernels, which
+    MKL does not run on that CPU, at 2x the speed of MKL's on a 365-token prefill and 2.6x on
+    the lm_head of a one-token row). The exactness probe picks the kernel and the multiple
+    (``ModelRunner``); a multiple of 0 leaves the rows as they come. ``batch_invariant_``
+    switches a model to this.
     """
 
     row_multiple = 0
+    onednn = False  # oneDNN's matmul (``torch.ops.mkldnn._linear_pointwise``), not MKL's
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.row_multiple:
-            n = x.numel() // x.shape[-1]
-            m = padded_rows(n, self.row_multiple)
-            if m != n:
-                rows = F.pad(x.reshape(n, x.shape[-1]), (0, 0, 0, m - n))
-                return F.linear(rows, self.weight, self.bias)[:n].view(*x.shape[:-1], -1)
-        return F.linear(x, self.weight, self.bias)
+        # under autograd (training: a drafter learns through the target's lm_head) as it comes:
+        # oneDNN's op has no gradient
+        if not self.row_multiple or torch.is_grad_enabled():
+            return F.linear(x, self.weight, self.bias)
+        n = x.numel() // x.shape[-1]
+        m = padded_rows(n, self.row_multiple)
+        if m == n and not self.onednn:
+            return F.linear(x, self.weight, self.bias)
+        rows = x.reshape(n, x.shape[-1])
+        if m != n:
+            rows = F.pad(rows, (0, 0, 0, m - n))
+        if self.onednn:
+            out = torch.ops.mkldnn._linear_pointwise(rows, self.weight, self.bias, "none", [], "")
+        else:
+            out = F.linear(rows, self.weight, self.bias)
+        return out[:n].view(*x.shape[:-1], -1)
 
 
 def batch_invariant_(model: nn.Module) -> nn.Module:
