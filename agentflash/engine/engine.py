@@ -47,7 +47,8 @@ class EngineConfig:
     # CPU: a row's logits bitwise the same whatever shares its step, and a verify block's
     # those of one-token decoding (ModelRunner); costs a lone one-token forward about 13% on
     # MKL's AVX-512 kernels (its row is padded to two: half the two-row kernel, half the
-    # padding), about 50% on its AVX2 ones (an AMD EPYC: padded to four); exact attention costs
+    # padding), about 2% on an AMD EPYC (oneDNN's kernels, rows padded to four, where 8 rows,
+    # verify blocks and prefills cost a third less than the plain path's); exact attention costs
     # about what SDPA does (a prompt's prefill about 8% more at 200-470 tokens, 20% at 900), and
     # a prompt prefilled after a cached prefix has bitwise the keys and values it has prefilled
     # whole
