@@ -388,6 +388,17 @@ class DFlashDrafter(nn.Module):
             fuse_projections_(layer.mlp)
         return self
 
+    def use_onednn_(self, onednn: bool = True) -> DFlashDrafter:
+        """Run the fused projections (``fuse_`` first) on oneDNN's matmul (``Linear.onednn``),
+        as the target's exact path does where its probe chose oneDNN (an AMD EPYC, where
+        oneDNN's kernels are the faster: a tool-call block's draft forward 2.95 -> 2.61 ms,
+        side by side). Drafts need no exactness: the target's verification decides."""
+        for layer in self.layers:
+            for projection in (layer.self_attn._fused, layer.mlp._fused):
+                if projection is not None:
+                    projection.onednn = onednn
+        return self
+
     def new_context(self) -> DraftContext:
         weight = self.fc.weight
         return DraftContext(
