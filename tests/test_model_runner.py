@@ -220,13 +220,7 @@ def test_attention_over_slots_skips_the_chunks_no_row_sees_and_gets_the_same_bit
     """``_attend_slots`` computes a slot's 64-key chunk of values only where its row sees a key
     in it, reading the values in place (a pool with more slots than the step's rows): bitwise
     what every chunk of every slot gives in one batched call over a pool of just those slots."""
-    from agentflash.models.qwen3 import (
-        EXACT_CHUNK,
-        ExactMasks,
-        _attend_slots,
-        chunk_reach,
-        padded_rows,
-    )
+    from agentflash.models.qwen3 import EXACT_CHUNK, ExactMasks, _attend_slots, chunk_reach
 
     gen = torch.Generator().manual_seed(seed)
     m = padded_rows(2, exact_model)  # a one-token row's query rows (two heads a key head)
