@@ -160,6 +160,24 @@ def test_a_looping_output_is_drafted_from_itself_and_stays_exact(engine):
     assert out.token_ids == plain(engine, ids, max_tokens=60, ignore_eos=True).token_ids
 
 
+def test_a_loop_is_verified_past_the_drafters_block(engine, monkeypatch):
+    """Where a request's text keeps looping, its lookups grow past the drafter's block (the
+    router prices blocks up to ``MAX_SLOTS``), and the output is still plain decoding's."""
+    verified = []
+    real_forward = engine.runner.forward
+
+    def forward(rows, *args, **kwargs):
+        verified.extend(len(r.tokens) for r in rows if not r.last_only)
+        return real_forward(rows, *args, **kwargs)
+
+    monkeypatch.setattr(engine.runner, "forward", forward)
+    ids = [300, 301, 302] * 6
+    out = dflash(engine, ids, max_tokens=200, ignore_eos=True)
+    monkeypatch.undo()
+    assert max(verified) > engine.drafter.cfg.block_size
+    assert out.token_ids == plain(engine, ids, max_tokens=200, ignore_eos=True).token_ids
+
+
 def test_a_stop_among_accepted_drafts_counts_no_miss_after_it(engine, monkeypatch):
     """The drafts after a stop were never needed, and the target's choice after the end says
     nothing of the drafter: the router's acceptance counts end at the stop."""

@@ -27,7 +27,13 @@ from agentflash.engine.scheduler import Scheduler, SchedulerConfig
 from agentflash.errors import UserError, is_int, is_number
 from agentflash.grammar.constraint import GrammarFailed, apply_bitmask_, greedy_verify
 from agentflash.grammar.sources import GrammarKind
-from agentflash.router.policy import Candidate, CostModel, StepShape, priors_from_validation
+from agentflash.router.policy import (
+    MAX_SLOTS,
+    Candidate,
+    CostModel,
+    StepShape,
+    priors_from_validation,
+)
 from agentflash.router.segments import SegmentKind
 from agentflash.tool_format import parse_tool_calls
 
@@ -677,8 +683,10 @@ class Engine:
         """The request's own text as its draft (``lookup_draft``), as many tokens as the router
         finds best, when it expects them to commit more per second than the drafter's
         (cut at the first token the grammar forbids)."""
-        # as long as the drafter's block, or the block the request asked for
-        longest = size if req.params.block_size else max(size, self.drafter.cfg.block_size - 1)
+        # the block the request asked for; else up to the longest block the router prices (its
+        # text's loops and copies run on past the drafter's block, and the router's per-position
+        # rates of the request's lookups say how far a draft of them stands)
+        longest = size if req.params.block_size else max(size, MAX_SLOTS - 1)
         longest = min(longest, self._room(req) - 1)
         # no search when even the longest lookup would lose to the drafter (the common case)
         if self.cost.lookup_slots(req.routing, kind, size, longest) == 0:
