@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 
 from agentflash.engine.kv_cache import KVCache
 from agentflash.engine.model_runner import (
+    BLOCK_PAD_RATIO,
     EXACT_PRODUCTS,
     ModelRunner,
     Row,
@@ -197,7 +198,7 @@ def test_one_token_rows_attend_together_and_get_bitwise_what_they_get_alone(
         for rn in (alone, mixed):
             rn.forward([Row(slot, 0, prefix)])
         rows.append(Row(slot, start, [int(torch.randint(0, 99, (1,), generator=gen))]))
-    assert isinstance(mixed._layout(rows).single, ExactTokenRows)
+    assert isinstance(mixed._layout(rows, []).single, ExactTokenRows)
     out = mixed.forward(rows, capture_layers=CAPTURE)
     for i, r in enumerate(rows):
         own = alone.forward([r], capture_layers=CAPTURE)
@@ -357,28 +358,30 @@ def check_prefix_cut(model, length: int, cut: int, seed: int) -> None:
 
 
 @pytest.mark.usefixtures("exact_model")
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=25, deadline=None)
 @given(
-    starts=st.lists(st.integers(1, 100), min_size=2, max_size=5),
-    t=st.integers(2, 16),
+    blocks=st.lists(st.tuples(st.integers(1, 100), st.integers(2, 24)), min_size=2, max_size=5),
     extra=st.lists(st.one_of(prefill, decode, block), max_size=2),
+    gap=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_verify_blocks_of_one_length_attend_together_and_get_what_they_get_alone(
-    model, starts, t, extra, seed
+def test_verify_blocks_of_about_one_length_attend_together_and_get_what_they_get_alone(
+    model, blocks, extra, gap, seed
 ):
-    """Verify blocks of one length attend in one batch over their slots
-    (``exact_attention_blocks``): each block's logits, captured layers and cache are still
-    bitwise its own alone, beside one-token rows, prompts and blocks of other lengths."""
+    """Verify blocks of about one length attend in one batch over their slots
+    (``exact_attention_blocks``, the shorter ones padded with zero queries): each block's
+    logits, captured layers and cache are still bitwise its own alone, beside one-token rows,
+    prompts and blocks of other lengths."""
     gen = torch.Generator().manual_seed(seed)
 
     def tokens(n):
         return torch.randint(0, model.cfg.vocab_size, (n,), generator=gen).tolist()
 
-    # the blocks at every other slot, the other rows between them: whichever length is batched,
-    # its slots are dense enough to be (at most one free slot per block)
-    rows = [Row(2 * i, start, tokens(t)) for i, start in enumerate(starts)]
-    rows += [Row(2 * j + 1, start, tokens(n), lo) for j, (start, n, lo) in enumerate(extra)]
+    # the blocks in the first slots, the other rows after them (or, with ``gap``, between them)
+    step = 2 if gap else 1
+    rows = [Row(step * i, start, tokens(t)) for i, (start, t) in enumerate(blocks)]
+    rows += [Row(len(blocks) * step + j, start, tokens(n), lo)
+             for j, (start, n, lo) in enumerate(extra)]
     alone, mixed = runner(model, False, slots=16, max_len=128), runner(
         model, False, slots=16, max_len=128
     )
@@ -387,8 +390,24 @@ def test_verify_blocks_of_one_length_attend_together_and_get_what_they_get_alone
             prefix = tokens(r.start)
             for rn in (alone, mixed):
                 rn.forward([Row(r.slot, 0, prefix)])
-    packed = [rows[i] for i in mixed._packing_order(rows)]
-    assert mixed._layout(packed).blocks is not None  # batched, not row by row
+    groups = mixed._block_groups(rows)
+    grouped = [i for group in groups for i in group]
+    assert len(grouped) == len(set(grouped))
+    def padded_cost(group):  # queries computed per real one
+        t, upto = max(len(rows[i].tokens) for i in group), 1 + max(rows[i].slot for i in group)
+        return t * upto / sum(len(rows[i].tokens) for i in group)
+
+    for group in groups:
+        assert len(group) >= 2 and padded_cost(group) <= BLOCK_PAD_RATIO
+    verify = [i for i, r in enumerate(rows) if r.start and len(r.tokens) > 1]
+    if padded_cost(verify) <= BLOCK_PAD_RATIO:  # about one length, dense: batched, not one by one
+        assert groups == [verify]
+    if not gap and max(t for _, t in blocks) <= 4 / 3 * min(t for _, t in blocks):
+        assert groups and set(range(len(blocks))) <= set(groups[0])
+    packed = [rows[i] for i in mixed._packing_order(rows, groups)]
+    layout = mixed._layout(packed, [len(g) for g in groups])
+    assert len(layout.blocks) == len(groups)
+    assert {s.slot for s in layout.spans}.isdisjoint(rows[i].slot for i in grouped)
     out = mixed.forward(rows, capture_layers=CAPTURE)
     for i, r in enumerate(rows):
         own = alone.forward([r], capture_layers=CAPTURE)

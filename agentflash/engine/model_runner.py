@@ -10,10 +10,9 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
-from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
-from itertools import accumulate, takewhile
+from itertools import accumulate
 from typing import NamedTuple
 
 import torch
@@ -41,6 +40,14 @@ from agentflash.models.qwen3 import (
 log = logging.getLogger(__name__)
 
 MAX_BLOCK = 64  # the longest verify block that attends batched with others (longer: alone)
+# verify blocks of different lengths attend batched (exact attention), the shorter ones padded
+# with zero queries to the longest, where the queries computed (the longest's length times the
+# slots batched over, rows or not) are at most this many times the real ones: padding costs
+# attention work that grows with the context, attending apart a fixed cost per row and layer
+# (measured on the demo model at 300 cached tokens, side by side: ten blocks of 2-6 tokens beside
+# 21 one-token rows 15.4 -> 13.1 ms batched; sixteen blocks of 2-32 tokens all padded to 32,
+# twice their queries, 26.8 -> 29.1 ms)
+BLOCK_PAD_RATIO = 1.5
 # Row counts at which the exactness probe compares a projection's rows with each row alone:
 # every count a step of a few requests has, and a spread of prompt lengths up to 2,048
 PROBE_ROW_COUNTS = (*range(1, 49), 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
@@ -167,12 +174,13 @@ class ModelRunner:
         if self.batch_invariant:  # a thread's first forward (the probe's too): warmed up first
             warm_up_threads()
         self.cache.ensure(max(r.start + len(r.tokens) for r in rows))
-        order = self._packing_order(rows)
+        groups = self._block_groups(rows)
+        order = self._packing_order(rows, groups)
         packed = [rows[i] for i in order]
         ids = torch.tensor([t for r in packed for t in r.tokens], device=self.device)  # [N]
         positions = [p for r in packed for p in range(r.start, r.start + len(r.tokens))]
         positions = torch.tensor(positions, device=self.device)  # [N]
-        caches = self.cache.layer_views(self._layout(packed))
+        caches = self.cache.layer_views(self._layout(packed, [len(g) for g in groups]))
         hidden, captured = self.model(ids[None], positions[None], caches, None, capture_layers)
         begins = [0] * len(rows)  # where each row starts in the packed sequence
         for i, begin in zip(order, accumulate((len(r.tokens) for r in packed), initial=0)):
@@ -190,37 +198,50 @@ class ModelRunner:
             context = [packed_hidden[b : b + n] for b, n in zip(begins, lengths)]
         return ForwardOutput(logits, context)
 
-    def _packing_order(self, rows: list[Row]) -> list[int]:
+    def _packing_order(self, rows: list[Row], groups: list[list[int]]) -> list[int]:
         """Rows in packed order: the one-token rows first when they attend together, then (exact
-        attention) the verify blocks of the most common length, which attend together too."""
+        attention) the groups of verify blocks that attend together, then the rest."""
         if not (self.batch_single_tokens or self.batch_invariant):
             return list(range(len(rows)))
-        t = self._block_length(rows)
-        return sorted(
-            range(len(rows)),
-            key=lambda i: (not self._single(rows[i]), not self._in_block(rows[i], t)),
-        )
+        singles = [i for i, r in enumerate(rows) if self._single(r)]
+        grouped = [i for group in groups for i in group]
+        taken = set(singles) | set(grouped)
+        return singles + grouped + [i for i in range(len(rows)) if i not in taken]
 
-    def _block_length(self, rows: list[Row]) -> int | None:
-        """The length most verify blocks of ``rows`` have (None: no two blocks share one)."""
+    def _block_groups(self, rows: list[Row]) -> list[list[int]]:
+        """The verify blocks of ``rows`` that attend together (exact attention), by group: from
+        the longest block down, each group the most blocks next in length whose batch computes
+        at most ``BLOCK_PAD_RATIO`` times their tokens' queries (the longest's length over slots
+        ``0 ..`` the highest of theirs: ``exact_attention_blocks``), if two."""
         if not self.batch_invariant:
-            return None
-        lengths = Counter(len(r.tokens) for r in rows if self._in_block(r, None))
-        t, count = max(lengths.items(), key=lambda kc: (kc[1], kc[0]), default=(None, 0))
-        return t if count >= 2 else None
+            return []
+        blocks = [i for i, r in enumerate(rows) if self._in_block(r)]
+        blocks.sort(key=lambda i: -len(rows[i].tokens))
+        groups = []
+        while len(blocks) >= 2:
+            t, upto, tokens, size = len(rows[blocks[0]].tokens), 0, 0, 1
+            for k, i in enumerate(blocks, start=1):  # the cost of the first k blocks
+                upto, tokens = max(upto, rows[i].slot + 1), tokens + len(rows[i].tokens)
+                if k > 1 and t * upto <= BLOCK_PAD_RATIO * tokens:
+                    size = k
+            if size > 1:
+                groups.append(sorted(blocks[:size]))
+            blocks = blocks[size:]  # else the longest attends alone
+        return groups
 
     @staticmethod
-    def _in_block(row: Row, t: int | None) -> bool:
-        """Whether ``row`` is a verify block (of length ``t``, when given)."""
-        n = len(row.tokens)
-        return row.start > 0 and 2 <= n <= MAX_BLOCK and (t is None or n == t)
+    def _in_block(row: Row) -> bool:
+        """Whether ``row`` is a verify block that may attend batched with others."""
+        return row.start > 0 and 2 <= len(row.tokens) <= MAX_BLOCK
 
     def _single(self, row: Row) -> bool:
         """Whether ``row`` may attend together with other one-token rows."""
         return len(row.tokens) == 1 and (self.batch_single_tokens or row.start > 0)
 
-    def _layout(self, packed: list[Row]) -> PackedRows:
-        """Which packed tokens belong to which slot, and the masks their attention needs."""
+    def _layout(self, packed: list[Row], group_sizes: list[int]) -> PackedRows:
+        """Which packed tokens belong to which slot, and the masks their attention needs;
+        ``group_sizes``: the rows of each group of verify blocks that attend together, packed
+        in turn right after the one-token rows (``_packing_order``)."""
         num_single = 0
         if self.batch_single_tokens or self.batch_invariant:
             num_single = next((i for i, r in enumerate(packed) if not self._single(r)), len(packed))
@@ -234,14 +255,18 @@ class ModelRunner:
                 single = self._exact_token_rows(packed[:num_single], upto)
             else:
                 num_single = 0
-        # the verify blocks that attend together come right after the one-token rows (packed
-        # first, batched or not: one token each)
-        after_single = sum(1 for r in packed if self._single(r))
-        blocks = self._exact_block_rows(packed[after_single:], after_single)
-        in_blocks = range(after_single, after_single + (len(blocks.slots) if blocks else 0))
+        # the groups of verify blocks come right after the one-token rows (packed first,
+        # batched or not: one token each)
+        row = sum(1 for r in packed if self._single(r))
+        blocks, grouped, begin = [], set(), row
+        for size in group_sizes:
+            blocks.append(self._exact_block_rows(packed[row : row + size], begin))
+            grouped.update(range(row, row + size))
+            begin += blocks[-1].num_tokens
+            row += size
         spans, begin = [], num_single
         for i, r in enumerate(packed[num_single:], start=num_single):
-            if i in in_blocks:
+            if i in grouped:
                 begin += len(r.tokens)
                 continue
             end = begin + len(r.tokens)
@@ -252,33 +277,37 @@ class ModelRunner:
             else:
                 spans.append(Span(r.slot, r.start, begin, end, self._causal_mask(r.start, t)))
             begin = end
-        return PackedRows(single, spans, blocks)
+        return PackedRows(single, spans, tuple(blocks))
 
-    def _exact_block_rows(self, rows: list[Row], begin: int) -> ExactBlockRows | None:
-        """The verify blocks of one length at the head of ``rows`` (packed from token ``begin``),
-        batched over slots ``0 .. upto - 1`` if at least two and not too sparse."""
-        if not self.batch_invariant or not rows or not self._in_block(rows[0], None):
-            return None
-        t = len(rows[0].tokens)
-        group = list(takewhile(lambda r: self._in_block(r, t), rows))
-        upto = 1 + max(r.slot for r in group)
-        if len(group) < 2 or upto > 2 * len(group):
-            return None
-        slots = torch.tensor([r.slot for r in group], device=self.device)
-        starts = torch.tensor([r.start for r in group], device=self.device)
-        positions = starts[:, None] + torch.arange(t, device=self.device)  # [B2, t]
-        width = -(-(max(r.start for r in group) + t) // EXACT_CHUNK) * EXACT_CHUNK
+    def _exact_block_rows(self, rows: list[Row], begin: int) -> ExactBlockRows:
+        """Verify blocks ``rows`` (packed from token ``begin``) batched over slots
+        ``0 .. upto - 1``, each padded to the longest's ``t`` tokens with zero queries; a
+        padded query sees what its row's last token does."""
+        lengths = [len(r.tokens) for r in rows]
+        t, upto = max(lengths), 1 + max(r.slot for r in rows)
+        slots = torch.tensor([r.slot for r in rows], device=self.device)
+        token_slots = torch.tensor([r.slot for r in rows for _ in r.tokens], device=self.device)
+        positions = [r.start + i for r in rows for i in range(len(r.tokens))]
         last = torch.zeros(upto, t, dtype=torch.long, device=self.device)
-        last[slots] = positions  # query i of a slot's block sees keys 0 .. its position
+        # query i of a slot's block sees keys 0 .. its position (a padded one: the last token's)
+        last[slots] = torch.tensor([[r.start + min(i, n - 1) for i in range(t)]
+                                    for r, n in zip(rows, lengths)], device=self.device)
+        width = -(-max(r.start + n for r, n in zip(rows, lengths)) // EXACT_CHUNK) * EXACT_CHUNK
         bias = self._masks.up_to(last.view(-1), width).view(upto, 1, t, width)
         kv, g = self.model.cfg.num_kv_heads, self._group
         bias = bias.expand(upto, kv * g, t, width).reshape(upto * kv, g * t, width)
-        rows = padded_rows(g * t, self.row_multiple)  # padded rows see every key
-        if rows > g * t:
-            bias = F.pad(bias, (0, 0, 0, rows - g * t))
-        reach = chunk_reach([r.slot for r in group], [r.start + t - 1 for r in group], upto)
-        return ExactBlockRows(slots, t, begin, upto, slots.repeat_interleave(t),
-                              positions.reshape(-1), bias, reach)
+        padded = padded_rows(g * t, self.row_multiple)  # padded rows see every key
+        if padded > g * t:
+            bias = F.pad(bias, (0, 0, 0, padded - g * t))
+        reach = chunk_reach([r.slot for r in rows], [r.start + n - 1 for r, n in
+                                                     zip(rows, lengths)], upto)
+        padded_index = None
+        if min(lengths) < t:
+            padded_index = torch.tensor([b * t + i for b, n in enumerate(lengths)
+                                         for i in range(n)], device=self.device)
+        return ExactBlockRows(slots, t, begin, len(positions), upto, token_slots,
+                              torch.tensor(positions, device=self.device), bias, reach,
+                              padded_index)
 
     def _exact_token_rows(self, rows: list[Row], upto: int) -> ExactTokenRows:
         """One-token rows for ``exact_attention_rows``: each slot's queries see its row's cached

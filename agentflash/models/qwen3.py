@@ -398,18 +398,22 @@ class ExactTokenRows:
 
 @dataclass(frozen=True)
 class ExactBlockRows:
-    """Rows of ``t`` tokens each after a cached prefix (verify blocks), packed one after the
-    other from token ``begin``, attended together with ``exact_attention_blocks``: slots
-    ``0 .. upto - 1`` in one batch (a slot with no row is computed and dropped)."""
+    """Rows of up to ``t`` tokens each after a cached prefix (verify blocks), packed one after
+    the other from token ``begin``, attended together with ``exact_attention_blocks``: slots
+    ``0 .. upto - 1`` in one batch (a slot with no row is computed and dropped), a shorter row's
+    queries padded with zero queries to ``t``."""
 
     slots: torch.Tensor  # [B2]
     t: int
     begin: int  # where the first row's tokens are in the packed sequence
+    num_tokens: int  # the rows' tokens: B2 * t when no row is shorter
     upto: int  # slots computed: one past the highest slot of a row
-    token_slots: torch.Tensor  # [B2 * t]: each token's slot...
-    token_positions: torch.Tensor  # [B2 * t]: ...and cache position
+    token_slots: torch.Tensor  # [num_tokens]: each token's slot...
+    token_positions: torch.Tensor  # [num_tokens]: ...and cache position
     bias: torch.Tensor  # [upto * KV, padded_rows(G * t), width]: what each slot's query rows see
     reach: tuple[int, ...]  # per chunk of EXACT_CHUNK keys: the slots computed in it
+    # [num_tokens]: where each token is among the rows padded to t ([B2 * t]); None: unpadded
+    padded_index: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -419,7 +423,8 @@ class PackedRows:
     # tokens 0..B1-1, when single-token rows attend together
     single: SingleTokenRows | ExactTokenRows | None
     spans: list[Span]  # every other row, attended alone...
-    blocks: ExactBlockRows | None = None  # ...but verify blocks of one length, together
+    # ...but verify blocks of about one length, together (each group in one batch)
+    blocks: tuple[ExactBlockRows, ...] = ()
 
 
 class LayerCache:
@@ -446,8 +451,7 @@ class LayerCache:
             outs.append((0, exact))
         elif self.rows.single is not None:
             outs.append((0, self._attend_single(self.rows.single, q, k, v)))
-        blocks = self.rows.blocks
-        if blocks is not None:
+        for blocks in self.rows.blocks:
             exact = exact_attention_blocks(q, k, v, self.k_pool, self.v_pool, blocks)
             outs.append((blocks.begin, exact))
         outs.sort(key=lambda part: part[0])  # in packed order
@@ -623,24 +627,32 @@ def exact_attention_blocks(
     v_pool: torch.Tensor,
     rows: ExactBlockRows,
 ) -> torch.Tensor:
-    """``exact_attention`` for rows of ``rows.t`` tokens each (verify blocks), in one batch over
-    slots ``0 .. upto - 1`` (``_attend_slots``): each (slot, key head) has its ``G * t`` query
-    rows, as alone. Writes their keys and values. q [1, H, N, D]; k, v [1, KV, N, D]; returns
-    [1, H, B2 * t, D] for the packed tokens ``begin .. begin + B2 * t``."""
+    """``exact_attention`` for rows of up to ``rows.t`` tokens each (verify blocks), in one batch
+    over slots ``0 .. upto - 1`` (``_attend_slots``): each (slot, key head) has its ``G * t``
+    query rows, as a block of ``t`` tokens alone; a shorter row's missing tokens are zero
+    queries, computed and dropped (a query row's result does not depend on the other rows').
+    Writes their keys and values. q [1, H, N, D]; k, v [1, KV, N, D]; returns
+    [1, H, num_tokens, D] for the packed tokens ``begin .. begin + num_tokens``."""
     b2, t = rows.slots.shape[0], rows.t
     kv, d = k.shape[1], k.shape[-1]
     group = q.shape[1] // kv
-    lo, hi = rows.begin, rows.begin + b2 * t
+    lo, hi = rows.begin, rows.begin + rows.num_tokens
     _write_tokens(k_pool, v_pool, rows.token_slots, rows.token_positions, k[0, :, lo:hi],
                   v[0, :, lo:hi])
+    mine = q[0, :, lo:hi]  # [H, num_tokens, D]
+    if rows.padded_index is not None:  # each row's tokens at its place among t
+        mine = mine.new_zeros(kv * group, b2 * t, d).index_copy_(1, rows.padded_index, mine)
     m = group * t  # then zero rows up to the mask's (``padded_rows``)
     # row g * t + i of a (slot, key head): query head g's token i, as in ``exact_attention``
-    mine = q[0, :, lo:hi].reshape(kv, group, b2, t, d).permute(2, 0, 1, 3, 4).reshape(b2, kv, m, d)
+    mine = mine.reshape(kv, group, b2, t, d).permute(2, 0, 1, 3, 4).reshape(b2, kv, m, d)
     queries = q.new_zeros(rows.upto, kv, rows.bias.shape[1], d)
     queries[rows.slots, :, :m] = mine
     out = _attend_slots(queries, k_pool, v_pool, rows.bias, rows.reach)
     out = out.index_select(0, rows.slots)[:, :, :m]
-    return out.reshape(b2, kv, group, t, d).permute(1, 2, 0, 3, 4).reshape(1, kv * group, b2 * t, d)
+    out = out.reshape(b2, kv, group, t, d).permute(1, 2, 0, 3, 4).reshape(kv * group, b2 * t, d)
+    if rows.padded_index is not None:
+        out = out.index_select(1, rows.padded_index)
+    return out[None]
 
 
 def _write_tokens(

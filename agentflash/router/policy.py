@@ -15,7 +15,7 @@ The choice is a cost model fed by what the engine measures while it runs:
   verified token past a row's first, the drafter's fixed cost when any row drafts, a cost per
   block row (a row verifying more than one token) and a cost per drafted slot. One-token rows
   and block rows are priced apart because they cost differently (the one-token rows attend
-  together; a block row's attention is its own or shared with blocks of its length only: on the
+  together; a block row's attention is its own or shared with blocks of about its length: on the
   demo model's CPU a one-token row adds about 0.05 of a one-row plain step, a block row of 16
   tokens about 1), and because a step's two kinds of row must not be fitted as one: a run of
   steps that draft every row says nothing of what a row decoding plain costs, and a fit that
