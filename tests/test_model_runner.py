@@ -393,6 +393,7 @@ def test_verify_blocks_of_about_one_length_attend_together_and_get_what_they_get
     groups = mixed._block_groups(rows)
     grouped = [i for group in groups for i in group]
     assert len(grouped) == len(set(grouped))
+
     def padded_cost(group):  # queries computed per real one
         t, upto = max(len(rows[i].tokens) for i in group), 1 + max(rows[i].slot for i in group)
         return t * upto / sum(len(rows[i].tokens) for i in group)

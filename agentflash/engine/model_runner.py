@@ -290,8 +290,9 @@ class ModelRunner:
         positions = [r.start + i for r in rows for i in range(len(r.tokens))]
         last = torch.zeros(upto, t, dtype=torch.long, device=self.device)
         # query i of a slot's block sees keys 0 .. its position (a padded one: the last token's)
-        last[slots] = torch.tensor([[r.start + min(i, n - 1) for i in range(t)]
-                                    for r, n in zip(rows, lengths)], device=self.device)
+        starts = torch.tensor([r.start for r in rows], device=self.device)[:, None]
+        ends = torch.tensor(lengths, device=self.device)[:, None] - 1
+        last[slots] = starts + torch.arange(t, device=self.device).minimum(ends)  # [B2, t]
         width = -(-max(r.start + n for r, n in zip(rows, lengths)) // EXACT_CHUNK) * EXACT_CHUNK
         bias = self._masks.up_to(last.view(-1), width).view(upto, 1, t, width)
         kv, g = self.model.cfg.num_kv_heads, self._group
