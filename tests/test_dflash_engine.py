@@ -178,6 +178,38 @@ def test_a_loop_is_verified_past_the_drafters_block(engine, monkeypatch):
     assert out.token_ids == plain(engine, ids, max_tokens=200, ignore_eos=True).token_ids
 
 
+def test_a_lookup_that_agrees_with_a_failing_block_is_verified_in_its_place(engine, monkeypatch):
+    """The drafter's blocks fail at their third slot; the text, looked up, begins as they do
+    and goes on right: once the router has seen that on a verify of a block, it verifies the
+    lookup in its place, on past the drafter's block, and the output is still plain
+    decoding's."""
+    ids = list(range(500, 530))
+    free = plain(engine, ids, max_tokens=60, ignore_eos=True).token_ids
+
+    def looked_up(tokens, num, *args):
+        done = len(tokens) - len(ids)
+        return free[done : done + num]
+
+    seen = []
+    monkeypatch.setattr(engine, "cost", engine.new_router_state())  # nothing seen of lookups
+    real = engine.cost.observe_agreement
+
+    def spy(kind, verified, accepted, target_next, rival, lookup_verified):
+        seen.append((lookup_verified, len(verified), accepted))
+        real(kind, verified, accepted, target_next, rival, lookup_verified)
+
+    monkeypatch.setattr(engine.cost, "observe_agreement", spy)
+    monkeypatch.setattr(engine.cost, "lookup_slots", lambda *args: 0)  # after the drafter only
+    monkeypatch.setattr(engine_mod, "lookup_draft", looked_up)
+    monkeypatch.setattr(engine_mod, "draft_logits", Oracle(len(ids), free, wrong_at=2))
+    out = dflash(engine, ids, max_tokens=60, ignore_eos=True)
+    assert out.token_ids == free
+    assert seen[0][:1] == (False,) and seen[0][2] == 2  # the block first, failing at slot 2
+    lookups = [(n, accepted) for verified_lookup, n, accepted in seen if verified_lookup]
+    slots = engine.drafter.cfg.block_size - 1
+    assert lookups and max(accepted for _, accepted in lookups) > slots  # past the block
+
+
 def test_a_stop_among_accepted_drafts_counts_no_miss_after_it(engine, monkeypatch):
     """The drafts after a stop were never needed, and the target's choice after the end says
     nothing of the drafter: the router's acceptance counts end at the stop."""

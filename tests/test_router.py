@@ -360,6 +360,50 @@ def test_a_row_drafts_from_its_own_text_where_the_drafter_fails_and_the_text_rep
     assert cost.lookup_slots(routing, SegmentKind.TOOL_CALL, 7, 15) == 0
 
 
+def test_the_draft_not_verified_is_counted_as_far_as_the_target_shows_it():
+    cost = CostModel()
+    block = [5, 6, 7, 8]
+    # the lookup, verified: two tokens stand, then the target writes 9; the block left the
+    # target's tokens at its third (7 != 9): counted reached there, not accepted
+    cost.observe_agreement(SegmentKind.CODE, [5, 6, 1, 1, 1, 1], 2, 9, block, True)
+    lookup, drafter = cost.agreed[SegmentKind.CODE]
+    assert list(lookup.reached[:7]) == [1, 1, 1, 0, 0, 0, 0]
+    assert list(lookup.accepted[:3]) == [1, 1, 0]
+    assert list(drafter.reached[:5]) == [1, 1, 1, 0, 0] and list(drafter.accepted[:3]) == [1, 1, 0]
+    # the block, verified, fails at its third token where the lookup follows the target to
+    # its last shown token: the lookup's later positions are unknown, not misses
+    cost = CostModel()
+    cost.observe_agreement(SegmentKind.CODE, block, 2, 3, [5, 6, 3, 4, 4], False)
+    lookup, drafter = cost.agreed[SegmentKind.CODE]
+    assert list(drafter.reached[:4]) == [1, 1, 1, 0] and list(drafter.accepted[:3]) == [1, 1, 0]
+    assert list(lookup.reached[:5]) == [1, 1, 1, 0, 0] and list(lookup.accepted[:4]) == [1, 1, 1, 0]
+
+
+def test_a_lookup_that_agrees_with_the_block_is_verified_in_its_place_where_it_stands_longer():
+    cost, routing = CostModel(), RequestRouting()
+    for _ in range(8):
+        verify(cost, routing, SegmentKind.CODE, 3, 15)
+    assert cost.agreed_slots(routing, SegmentKind.CODE, 15, 40) == 0  # nothing seen: the block
+    truth = list(range(100, 140))
+    for _ in range(8):  # the block fails at its fourth token; the lookup copies the line on
+        cost.begin_step()
+        block = truth[:3] + [1] + truth[4:15]
+        cost.observe_agreement(SegmentKind.CODE, block, 3, truth[3], truth[:40], False)
+    assert cost.agreed_slots(routing, SegmentKind.CODE, 15, 0) == 0  # nothing looked up
+    take = cost.agreed_slots(routing, SegmentKind.CODE, 15, 40)
+    assert take > 3
+    for _ in range(12):  # verified, the lookup stands whole: it grows past the block
+        cost.begin_step()
+        cost.observe_agreement(SegmentKind.CODE, truth[:take], take, 7, block, True)
+        take = cost.agreed_slots(routing, SegmentKind.CODE, 15, 40)
+    assert take > 15
+    other = CostModel()  # where the lookups leave the text early and the blocks do not
+    for _ in range(12):
+        other.begin_step()
+        other.observe_agreement(SegmentKind.PROSE, truth[:15], 15, 7, truth[:3] + [1] * 30, False)
+    assert other.agreed_slots(routing, SegmentKind.PROSE, 15, 33) == 0
+
+
 def test_looked_up_drafts_that_stand_whole_grow_past_the_lengths_tried():
     cost, routing = CostModel(), RequestRouting()
     for _ in range(8):

@@ -28,6 +28,7 @@ from agentflash.errors import UserError, is_int, is_number
 from agentflash.grammar.constraint import GrammarFailed, apply_bitmask_, greedy_verify
 from agentflash.grammar.sources import GrammarKind
 from agentflash.router.policy import (
+    AGREEMENT,
     MAX_SLOTS,
     Candidate,
     CostModel,
@@ -112,6 +113,18 @@ class BlockDraft:
     drafted: bool  # whether the drafter ran for this row this step
     masks: torch.Tensor | None = None  # verify masks along the tokens, if the draft made them
     looked_up: bool = False  # the tokens came from the request's own text (``lookup_draft``)
+    # the draft not verified that begins as this one does (the drafter's block and a lookup):
+    # the verify says how far it would have stood (``CostModel.observe_agreement``)
+    rival: list[int] | None = None
+
+    @property
+    def slots(self) -> int:
+        """Draft slots the drafter filled for this row (0 where it did not run)."""
+        if not self.drafted:
+            return 0
+        if self.looked_up and self.rival is not None:
+            return len(self.rival)
+        return len(self.tokens) - self.forced
 
 
 @dataclass
@@ -360,7 +373,7 @@ class Engine:
             tokens=sum(len(r.tokens) for r in rows[: len(decoding)]),
             block_rows=sum(len(r.tokens) > 1 for r in rows[: len(decoding)]),
             drafted_rows=len(drafted),
-            draft_slots=sum(len(d.tokens) - d.forced for d in drafted),
+            draft_slots=sum(d.slots for d in drafted),
         )
         if decoding and not admitted:
             self.cost.observe_step(shape, seconds)
@@ -512,9 +525,12 @@ class Engine:
         accepted, drafted = num_accepted, len(draft.tokens)
         if req.is_finished and len(committed) <= num_accepted:
             accepted = drafted = len(committed)
-        if draft.drafted:
+        if draft.rival is not None and accepted == num_accepted:  # not cut short by a stop
+            self.cost.observe_agreement(kind, draft.tokens, num_accepted, bonus, draft.rival,
+                                        draft.looked_up)
+        if draft.drafted and not draft.looked_up:
             self.cost.observe_draft(req.routing, kind, accepted, drafted)
-        elif draft.looked_up:
+        elif draft.looked_up and draft.rival is None:
             self.cost.observe_lookup(req.routing, accepted, drafted)
         self._track(req, kind, "dflash" if routed else "plain", committed, 1, draft, num_accepted)
         if req.draft_context is not None and not req.is_finished:
@@ -669,7 +685,7 @@ class Engine:
             r.stats.draft_forwards += 1
             n = sizes[r.id]
             if r.constraint is None:
-                drafts[r.id] = BlockDraft(best[i, :n].tolist(), 0, True)
+                drafts[r.id] = self._agreed(r, kinds[r.id], best[i, :n].tolist())
                 continue
             from agentflash.grammar import constrained_draft
 
@@ -713,6 +729,25 @@ class Engine:
             return None
         req.stats.lookup_drafts += 1
         return BlockDraft(found, 0, False, looked_up=True)
+
+    def _agreed(self, req: Request, kind: SegmentKind, drafted: list[int]) -> BlockDraft:
+        """The drafter's block for an unconstrained row; or, where the request's own text
+        suggests a run that begins with the block's first ``AGREEMENT`` tokens, that run in its
+        place when the router expects it to commit more per second (``agreed_slots``: it may
+        run on past the block, as far as ``_lookup``'s). Either way the draft not verified goes
+        along as the rival the verify is compared with."""
+        block = BlockDraft(drafted, 0, True)
+        if len(drafted) < AGREEMENT:
+            return block
+        longest = len(drafted) if req.params.block_size else max(len(drafted), MAX_SLOTS - 1)
+        found = lookup_draft(req.all_ids, min(longest, self._room(req) - 1))
+        if found[:AGREEMENT] != drafted[:AGREEMENT]:
+            return block
+        take = self.cost.agreed_slots(req.routing, kind, len(drafted), len(found))
+        if take == 0:
+            return BlockDraft(drafted, 0, True, rival=found)
+        req.stats.lookup_drafts += 1
+        return BlockDraft(found[:take], 0, True, looked_up=True, rival=drafted)
 
     def _flush_context(self, reqs: list[Request]) -> None:
         """Project the target hidden states committed since each request last drafted."""

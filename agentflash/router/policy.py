@@ -41,6 +41,12 @@ A row that drafts may verify what its own text suggests instead (``lookup_draft`
 the latest earlier occurrence of its last tokens) when that is expected to commit more per second
 than the drafter's block (``lookup_slots``): the drafter has never seen a model loop, a lookup
 costs no drafter forward, and its acceptance is tracked per request like the drafter's.
+Where the drafter did draft, a lookup that begins with the drafter's first ``AGREEMENT`` tokens
+may be verified in place of its block (``agreed_slots``): two guesses that agree are likely on
+the text, and code copies names and lines on past where a drafter trained on blocks of 16 can
+see. Whichever of the two is verified, the verify's tokens say how far the other would have
+stood (up to where the verified one failed: beyond, it is not counted), and the router keeps
+per kind the per-position rates of both on such steps.
 """
 
 from __future__ import annotations
@@ -97,6 +103,7 @@ class StepShape:
 
 
 MAX_SLOTS = 64  # the longest block a request may ask for
+AGREEMENT = 2  # leading tokens a lookup shares with the drafter's block to stand in for it
 
 
 class Acceptance:
@@ -153,6 +160,16 @@ class Acceptance:
             out[j] = rate
         out[deepest:] = rate
         return out
+
+
+def matched(draft: list[int], truth: list[int]) -> int:
+    """Leading tokens of ``draft`` equal to ``truth``'s."""
+    n = 0
+    for a, b in zip(draft, truth):
+        if a != b:
+            break
+        n += 1
+    return n
 
 
 def prior_rates(tau: float) -> np.ndarray:
@@ -228,6 +245,9 @@ class CostModel:
     # not measured yet, ``PRIOR_PREFILL_TOKEN`` stands in
     _prefill_token: float | None = None
     prefill_keep: float = 0.9  # weight of the older measurements per new one
+    # per kind, on steps where a lookup agreed with the drafter's block: (the lookup's counts,
+    # the block's), each counted whichever of the two was verified (``observe_agreement``)
+    agreed: dict[SegmentKind, tuple[Acceptance, Acceptance]] = field(default_factory=dict)
 
     # --- measurements --------------------------------------------------------------------
 
@@ -288,6 +308,49 @@ class CostModel:
             fixed + block + drafter + slots * (token + slot)
         )
         return best + 1 if tokens[best] / cost[best] > drafted else 0
+
+    def observe_agreement(
+        self, kind: SegmentKind, verified: list[int], accepted: int, target_next: int,
+        rival: list[int], lookup_verified: bool,
+    ) -> None:
+        """A verify of ``verified`` (a lookup if ``lookup_verified``, else the drafter's block)
+        accepted ``accepted`` tokens, then the target chose ``target_next``; ``rival`` is the
+        other draft, which agreed with it on its first tokens. The target's tokens are known up
+        to its choice: the rival is counted up to where it leaves them, or, where it follows
+        them to their end, as a draft cut there (the positions after say nothing)."""
+        lookup, block = self.agreed.setdefault(kind, (Acceptance(), Acceptance()))
+        ours, theirs = (lookup, block) if lookup_verified else (block, lookup)
+        ours.observe(accepted, len(verified), self.keep, self._steps)
+        truth = [*verified[:accepted], target_next]
+        stood = matched(rival, truth)
+        known = stood < len(rival) and stood < len(truth)  # it left the target's tokens here
+        theirs.observe(stood, len(rival) if known else stood, self.keep, self._steps)
+
+    def agreed_slots(
+        self, routing: RequestRouting, kind: SegmentKind, slots: int, found: int
+    ) -> int:
+        """How many of ``found`` looked-up tokens that agree with the drafter's ``slots`` drafts
+        a row should verify in their place: the count with the most expected tokens per second
+        of a one-row step, or 0 where the drafts are expected to do as well. The drafter has run
+        either way. The block is priced at its rates for this request shrunk towards what such
+        steps of the kind have shown, the lookup at those steps' rates of it, each position's
+        shrunk towards the one before (the positions past the deepest one seen at the
+        deepest one's rate); with nothing seen, the drafter's block is kept."""
+        if found == 0 or slots == 0:
+            return 0
+        base = self.acceptance_rates(routing, kind)
+        lookup, block = self.agreed.get(kind, (None, None))
+        if lookup is None or block is None:
+            return 0  # nothing seen yet: the lookups are counted from the drafter's verifies
+        drafter_rates = block.rates(base, self.rate_prior_weight)
+        lookup_rates = lookup.chained_rates(float(base[0]), self.rate_prior_weight)
+        fixed, _, token, drafter, block_row, slot = self.step_cost()
+        paid = fixed + block_row + drafter + slots * slot  # the drafter ran for this row
+        tokens = (1.0 + np.cumprod(lookup_rates).cumsum())[: min(found, MAX_SLOTS)]
+        rate = tokens / (paid + token * np.arange(1, len(tokens) + 1))
+        best = int(np.argmax(rate))
+        kept = (1.0 + np.cumprod(drafter_rates).cumsum())[slots - 1] / (paid + token * slots)
+        return best + 1 if rate[best] > kept else 0
 
     def observe_step(self, shape: StepShape, seconds: float) -> None:
         """A decode step of ``shape`` took ``seconds``."""
