@@ -272,3 +272,47 @@ def test_demo_constrained_dflash_equals_plain_on_held_out_tool_calls():
         )
         assert spec.finish_reason == plain.finish_reason != "error"
         assert spec.token_ids == plain.token_ids
+
+
+def test_a_lookup_that_agrees_with_a_constrained_block_is_cut_to_the_grammar_and_verified(
+    tiny, monkeypatch
+):
+    """Under a grammar too, a lookup that begins as the drafter's block does may be verified in
+    its place; it is cut at its first token the grammar forbids, and the output is constrained
+    plain decoding's."""
+    import torch
+
+    import agentflash.engine.engine as engine_mod
+
+    ids = tiny.chat_prompt([{"role": "user", "content": "x"}])
+    source = regex("[a-z]{60,150}")
+    plain = tiny.generate(ids, SamplingParams(max_tokens=80, grammar=source, speculation="off"))
+    free = plain.token_ids
+    assert len(free) > 20
+
+    def looked_up(tokens, num, *args):  # the answer itself, then tokens the grammar forbids
+        done = len(tokens) - len(ids)
+        return (free[done:] + [tiny.tokenizer.convert_tokens_to_ids(",")] * num)[:num]
+
+    def draft_logits(drafter, embed, logits, last_tokens, contexts, block_size, num_slots):
+        done = contexts[0].length + 1 - len(ids)  # right for two slots, then a token nobody writes
+        out = (free[done : done + 2] + [4000] * num_slots)[:num_slots]
+        return torch.nn.functional.one_hot(torch.tensor(out), 4096).float()[None]
+
+    seen = []
+    monkeypatch.setattr(tiny, "cost", tiny.new_router_state())
+    real = tiny.cost.observe_agreement
+
+    def spy(kind, verified, accepted, target_next, rival, lookup_verified):
+        seen.append((lookup_verified, len(verified), accepted))
+        real(kind, verified, accepted, target_next, rival, lookup_verified)
+
+    monkeypatch.setattr(tiny.cost, "observe_agreement", spy)
+    monkeypatch.setattr(tiny.cost, "lookup_slots", lambda *args: 0)  # after the drafter only
+    monkeypatch.setattr(engine_mod, "lookup_draft", looked_up)
+    monkeypatch.setattr(engine_mod, "draft_logits", draft_logits)
+    spec = tiny.generate(ids, SamplingParams(max_tokens=80, grammar=source, speculation="dflash"))
+    assert spec.token_ids == free
+    lookups = [(n, accepted) for verified_lookup, n, accepted in seen if verified_lookup]
+    assert lookups and max(accepted for _, accepted in lookups) > 2
+    assert all(n <= len(free) for n, _ in lookups)  # cut where the grammar ends the answer

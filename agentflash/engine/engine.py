@@ -10,7 +10,7 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -116,14 +116,15 @@ class BlockDraft:
     # the draft not verified that begins as this one does (the drafter's block and a lookup):
     # the verify says how far it would have stood (``CostModel.observe_agreement``)
     rival: list[int] | None = None
+    rival_slots: int = 0  # a looked-up row's: the slots the drafter filled in its rival
 
     @property
     def slots(self) -> int:
         """Draft slots the drafter filled for this row (0 where it did not run)."""
         if not self.drafted:
             return 0
-        if self.looked_up and self.rival is not None:
-            return len(self.rival)
+        if self.looked_up:
+            return self.rival_slots
         return len(self.tokens) - self.forced
 
 
@@ -685,7 +686,8 @@ class Engine:
             r.stats.draft_forwards += 1
             n = sizes[r.id]
             if r.constraint is None:
-                drafts[r.id] = self._agreed(r, kinds[r.id], best[i, :n].tolist())
+                drafts[r.id] = self._agreed(r, kinds[r.id], BlockDraft(best[i, :n].tolist(), 0,
+                                                                       True))
                 continue
             from agentflash.grammar import constrained_draft
 
@@ -698,7 +700,8 @@ class Engine:
             except Exception as err:
                 self._fail_alone(r, err)
                 continue
-            drafts[r.id] = BlockDraft(walk.tokens, walk.num_forced, True, walk.masks)
+            drafts[r.id] = self._agreed(
+                r, kinds[r.id], BlockDraft(walk.tokens, walk.num_forced, True, walk.masks))
         return drafts
 
     def _lookup(self, req: Request, size: int, kind: SegmentKind) -> BlockDraft | None:
@@ -730,24 +733,33 @@ class Engine:
         req.stats.lookup_drafts += 1
         return BlockDraft(found, 0, False, looked_up=True)
 
-    def _agreed(self, req: Request, kind: SegmentKind, drafted: list[int]) -> BlockDraft:
-        """The drafter's block for an unconstrained row; or, where the request's own text
-        suggests a run that begins with the block's first ``AGREEMENT`` tokens, that run in its
-        place when the router expects it to commit more per second (``agreed_slots``: it may
-        run on past the block, as far as ``_lookup``'s). Either way the draft not verified goes
-        along as the rival the verify is compared with."""
-        block = BlockDraft(drafted, 0, True)
-        if len(drafted) < AGREEMENT:
+    def _agreed(self, req: Request, kind: SegmentKind, block: BlockDraft) -> BlockDraft:
+        """The drafter's ``block`` for a row; or, where the request's own text suggests a run
+        that begins with the block's first ``AGREEMENT`` tokens, that run (cut at the first token
+        the grammar forbids) in its place when the router expects it to commit more per second
+        (``agreed_slots``: it may run on past the block, as far as ``_lookup``'s). Either way
+        the draft not verified goes along as the rival the verify is compared with. Not for a
+        constrained sampling row: it verifies with the masks its walk made along the block."""
+        drafted = block.tokens
+        if len(drafted) < AGREEMENT or block.masks is not None:
             return block
         longest = len(drafted) if req.params.block_size else max(len(drafted), MAX_SLOTS - 1)
         found = lookup_draft(req.all_ids, min(longest, self._room(req) - 1))
         if found[:AGREEMENT] != drafted[:AGREEMENT]:
             return block
+        if req.constraint is not None:  # the block's first tokens are legal: so are these
+            try:
+                with grammar_clock([req]):
+                    found = found[: req.constraint.validate_draft(found)]
+            except Exception as err:
+                self._fail_alone(req, err)
+                return block
         take = self.cost.agreed_slots(req.routing, kind, len(drafted), len(found))
         if take == 0:
-            return BlockDraft(drafted, 0, True, rival=found)
+            return replace(block, rival=found)
         req.stats.lookup_drafts += 1
-        return BlockDraft(found[:take], 0, True, looked_up=True, rival=drafted)
+        return BlockDraft(found[:take], 0, True, looked_up=True, rival=drafted,
+                          rival_slots=block.slots)
 
     def _flush_context(self, reqs: list[Request]) -> None:
         """Project the target hidden states committed since each request last drafted."""
