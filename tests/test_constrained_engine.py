@@ -294,8 +294,10 @@ def test_a_lookup_that_agrees_with_a_constrained_block_is_cut_to_the_grammar_and
         done = len(tokens) - len(ids)
         return (free[done:] + [tiny.tokenizer.convert_tokens_to_ids(",")] * num)[:num]
 
-    def draft_logits(drafter, embed, logits, last_tokens, contexts, block_size, num_slots):
-        done = contexts[0].length + 1 - len(ids)  # right for two slots, then a token nobody writes
+    def draft_logits(drafter, embed, logits, last_tokens, contexts, block_size, num_slots,
+                     pending=None):
+        waiting = 0 if pending is None or pending[0] is None else pending[0].shape[0]
+        done = contexts[0].length + waiting + 1 - len(ids)  # two slots right, then a wrong one
         out = (free[done : done + 2] + [4000] * num_slots)[:num_slots]
         return torch.nn.functional.one_hot(torch.tensor(out), 4096).float()[None]
 

@@ -24,6 +24,12 @@ def dflash(engine, ids, **kw):
     return engine.generate(ids, SamplingParams(speculation="dflash", **kw))
 
 
+def committed(contexts, pending):
+    """Tokens the first row holds: its context's positions, those it takes in, its last."""
+    waiting = 0 if pending is None or pending[0] is None else pending[0].shape[0]
+    return contexts[0].length + waiting + 1
+
+
 class Oracle:
     """A drafter that proposes the target's own greedy continuation, wrong from slot ``k`` on,
     so that blocks are accepted in long runs and stops fall inside accepted blocks."""
@@ -31,8 +37,9 @@ class Oracle:
     def __init__(self, prompt_len, reference, wrong_at):
         self.prompt_len, self.reference, self.wrong_at = prompt_len, reference, wrong_at
 
-    def __call__(self, drafter, embed, logits, last_tokens, contexts, block_size, num_slots):
-        done = contexts[0].length + 1 - self.prompt_len  # tokens already committed
+    def __call__(self, drafter, embed, logits, last_tokens, contexts, block_size, num_slots,
+                 pending=None):
+        done = committed(contexts, pending) - self.prompt_len  # tokens already committed
         out = torch.tensor(self.reference[done : done + block_size - 1] + [0] * block_size)
         out = out[: block_size - 1].clone()
         if self.wrong_at < block_size - 1:
@@ -125,8 +132,9 @@ def test_short_blocks_verify_the_head_of_a_full_drafter_block(engine, monkeypatc
     the only slots whose logits are computed."""
     drafted, verified = [], []
 
-    def spy(drafter, embed, logits, last_tokens, contexts, block_size, num_slots):
-        out = real_draft(drafter, embed, logits, last_tokens, contexts, block_size, num_slots)
+    def spy(drafter, embed, logits, last_tokens, contexts, block_size, num_slots, pending):
+        out = real_draft(drafter, embed, logits, last_tokens, contexts, block_size, num_slots,
+                         pending)
         drafted.append((block_size, out.argmax(-1)[0].tolist()))
         assert out.shape[1] == num_slots <= 3  # logits only for the slots it may verify
         return out

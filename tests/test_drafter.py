@@ -152,6 +152,34 @@ def test_batched_draft_forward_equals_per_row():
         torch.testing.assert_close(batched[i], alone[0], atol=1e-5, rtol=1e-5)
 
 
+def test_a_draft_forward_that_takes_in_pending_positions_equals_extend_then_draft():
+    drafter = random_drafter(small_config()).fuse_()
+    lengths, waiting = (7, 1, 63), (3, 0, 2)  # the last row's storage grows (64 positions)
+    hidden = [torch.randn(n + w, 3 * 32) for n, w in zip(lengths, waiting)]
+    first = [context_of(drafter, h[:n]) for h, n in zip(hidden, lengths)]
+    second = [context_of(drafter, h[:n]) for h, n in zip(hidden, lengths)]
+    pending = [h[n:] if w else None for h, n, w in zip(hidden, lengths, waiting)]
+    blocks = torch.randn(3, 5, 32)
+    positions = torch.stack([n + w + torch.arange(5) for n, w in zip(lengths, waiting)])
+    taken_in = drafter.draft_forward(blocks, positions, first, pending)
+    drafter.extend([c for c, w in zip(second, waiting) if w], [p for p in pending if p is not None])
+    extended = drafter.draft_forward(blocks, positions, second)
+    torch.testing.assert_close(taken_in, extended, atol=1e-5, rtol=1e-5)
+    for a, b in zip(first, second):
+        assert a.length == b.length
+        for layer in range(2):
+            torch.testing.assert_close(a.keys(layer), b.keys(layer), atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(a.values(layer), b.values(layer), atol=1e-5, rtol=1e-5)
+    # many pending positions (a prompt's) go through ``extend``: the same again
+    many = torch.randn(200, 3 * 32)
+    a, b = drafter.new_context(), drafter.new_context()
+    got = drafter.draft_forward(blocks[:1], 200 + torch.arange(5)[None], [a], [many])
+    drafter.extend([b], [many])
+    torch.testing.assert_close(got, drafter.draft_forward(blocks[:1], 200 + torch.arange(5)[None],
+                                                          [b]), atol=1e-5, rtol=1e-5)
+    assert a.length == b.length == 200
+
+
 def test_context_extended_in_pieces_equals_one_extend():
     drafter = random_drafter(small_config())
     hidden = torch.randn(300, 3 * 32)

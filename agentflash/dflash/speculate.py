@@ -91,6 +91,7 @@ def draft_logits(
     contexts: list[DraftContext],
     block_size: int | None = None,
     num_slots: int | None = None,
+    pending: list[torch.Tensor | None] | None = None,
 ) -> torch.Tensor:
     """The drafter's logits [B, num_slots, V] for slots 1..num_slots of one block per request
     (all of them, block_size - 1, by default: the block is drafted whole either way, but the
@@ -98,7 +99,9 @@ def draft_logits(
 
     ``embed`` and ``logits`` are the target's (``Qwen3Model.embed`` and ``Qwen3Model.logits``);
     ``last_tokens`` [B] are the requests' last committed tokens, whose positions are the lengths
-    of their contexts (the context holds the target's hidden states of every earlier position).
+    of their contexts (the context holds the target's hidden states of every earlier position),
+    or, with ``pending`` (``DFlashDrafter.draft_forward``: hidden states the contexts take in
+    first), those lengths plus the pending positions.
     """
     size = block_size or drafter.cfg.block_size
     assert size >= 2, "a block drafts at least one token"
@@ -108,10 +111,12 @@ def draft_logits(
     device = drafter.fc.weight.device
     ids = torch.full((b, size), drafter.cfg.mask_token_id, dtype=torch.long, device=device)
     ids[:, 0] = last_tokens
-    starts = torch.tensor([c.length for c in contexts], device=device)
+    waiting = [0] * b if pending is None else [0 if p is None else p.shape[0] for p in pending]
+    starts = torch.tensor([c.length + n for c, n in zip(contexts, waiting, strict=True)],
+                          device=device)
     positions = starts[:, None] + torch.arange(size, device=device)  # [B, size]
     with torch.no_grad():
-        hidden = drafter.draft_forward(embed(ids), positions, contexts)  # [B, size, H]
+        hidden = drafter.draft_forward(embed(ids), positions, contexts, pending)  # [B, size, H]
         return logits(hidden[:, 1 : 1 + num_slots])  # [B, num_slots, V]
 
 

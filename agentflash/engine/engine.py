@@ -673,13 +673,18 @@ class Engine:
         # ``sizes[r.id]`` drafts
         block = max(self.drafter.cfg.block_size, max(sizes[r.id] for r in reqs) + 1)
         last = torch.tensor([r.output_ids[-1] for r in reqs])
-        self._flush_context(reqs)
+        # the target hidden states committed since each row last drafted: its context takes
+        # them in within the draft forward
+        pending = [torch.cat(r.pending_hidden) if r.pending_hidden else None for r in reqs]
+        for r in reqs:
+            r.pending_hidden.clear()
         contexts = [r.draft_context for r in reqs]
         # the slots verified: an unconstrained row's size; a constrained row walks every slot
         # (the grammar's forced tokens fill some of them without counting)
         slots = max(block - 1 if r.constraint is not None else sizes[r.id] for r in reqs)
         logits = draft_logits(
-            self.drafter, self.model.embed, self.model.logits, last, contexts, block, slots
+            self.drafter, self.model.embed, self.model.logits, last, contexts, block, slots,
+            pending,
         )  # [B, slots, V]
         best = argmax(logits)  # [B, slots]
         for i, r in enumerate(reqs):
@@ -760,15 +765,6 @@ class Engine:
         req.stats.lookup_drafts += 1
         return BlockDraft(found[:take], 0, True, looked_up=True, rival=drafted,
                           rival_slots=block.slots)
-
-    def _flush_context(self, reqs: list[Request]) -> None:
-        """Project the target hidden states committed since each request last drafted."""
-        pending = [r for r in reqs if r.pending_hidden]
-        if pending:
-            self.drafter.extend([r.draft_context for r in pending],
-                                [torch.cat(r.pending_hidden) for r in pending])
-            for r in pending:
-                r.pending_hidden.clear()
 
     def _forced_runs(self, reqs: list[Request]) -> dict[int, BlockDraft]:
         """For rows that do not draft: the tokens their grammar forces, verified for free."""
