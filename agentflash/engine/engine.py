@@ -752,6 +752,10 @@ class Engine:
         found = lookup_draft(req.all_ids, min(longest, self._room(req) - 1))
         if found[:AGREEMENT] != drafted[:AGREEMENT]:
             return block
+        take = self.cost.agreed_slots(req.routing, kind, len(drafted), len(found))
+        if take == 0:  # counted as the rival as it is: a token the grammar forbids is one the
+            return replace(block, rival=found)  # target does not write either
+        found = found[:take]
         if req.constraint is not None:  # the block's first tokens are legal: so are these
             try:
                 with grammar_clock([req]):
@@ -759,12 +763,8 @@ class Engine:
             except Exception as err:
                 self._fail_alone(req, err)
                 return block
-        take = self.cost.agreed_slots(req.routing, kind, len(drafted), len(found))
-        if take == 0:
-            return replace(block, rival=found)
         req.stats.lookup_drafts += 1
-        return BlockDraft(found[:take], 0, True, looked_up=True, rival=drafted,
-                          rival_slots=block.slots)
+        return BlockDraft(found, 0, True, looked_up=True, rival=drafted, rival_slots=block.slots)
 
     def _forced_runs(self, reqs: list[Request]) -> dict[int, BlockDraft]:
         """For rows that do not draft: the tokens their grammar forces, verified for free."""
