@@ -90,3 +90,20 @@ def tiny_dflash_engine(model_dir: Path, block_size: int = 16, max_len: int = 512
                         target_layer_ids=(1, 2), num_target_layers=4, vocab_size=len(tok))
     return Engine(model, tok, EngineConfig(max_running=4, max_len=max_len), model_dir,
                   DFlashDrafter(cfg).eval())
+
+
+def spy_on_agreements(monkeypatch, engine) -> list[tuple[bool, int, int]]:
+    """Give ``engine`` a router that has seen nothing, and record its agreeing-lookup verifies
+    (``CostModel.observe_agreement``) as (lookup verified, tokens verified, accepted); the
+    router's own lookups (before the drafter) are off."""
+    seen = []
+    monkeypatch.setattr(engine, "cost", engine.new_router_state())
+    real = engine.cost.observe_agreement
+
+    def spy(kind, verified, accepted, target_next, rival, lookup_verified):
+        seen.append((lookup_verified, len(verified), accepted))
+        real(kind, verified, accepted, target_next, rival, lookup_verified)
+
+    monkeypatch.setattr(engine.cost, "observe_agreement", spy)
+    monkeypatch.setattr(engine.cost, "lookup_slots", lambda *args: 0)
+    return seen

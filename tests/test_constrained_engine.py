@@ -5,7 +5,7 @@ import random
 
 import jsonschema
 import pytest
-from conftest import tiny_dflash_engine
+from conftest import spy_on_agreements, tiny_dflash_engine
 
 from agentflash.engine.engine import Engine
 from agentflash.engine.request import SamplingParams
@@ -301,16 +301,7 @@ def test_a_lookup_that_agrees_with_a_constrained_block_is_cut_to_the_grammar_and
         out = (free[done : done + 2] + [4000] * num_slots)[:num_slots]
         return torch.nn.functional.one_hot(torch.tensor(out), 4096).float()[None]
 
-    seen = []
-    monkeypatch.setattr(tiny, "cost", tiny.new_router_state())
-    real = tiny.cost.observe_agreement
-
-    def spy(kind, verified, accepted, target_next, rival, lookup_verified):
-        seen.append((lookup_verified, len(verified), accepted))
-        real(kind, verified, accepted, target_next, rival, lookup_verified)
-
-    monkeypatch.setattr(tiny.cost, "observe_agreement", spy)
-    monkeypatch.setattr(tiny.cost, "lookup_slots", lambda *args: 0)  # after the drafter only
+    seen = spy_on_agreements(monkeypatch, tiny)  # a fresh router, after the drafter only
     monkeypatch.setattr(engine_mod, "lookup_draft", looked_up)
     monkeypatch.setattr(engine_mod, "draft_logits", draft_logits)
     spec = tiny.generate(ids, SamplingParams(max_tokens=80, grammar=source, speculation="dflash"))

@@ -3,7 +3,7 @@ stopping points, whatever the drafter proposes."""
 
 import pytest
 import torch
-from conftest import tiny_dflash_engine
+from conftest import spy_on_agreements, tiny_dflash_engine
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -198,16 +198,7 @@ def test_a_lookup_that_agrees_with_a_failing_block_is_verified_in_its_place(engi
         done = len(tokens) - len(ids)
         return free[done : done + num]
 
-    seen = []
-    monkeypatch.setattr(engine, "cost", engine.new_router_state())  # nothing seen of lookups
-    real = engine.cost.observe_agreement
-
-    def spy(kind, verified, accepted, target_next, rival, lookup_verified):
-        seen.append((lookup_verified, len(verified), accepted))
-        real(kind, verified, accepted, target_next, rival, lookup_verified)
-
-    monkeypatch.setattr(engine.cost, "observe_agreement", spy)
-    monkeypatch.setattr(engine.cost, "lookup_slots", lambda *args: 0)  # after the drafter only
+    seen = spy_on_agreements(monkeypatch, engine)  # a fresh router, after the drafter only
     monkeypatch.setattr(engine_mod, "lookup_draft", looked_up)
     monkeypatch.setattr(engine_mod, "draft_logits", Oracle(len(ids), free, wrong_at=2))
     out = dflash(engine, ids, max_tokens=60, ignore_eos=True)

@@ -532,8 +532,7 @@ class DFlashDrafter(nn.Module):
         t = block_embeds.shape[1]
         if pending is not None:
             lengths = [0 if p is None else p.shape[0] for p in pending]
-            fused = self.layers[0].self_attn._fused is not None
-            if fused and 0 < sum(lengths) <= TAKE_IN:
+            if self.layers[0].self_attn._drafting and 0 < sum(lengths) <= TAKE_IN:
                 return self._draft_taking_in(block_embeds, positions, contexts, pending, lengths)
             rows = [(c, p) for c, p, n in zip(contexts, pending, lengths, strict=True) if n]
             if rows:

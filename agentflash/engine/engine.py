@@ -725,18 +725,23 @@ class Engine:
         take = self.cost.lookup_slots(req.routing, kind, size, len(found))
         if take == 0:
             return None
-        found = found[:take]
-        if req.constraint is not None:
-            try:
-                with grammar_clock([req]):
-                    found = found[: req.constraint.validate_draft(found)]
-            except Exception as err:
-                self._fail_alone(req, err)
-                return None
+        found = self._legal_head(req, found[:take])
         if not found:
             return None
         req.stats.lookup_drafts += 1
         return BlockDraft(found, 0, False, looked_up=True)
+
+    def _legal_head(self, req: Request, tokens: list[int]) -> list[int] | None:
+        """``tokens`` up to the first the request's grammar forbids (all without a grammar);
+        None if its grammar failed (the request then fails alone)."""
+        if req.constraint is None:
+            return tokens
+        try:
+            with grammar_clock([req]):
+                return tokens[: req.constraint.validate_draft(tokens)]
+        except Exception as err:
+            self._fail_alone(req, err)
+            return None
 
     def _agreed(self, req: Request, kind: SegmentKind, block: BlockDraft) -> BlockDraft:
         """The drafter's ``block`` for a row; or, where the request's own text suggests a run
@@ -755,14 +760,9 @@ class Engine:
         take = self.cost.agreed_slots(req.routing, kind, len(drafted), len(found))
         if take == 0:  # counted as the rival as it is: a token the grammar forbids is one the
             return replace(block, rival=found)  # target does not write either
-        found = found[:take]
-        if req.constraint is not None:  # the block's first tokens are legal: so are these
-            try:
-                with grammar_clock([req]):
-                    found = found[: req.constraint.validate_draft(found)]
-            except Exception as err:
-                self._fail_alone(req, err)
-                return block
+        found = self._legal_head(req, found[:take])  # at least the block's first tokens
+        if found is None:
+            return block
         req.stats.lookup_drafts += 1
         return BlockDraft(found, 0, True, looked_up=True, rival=drafted, rival_slots=block.slots)
 
