@@ -713,11 +713,7 @@ class Engine:
         """The request's own text as its draft (``lookup_draft``), as many tokens as the router
         finds best, when it expects them to commit more per second than the drafter's
         (cut at the first token the grammar forbids)."""
-        # the block the request asked for; else up to the longest block the router prices (its
-        # text's loops and copies run on past the drafter's block, and the router's per-position
-        # rates of the request's lookups say how far a draft of them stands)
-        longest = size if req.params.block_size else max(size, MAX_SLOTS - 1)
-        longest = min(longest, self._room(req) - 1)
+        longest = self._lookup_limit(req, size)
         # no search when even the longest lookup would lose to the drafter (the common case)
         if self.cost.lookup_slots(req.routing, kind, size, longest) == 0:
             return None
@@ -730,6 +726,14 @@ class Engine:
             return None
         req.stats.lookup_drafts += 1
         return BlockDraft(found, 0, False, looked_up=True)
+
+    def _lookup_limit(self, req: Request, size: int) -> int:
+        """The most tokens a lookup may draft for a row whose block holds ``size`` drafts: the
+        block the request asked for; else up to the longest block the router prices (its text's
+        loops and copies run on past the drafter's block, and the router's per-position rates
+        say how far a draft of them stands); within the room left."""
+        longest = size if req.params.block_size else max(size, MAX_SLOTS - 1)
+        return min(longest, self._room(req) - 1)
 
     def _legal_head(self, req: Request, tokens: list[int]) -> list[int] | None:
         """``tokens`` up to the first the request's grammar forbids (all without a grammar);
@@ -753,8 +757,7 @@ class Engine:
         drafted = block.tokens
         if len(drafted) < AGREEMENT or block.masks is not None:
             return block
-        longest = len(drafted) if req.params.block_size else max(len(drafted), MAX_SLOTS - 1)
-        found = lookup_draft(req.all_ids, min(longest, self._room(req) - 1))
+        found = lookup_draft(req.all_ids, self._lookup_limit(req, len(drafted)))
         if found[:AGREEMENT] != drafted[:AGREEMENT]:
             return block
         take = self.cost.agreed_slots(req.routing, kind, len(drafted), len(found))
