@@ -209,6 +209,32 @@ def test_a_lookup_that_agrees_with_a_failing_block_is_verified_in_its_place(engi
     assert lookups and max(accepted for _, accepted in lookups) > slots  # past the block
 
 
+def test_a_lookup_whose_token_the_drafter_rules_out_where_they_part_is_not_a_candidate(
+    engine, monkeypatch
+):
+    """As above, but the drafter is sure of its wrong third token (the lookup's right one at
+    odds of e^-10 against it; every block 16 long, so that the two part within it): the
+    lookup is neither verified nor counted among the agreements, and the output is still plain
+    decoding's."""
+    ids = list(range(500, 530))
+    free = plain(engine, ids, max_tokens=60, ignore_eos=True).token_ids
+
+    def looked_up(tokens, num, *args):
+        done = len(tokens) - len(ids)
+        return free[done : done + num]
+
+    oracle = Oracle(len(ids), free, wrong_at=2)
+    seen = spy_on_agreements(monkeypatch, engine)
+    monkeypatch.setattr(engine_mod, "lookup_draft", looked_up)
+    monkeypatch.setattr(engine_mod, "draft_logits", lambda *a, **k: 10.0 * oracle(*a, **k))
+    out = dflash(engine, ids, max_tokens=60, ignore_eos=True, block_size=16)
+    assert out.token_ids == free
+    assert seen == [] and out.stats["lookup_drafts"] == 0
+    monkeypatch.setattr(engine_mod, "draft_logits", oracle)  # at odds of e^-1 it is
+    assert dflash(engine, ids, max_tokens=60, ignore_eos=True, block_size=16).token_ids == free
+    assert seen
+
+
 def test_a_stop_among_accepted_drafts_counts_no_miss_after_it(engine, monkeypatch):
     """The drafts after a stop were never needed, and the target's choice after the end says
     nothing of the drafter: the router's acceptance counts end at the stop."""

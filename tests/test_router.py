@@ -2,13 +2,22 @@
 and per-request overrides are obeyed."""
 
 import json
+import math
 
 import numpy as np
 import pytest
+import torch
 from conftest import tiny_dflash_engine
 
 from agentflash.engine.request import SamplingParams
-from agentflash.router.policy import Acceptance, Candidate, CostModel, RequestRouting, StepShape
+from agentflash.router.policy import (
+    Acceptance,
+    Candidate,
+    CostModel,
+    RequestRouting,
+    StepShape,
+    fork_odds,
+)
 from agentflash.router.segments import SegmentKind, SegmentTracker
 
 
@@ -377,6 +386,17 @@ def test_the_draft_not_verified_is_counted_as_far_as_the_target_shows_it():
     lookup, drafter = cost.agreed[SegmentKind.CODE]
     assert list(drafter.reached[:4]) == [1, 1, 1, 0] and list(drafter.accepted[:3]) == [1, 1, 0]
     assert list(lookup.reached[:5]) == [1, 1, 1, 0, 0] and list(lookup.accepted[:4]) == [1, 1, 1, 0]
+
+
+def test_the_drafter_gives_odds_for_the_lookup_where_the_two_part():
+    logits = torch.zeros(4, 10)
+    logits[2, 7], logits[2, 3] = 2.0, -1.0  # at slot 2 the block has 7, the lookup 3
+    odds = fork_odds([1, 2, 7, 4], [1, 2, 3, 4, 5], logits)
+    assert odds == pytest.approx(math.exp(-3.0))
+    assert fork_odds([1, 2, 7], [1, 2, 7, 9], logits) == math.inf  # the lookup goes on from it
+    assert fork_odds([1, 2, 7, 4, 6], [1, 2, 7, 4, 5], logits) == math.inf  # past the logits
+    logits[2, 3] = 1e4  # a token the drafter prefers, where the grammar chose for it
+    assert math.isfinite(fork_odds([1, 2, 7, 4], [1, 2, 3], logits))
 
 
 def test_a_lookup_that_agrees_with_the_block_is_verified_in_its_place_where_it_stands_longer():

@@ -29,10 +29,12 @@ from agentflash.grammar.constraint import GrammarFailed, apply_bitmask_, greedy_
 from agentflash.grammar.sources import GrammarKind
 from agentflash.router.policy import (
     AGREEMENT,
+    FORK_ODDS,
     MAX_SLOTS,
     Candidate,
     CostModel,
     StepShape,
+    fork_odds,
     priors_from_validation,
 )
 from agentflash.router.segments import SegmentKind
@@ -692,7 +694,7 @@ class Engine:
             n = sizes[r.id]
             if r.constraint is None:
                 drafts[r.id] = self._agreed(r, kinds[r.id], BlockDraft(best[i, :n].tolist(), 0,
-                                                                       True))
+                                                                       True), logits[i])
                 continue
             from agentflash.grammar import constrained_draft
 
@@ -706,7 +708,8 @@ class Engine:
                 self._fail_alone(r, err)
                 continue
             drafts[r.id] = self._agreed(
-                r, kinds[r.id], BlockDraft(walk.tokens, walk.num_forced, True, walk.masks))
+                r, kinds[r.id], BlockDraft(walk.tokens, walk.num_forced, True, walk.masks),
+                logits[i])
         return drafts
 
     def _lookup(self, req: Request, size: int, kind: SegmentKind) -> BlockDraft | None:
@@ -747,18 +750,24 @@ class Engine:
             self._fail_alone(req, err)
             return None
 
-    def _agreed(self, req: Request, kind: SegmentKind, block: BlockDraft) -> BlockDraft:
-        """The drafter's ``block`` for a row; or, where the request's own text suggests a run
-        that begins with the block's first ``AGREEMENT`` tokens, that run (cut at the first token
-        the grammar forbids) in its place when the router expects it to commit more per second
-        (``agreed_slots``: it may run on past the block, as far as ``_lookup``'s). Either way
-        the draft not verified goes along as the rival the verify is compared with. Not for a
-        constrained sampling row: it verifies with the masks its walk made along the block."""
+    def _agreed(
+        self, req: Request, kind: SegmentKind, block: BlockDraft, logits: torch.Tensor
+    ) -> BlockDraft:
+        """The drafter's ``block`` for a row (``logits`` [slots, V]: the drafter's, which
+        proposed it); or, where the request's own text suggests a run that begins with the
+        block's first ``AGREEMENT`` tokens, and the drafter does not all but rule out its token
+        where the two part (``fork_odds`` at least ``FORK_ODDS``), that run (cut at the first
+        token the grammar forbids) in its place when the router expects it to commit more per
+        second (``agreed_slots``: it may run on past the block, as far as ``_lookup``'s). Either
+        way the draft not verified goes along as the rival the verify is compared with. Not for
+        a constrained sampling row: it verifies with the masks its walk made along the block."""
         drafted = block.tokens
         if len(drafted) < AGREEMENT or block.masks is not None:
             return block
         found = lookup_draft(req.all_ids, self._lookup_limit(req, len(drafted)))
         if found[:AGREEMENT] != drafted[:AGREEMENT]:
+            return block
+        if fork_odds(drafted, found, logits) < FORK_ODDS:
             return block
         take = self.cost.agreed_slots(req.routing, kind, len(drafted), len(found))
         if take == 0:  # counted as the rival as it is: a token the grammar forbids is one the
