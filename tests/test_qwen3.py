@@ -57,3 +57,29 @@ def test_captured_hidden_states_are_hf_hidden_states(pair):
     out = runner(ours).forward([Row(0, 0, ids[0].tolist())], capture_layers=(0, 2))
     torch.testing.assert_close(out.hidden[0], torch.cat([hf[1], hf[3]], dim=-1)[0], atol=1e-4,
                                rtol=1e-4)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch")
+def test_a_projection_on_onednn_reads_its_weight_reordered_once_and_again_after_it_changes():
+    from agentflash.models.qwen3 import Linear, reordered_bytes
+
+    torch.manual_seed(0)
+    linear = Linear(64, 96, bias=False)
+    with torch.no_grad():  # stored column-major, as the exact path stores it
+        linear.weight.set_(linear.weight.t().contiguous().t())
+    linear.onednn, linear.row_multiple = True, 4
+    x = torch.randn(7, 64)
+    with torch.inference_mode():
+        for n in (1, 4, 7):  # bitwise what oneDNN gives from the weight as stored
+            rows = torch.nn.functional.pad(x[:n], (0, 0, 0, -n % 4))
+            stored = torch.ops.mkldnn._linear_pointwise(rows, linear.weight, None, "none", [], "")
+            assert torch.equal(linear(x[:n]), stored[:n])
+        first = linear._onednn_weight()
+        assert linear._onednn_weight() is first  # reordered once
+        assert reordered_bytes(linear) == 64 * 96 * 4
+    with torch.no_grad():
+        linear.weight.mul_(2.0)  # a new version of the weight: reordered again
+    with torch.inference_mode():
+        assert linear._onednn_weight() is not first
+        assert torch.allclose(linear(x), 2.0 * torch.nn.functional.linear(x, linear.weight / 2.0),
+                              atol=1e-4)

@@ -464,6 +464,8 @@ class DFlashDrafter(nn.Module):
             for projection in (layer.self_attn._fused, layer.mlp._fused):
                 if projection is not None:
                     projection.onednn = onednn
+                    if not onednn:
+                        projection.__dict__.pop("_packed", None)
         return self
 
     def new_context(self) -> DraftContext:

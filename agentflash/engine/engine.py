@@ -27,6 +27,7 @@ from agentflash.engine.scheduler import Scheduler, SchedulerConfig
 from agentflash.errors import UserError, is_int, is_number
 from agentflash.grammar.constraint import GrammarFailed, apply_bitmask_, greedy_verify
 from agentflash.grammar.sources import GrammarKind
+from agentflash.models.qwen3 import reordered_bytes
 from agentflash.router.policy import (
     AGREEMENT,
     FORK_ODDS,
@@ -882,9 +883,14 @@ class Engine:
     # --- memory ----------------------------------------------------------------------------
 
     def weight_bytes(self) -> dict[str, int]:
-        """The target's and the drafter's parameters, in bytes (the drafter: 0 when none)."""
+        """The target's and the drafter's parameters, in bytes (the drafter: 0 when none), and
+        the copies of their projections' weights that oneDNN's matmul reads (``reordered_bytes``;
+        made at a projection's first forward on that path)."""
         def size(net) -> int:
-            return sum(p.numel() * p.element_size() for p in net.parameters()) if net else 0
+            if net is None:
+                return 0
+            params = sum(p.numel() * p.element_size() for p in net.parameters())
+            return params + reordered_bytes(net)
 
         return {"target": size(self.model), "drafter": size(self.drafter)}
 

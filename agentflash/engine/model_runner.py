@@ -427,6 +427,8 @@ def _set_products(model: Qwen3Model, products: Products | None) -> None:
     for linear in _linears(model):
         linear.onednn = bool(products and products.onednn)
         linear.row_multiple = products.row_multiple if products else 0
+        if not linear.onednn:
+            linear.__dict__.pop("_packed", None)  # oneDNN's reordered copy, if a try made one
 
 
 def _linears(model: Qwen3Model, in_forward: bool = False) -> Iterator[Linear]:
