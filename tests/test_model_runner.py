@@ -12,6 +12,7 @@ from agentflash.engine.model_runner import (
     ModelRunner,
     Row,
     _linears,
+    _probe_forwards,
     exact_products,
     exactness_problem,
 )
@@ -513,6 +514,31 @@ def test_the_probe_names_a_projection_whose_rows_change_with_their_batch(tiny_mo
     rows = [Row(0, 50, ids[50:]), Row(1, 0, ids[:7])]
     got, want = run.forward(rows).logits, ref.forward(rows).logits
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_the_probe_names_verify_blocks_that_round_otherwise_padded_together(
+    tiny_model_dir, monkeypatch
+):
+    """Verify blocks of different lengths attend in one batch, the shorter padded with zero
+    queries: were a padded batch to round a row otherwise, the probe says so (and the runner
+    keeps to the plain path)."""
+    import agentflash.models.qwen3 as qwen3
+
+    model = batch_invariant_(load_model(tiny_model_dir)[0])
+    kept = exact_products(model)[0]
+    if kept is None:
+        pytest.skip("this machine's kernels are not exact however the projections run")
+    real = qwen3.exact_attention_blocks
+
+    def rounding_when_padded(q, k, v, k_pool, v_pool, rows):
+        out = real(q, k, v, k_pool, v_pool, rows)
+        return torch.nextafter(out, out + 1) if rows.padded_index is not None else out
+
+    monkeypatch.setattr(qwen3, "exact_attention_blocks", rounding_when_padded)
+    with torch.inference_mode():
+        problem = _probe_forwards(model, kept)
+    assert problem == ("a verify block of 16 tokens batched with one of another length gets "
+                       "other logits than decoding")
 
 
 def test_the_probe_pads_rows_to_a_multiple_of_4_where_other_counts_round_otherwise(

@@ -481,7 +481,8 @@ def _probe_projections(model: Qwen3Model) -> str | None:
 
 def _probe_forwards(model: Qwen3Model, products: Products) -> str | None:
     """Where a forward's row differs from the row alone: rows of each kind batched in one
-    step, a verify block against one-token decoding, a prompt prefilled after a cut."""
+    step, a verify block against one-token decoding, a prompt prefilled after a cut, verify
+    blocks of two lengths attending together against decoding."""
     cfg, device = model.cfg, next(model.parameters()).device
     gen = torch.Generator().manual_seed(0)
 
@@ -515,4 +516,16 @@ def _probe_forwards(model: Qwen3Model, products: Products) -> str | None:
         own = alone.forward([r]).logits[0]
         if not torch.equal(out[i, : own.shape[0]], own):
             return f"a row of {len(r.tokens)} tokens gets other logits batched than alone"
+    # verify blocks of two lengths attending in one batch, the shorter padded with zero queries
+    # (``exact_attention_blocks``), beside a one-token row
+    longer, shorter, third = tokens(16), tokens(12), tokens(1)
+    rows = [Row(0, 316, longer), Row(1, 10, shorter), Row(2, 34, third)]
+    assert mixed._block_groups(rows) == [[0, 1]], "the probe's blocks attend together"
+    out = mixed.forward(rows).logits
+    for i, r in enumerate(rows):
+        decoded = torch.cat([alone.forward([Row(r.slot, r.start + j, [t])]).logits[0]
+                             for j, t in enumerate(r.tokens)])
+        if not torch.equal(out[i, : len(r.tokens)], decoded):
+            return (f"a verify block of {len(r.tokens)} tokens batched with one of another "
+                    "length gets other logits than decoding")
     return None
