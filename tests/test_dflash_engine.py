@@ -188,11 +188,10 @@ def test_a_loop_is_verified_past_the_drafters_block(engine, monkeypatch):
     assert out.token_ids == plain(engine, ids, max_tokens=200, ignore_eos=True).token_ids
 
 
-def test_a_lookup_that_agrees_with_a_failing_block_is_verified_in_its_place(engine, monkeypatch):
-    """The drafter's blocks fail at their third slot; the text, looked up, begins as they do
-    and goes on right: once the router has seen that on a verify of a block, it verifies the
-    lookup in its place, on past the drafter's block, and the output is still plain
-    decoding's."""
+def agreeing_lookups(engine, monkeypatch):
+    """A prompt, its plain output, and a spy on the agreeing-lookup verifies of a fresh router
+    (``spy_on_agreements``) where the text, looked up, is that output on from every point and
+    the drafter (an ``Oracle`` returned with them) fails at its third slot."""
     ids = list(range(500, 530))
     free = plain(engine, ids, max_tokens=60, ignore_eos=True).token_ids
 
@@ -202,7 +201,16 @@ def test_a_lookup_that_agrees_with_a_failing_block_is_verified_in_its_place(engi
 
     seen = spy_on_agreements(monkeypatch, engine)  # a fresh router, after the drafter only
     monkeypatch.setattr(engine_mod, "lookup_draft", looked_up)
-    monkeypatch.setattr(engine_mod, "draft_logits", Oracle(len(ids), free, wrong_at=2))
+    return ids, free, seen, Oracle(len(ids), free, wrong_at=2)
+
+
+def test_a_lookup_that_agrees_with_a_failing_block_is_verified_in_its_place(engine, monkeypatch):
+    """The drafter's blocks fail at their third slot; the text, looked up, begins as they do
+    and goes on right: once the router has seen that on a verify of a block, it verifies the
+    lookup in its place, on past the drafter's block, and the output is still plain
+    decoding's."""
+    ids, free, seen, oracle = agreeing_lookups(engine, monkeypatch)
+    monkeypatch.setattr(engine_mod, "draft_logits", oracle)
     out = dflash(engine, ids, max_tokens=60, ignore_eos=True)
     assert out.token_ids == free
     assert seen[0][:1] == (False,) and seen[0][2] == 2  # the block first, failing at slot 2
@@ -218,16 +226,7 @@ def test_a_lookup_whose_token_the_drafter_rules_out_where_they_part_is_not_a_can
     odds of e^-10 against it; every block 16 long, so that the two part within it): the
     lookup is neither verified nor counted among the agreements, and the output is still plain
     decoding's."""
-    ids = list(range(500, 530))
-    free = plain(engine, ids, max_tokens=60, ignore_eos=True).token_ids
-
-    def looked_up(tokens, num, *args):
-        done = len(tokens) - len(ids)
-        return free[done : done + num]
-
-    oracle = Oracle(len(ids), free, wrong_at=2)
-    seen = spy_on_agreements(monkeypatch, engine)
-    monkeypatch.setattr(engine_mod, "lookup_draft", looked_up)
+    ids, free, seen, oracle = agreeing_lookups(engine, monkeypatch)
     monkeypatch.setattr(engine_mod, "draft_logits", lambda *a, **k: 10.0 * oracle(*a, **k))
     out = dflash(engine, ids, max_tokens=60, ignore_eos=True, block_size=16)
     assert out.token_ids == free

@@ -465,7 +465,7 @@ class DFlashDrafter(nn.Module):
                 if projection is not None:
                     projection.onednn = onednn
                     if not onednn:
-                        projection.__dict__.pop("_packed", None)
+                        projection.__dict__.pop("_reordered", None)
         return self
 
     def new_context(self) -> DraftContext:

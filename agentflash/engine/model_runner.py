@@ -428,7 +428,7 @@ def _set_products(model: Qwen3Model, products: Products | None) -> None:
         linear.onednn = bool(products and products.onednn)
         linear.row_multiple = products.row_multiple if products else 0
         if not linear.onednn:
-            linear.__dict__.pop("_packed", None)  # oneDNN's reordered copy, if a try made one
+            linear.__dict__.pop("_reordered", None)  # oneDNN's reordered copy, if a try made one
 
 
 def _linears(model: Qwen3Model, in_forward: bool = False) -> Iterator[Linear]:

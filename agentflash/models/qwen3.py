@@ -199,7 +199,6 @@ class Linear(nn.Linear):
             out = F.linear(rows, self.weight, self.bias)
         return out[:n].view(*x.shape[:-1], -1)
 
-
     def _onednn_weight(self) -> torch.Tensor:
         """The weight as oneDNN's matmul reads it: reordered into its blocked layout once (from
         the row-major copy: the exact path stores weights column-major, as MKL's kernels want
@@ -213,13 +212,13 @@ class Linear(nn.Linear):
         if w.dtype != torch.float32 or w.device.type != "cpu":
             return w
         key = (w.data_ptr(), w._version, tuple(w.shape), tuple(w.stride()))
-        packed = self.__dict__.get("_packed")
-        if packed is None or packed[0] != key:
+        reordered = self.__dict__.get("_reordered")
+        if reordered is None or reordered[0] != key:
             with torch.no_grad():
                 rows = w.detach().contiguous()
-                packed = (key, torch.ops.mkldnn._reorder_linear_weight(rows, None))
-            self.__dict__["_packed"] = packed
-        return packed[1]
+                reordered = (key, torch.ops.mkldnn._reorder_linear_weight(rows, None))
+            self.__dict__["_reordered"] = reordered
+        return reordered[1]
 
 
 def reordered_bytes(net: nn.Module) -> int:
@@ -231,7 +230,7 @@ def reordered_bytes(net: nn.Module) -> int:
         for linear in (module, getattr(module, "_fused", None)):
             if isinstance(linear, Linear) and id(linear) not in seen:
                 seen.add(id(linear))
-                if "_packed" in linear.__dict__:
+                if "_reordered" in linear.__dict__:
                     total += linear.weight.numel() * linear.weight.element_size()
     return total
 
