@@ -185,11 +185,16 @@ def run(
             for row in constrained:
                 row.update(_validity(engine, suite, items, row["outputs"]))
             rows += constrained
-        if suite == "json" and importlib.util.find_spec("outlines") is not None:
-            outlines_skipped = outlines_masks_wrong()
-            if outlines_skipped is None:
+        if grammars and importlib.util.find_spec("outlines") is not None:
+            # on JSON outlines' default backend (outlines-core) applies its masks with its own
+            # kernel; the tools' grammar (Lark) goes through its llguidance backend
+            skipped = outlines_masks_wrong() if suite == "json" else None
+            if skipped is None:
                 ref = rows[-1 - 2 * (engine.drafter is not None)]["outputs"]
-                rows.append(_outlines_row(engine, hf_model, items, prompts, max_tokens, ref))
+                rows.append(_outlines_row(engine, hf_model, suite, items, prompts, grammars,
+                                          max_tokens, ref))
+            else:
+                outlines_skipped = skipped
     for row in rows:
         base = next(
             r
@@ -242,37 +247,51 @@ def outlines_masks_wrong() -> str | None:
             "CPU; its row is left out")
 
 
-def _outlines_row(engine: Engine, hf_model, items: list[Prompt], prompts: list[list[int]],
-                  max_tokens: int, reference: list[list[int]]) -> dict[str, Any]:
-    """outlines' own generator on the same transformers model, schemas and prompts (greedy)."""
+def _outlines_row(engine: Engine, hf_model, suite: str, items: list[Prompt],
+                  prompts: list[list[int]], grammars: list, max_tokens: int,
+                  reference: list[list[int]]) -> dict[str, Any]:
+    """outlines' own generator on the same transformers model, prompts and output types (greedy):
+    on ``json`` the prompt's schema (``JsonSchema``), on ``tool_call`` the tools' grammar the
+    engine decodes under (``CFG``, the same Lark text, on outlines' llguidance backend). Its
+    tokens are the ones it generated (transformers' streamer hands them over), not its text
+    tokenized again, which merges some of them."""
     import outlines
-    from outlines.types import JsonSchema
+    from outlines.types import CFG, JsonSchema
 
     model = outlines.from_transformers(hf_model, engine.tokenizer)
-    outs, answers, seconds = [], [], []
-    for p, ids in zip(items, prompts):
-        generator = outlines.Generator(model, JsonSchema(json.dumps(p.schema)))  # compile untimed
-        text = engine.tokenizer.decode(ids)
+    outs, seconds = [], []
+    for p, ids, grammar in zip(items, prompts, grammars, strict=True):
+        if suite == "json":
+            generator = outlines.Generator(model, JsonSchema(json.dumps(p.schema)))
+        else:
+            generator = outlines.Generator(model, CFG(grammar.text), backend="llguidance")
+        text = engine.tokenizer.decode(ids)  # compiled above, untimed
         generator(text, max_new_tokens=1, do_sample=False)  # warm: outlines builds lazily
+        generated = _Generated()
         t0 = time.perf_counter()
-        answer = generator(text, max_new_tokens=max_tokens, do_sample=False)
+        generator(text, max_new_tokens=max_tokens, do_sample=False, streamer=generated)
         seconds.append(time.perf_counter() - t0)
-        answers.append(answer)
-        outs.append(engine.tokenizer(answer, add_special_tokens=False)["input_ids"])
-    # the engine's outputs end with the end-of-turn token, outlines' text does not
-    ref = [r[:-1] if r and r[-1] in engine.eos_ids else r for r in reference]
-    row = _row("json", "outlines", outs, ref, seconds, None)
-    finished = [(p, a) for p, a in zip(items, answers) if _parses(a)]  # no end token: complete
-    row.update(finished=len(finished), valid=sum(_valid_answer("json", p, a) for p, a in finished))
+        outs.append(generated.ids)
+    row = _row(suite, "outlines", outs, reference, seconds, None)
+    row.update(_validity(engine, suite, items, outs))
     return row
 
 
-def _parses(text: str) -> bool:
-    try:
-        json.loads(text)
-    except json.JSONDecodeError:
-        return False
-    return True
+class _Generated:
+    """A transformers streamer that keeps the ids a ``generate`` call writes (its first call
+    hands over the prompt)."""
+
+    def __init__(self) -> None:
+        self.ids: list[int] = []
+        self._prompt_seen = False
+
+    def put(self, value: torch.Tensor) -> None:
+        if self._prompt_seen:
+            self.ids += value.reshape(-1).tolist()
+        self._prompt_seen = True
+
+    def end(self) -> None:
+        pass
 
 
 def _validity(
