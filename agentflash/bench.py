@@ -625,8 +625,9 @@ def run_concurrency(
     """Plain, always-dflash and router rows at each concurrency, side by side in one run.
 
     Every level decodes the same ``num_prompts`` prompts (default: the highest level) with
-    ``level`` requests in flight at a time. The modes take turns ``rounds`` times and each row is
-    its median round by tokens/s, so that a slow spell of the machine lands on every mode. Suite
+    ``level`` requests in flight at a time. The modes take turns ``rounds`` times, in a rotated
+    order each round, and each row is its median round by tokens/s, so that a slow spell of the
+    machine lands on every mode. Suite
     ``mixed`` interleaves prompts of every kind; in suite ``agent`` a prompt is a conversation
     of two turns, the second submitted when the first ends (its prompt begins with the first's:
     the prefix cache holds it), both under the tools' grammar (``tool_choice`` auto), as the
@@ -662,8 +663,12 @@ def run_concurrency(
                 alone.append(engine.generate(ids, params).token_ids)
         for level in levels:
             measured: dict[str, list[dict[str, Any]]] = {mode: [] for mode in MODES}
-            for _ in range(rounds):
-                for mode, speculation in MODES.items():
+            for k in range(rounds):
+                # each round the modes take turns in another order (plain, dflash, auto; then
+                # dflash, auto, plain; ...): a machine that slows down or speeds up within a
+                # round does not always favour the same mode
+                turns = list(MODES.items())
+                for mode, speculation in turns[k % len(turns):] + turns[: k % len(turns)]:
                     # warm the allocator
                     _run_at(engine, convos[:1], 1, 8, speculation, grammars[:1])
                     runs = _run_at(engine, convos, level, max_tokens, speculation, grammars)

@@ -101,7 +101,7 @@ def test_constrained_rows_count_valid_answers_among_the_finished(demo_tokenizer_
     assert bench._validity(_Engine(), "json", [answer] * 2, outs) == {"finished": 2, "valid": 0}
 
 
-def test_concurrency_rows_match_outputs_run_alone(tiny_model_dir, tmp_path):
+def test_concurrency_rows_match_outputs_run_alone(tiny_model_dir, tmp_path, monkeypatch):
     import torch
 
     from agentflash.dflash.checkpoint import save_drafter
@@ -126,10 +126,21 @@ def test_concurrency_rows_match_outputs_run_alone(tiny_model_dir, tmp_path):
         )
     )
     save_drafter(drafter, tmp_path / "drafter")
+    turns = []  # the modes' runs of every prompt, in the order they ran
+    run_at = bench._run_at
+
+    def recorded(engine, convos, level, max_tokens, speculation, grammars=None):
+        if len(convos) == 5:  # not the allocator's warm-up
+            turns.append(speculation)
+        return run_at(engine, convos, level, max_tokens, speculation, grammars)
+
+    monkeypatch.setattr(bench, "_run_at", recorded)
     report = bench.run_concurrency(
         str(tiny_model_dir), ["mixed"], [1, 3], max_tokens=6, drafter=str(tmp_path / "drafter"),
         num_prompts=5, rounds=2,
     )
+    # each round the modes take turns in a rotated order
+    assert turns == ["off", "dflash", "auto", "dflash", "auto", "off"] * 2
     assert [(r["concurrency"], r["mode"]) for r in report["rows"]] == [
         (c, m) for c in (1, 3) for m in ("plain", "dflash", "auto")
     ]
