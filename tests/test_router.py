@@ -154,22 +154,29 @@ def test_a_draft_must_pay_for_the_time_it_adds_to_every_row_of_the_step():
     assert cost.plan(8, [Candidate(unsure, SegmentKind.PROSE, 15, forced=True)]) == [True]
 
 
-def test_a_step_that_prefills_a_prompt_prices_drafts_against_its_whole_time():
-    cost, routing = fitted_tool_call_cost()
-    # what a prompt adds to a step is measured apart from the decode steps' fit
-    shape = plain(4)
-    for _ in range(30):
-        cost.observe_prefill(400, 400 * 0.05e-3)
-    assert cost.prefill_seconds(400) == pytest.approx(0.02, rel=0.01)
-    assert cost.decode_seconds(shape) == pytest.approx(float(TRUE_COST @ shape.features()),
-                                                       rel=0.2)
-    cost.observe_prefill(8, 1.0)  # a few tokens' share is noise: ignored
-    assert cost.prefill_seconds(400) == pytest.approx(0.02, rel=0.01)
-    # beside 7 plain rows the draft does not pay for the time it adds; beside them and a
-    # prompt's prefill, which the step spends anyway, it does
-    candidate = [Candidate(routing, SegmentKind.TOOL_CALL, 15)]
-    assert cost.plan(8, candidate) == [False]
-    assert cost.plan(8, candidate, prefill_tokens=400) == [True]
+def test_a_token_is_worth_what_it_takes_plain_in_a_batch_of_that_many_rows():
+    # the CPU engine's shape of costs: a step's fixed cost dear, a one-token row cheap
+    true_cost = np.array([2.5e-3, 0.12e-3, 0.1e-3, 1.3e-3, 0.8e-3, 0.02e-3])
+    cost = CostModel()
+    for rows in (1, 2, 4, 8, 16, 32) * 10:
+        for shape in (plain(rows), drafting(rows, rows // 2, 7), drafting(rows, 1, 15)):
+            cost.observe_step(shape, float(true_cost @ shape.features()))
+    calls = [RequestRouting() for _ in range(7)]
+    prose = RequestRouting()
+    for _ in range(10):
+        for routing in calls:
+            verify(cost, routing, SegmentKind.TOOL_CALL, 12, 15)
+    for _ in range(10):
+        verify(cost, prose, SegmentKind.PROSE, 6, 7)  # about 5.6 tokens a verify
+    rows = [Candidate(r, SegmentKind.TOOL_CALL, 15) for r in calls]
+    rows.append(Candidate(prose, SegmentKind.PROSE, 7))
+    # beside seven tool calls that draft, the prose row drafts too: plain, it would hold its
+    # place in the batch for every token (the seven's drafts make the step's own tokens per
+    # second higher than its draft would, which is no reason to leave it plain)
+    assert cost.plan(8, rows) == [True] * 8
+    # among 31 one-token rows, where a plain token costs a thirty-second of the fixed cost, the
+    # same prose draft does not pay for the time its block adds
+    assert cost.plan(32, [rows[-1]]) == [False]
 
 
 def test_one_token_rows_and_block_rows_are_priced_apart():

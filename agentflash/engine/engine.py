@@ -335,11 +335,10 @@ class Engine:
                 req.stats.mode = req.params.speculation.value
                 req.draft_context = self.drafter.new_context()
         hits = {r.id: self._reuse_prefix(r) for r in admitted}
-        prefill_tokens = sum(len(r.uncached_ids()) for r in admitted)
         kinds = {r.id: r.segments.kind for r in decoding}
         drafting = [r for r in decoding if r.draft_context is not None]
         sizes = {r.id: self._draft_len(r, kinds[r.id]) for r in drafting}
-        speculating = self._route(decoding, kinds, sizes, prefill_tokens)
+        speculating = self._route(decoding, kinds, sizes)
         routed = {r.id for r in speculating}
         drafts = self._draft(speculating, sizes, kinds)
         drafts.update(self._forced_runs([r for r in decoding if r.id not in drafts]))
@@ -379,12 +378,8 @@ class Engine:
             drafted_rows=len(drafted),
             draft_slots=sum(d.slots for d in drafted),
         )
-        if decoding and not admitted:
+        if decoding and not admitted:  # prompts would blur what a decode step costs
             self.cost.observe_step(shape, seconds)
-        elif admitted and self.cost.is_measured:
-            # prompts would blur what a decode step costs: what they add to the step (beyond
-            # its decode rows, if any) is measured apart
-            self.cost.observe_prefill(prefill_tokens, seconds - self.cost.decode_seconds(shape))
         return outputs
 
     def _isolated(self, req: Request, work, *args) -> StepOutput:
@@ -600,11 +595,9 @@ class Engine:
         decoding: list[Request],
         kinds: dict[int, SegmentKind],
         sizes: dict[int, int],
-        prefill_tokens: int,
     ) -> list[Request]:
-        """The rows that draft this step: those that asked for DFlash, and those the router
-        expects to commit more tokens per second of the shared step (``prefill_tokens`` of
-        prompts in it) by drafting."""
+        """The rows that draft this step: those that asked for DFlash, and those whose drafts
+        the router expects to save the batch more time than they add to its step."""
         able = [r for r in decoding if sizes.get(r.id, 0) > 0]
         if not able:
             return []
@@ -614,7 +607,7 @@ class Engine:
                       backlog=r.num_cached - r.draft_context.length)  # positions to project
             for r in able
         ]
-        chosen = self.cost.plan(len(decoding), candidates, prefill_tokens)
+        chosen = self.cost.plan(len(decoding), candidates)
         return [r for r, yes in zip(able, chosen) if yes]
 
     def _track(

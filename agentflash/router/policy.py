@@ -25,17 +25,18 @@ The choice is a cost model fed by what the engine measures while it runs:
 A step's rows share its time. Drafting a block of ``k`` slots for one row adds the block row's
 cost over a one-token row's and ``k * (per token + per slot)`` to the step (the drafter's fixed
 cost is added once, whatever the number of rows that draft) and gains that row ``tau - 1``
-tokens. Each step drafts for the most predictable rows up to the count that commits the most
-tokens per second of step time. So one request alone speculates when ``tau`` beats the
-verify-to-plain cost ratio, and in a wide batch drafts must pay for the time they add to every
-other row's step. A kind routed to plain decoding is still probed with DFlash once every
-``probe_every`` steps of the engine, by the row that is cheapest to probe (the least target
-context waiting to be projected into its drafter), in a step where a draft could pay at all, so
-that its acceptance estimate follows the text without every request paying for probes; the
-period doubles with each probe after which the kind stays plain. The counts of a kind decoded
-plain also age with every step (``age_plain``), so one bad stretch does not keep a kind plain
-for the rest of a generation: its estimate drifts back to the prior, and it drafts again where
-the prior pays at the current batch.
+tokens, each worth the time a token takes plain in a batch of that many rows (its share of
+the fixed cost, and a one-token row's). Each step drafts for the rows whose drafts gain the most
+time, up to the count that gains the most. So one request alone speculates when ``tau`` beats
+the verify-to-plain cost ratio, and in a wide batch, where a plain token is cheap, drafts must
+pay for the time they add to every other row's step. A kind routed to plain decoding is still
+probed with DFlash once every ``probe_every`` steps of the engine, by the row that is cheapest
+to probe (the least target context waiting to be projected into its drafter), in a step where a
+draft could pay at all, so that its acceptance estimate follows the text without every request
+paying for probes; the period doubles with each probe after which the kind stays plain. The
+counts of a kind decoded plain also age with every step (``age_plain``), so one bad stretch
+does not keep a kind plain for the rest of a generation: its estimate drifts back to the prior,
+and it drafts again where the prior pays at the current batch.
 
 A row that drafts may verify what its own text suggests instead (``lookup_draft``: what followed
 the latest earlier occurrence of its last tokens) when that is expected to commit more per second
@@ -78,9 +79,6 @@ LOOKUP_PRIOR_TAU = 2.0  # a draft looked up in the text, before the request has 
 # low, as a mistake on that side makes the router decode plain and so measure them.
 # fixed, one-token row, verified token past a row's first, drafter, block row, drafted slot
 PRIOR_COST = np.array([0.9, 0.05, 0.05, 0.5, 0.1, 0.02])
-# a prompt token's prefill, in one-token plain steps (the demo model on 2 CPU cores: a 400-token
-# prompt costs about 8 of them)
-PRIOR_PREFILL_TOKEN = 0.02
 COST_SCALE = np.array([1.0, 8.0, 16.0, 1.0, 4.0, 16.0])  # a feature's typical size, for the ridge
 
 
@@ -267,10 +265,6 @@ class CostModel:
     _since_fit: int = 0
     # what was derived for requests with no counts of their own for a kind: the same for all
     _derived: dict[tuple, tuple] = field(default_factory=dict)
-    # seconds per prompt token a step prefills (decayed mean of steps that prefilled); None:
-    # not measured yet, ``PRIOR_PREFILL_TOKEN`` stands in
-    _prefill_token: float | None = None
-    prefill_keep: float = 0.9  # weight of the older measurements per new one
     # per kind, on steps where a lookup agreed with the drafter's block: (the lookup's counts,
     # the block's), each counted whichever of the two was verified (``observe_agreement``)
     agreed: dict[SegmentKind, tuple[Acceptance, Acceptance]] = field(default_factory=dict)
@@ -387,16 +381,6 @@ class CostModel:
         self._moment = self.forget * self._moment + x * seconds
         self._since_fit += 1
 
-    def observe_prefill(self, tokens: int, seconds: float) -> None:
-        """A step prefilled ``tokens`` prompt tokens, which took ``seconds`` beyond what its
-        decoding rows are predicted to cost (``decode_seconds``)."""
-        if tokens < 16:  # a few tokens' share is mostly noise in the decode rows' prediction
-            return
-        per_token = max(seconds, 0.0) / tokens
-        old = self._prefill_token
-        self._prefill_token = per_token if old is None else (
-            self.prefill_keep * old + (1 - self.prefill_keep) * per_token)
-
     def decode_seconds(self, shape: StepShape) -> float:
         """Predicted wall time of a decode step of ``shape``."""
         return float(self.step_cost() @ shape.features())
@@ -405,13 +389,6 @@ class CostModel:
     def is_measured(self) -> bool:
         """Whether a decode step has been measured (the costs have a unit in seconds)."""
         return self._unit is not None
-
-    def prefill_seconds(self, tokens: int) -> float:
-        """Predicted time a step spends prefilling ``tokens`` prompt tokens."""
-        per_token = self._prefill_token
-        if per_token is None:  # the prior, in the unit of a one-token plain step
-            per_token = PRIOR_PREFILL_TOKEN * (self._unit if self._unit is not None else 1.0)
-        return tokens * per_token
 
     def step_cost(self) -> np.ndarray:
         """Fitted seconds per feature: fixed, per one-token row, per verified token past a row's
@@ -478,35 +455,42 @@ class CostModel:
         fixed, single, token, drafter, block, slot = self.step_cost()
         return (fixed + block + drafter + slots * (token + slot)) / (fixed + single)
 
-    def plan(self, rows: int, candidates: list[Candidate], prefill_tokens: int = 0) -> list[bool]:
-        """Which candidates draft this step, in a step of ``rows`` decoding rows that also
-        prefills ``prefill_tokens`` prompt tokens.
+    def plan(self, rows: int, candidates: list[Candidate]) -> list[bool]:
+        """Which candidates draft this step, in a step of ``rows`` decoding rows.
 
-        Candidates are ranked (those that asked for DFlash, then by expected tau: the drafter's, or
-        the lookup's where the request has drafted from its own text) and the step
-        drafts the top ``m`` of them for the ``m`` that commits the most tokens per second of
-        step time; the drafter's fixed cost is paid once, by however many rows draft. A prompt
-        in the step is part of its time: beside a long prefill, drafts that add little to the
-        step pay where they would not in a step of decoding rows alone. Kinds left out are
-        probed now and then.
+        A token is worth the time it takes plain in a batch of ``rows``: its share of a step's
+        fixed cost and a one-token row (``worth``). Drafting a candidate gains it ``tau - 1``
+        tokens for the time its block adds to the step; the drafter's fixed cost is paid once,
+        by however many rows draft. Candidates are ranked (those that asked for DFlash, then by
+        that gain, from expected tau: the drafter's, or the lookup's where the request has
+        drafted from its own text) and the step drafts the top ``m`` for the ``m`` that gains
+        the most time. Pricing a token by the batch, not by the step's own tokens per second, is
+        what a batch that keeps its rows costs: each row holds its place for as many steps as it
+        takes, so a row left plain beside rows that draft costs the batch its steps, however
+        fast those others make the step (the demo model, mixed workload, side by side: router
+        over the better fixed mode 0.91 -> 0.96 at 32 streams, 1.02 -> 1.08 at 8). A prompt
+        prefilled in the step changes nothing here: it costs the same with or without a draft.
+        Kinds left out are probed now and then.
         """
-        c = self.step_cost()
-        taus = [
-            max(self.expected_tau(x.routing, x.kind, x.slots), self._lookup_tau(x.routing, x.slots))
+        fixed, single, token, drafter, block, slot = self.step_cost()
+        worth = fixed / max(rows, 1) + single  # seconds a token takes plain in this batch
+
+        def gain(x: Candidate, tau: float) -> float:
+            """Seconds drafting ``x`` saves the batch (the drafter's launch aside)."""
+            return (tau - 1) * worth - (block - single + x.slots * (token + slot))
+
+        gains = [
+            gain(x, max(self.expected_tau(x.routing, x.kind, x.slots),
+                        self._lookup_tau(x.routing, x.slots)))
             for x in candidates
         ]
-        order = sorted(range(len(candidates)), key=lambda i: (not candidates[i].forced, -taus[i]))
+        order = sorted(range(len(candidates)), key=lambda i: (not candidates[i].forced, -gains[i]))
         must = sum(x.forced for x in candidates)
-        fixed, single, token, drafter, block, slot = c
-        plain = fixed + rows * single + self.prefill_seconds(prefill_tokens)
-        seconds, tokens = plain, float(rows)  # every row plain
-        best_m, best_rate = 0, tokens / seconds
+        gained, best_m, best = 0.0, 0, 0.0
         for m, i in enumerate(order, start=1):
-            x = candidates[i]
-            seconds += block - single + x.slots * (token + slot) + (drafter if m == 1 else 0.0)
-            tokens += taus[i] - 1
-            if m <= must or tokens / seconds > best_rate:
-                best_m, best_rate = m, tokens / seconds
+            gained += gains[i]
+            if m <= must or gained - drafter > best:
+                best_m, best = m, gained - drafter
         chosen = [False] * len(candidates)
         for rank, i in enumerate(order):
             chosen[i] = rank < best_m
@@ -514,8 +498,7 @@ class CostModel:
         def could_pay(x: Candidate) -> bool:
             """Whether drafting ``x`` would pay in this step if every draft stood (the drafter's
             launch paid already where rows were chosen)."""
-            extra = block - single + x.slots * (token + slot) + drafter * (best_m == 0)
-            return (rows + x.slots) / (plain + extra) > rows / plain
+            return gain(x, x.slots + 1) > drafter * (best_m == 0)
 
         self._probe(candidates, chosen, could_pay)
         return chosen
