@@ -118,15 +118,10 @@ def test_step_cost_is_fitted_from_measured_steps():
         rows = int(rng.integers(1, 9))
         shape = drafting(rows, int(rng.integers(0, min(rows, 2) + 1)), int(rng.integers(3, 16)))
         cost.observe_step(shape, float(TRUE_COST @ shape.features()))
-    fitted = cost.step_cost()
-    # every verified token past a row's first is a drafted slot here: their two costs are told
-    # apart by the prior alone, their sum by the steps
-    identified = [0, 1, 3, 4]  # fixed, one-token row, drafter, block row
-    assert fitted[identified] == pytest.approx(TRUE_COST[identified], rel=0.35)  # prior pulls
-    assert fitted[2] + fitted[5] == pytest.approx(TRUE_COST[2] + TRUE_COST[5], rel=0.15)
+    assert cost.step_cost() == pytest.approx(TRUE_COST, rel=0.35)  # the prior pulls a little
     one = float(TRUE_COST @ plain(1).features())
     spec = float(TRUE_COST @ drafting(1, 1, 15).features())
-    assert cost.verify_cost_ratio(15) == pytest.approx(spec / one, rel=0.1)
+    assert cost.verify_cost_ratio(15) == pytest.approx(spec / one, rel=0.05)
 
 
 def fitted_tool_call_cost():
@@ -261,9 +256,7 @@ def test_block_size_follows_the_acceptance_rate_within_bounds():
     assert 16 >= tool > prose >= 3
     for _ in range(30):
         verify(cost, routing, SegmentKind.PROSE, 0, 15)
-    # drafts that never land: the block shrinks to a draft or two (slots are cheap, the prior
-    # keeps a little hope for the second)
-    assert cost.block_size(routing, SegmentKind.PROSE, 16) <= min(3, prose - 1)
+    assert cost.block_size(routing, SegmentKind.PROSE, 16) == 2  # one draft: it never lands
     for _ in range(30):
         verify(cost, routing, SegmentKind.MATH, 15, 15)
     assert cost.block_size(routing, SegmentKind.MATH, 16) == 16  # every draft lands
@@ -451,7 +444,7 @@ def test_looked_up_drafts_that_stand_whole_grow_past_the_lengths_tried():
     # grow to the whole block; with a flat prior they stayed where the first ones stopped
     assert lengths[0] < 15 and lengths[-1] == 15
     assert lengths == sorted(lengths)
-    for _ in range(12):
+    for _ in range(6):
         cost.observe_lookup(routing, 2, 15)  # the loop breaks after two tokens, every time
     assert cost.lookup_slots(routing, SegmentKind.TOOL_CALL, 7, 15) <= 6  # and shrink back
 

@@ -74,16 +74,11 @@ PRIOR_TAU = {
 }
 LOOKUP_PRIOR_TAU = 2.0  # a draft looked up in the text, before the request has tried one
 # Step cost per feature, in units of a one-row plain step (measured on the demo model's CPU with
-# prompts of 20-400 tokens: a one-token row 0.05-0.13, the drafter 0.4-0.5; a verified token
-# 0.013 and its drafted slot 0.018, fitted by least squares on 2,900 steps of 1-32 rows, plain,
-# drafting and mixed). A feature no step measures keeps its prior: one-token rows are priced
-# low, as a mistake on that side makes the router decode plain and so measure them. The verified
-# token's prior matters most: the steps of one drafting row cannot tell it from the drafter's
-# and the block row's costs (they grow together), so after a stretch of them the fit keeps it;
-# at 0.05 the fit priced a token 0.48 ms where wide forwards take 0.17-0.19 ms, and drafts at
-# 8 rows looked a loss.
+# prompts of 20-400 tokens: a one-token row 0.05-0.13, a verified token with its drafted slot
+# 0.07, the drafter 0.5). A feature no step measures keeps its prior: one-token rows are priced
+# low, as a mistake on that side makes the router decode plain and so measure them.
 # fixed, one-token row, verified token past a row's first, drafter, block row, drafted slot
-PRIOR_COST = np.array([0.9, 0.05, 0.015, 0.5, 0.1, 0.02])
+PRIOR_COST = np.array([0.9, 0.05, 0.05, 0.5, 0.1, 0.02])
 COST_SCALE = np.array([1.0, 8.0, 16.0, 1.0, 4.0, 16.0])  # a feature's typical size, for the ridge
 
 
