@@ -627,12 +627,11 @@ def run_concurrency(
     Every level decodes the same ``num_prompts`` prompts (default: the highest level) with
     ``level`` requests in flight at a time. The modes take turns ``rounds`` times, in a rotated
     order each round, and each row is its median round by tokens/s, so that a slow spell of the
-    machine lands on every mode. Suite
-    ``mixed`` interleaves prompts of every kind; in suite ``agent`` a prompt is a conversation
-    of two turns, the second submitted when the first ends (its prompt begins with the first's:
-    the prefix cache holds it), both under the tools' grammar (``tool_choice`` auto), as the
-    runtime decodes an agent's turns. Outputs are checked against each prompt run alone with plain
-    greedy decoding.
+    machine lands on every mode. Suite ``mixed`` interleaves prompts of every kind; in suite
+    ``agent`` a prompt is a conversation of two turns, the second submitted when the first ends
+    (its prompt begins with the first's: the prefix cache holds it), both under the tools'
+    grammar (``tool_choice`` auto), as the runtime decodes an agent's turns. Outputs are checked
+    against each prompt run alone with plain greedy decoding.
     """
     from agentflash.engine.engine import EngineConfig
 

@@ -467,8 +467,9 @@ class CostModel:
         the most time. Pricing a token by the batch, not by the step's own tokens per second, is
         what a batch that keeps its rows costs: each row holds its place for as many steps as it
         takes, so a row left plain beside rows that draft costs the batch its steps, however
-        fast those others make the step (the demo model, mixed workload, side by side: router
-        over the better fixed mode 0.91 -> 0.96 at 32 streams, 1.02 -> 1.08 at 8). A prompt
+        fast those others make the step (the demo model, ``agentflash bench --concurrency 8,32
+        --suites mixed --rounds 6``, router over the better fixed mode, median of the rounds:
+        0.89 -> 0.96 at 8 streams, 0.93 -> 0.94 at 32). A prompt
         prefilled in the step changes nothing here: it costs the same with or without a draft.
         Kinds left out are probed now and then.
         """
