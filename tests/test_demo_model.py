@@ -51,11 +51,14 @@ def test_demo_drafter_is_lossless_and_accepts_blocks_on_tool_calls(engine):
 @pytest.mark.skipif(not (DEMO_DIR / "drafter" / "config.json").exists(), reason="no demo drafter")
 def test_the_drafter_follows_the_targets_kernels_and_drafts_losslessly_on_either(engine):
     """The drafter's fused projections run on oneDNN's matmul where the target's exact path
-    does (``DFlashDrafter.use_onednn_``), and dflash output is plain output on either kernel."""
-    onednn = engine.runner.products is not None and engine.runner.products.onednn
+    does, its projections of a shape the target runs on MKL's on MKL's
+    (``DFlashDrafter.use_onednn_``), and dflash output is plain output on either kernel."""
+    products = engine.runner.products
+    onednn = products is not None and products.onednn
     layers = engine.drafter.layers
     fused = [p for layer in layers for p in (layer.self_attn._fused, layer.mlp._fused)]
-    assert fused and all(p.onednn == onednn for p in fused)
+    assert fused and all(p.onednn == (products.on_onednn(p) if products else False)
+                         for p in fused)
     p = held_out_prompts("tool_call", 1)[0]
     ids = engine.chat_prompt(p.messages, p.tools)
     plain = engine.generate(ids, SamplingParams(max_tokens=64, speculation="off")).token_ids
@@ -65,4 +68,4 @@ def test_the_drafter_follows_the_targets_kernels_and_drafts_losslessly_on_either
             spec = engine.generate(ids, SamplingParams(max_tokens=64, speculation="dflash"))
             assert spec.token_ids == plain and spec.stats["tau"] > 1.5
     finally:
-        engine.drafter.use_onednn_(onednn)
+        engine.drafter.use_onednn_(onednn, products.mkl_shapes if products else frozenset())

@@ -15,6 +15,8 @@ from agentflash.engine.model_runner import (
     _probe_forwards,
     exact_products,
     exactness_problem,
+    mkl_where_faster,
+    with_mkl_for,
 )
 from agentflash.models.loading import load_model
 from agentflash.models.qwen3 import batch_invariant_, padded_rows
@@ -495,6 +497,7 @@ def test_the_probe_names_a_projection_whose_rows_change_with_their_batch(tiny_mo
     problem = exactness_problem(model)
     kept = exact_products(batch_invariant_(ref_model))[0]
     if kept is not None:  # this machine's kernels keep it, from that try of the probe's on
+        kept = kept._replace(mkl_shapes=frozenset())  # the try, before any shape moved to MKL
         found = "a projection of 128 to 64 features gives row 0 of 41 other bits than the row alone"
         parts = problem.split("; ")  # one for each way the probe tries
         assert len(parts) == len(EXACT_PRODUCTS)
@@ -514,6 +517,50 @@ def test_the_probe_names_a_projection_whose_rows_change_with_their_batch(tiny_mo
     rows = [Row(0, 50, ids[50:]), Row(1, 0, ids[:7])]
     got, want = run.forward(rows).logits, ref.forward(rows).logits
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_projections_mkl_computes_faster_move_to_mkl_where_the_exact_path_stays_exact(
+    tiny_model_dir
+):
+    """Where the probe keeps oneDNN's kernels, the projection shapes MKL's compute faster run on
+    MKL's (``Products.mkl_shapes``, timed at the products' row multiple), oneDNN's reordered
+    weights kept only for the others; the mix is probed again and kept only if the exact path
+    stays exact with it: a projection that rounds a row by its batch on MKL keeps it on
+    oneDNN."""
+    model = batch_invariant_(load_model(tiny_model_dir)[0])
+    kept = exact_products(model)[0]
+    if kept is None or not kept.onednn:
+        pytest.skip("the probe keeps no oneDNN kernels on this machine")
+    for linear in _linears(model):
+        assert linear.onednn == kept.on_onednn(linear)
+        assert ("_reordered" in linear.__dict__) <= linear.onednn
+    onednn = kept._replace(mkl_shapes=frozenset())
+    linears = list(_linears(model, in_forward=True))
+    shapes = frozenset(tuple(linear.weight.shape) for linear in linears)
+    # a margin oneDNN's kernels cannot make up (MKL at 11 times their time) and one MKL's cannot
+    assert mkl_where_faster(linears, 4, rows=(4,), rounds=1, calls=1, margin=-10) == shapes
+    assert mkl_where_faster(linears, 4, rows=(4,), rounds=1, calls=1, margin=1) == frozenset()
+    assert kept.mkl_shapes <= shapes and all(linear.onednn for linear in linears)
+    with torch.inference_mode():
+        mixed = with_mkl_for(model, onednn, shapes)
+        assert mixed == onednn._replace(mkl_shapes=shapes)
+        assert not any(linear.onednn for linear in linears)
+        assert str(mixed) == ("oneDNN (MKL for the 64->64, 64->128, 64->256, 64->4096, 128->64 "
+                              "projections), rows padded to a multiple of 4")
+
+        def rounding_by_batch_on_mkl(linear):  # MKL's rows of a batch of over 40 rows
+            forward = linear.forward
+
+            def rounded(x):
+                out = forward(x)
+                wide = x.numel() > 40 * x.shape[-1]
+                return torch.nextafter(out, out + 1) if wide and not linear.onednn else out
+            return rounded
+
+        for layer in model.model.layers:
+            layer.mlp.down_proj.forward = rounding_by_batch_on_mkl(layer.mlp.down_proj)
+        assert with_mkl_for(model, onednn, shapes) == onednn
+        assert all(linear.onednn for linear in _linears(model))
 
 
 def test_the_probe_names_verify_blocks_that_round_otherwise_padded_together(
@@ -568,7 +615,8 @@ def test_the_probe_pads_rows_to_a_multiple_of_4_where_other_counts_round_otherwi
     cache = KVCache(model.cfg, 2, MAX_LEN, torch.device("cpu"), torch.float32)
     run = ModelRunner(model, cache, batch_single_tokens=False)
     assert (run.batch_invariant, run.products, run.row_multiple) == (True, products, 4)
-    assert all((linear.onednn, linear.row_multiple) == products for linear in _linears(model))
+    assert all((linear.onednn, linear.row_multiple) == (products.on_onednn(linear), 4)
+               for linear in _linears(model))
     assert run._masks(10, 1).shape[0] == 4  # a one-token row's query rows: 2 heads, padded
     assert run._masks(10, 3).shape[0] == 8  # 2 heads x 3 tokens, padded
 

@@ -455,16 +455,19 @@ class DFlashDrafter(nn.Module):
             fuse_projections_(layer.mlp)
         return self
 
-    def use_onednn_(self, onednn: bool = True) -> DFlashDrafter:
+    def use_onednn_(self, onednn: bool = True, mkl_shapes: frozenset[tuple[int, int]] = frozenset()
+                    ) -> DFlashDrafter:
         """Run the fused projections (``fuse_`` first) on oneDNN's matmul (``Linear.onednn``),
-        as the target's exact path does where its probe chose oneDNN (an AMD EPYC, where
-        oneDNN's kernels are the faster: a tool-call block's draft forward 2.95 -> 2.61 ms,
-        side by side). Drafts need no exactness: the target's verification decides."""
+        but those of ``mkl_shapes`` ((out, in) features) on MKL's, as the target's exact path
+        does where its probe chose oneDNN (an AMD EPYC, where oneDNN's kernels are the faster:
+        a tool-call block's draft forward 2.95 -> 2.61 ms, side by side; on a Zen 3 MKL's the
+        faster on the narrower projections: ``Products.mkl_shapes``). Drafts need no
+        exactness: the target's verification decides."""
         for layer in self.layers:
             for projection in (layer.self_attn._fused, layer.mlp._fused):
                 if projection is not None:
-                    projection.onednn = onednn
-                    if not onednn:
+                    projection.onednn = onednn and tuple(projection.weight.shape) not in mkl_shapes
+                    if not projection.onednn:
                         projection.__dict__.pop("_reordered", None)
         return self
 

@@ -193,7 +193,9 @@ class Engine:
                             f"set kv_budget_mb): {str(err).splitlines()[0]}") from None
         self.runner = ModelRunner(model, self.cache, batch_invariant=config.batch_invariant)
         if drafter is not None:  # the drafter follows the target onto oneDNN's kernels
-            drafter.use_onednn_(self.runner.products is not None and self.runner.products.onednn)
+            products = self.runner.products
+            drafter.use_onednn_(products is not None and products.onednn,
+                                products.mkl_shapes if products else frozenset())
         self.scheduler = Scheduler(SchedulerConfig(slots, max_len), self.cache)
         self.prefix_cache = PrefixCache(int(config.prefix_cache_mb * 2**20))
         self.eos_ids = end_of_turn_ids(tokenizer, model_dir)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -58,14 +59,23 @@ PROBE_MACS = 4 * 10**9
 
 class Products(NamedTuple):
     """How the exact path's projections run (``Linear``): on oneDNN's matmul or MKL's, their
-    rows padded to a multiple of ``row_multiple`` (exact attention's too)."""
+    rows padded to a multiple of ``row_multiple`` (exact attention's too); with oneDNN, the
+    projections of the shapes in ``mkl_shapes`` ((out, in) features) on MKL's, where it
+    computes them faster (``mkl_where_faster``)."""
 
     onednn: bool
     row_multiple: int
+    mkl_shapes: frozenset[tuple[int, int]] = frozenset()
+
+    def on_onednn(self, linear: Linear) -> bool:
+        """Whether ``linear`` runs on oneDNN's matmul."""
+        return self.onednn and tuple(linear.weight.shape) not in self.mkl_shapes
 
     def __str__(self) -> str:
         kernel = "oneDNN" if self.onednn else "MKL"
-        return f"{kernel}, rows padded to a multiple of {self.row_multiple}"
+        shapes = ", ".join(f"{i}->{o}" for o, i in sorted(self.mkl_shapes, key=lambda s: s[::-1]))
+        mkl = f" (MKL for the {shapes} projections)" if shapes else ""
+        return f"{kernel}{mkl}, rows padded to a multiple of {self.row_multiple}"
 
 
 # what the probe tries, in turn: MKL's AVX-512 kernels keep the exact path unpadded; on an AMD
@@ -397,9 +407,11 @@ def exact_products(model: Qwen3Model) -> tuple[Products | None, str | None]:
     multiple of 4). So the probe runs, with each of ``EXACT_PRODUCTS`` in turn, the model's own
     projections at ``PROBE_ROW_COUNTS`` rows, and forwards in which a row is batched, a verify
     block decoded and a prompt cut, against each row alone. A probe, not a proof: it samples
-    the shapes a step can have. Done once per model and thread count (the kernels' blocking
-    follows both); the demo model's takes 0.3-0.4 s a try. Leaves the model's projections as
-    the last try had them.
+    the shapes a step can have. Where oneDNN's kernels keep it, the projections MKL's compute
+    faster move to MKL's (``mkl_where_faster``, ``with_mkl_for``: probed again). Done once per
+    model and thread count (the kernels' blocking follows both); the demo model's takes 0.3-0.4
+    s a try, and 0.3 s to time the kernels. Leaves the model's projections as the last try had
+    them.
     """
     by_threads = _probed.setdefault(model, {})
     threads = torch.get_num_threads()
@@ -410,10 +422,80 @@ def exact_products(model: Qwen3Model) -> tuple[Products | None, str | None]:
                 _set_products(model, products)
                 problem = _probe_projections(model) or _probe_forwards(model, products)
                 if problem is None:
+                    if products.onednn:
+                        faster = mkl_where_faster(list(_linears(model, in_forward=True)),
+                                                  products.row_multiple)
+                        products = with_mkl_for(model, products, faster)
                     break
                 problems.append(f"{problem} ({products})" if problems else problem)
         by_threads[threads] = (None, "; ".join(problems)) if problem else (products, None)
     return by_threads[threads]
+
+
+def with_mkl_for(model: Qwen3Model, products: Products, shapes: frozenset[tuple[int, int]]
+                 ) -> Products:
+    """``products`` (on oneDNN, exact) with the projections of ``shapes`` ((out, in) features)
+    moved to MKL's kernels, if the exact path stays exact so (probed again), else
+    ``products``. Leaves the model's projections as the products returned say."""
+    if not shapes:
+        return products
+    mixed = products._replace(mkl_shapes=shapes)
+    _set_products(model, mixed)
+    problem = _probe_projections(model) or _probe_forwards(model, mixed)
+    if problem is None:
+        return mixed
+    log.info("the exact path keeps every projection on oneDNN: with %s, %s", mixed, problem)
+    _set_products(model, products)
+    return products
+
+
+# Row counts at which both kernels are timed on a projection: a step of one-token rows, one
+# with a verify block, a few rows' blocks. (At a prompt's hundreds of rows the two take about
+# the same time; oneDNN's matmul costs some 50 us a call more at the demo's widths on a Zen 3
+# EPYC, which its kernels make up for on the lm_head and the MLP's input only.)
+KERNEL_TIMING_ROWS = (4, 16, 64)
+
+
+def mkl_where_faster(
+    linears: list[Linear],
+    row_multiple: int,
+    rows: tuple[int, ...] = KERNEL_TIMING_ROWS,
+    rounds: int = 7,
+    calls: int = 4,
+    margin: float = 0.1,
+) -> frozenset[tuple[int, int]]:
+    """The shapes ((out, in) features) of ``linears`` whose products of ``rows`` rows (padded
+    to ``row_multiple``) MKL's kernels compute in less time than oneDNN's, by more than
+    ``margin`` of oneDNN's: the median of ``rounds`` timings of ``calls`` calls at each row
+    count, summed over them, the kernels taking turns in alternating order (a machine's drift
+    lands on both). About 0.3 s on the demo model. Leaves every one of ``linears`` on
+    oneDNN's, its rows padded to ``row_multiple``."""
+    by_shape: dict[tuple[int, int], Linear] = {}
+    for linear in linears:
+        linear.onednn, linear.row_multiple = True, row_multiple
+        by_shape.setdefault(tuple(linear.weight.shape), linear)
+    faster = set()
+    with torch.inference_mode():
+        for shape, linear in by_shape.items():
+            seconds = {True: 0.0, False: 0.0}  # by kernel: oneDNN, MKL
+            for n in rows:
+                x = torch.zeros(n, shape[1], dtype=linear.weight.dtype,
+                                device=linear.weight.device)
+                times: dict[bool, list[float]] = {True: [], False: []}
+                for k in range(rounds + 1):  # the first round warms both up, untimed
+                    for onednn in (True, False) if k % 2 else (False, True):
+                        linear.onednn = onednn
+                        start = time.perf_counter()
+                        for _ in range(calls):
+                            linear(x)
+                        if k:
+                            times[onednn].append(time.perf_counter() - start)
+                for onednn, ts in times.items():
+                    seconds[onednn] += sorted(ts)[len(ts) // 2]
+            linear.onednn = True
+            if seconds[False] < (1 - margin) * seconds[True]:
+                faster.add(shape)
+    return frozenset(faster)
 
 
 def exactness_problem(model: Qwen3Model) -> str | None:
@@ -425,7 +507,7 @@ def exactness_problem(model: Qwen3Model) -> str | None:
 def _set_products(model: Qwen3Model, products: Products | None) -> None:
     """Every projection of ``model`` run as ``products`` say (None: MKL's, rows unpadded)."""
     for linear in _linears(model):
-        linear.onednn = bool(products and products.onednn)
+        linear.onednn = bool(products and products.on_onednn(linear))
         linear.row_multiple = products.row_multiple if products else 0
         if not linear.onednn:
             linear.__dict__.pop("_reordered", None)  # oneDNN's reordered copy, if a try made one
