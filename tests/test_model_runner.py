@@ -540,6 +540,8 @@ def test_projections_mkl_computes_faster_move_to_mkl_where_the_exact_path_stays_
     # a margin oneDNN's kernels cannot make up (MKL at 11 times their time) and one MKL's cannot
     assert mkl_where_faster(linears, 4, rows=(4,), rounds=1, calls=1, margin=-10) == shapes
     assert mkl_where_faster(linears, 4, rows=(4,), rounds=1, calls=1, margin=1) == frozenset()
+    # a row count past KERNEL_TIMING_MACS is not timed: nothing to move on
+    assert mkl_where_faster(linears, 4, rows=(10**9,), margin=-10) == frozenset()
     assert kept.mkl_shapes <= shapes and all(linear.onednn for linear in linears)
     with torch.inference_mode():
         mixed = with_mkl_for(model, onednn, shapes)

@@ -454,6 +454,9 @@ def with_mkl_for(model: Qwen3Model, products: Products, shapes: frozenset[tuple[
 # the same time; oneDNN's matmul costs some 50 us a call more at the demo's widths on a Zen 3
 # EPYC, which its kernels make up for on the lm_head and the MLP's input only.)
 KERNEL_TIMING_ROWS = (4, 16, 64)
+# a row count is timed on a projection up to these multiply-adds a call (about a millisecond):
+# a wide model's lm_head (Qwen3's 151k tokens) is not timed at all, and stays on oneDNN's
+KERNEL_TIMING_MACS = 2**26
 
 
 def mkl_where_faster(
@@ -467,9 +470,9 @@ def mkl_where_faster(
     """The shapes ((out, in) features) of ``linears`` whose products of ``rows`` rows (padded
     to ``row_multiple``) MKL's kernels compute in less time than oneDNN's, by more than
     ``margin`` of oneDNN's: the median of ``rounds`` timings of ``calls`` calls at each row
-    count, summed over them, the kernels taking turns in alternating order (a machine's drift
-    lands on both). About 0.3 s on the demo model. Leaves every one of ``linears`` on
-    oneDNN's, its rows padded to ``row_multiple``."""
+    count (those within ``KERNEL_TIMING_MACS``), summed over them, the kernels taking turns in
+    alternating order (a machine's drift lands on both). About 0.3 s on the demo model. Leaves
+    every one of ``linears`` on oneDNN's, its rows padded to ``row_multiple``."""
     by_shape: dict[tuple[int, int], Linear] = {}
     for linear in linears:
         linear.onednn, linear.row_multiple = True, row_multiple
@@ -478,7 +481,8 @@ def mkl_where_faster(
     with torch.inference_mode():
         for shape, linear in by_shape.items():
             seconds = {True: 0.0, False: 0.0}  # by kernel: oneDNN, MKL
-            for n in rows:
+            timed = [n for n in rows if n * linear.weight.numel() <= KERNEL_TIMING_MACS]
+            for n in timed:
                 x = torch.zeros(n, shape[1], dtype=linear.weight.dtype,
                                 device=linear.weight.device)
                 times: dict[bool, list[float]] = {True: [], False: []}
@@ -493,7 +497,7 @@ def mkl_where_faster(
                 for onednn, ts in times.items():
                     seconds[onednn] += sorted(ts)[len(ts) // 2]
             linear.onednn = True
-            if seconds[False] < (1 - margin) * seconds[True]:
+            if timed and seconds[False] < (1 - margin) * seconds[True]:
                 faster.add(shape)
     return frozenset(faster)
 
