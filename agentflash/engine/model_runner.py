@@ -440,8 +440,8 @@ def with_mkl_for(model: Qwen3Model, products: Products, shapes: frozenset[tuple[
     if not shapes:
         return products
     mixed = products._replace(mkl_shapes=shapes)
-    _set_products(model, mixed)
-    problem = _probe_projections(model) or _probe_forwards(model, mixed)
+    _set_products(model, mixed)  # the projections left on oneDNN's kept the probe already
+    problem = _probe_projections(model, only=shapes) or _probe_forwards(model, mixed)
     if problem is None:
         return mixed
     log.info("the exact path keeps every projection on oneDNN: with %s, %s", mixed, problem)
@@ -535,15 +535,17 @@ def _linears(model: Qwen3Model, in_forward: bool = False) -> Iterator[Linear]:
             yield module._fused
 
 
-def _probe_projections(model: Qwen3Model) -> str | None:
+def _probe_projections(model: Qwen3Model, only: frozenset[tuple[int, int]] | None = None
+                       ) -> str | None:
     """Where a projection's row differs from the row alone (first, middle and last rows of a
-    batch of each of ``PROBE_ROW_COUNTS``, within ``PROBE_MACS``), or None."""
+    batch of each of ``PROBE_ROW_COUNTS``, within ``PROBE_MACS``), or None; ``only``: the
+    projections of these shapes ((out, in) features), not every one."""
     gen = torch.Generator().manual_seed(0)
     seen = set()
     for linear in _linears(model, in_forward=True):
         weight = linear.weight
         shape = (*weight.shape, weight.stride(), linear.bias is not None, weight.dtype)
-        if shape in seen:
+        if shape in seen or (only is not None and tuple(weight.shape) not in only):
             continue
         seen.add(shape)
         probes = torch.randn(3, weight.shape[1], generator=gen).to(weight)
