@@ -1,0 +1,1 @@
+../agentflash/kernels/masked_argmax.py

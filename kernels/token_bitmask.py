@@ -1,0 +1,1 @@
+../agentflash/kernels/token_bitmask.py
