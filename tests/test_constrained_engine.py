@@ -130,25 +130,64 @@ def test_forced_tokens_cost_no_forward(tiny):
 
 def test_forced_run_longer_than_the_block_is_verified_in_one_forward(tiny):
     # a 40-character literal is one forced run: with 2-token blocks, dflash verifies it at once
+    # (after a digit of the model's own: a run the reply begins with goes in with the prompt)
     literal = "the quick brown fox jumps over the lazy dog"
     ids = tiny.chat_prompt([{"role": "user", "content": "x"}])
-    source = regex(f"{literal} [0-9]")
+    source = regex(f"[0-9]\n{literal} [0-9]")
     plain = tiny.generate(ids, SamplingParams(max_tokens=60, grammar=source, speculation="off"))
     spec = tiny.generate(
         ids, SamplingParams(max_tokens=60, grammar=source, speculation="dflash", block_size=2)
     )
-    assert spec.token_ids == plain.token_ids and spec.text.startswith(literal)
+    assert spec.token_ids == plain.token_ids and spec.text[2:].startswith(literal)
     run = len(tiny.tokenizer(literal, add_special_tokens=False)["input_ids"])
     assert run > 4
-    # first token from the prompt's forward, the rest of the run in one verify forward
-    assert spec.stats["target_forwards"] <= 4
+    # the digit from the prompt's forward, the run in one verify forward, then the last digit
+    assert spec.stats["target_forwards"] <= 3
     assert sum(s["forced"] for s in spec.stats["segments"]) >= run - 1
 
 
+@pytest.mark.parametrize("speculation", ["off", "dflash"])
+def test_the_tokens_a_reply_is_forced_to_begin_with_go_in_with_the_prompt(tiny, speculation):
+    tools = random_tools(7, n=1)
+    name = tools[0]["function"]["name"]
+    ids = tiny.chat_prompt([{"role": "user", "content": "x"}], tools)
+    source = assistant_turn(tools, name)
+    lead = tiny.compile(source).new_constraint().forced_tokens()
+    assert len(lead) > len(name) // 4  # the tool call's opening and the name at least
+    rows = []
+    forward = tiny.runner.forward
+
+    def spy(batch, *args, **kwargs):
+        rows.append(list(batch))
+        return forward(batch, *args, **kwargs)
+
+    tiny.runner.forward = spy
+    try:
+        tiny.prefix_cache.clear()
+        res = tiny.generate(ids, SamplingParams(max_tokens=60, grammar=source,
+                                                speculation=speculation))
+        again = tiny.generate(ids, SamplingParams(max_tokens=60, grammar=source,
+                                                  speculation=speculation))
+        short = tiny.generate(ids, SamplingParams(max_tokens=3, grammar=source,
+                                                  speculation=speculation))
+    finally:
+        del tiny.runner.forward
+    # one forward: the prompt and the forced opening, whose logits choose the first free token
+    assert rows[0][0].tokens == ids + lead and rows[0][0].last_only
+    assert res.token_ids[: len(lead)] == lead
+    segments = res.stats["segments"]
+    assert sum(s["forced"] for s in segments) >= len(lead) and segments[0]["target_forwards"] == 0
+    assert parse_tool_calls(res.text)[0][0].name == name
+    # from the prefix cache, the prompt only (the answer begins after it) and the same reply
+    assert again.token_ids == res.token_ids and again.stats["cached_prompt_tokens"] > 0
+    # within max tokens: the lead is cut to leave the model its token (forced there too)
+    assert short.token_ids == lead[:3] and short.finish_reason == "length"
+
+
 def test_the_drafter_fills_the_slots_after_a_forced_run_shorter_than_its_block(tiny):
-    literal = "status: ok, code "  # forced whole: shorter than the drafter's 7 slots
+    literal = "\nstatus: ok, code "  # forced whole: shorter than the drafter's 7 slots
     ids = tiny.chat_prompt([{"role": "user", "content": "x"}])
-    source = regex(literal + "[0-9]{12}")
+    source = regex("[0-9]" + literal + "[0-9]{12}")  # a digit of the model's own first
     params = SamplingParams(max_tokens=40, grammar=source, speculation="dflash", block_size=3)
     rows = []
     forward = tiny.runner.forward
@@ -163,13 +202,15 @@ def test_the_drafter_fills_the_slots_after_a_forced_run_shorter_than_its_block(t
     finally:
         del tiny.runner.forward
     plain = tiny.generate(ids, SamplingParams(max_tokens=40, grammar=source, speculation="off"))
-    assert spec.token_ids == plain.token_ids and spec.text.startswith(literal)
-    # the grammar forces the literal but its last space (" 1" is one token): the first token
-    # comes from the prompt's forward, the first verify row holds the forced rest of the
-    # literal and then the two tokens the drafter proposes
-    head = tiny.tokenizer(literal.rstrip(), add_special_tokens=False)["input_ids"]
+    assert spec.token_ids == plain.token_ids and spec.text[1:].startswith(literal)
+    # the grammar forces the literal but its last space (" 1" is one token): the digit comes
+    # from the prompt's forward; the first verify row holds it, then the drafter's 7 slots
+    # walked under the grammar: the forced literal, then what the drafter proposes, up to the
+    # 2 tokens the request's block counts
+    head = tiny.tokenizer(literal.rstrip(" "), add_special_tokens=False)["input_ids"]
     assert 3 < len(head) < 7
-    assert rows[1].tokens[: len(head)] == head and len(rows[1].tokens) == len(head) + 2
+    assert rows[1].tokens[1 : 1 + len(head)] == head
+    assert len(rows[1].tokens) == 1 + min(len(head) + 2, 7)
 
 
 @pytest.mark.parametrize("speculation", ["off", "dflash"])

@@ -337,6 +337,7 @@ class Engine:
                 req.stats.mode = req.params.speculation.value
                 req.draft_context = self.drafter.new_context()
         hits = {r.id: self._reuse_prefix(r) for r in admitted}
+        leads = {r.id: self._lead(r) for r in admitted}
         kinds = {r.id: r.segments.kind for r in decoding}
         drafting = [r for r in decoding if r.draft_context is not None]
         sizes = {r.id: self._draft_len(r, kinds[r.id]) for r in drafting}
@@ -344,10 +345,13 @@ class Engine:
         routed = {r.id for r in speculating}
         drafts = self._draft(speculating, sizes, kinds)
         drafts.update(self._forced_runs([r for r in decoding if r.id not in drafts]))
-        failed = [StepOutput(r, []) for r in decoding if r.is_finished]  # their grammar failed
+        # their grammar failed
+        failed = [StepOutput(r, []) for r in decoding + admitted if r.is_finished]
         decoding = [r for r in decoding if not r.is_finished]
+        admitted = [r for r in admitted if not r.is_finished]
         rows = [Row(r.slot, r.num_cached, r.uncached_ids() + drafts[r.id].tokens) for r in decoding]
-        rows += [Row(r.slot, r.num_cached, r.uncached_ids(), last_only=True) for r in admitted]
+        rows += [Row(r.slot, r.num_cached, r.uncached_ids() + leads[r.id], last_only=True)
+                 for r in admitted]
         if not rows:  # every request of the step failed before the forward
             return failed
         tracked = any(r.draft_context is not None for r in decoding + admitted)
@@ -368,7 +372,7 @@ class Engine:
         ]
         outputs += [
             self._isolated(req, self._first_token, req, len(decoding) + i, rows[len(decoding) + i],
-                           out, top[len(decoding) + i][0], hits[req.id])
+                           out, top[len(decoding) + i][0], hits[req.id], leads[req.id])
             for i, req in enumerate(admitted)
         ]
         seconds = time.perf_counter() - t0
@@ -401,16 +405,39 @@ class Engine:
             log.exception("request %d failed; the other requests go on", req.id)
         self.fail(req, f"{type(err).__name__}: {err}")
 
+    def _lead(self, req: Request) -> list[int]:
+        """The tokens a newly admitted request's grammar forces before its first choice (a tool
+        call's opening up to its name, a JSON answer's first key), fed to the target with its
+        prompt: the prompt's forward then yields the first token the model chooses, and the
+        first verify's slots are all the drafter's. Within the room left but one; none without
+        a grammar (or where it failed: the request then fails alone)."""
+        forced = self._forced_tokens(req)
+        return forced[: max(0, self._room(req) - 1)] if forced else []
+
     def _first_token(
-        self, req: Request, i: int, row: Row, out, top: int, hit: PrefixHit | None
+        self, req: Request, i: int, row: Row, out, top: int, hit: PrefixHit | None,
+        lead: list[int],
     ) -> StepOutput:
-        """A newly admitted request after its prompt's forward: its first token (``top``: its
-        logits' argmax). ``hit``: the cached beginning of its prompt it started from."""
+        """A newly admitted request after its prompt's forward: the ``lead`` its grammar forced
+        (fed after the prompt), then its first token of its own (``top``: its logits' argmax).
+        ``hit``: the cached beginning of its prompt it started from."""
         req.num_cached = row.start + len(row.tokens)
         hidden = out.hidden[i] if out.hidden is not None else None
         if req.draft_context is not None:
             req.pending_hidden.append(hidden)
-        self._keep_prompt(req, hidden, hit)
+        fed = len(row.tokens) - len(lead)  # the prompt's tokens the forward fed
+        self._keep_prompt(req, hidden[:fed] if hidden is not None else None, hit)
+        mode = "dflash" if req.draft_context is not None else "plain"
+        forced: list[int] = []
+        if lead:
+            if req.kept_hidden is not None:
+                req.kept_hidden.append(hidden[fed:].clone())
+            forced = self._commit(req, lead)
+            for token in forced:  # a token at a time: the run may open a segment (a tool call)
+                self._track(req, req.segments.kind, mode, [token], 0,
+                            BlockDraft([token], 1, False), 1)
+            if req.is_finished:  # a stop among them
+                return StepOutput(req, forced)
         logits = out.logits[i, 0]  # a last_only row's one row of logits
         in_grammar = False  # the constraint has committed the token already
         if req.params.is_greedy and req.constraint is None:
@@ -425,9 +452,8 @@ class Engine:
                     apply_bitmask_(logits, req.constraint.bitmask())
             token = sample(logits, req.params.temperature, req.params.top_p, req.generator)
         committed = self._commit(req, [token], in_grammar)
-        mode = "dflash" if req.draft_context is not None else "plain"
         self._track(req, req.segments.kind, mode, committed, 0)
-        return StepOutput(req, committed)
+        return StepOutput(req, forced + committed)
 
     def _reuse_prefix(self, req: Request) -> PrefixHit | None:
         """Start a newly admitted request's cache slot (and drafter context) from the longest
