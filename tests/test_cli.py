@@ -18,6 +18,7 @@ STATS_KEYS = {
     "tau",
     "wall_s",
     "ttft_s",
+    "first_step_tokens",
     "grammar_s",
     "tokens_per_s",
     "segments",

@@ -174,7 +174,7 @@ def test_the_tokens_a_reply_is_forced_to_begin_with_go_in_with_the_prompt(tiny, 
         del tiny.runner.forward
     # one forward: the prompt and the forced opening, whose logits choose the first free token
     assert rows[0][0].tokens == ids + lead and rows[0][0].last_only
-    assert res.token_ids[: len(lead)] == lead
+    assert res.token_ids[: len(lead)] == lead and res.stats["first_step_tokens"] == len(lead) + 1
     segments = res.stats["segments"]
     assert sum(s["forced"] for s in segments) >= len(lead) and segments[0]["target_forwards"] == 0
     assert parse_tool_calls(res.text)[0][0].name == name
@@ -182,6 +182,9 @@ def test_the_tokens_a_reply_is_forced_to_begin_with_go_in_with_the_prompt(tiny, 
     assert again.token_ids == res.token_ids and again.stats["cached_prompt_tokens"] > 0
     # within max tokens: the lead is cut to leave the model its token (forced there too)
     assert short.token_ids == lead[:3] and short.finish_reason == "length"
+    assert short.stats["first_step_tokens"] == 3
+    free = tiny.generate(ids, SamplingParams(max_tokens=4, speculation=speculation))
+    assert free.stats["first_step_tokens"] == 1  # no grammar, no lead
 
 
 def test_the_drafter_fills_the_slots_after_a_forced_run_shorter_than_its_block(tiny):

@@ -437,6 +437,7 @@ class Engine:
                 self._track(req, req.segments.kind, mode, [token], 0,
                             BlockDraft([token], 1, False), 1)
             if req.is_finished:  # a stop among them
+                req.stats.first_step_tokens = len(forced)
                 return StepOutput(req, forced)
         logits = out.logits[i, 0]  # a last_only row's one row of logits
         in_grammar = False  # the constraint has committed the token already
@@ -453,6 +454,7 @@ class Engine:
             token = sample(logits, req.params.temperature, req.params.top_p, req.generator)
         committed = self._commit(req, [token], in_grammar)
         self._track(req, req.segments.kind, mode, committed, 0)
+        req.stats.first_step_tokens = len(forced) + len(committed)
         return StepOutput(req, forced + committed)
 
     def _reuse_prefix(self, req: Request) -> PrefixHit | None:
@@ -1051,6 +1053,7 @@ def request_stats(req: Request) -> dict[str, Any]:
         "tau": round(new / s.target_forwards, 3) if s.target_forwards else float(new),
         "wall_s": round(wall, 4),
         "ttft_s": round((s.first_token_at or end) - s.started, 4),  # the prompt's prefill mostly
+        "first_step_tokens": s.first_step_tokens,
         "grammar_s": round(s.grammar_s, 5),
         "tokens_per_s": round(new / wall, 2) if wall > 0 else 0.0,
         "segments": [seg.to_dict() for seg in req.segments.segments],

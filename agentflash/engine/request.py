@@ -119,6 +119,8 @@ class RequestStats:
     lookup_drafts: int = 0  # verifies of a draft looked up in its own text
     started: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
+    # tokens the prompt's forward gave: the first token, after the forced opening it fed
+    first_step_tokens: int = 0
     finished_at: float | None = None
     grammar_s: float = 0.0  # time spent on its grammar: masks, forced tokens, draft walks, commits
 
