@@ -413,9 +413,9 @@ def _mode_row(
     row = _row(suite, name, outs, ref, [r.wall_s for r in runs], [r.target_forwards for r in runs])
     # after the prompt's step: the decoding speed, without the prompt's prefill (nor the forced
     # opening it fed, which came out with the first token)
-    after_first = sum(len(r.output) - r.first_step_tokens for r in runs)
+    after_step = sum(len(r.output) - r.first_step_tokens for r in runs)
     decoding = sum(r.decoding_s for r in runs)
-    row["decode_tokens_per_s"] = round(after_first / max(decoding, 1e-9), 2)
+    row["decode_tokens_per_s"] = round(after_step / max(decoding, 1e-9), 2)
     row["ttft_ms"] = round(1000 * sum(r.wall_s - r.decoding_s for r in runs) / len(runs), 2)
     row["cached_prompt_tokens"] = sum(r.cached_prompt_tokens for r in runs)
     if grammar:  # constrained rows: the share of their time the grammar took, of the whole
