@@ -2,6 +2,7 @@
 
 import functools
 import json
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -142,12 +143,26 @@ def test_sync_and_async_tools_errors_and_timeouts():
     def raw(x: int) -> bytes:
         return b"\xff\xfe"  # not UTF-8: no text for the model
 
+    @tool
+    def cli(x: int) -> int:
+        sys.exit(3)  # a command line's main() wrapped as a tool
+
+    @tool
+    async def async_cli(x: int) -> int:
+        raise SystemExit("usage: async_cli X")
+
     async def main():
         return [await run_tool(slow, {"seconds": 0}), await run_tool(slow, {"seconds": 5}),
                 await run_tool(sleepy, {"seconds": 0}), await run_tool(sleepy, {"seconds": 1}),
-                await run_tool(broken, {"x": 3}), await run_tool(raw, {"x": 1})]
+                await run_tool(broken, {"x": 3}), await run_tool(raw, {"x": 1}),
+                await run_tool(cli, {"x": 1}), await run_tool(async_cli, {"x": 1})]
 
-    fast, late, fast_sync, late_sync, failed, unwritable = anyio.run(main)
+    fast, late, fast_sync, late_sync, failed, unwritable, exited, async_exited = anyio.run(main)
+    # a tool's exit is its failure, for the model to read; the run and the process go on
+    assert exited.is_error and "cli called exit(3)" in exited.output
+    assert async_exited.is_error and "async_cli called exit('usage: async_cli X')" \
+        in async_exited.output
+    assert exited.error_type == async_exited.error_type == "SystemExit"
     assert unwritable.is_error and "raw returned a value that cannot be written as JSON: " \
         "UnicodeDecodeError" in unwritable.output
     assert (fast.output, fast.is_error) == ("done", False)

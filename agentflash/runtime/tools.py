@@ -459,6 +459,8 @@ async def run_tool(t: Tool, arguments: dict[str, Any]) -> ToolOutcome:
         return failed(str(err), "invalid_arguments")
     except Exception as err:  # the tool's own failure is the model's to handle
         return failed(f"{type(err).__name__}: {err}", type(err).__name__)
+    except SystemExit as err:  # a tool that wraps a command line's main(): not the run's exit
+        return failed(f"{t.name} called exit({err.code!r})", "SystemExit")
     except anyio.get_cancelled_exc_class() as err:
         if not _raised_by_the_tool():
             raise  # the run (or its caller) is cancelled
