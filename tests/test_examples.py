@@ -243,3 +243,22 @@ def test_live_view_fits_any_terminal_with_every_status_shown():
         (failed,) = [line for line in body if "│ failed    │" in line]
         assert failed.startswith("│ a_ste") and sum("not run" in line for line in body) == 2
         assert ("│ cannot reach" in failed) == (width >= 90), (width, failed)
+
+
+def test_live_view_shows_text_that_looks_like_markup_as_it_is():
+    """What a model writes and an error's message are shown as text: "d[key]" is not rich's
+    markup (it was left out), and "[/b]" does not end the view with a MarkupError."""
+    from rich.console import Console
+
+    from agentflash.runtime.errors import StepFailed
+    from agentflash.runtime.live_view import WorkflowView, _Row
+
+    view = WorkflowView(load_workflow(EXAMPLES / "handoff.yaml"))
+    view.rows = {"coder": _Row("coder", "running", writing="d[key] = a[i] + 1"),
+                 "bad": _Row("writer", "running")}
+    view.fail(StepFailed("bad", "writer", RuntimeError("see [/b] and [bold]")))
+    view.rows["coder"].status, view.rows["coder"].writing = "running", "d[key] = a[i] + 1"
+    console = Console(width=160, record=True)
+    console.print(view)
+    text = console.export_text()
+    assert "d[key] = a[i] + 1" in text and "see [/b] and [bold]" in text

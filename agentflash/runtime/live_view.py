@@ -94,6 +94,7 @@ class WorkflowView:
 
     def __rich_console__(self, console: Any, options: Any) -> Any:
         from rich.table import Table
+        from rich.text import Text
 
         table = Table(title=f"workflow {self.name}", title_justify="left")
         # one line a step, every column given its width here: the status and the counts keep
@@ -109,7 +110,9 @@ class WorkflowView:
             cells = {"step": step_id, "agent": row.agent, "status": row.status,
                      "tool calls": ", ".join(row.tools) or "-", "tokens": str(row.new_tokens),
                      "tok/s": row.tokens_per_s, "writing": row.writing}
-            table.add_row(*(cells[column] for column in widths))
+            # as text: the model's text and an error's message are not rich's markup (a
+            # "[key]" left out, a "[/b]" raising MarkupError in the middle of the run)
+            table.add_row(*(Text(cells[column]) for column in widths))
         yield table
 
     def _widths(self, total: int) -> dict[str, int]:
