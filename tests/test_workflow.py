@@ -480,6 +480,46 @@ def test_names_of_dict_methods_off_as_a_word_and_json_booleans_in_templates(tmp_
     assert result.outputs == {"given": "1,2,3 false"}
 
 
+def test_dates_are_strings_and_merge_keys_are_overridden_a_key_twice_is_refused(tmp_path):
+    # YAML 1.2 has no timestamps: an unquoted date is the string a JSON schema wants (a date
+    # object made the schema unwritable as JSON: a traceback from validate and run)
+    wf = load_workflow(write(tmp_path, """\
+        version: 1
+        name: t
+        inputs:
+          day: {type: string, default: 2024-01-01}
+        agents:
+          base: &base
+            instructions: You help.
+            max_turns: 2
+            output_schema:
+              type: object
+              properties: {when: {type: string, default: 2024-01-01T10:00:00}}
+          other:
+            <<: *base
+            max_turns: 5
+        steps:
+          - {id: s, agent: other, input: "On {{ inputs.day }}"}
+        """))
+    assert wf.inputs["day"]["default"] == "2024-01-01"
+    assert wf.agents["base"].max_turns == 2 and wf.agents["other"].max_turns == 5
+    assert wf.agents["other"].output.schema["properties"]["when"]["default"] == \
+        "2024-01-01T10:00:00"
+    with pytest.raises(UserError, match=r"wf.yaml:6: agents.a.max_turns: the key appears twice "
+                                        r"\(first on line 5\)"):
+        load_workflow(write(tmp_path, """\
+            version: 1
+            name: t
+            agents:
+              a:
+                max_turns: 2
+                max_turns: 3
+                instructions: You help.
+            steps:
+              - {id: s, agent: a, input: hi}
+            """))
+
+
 def test_a_model_section_with_the_other_backends_keys_is_refused_a_line_each(tmp_path):
     path = write(tmp_path, """\
         version: 1

@@ -44,11 +44,14 @@ class YamlDoc:
 
 class _Loader(yaml.SafeLoader):
     """Safe YAML with YAML 1.2's booleans, true and false only: YAML 1.1 also reads on, off,
-    yes and no as booleans, so that ``speculation: off`` was false and refused."""
+    yes and no as booleans, so that ``speculation: off`` was false and refused. Nor are dates
+    and times read as such (YAML 1.2 has no timestamps): ``default: 2024-01-01`` in a schema is
+    the string JSON has, where a date object made the schema unwritable as JSON."""
 
 
+_YAML_1_1_ONLY = ("tag:yaml.org,2002:bool", "tag:yaml.org,2002:timestamp")
 _Loader.yaml_implicit_resolvers = {
-    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:bool"]
+    first: [(tag, regexp) for tag, regexp in resolvers if tag not in _YAML_1_1_ONLY]
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
 }
 _Loader.add_implicit_resolver("tag:yaml.org,2002:bool",
@@ -87,17 +90,21 @@ def load_yaml(path: str | Path) -> YamlDoc:
 
 def _build(loader: _Loader, node: yaml.Node, keys: Keys, doc: YamlDoc) -> Any:
     if isinstance(node, yaml.MappingNode):
-        loader.flatten_mapping(node)  # YAML merge keys (<<)
+        own = {id(k) for k, _ in node.value if k.tag != "tag:yaml.org,2002:merge"}
+        loader.flatten_mapping(node)  # YAML merge keys (<<): the merged pairs come first
         out: dict[str, Any] = {}
+        written: set[str] = set()  # the keys this mapping writes itself
         for key_node, value_node in node.value:
             key = loader.construct_object(key_node, deep=True)
             line = key_node.start_mark.line + 1
             if not isinstance(key, str):
                 raise UserError(f"{doc.path}:{line}: {dotted(keys)}: keys must be strings, "
                                 f"got {key!r}")
-            if key in out:
-                raise UserError(f"{doc.path}:{line}: {dotted((*keys, key))}: the key appears "
-                                f"twice (first on line {doc.lines[(*keys, key)]})")
+            if id(key_node) in own:  # a merged key is overridden by the mapping's own
+                if key in written:
+                    raise UserError(f"{doc.path}:{line}: {dotted((*keys, key))}: the key "
+                                    f"appears twice (first on line {doc.lines[(*keys, key)]})")
+                written.add(key)
             doc.lines[(*keys, key)] = line
             out[key] = _build(loader, value_node, (*keys, key), doc)
         return out
