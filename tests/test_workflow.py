@@ -2,6 +2,7 @@
 
 import json
 import re
+import sys
 import textwrap
 from pathlib import Path
 
@@ -617,6 +618,36 @@ def test_python_tools_print_to_stderr_under_json_import_their_neighbours_and_may
     result = CliRunner().invoke(app, ["validate", str(bad)])
     assert result.exit_code == 2
     assert "tools[0].python: cannot import 'exits': SystemExit: 3" in result.stderr
+
+
+def test_a_tools_module_of_another_workflows_folder_is_not_taken_for_this_ones(tmp_path):
+    # two workflows in one process, each beside its own tools.py of the same name: Python
+    # gives the second the module the first imported, whose function is another one
+    name = f"wftools_{tmp_path.name.replace('-', '_')}"
+    workflows = []
+    for folder, fn in (("one", "first"), ("two", "second")):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / f"{name}.py").write_text(f"def {fn}(x: int) -> int:\n"
+                                                     f"    return x\n")
+        workflows.append(write(tmp_path / folder, f"""\
+            version: 1
+            name: t
+            tools:
+              - {{name: f, python: "{name}:{fn}"}}
+            agents:
+              a: {{instructions: You help., tools: [f]}}
+            steps:
+              - {{id: s, agent: a, input: hi}}
+            """))
+    try:
+        assert load_workflow(workflows[0]).agents["a"].tools[0].name == "f"
+        with pytest.raises(UserError, match=rf"two/wf.yaml:4: tools\[0\].python: module "
+                                            rf"'{name}' was imported from .*one/{name}.py "
+                                            rf"before this workflow was loaded, so its "
+                                            rf".*two/{name}.py cannot be"):
+            load_workflow(workflows[1])
+    finally:
+        sys.modules.pop(name, None)
 
 
 def test_dflash_without_a_drafter_is_named_when_the_workflow_loads(tmp_path):

@@ -597,6 +597,17 @@ class _Builder:
         except (Exception, SystemExit) as err:  # whatever the module raises while importing
             self.problems.add(keys, f"cannot import {module_name!r}: {type(err).__name__}: {err}")
             return None
+        # a module of that name imported before (another workflow's, loaded in this process)
+        # is what Python gives: not this folder's, whose function would silently be another
+        top = module_name.partition(".")[0]
+        here = [p for p in (self.base_dir / f"{top}.py", self.base_dir / top / "__init__.py")
+                if p.is_file()]
+        loaded = getattr(sys.modules.get(top), "__file__", None)
+        if here and loaded is not None and Path(loaded).resolve() != here[0].resolve():
+            self.problems.add(keys, f"module {top!r} was imported from {loaded} before this "
+                                    f"workflow was loaded, so its {here[0]} cannot be: give "
+                                    f"one of them another name")
+            return None
         fn = getattr(module, attr, None)
         if fn is None or not callable(fn):
             self.problems.add(keys, f"module {module_name!r} has no function {attr!r}")
