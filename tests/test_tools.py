@@ -327,6 +327,51 @@ def test_the_schema_binds_what_pydantic_checks_and_arguments_are_read_as_json():
     assert got[0].pair == (1, "a")
 
 
+def test_dates_times_and_durations_the_grammar_writes_are_ones_pydantic_reads(
+        demo_tokenizer_dir):
+    """JSON Schema's formats allow what pydantic refuses (a leap second, year 0000, February 29
+    of any year, a duration of any size): random outputs under a tool's grammar, with a bias
+    towards those, validate as its arguments."""
+    import datetime
+    import random
+
+    import numpy as np
+    from transformers import AutoTokenizer
+
+    from agentflash.grammar import compile_grammar, json_schema
+    from agentflash.grammar.bench import closing_tokens, random_output
+
+    class When(BaseModel):
+        day: datetime.date
+        at: datetime.time
+        stamp: datetime.datetime
+        span: datetime.timedelta
+
+    def book(when: When) -> str:
+        return "ok"
+
+    booked = tool(book)
+    tok = AutoTokenizer.from_pretrained(demo_tokenizer_dir)
+    grammar = compile_grammar(json_schema(booked.parameters), tok, vocab_size=len(tok))
+    vocab = tok.convert_ids_to_tokens(list(range(len(tok))))
+    # the digits that make the values pydantic refuses, and the closers, preferred
+    edges = np.array([any(d in (piece or "") for d in ("60", "00", "29", "9")) for piece in vocab])
+    rng, refused, finished = random.Random(0), [], 0
+    for _ in range(60):
+        tokens = random_output(grammar.new_constraint(), closing_tokens(tok, len(tok)) | edges,
+                               rng)
+        if tokens[-1] != tok.eos_token_id:  # ran out of tokens (a duration's digits go on)
+            continue
+        finished += 1
+        arguments = json.loads(tok.decode(tokens[:-1]))
+        try:
+            When.model_validate_json(json.dumps(arguments["when"]))
+        except ValueError as err:
+            refused.append((arguments, str(err).splitlines()[1]))
+    assert not refused, refused[:3]
+    assert finished >= 40
+
+
 def test_field_defaults_partials_and_callable_objects_make_tools():
     from pydantic import Field
 

@@ -112,11 +112,24 @@ _KEY_ORDER = ("type", "description", "enum", "items", "properties", "required")
 class GrammarJsonSchema(pydantic.json_schema.GenerateJsonSchema):
     """pydantic's JSON Schema, tightened where pydantic's JSON validation is stricter than the
     schema says, since the grammar writes whatever the schema allows: a ``Decimal`` written as
-    a string is a decimal number (not any string), and a dict with integer keys has keys that
-    are integers (pydantic names no pattern for them)."""
+    a string is a decimal number (not any string), a dict with integer keys has keys that
+    are integers (pydantic names no pattern for them), and dates, times and durations are
+    ones pydantic reads (``TEMPORAL_PATTERNS``)."""
 
     def get_decimal_pattern(self, schema):
         return self.build_decimal_pattern(schema)
+
+    def date_schema(self, schema):
+        return _temporal(super().date_schema(schema))
+
+    def time_schema(self, schema):
+        return _temporal(super().time_schema(schema))
+
+    def datetime_schema(self, schema):
+        return _temporal(super().datetime_schema(schema))
+
+    def timedelta_schema(self, schema):
+        return _temporal(super().timedelta_schema(schema))
 
     def _common_dict_schema(self, schema):
         out = super()._common_dict_schema(schema)
@@ -126,6 +139,28 @@ class GrammarJsonSchema(pydantic.json_schema.GenerateJsonSchema):
             out["patternProperties"] = {pattern: out.pop("additionalProperties")}
             out["additionalProperties"] = False
         return out
+
+
+# What pydantic refuses of what JSON Schema's formats allow (RFC 3339's leap second, year 0000,
+# February 29 of any year; a duration of any size), as patterns the grammar writes under
+# beside the format (both hold): a year from 0001, February 29 of a leap year, seconds to 59,
+# a duration's numbers of at most 6 digits (pydantic's largest is 999,999,999 days)
+_YEAR = "(?:[0-9]{3}[1-9]|[0-9]{2}[1-9]0|[0-9][1-9]00|[1-9]000)"
+_LEAP_YEAR = "(?:[0-9]{2}(?:0[48]|[2468][048]|[13579][26])|(?:0[48]|[2468][048]|[13579][26])00)"
+_DATE = (f"(?:{_YEAR}-(?:0[13-9]|1[0-2])-[0-9]{{2}}|{_YEAR}-02-(?:[01][0-9]|2[0-8])"
+         f"|{_LEAP_YEAR}-02-29)")
+_SECONDS = "[0-9]{2}:[0-9]{2}:[0-5][0-9]"
+TEMPORAL_PATTERNS = {
+    "date": f"^{_DATE}$",
+    "time": f"^{_SECONDS}.*$",
+    "date-time": f"^{_DATE}[Tt]{_SECONDS}.*$",
+    "duration": "^[^0-9]*(?:[0-9]{1,6}[^0-9]+)*$",
+}
+
+
+def _temporal(schema: dict[str, Any]) -> dict[str, Any]:
+    pattern = TEMPORAL_PATTERNS.get(schema.get("format"))
+    return {**schema, "pattern": pattern} if schema.get("type") == "string" and pattern else schema
 
 
 INTEGER_KEY = r"^-?(0|[1-9][0-9]*)$"
