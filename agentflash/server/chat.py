@@ -303,7 +303,9 @@ class ReplyWriter:
                 for i in sorted(self.complete + self.cut)]
 
     def text(self) -> str | None:
-        return "".join(self.content).strip() or None
+        """The content as the stream sent it (a leading blank with the first text after it)."""
+        text = "".join(self.content)
+        return text if text.strip() else None
 
     def finish_reason(self, result: GenerationResult) -> str:
         if result.finish_reason == "length":
