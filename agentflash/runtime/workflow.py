@@ -447,6 +447,14 @@ def _is_key(data: Any, keys: Keys, name: str) -> bool:
     return isinstance(data, dict) and name in data
 
 
+
+def _same_file(a: Path, b: Path) -> bool:
+    """Whether ``a`` and ``b`` are one file, or hold the same bytes."""
+    try:
+        return a.resolve() == b.resolve() or a.read_bytes() == b.read_bytes()
+    except OSError:
+        return False
+
 class _Builder:
     """Turns a schema-valid document into a ``Workflow``, collecting every semantic problem."""
 
@@ -599,11 +607,12 @@ class _Builder:
             return None
         # a module of that name imported before (another workflow's, loaded in this process)
         # is what Python gives: not this folder's, whose function would silently be another
+        # (the same file copied is the same code)
         top = module_name.partition(".")[0]
         here = [p for p in (self.base_dir / f"{top}.py", self.base_dir / top / "__init__.py")
                 if p.is_file()]
         loaded = getattr(sys.modules.get(top), "__file__", None)
-        if here and loaded is not None and Path(loaded).resolve() != here[0].resolve():
+        if here and loaded is not None and not _same_file(Path(loaded), here[0]):
             self.problems.add(keys, f"module {top!r} was imported from {loaded} before this "
                                     f"workflow was loaded, so its {here[0]} cannot be: give "
                                     f"one of them another name")
