@@ -104,6 +104,9 @@ def test_a_repeated_prompt_reports_its_cached_tokens_and_the_same_reply(client):
 
 def test_models_and_health(client, url):
     assert [m.id for m in client.models.list().data] == ["demo"]
+    assert client.models.retrieve("demo").id == "demo"
+    with pytest.raises(openai.NotFoundError, match="model 'other/model' is not served here"):
+        client.models.retrieve("other/model")
     health = httpx.get(url.removesuffix("/v1") + "/health").json()
     assert health["status"] == "ok" and health["model"] == "demo"
 

@@ -4,6 +4,7 @@
                                 temperature, top_p, seed, max_tokens, stop, stream (SSE), usage;
                                 each response carries the engine's stats in ``agentflash``
     GET  /v1/models             the one served model
+    GET  /v1/models/{model}     it, by name (another name: 404)
     GET  /health                liveness and requests in flight (no API key needed)
 
 Every request that reaches the engine shares its batches. Limits (body size, ``max_tokens``,
@@ -130,6 +131,15 @@ class Server:
     async def models(self, request: Request) -> Response:
         self.authorize(request)
         return JSONResponse(protocol.model_list([self.config.name], self.created))
+
+    async def model(self, request: Request) -> Response:
+        self.authorize(request)
+        name = request.path_params["model"]
+        if name != self.config.name:
+            raise APIError(404, f"model {name!r} is not served here (this server serves "
+                                f"{self.config.name!r})", type="not_found_error", param="model",
+                           code="model_not_found")
+        return JSONResponse(protocol.model_list([name], self.created)["data"][0])
 
     async def chat_completions(self, request: Request) -> Any:
         self.authorize(request)
@@ -345,6 +355,7 @@ def create_app(config: ServerConfig = ServerConfig(), engine: Engine | None = No
     routes = [
         Route("/health", server.health, methods=["GET"]),
         Route("/v1/models", server.models, methods=["GET"]),
+        Route("/v1/models/{model:path}", server.model, methods=["GET"]),
         Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
     ]
     app = Starlette(routes=routes, lifespan=server.lifespan, exception_handlers={
