@@ -243,6 +243,17 @@ def test_bad_tools_are_named(tok):
         assert what in str(err.value), str(err.value)
 
 
+def test_an_output_schema_the_grammar_cannot_take_is_named_beside_tools():
+    # checked alone: inside the turn's grammar its error named no field and showed the grammar
+    schema = {"type": "object", "properties": {"a": {"type": "array", "uniqueItems": True}}}
+    for choice in ("auto", "none"):
+        with pytest.raises(GrammarError) as err:
+            assistant_turn(TOOLS, choice, output_schema=schema)
+        message = str(err.value)
+        assert message.startswith("output schema: #/properties/a: Unimplemented keys"), message
+        assert "start:" not in message and "%json" not in message
+
+
 # --- whole turns under tool_choice -------------------------------------------------------------
 
 

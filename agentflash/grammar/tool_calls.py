@@ -214,6 +214,8 @@ def assistant_turn(
 def _answer_turn(specs: list[ToolSpec], choice: ToolChoice, parallel: bool, strict: bool,
                  output_schema: dict[str, Any]) -> GrammarSource:
     schema = close_objects(output_schema) if strict else output_schema
+    # checked alone first: an error of the turn's grammar names no field of the schema in it
+    check_schema_supported(schema, "output schema")
     answer = {**schema, "x-guidance": JSON_STYLE_OPTIONS[JsonStyle.DUMPS]}
     answer_rule = f"answer: %json {json.dumps(answer, ensure_ascii=False)}"
     if choice.mode is ToolChoiceMode.NONE or not specs:
