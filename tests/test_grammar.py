@@ -823,12 +823,32 @@ def test_schema_files_name_the_file_and_line(tok, tmp_path: Path):
     assert compile_grammar(json_schema_file(good), tok).new_constraint().forced_tokens()
 
 
+def test_a_schema_that_passed_its_checks_is_not_checked_again(monkeypatch):
+    """The tools sent with every request are checked once (the meta-schema's validation takes
+    5-10 ms a tool); a schema that failed is checked, and refused, every time."""
+    from agentflash.grammar import checks
+
+    calls = []
+    check = checks._check_schema
+    monkeypatch.setattr(checks, "_check_schema", lambda *a: calls.append(a) or check(*a))
+    good = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 17}}}
+    bad = {"type": "object", "properties": {"n": {"type": "integer", "minimum": "17"}}}
+    for _ in range(3):
+        checks.check_schema(dict(reversed(good.items())), "tool")  # the same schema, keys apart
+        with pytest.raises(GrammarError, match="not a valid JSON Schema"):
+            checks.check_schema(bad, "tool")
+    assert [schema for schema, _ in calls].count(bad) == 3 and len(calls) == 4
+
+
 @pytest.mark.parametrize(
     ("source", "what"),
     [
         (lambda: lark('start: "a" b\nb: "x" b'), "can never finish: rule 'start'"),
         (lambda: lark('start: item+\nitem: "(" item ")"'), "can never finish"),
         (lambda: lark("start: foo"), "unknown name"),
+        (lambda: lark('start: "x" | %json {"type": "object", "properties": {"a": {"$ref": "#"}}, '
+                      '"required": ["a"]}'),
+         "%json in rule 'start': #/properties/a: no finite JSON value satisfies this schema"),
         (lambda: ebnf('root ::= item\nitem ::= "a" item\n'), "rule 'root' has no finite"),
         (lambda: lark('start: "hi" <|im_end|>'), "writes the end token <|im_end|>: leave it out"),
         (lambda: lark('start: "hi <tools>"'), "holds '<tools>', the text of a special token"),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -26,7 +27,29 @@ def pointer(parts: list[str | int]) -> str:
 
 
 def check_schema(schema: Any, origin: str) -> None:
-    """Raise ``GrammarError`` if ``schema`` breaks its meta-schema or can never be finished."""
+    """Raise ``GrammarError`` if ``schema`` breaks its meta-schema or can never be finished.
+
+    A schema that passed is remembered (by its JSON), so that the same tools sent with every
+    request are checked once: the meta-schema's validation takes 5-10 ms a tool schema."""
+    try:
+        key = json.dumps(schema, sort_keys=True, allow_nan=False)
+    except (TypeError, ValueError, RecursionError):
+        key = None  # not JSON: checked (and refused) below
+    if key is not None and key in _PASSED:
+        _PASSED.move_to_end(key)
+        return
+    _check_schema(schema, origin)
+    if key is not None:
+        _PASSED[key] = None
+        if len(_PASSED) > _PASSED_SIZE:
+            _PASSED.popitem(last=False)
+
+
+_PASSED: OrderedDict[str, None] = OrderedDict()  # the schemas ``check_schema`` passed, latest last
+_PASSED_SIZE = 1024
+
+
+def _check_schema(schema: Any, origin: str) -> None:
     import jsonschema
 
     if isinstance(schema, dict):
@@ -692,6 +715,23 @@ def _finite(expr: tuple, known: set[str], rules: dict[str, tuple]) -> bool:
     return any(_finite(e, known, rules) for e in expr[1])
 
 
+def _json_bodies(text: str) -> list[tuple[str, Any]]:
+    """(rule, schema) of every ``%json`` schema in a rule of a Lark grammar it can read."""
+    try:
+        bodies = _split_definitions(_lark_tokens(text))
+    except (_Unparsed, IndexError, ValueError):
+        return []
+    found = []
+    for rule, tokens in bodies.items():
+        for kind, value in tokens:
+            if kind == "json" and value.startswith("%json"):
+                try:
+                    found.append((rule, json.loads(value[value.index("{"):])))
+                except ValueError:
+                    continue
+    return found
+
+
 def unproductive_rules(text: str) -> list[str] | None:
     """Lowercase rules of a Lark grammar with no finite expansion, or None if not understood."""
     try:
@@ -711,7 +751,14 @@ def unproductive_rules(text: str) -> list[str] | None:
 
 
 def check_lark_finishes(text: str, origin: str) -> None:
-    """Raise ``GrammarError`` if the ``start`` rule of a Lark grammar has no finite expansion."""
+    """Raise ``GrammarError`` if the ``start`` rule of a Lark grammar has no finite expansion,
+    or a ``%json`` schema in it has no finite value (a reply that enters it never ends)."""
+    for rule, body in _json_bodies(text):
+        unfinished = _unfinishable(body)
+        if unfinished is not None:
+            where, reason = unfinished
+            raise GrammarError(f"{origin}: %json in rule {rule!r}: {where}: no finite JSON value "
+                               f"satisfies this schema: {reason}")
     stuck = unproductive_rules(text)
     if stuck and "start" in stuck:
         others = ", ".join(r for r in stuck if r != "start")
