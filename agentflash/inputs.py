@@ -233,7 +233,8 @@ def _tools_turn(tools: list[ToolSpec], choice: Any, where: str,
     from agentflash import grammar
 
     try:
-        return grammar.assistant_turn(tools, choice or "auto", output_schema=output_schema)
+        return grammar.assistant_turn(tools, "auto" if choice is None else choice,
+                                      output_schema=output_schema)
     except grammar.GrammarError as err:
         raise UserError(f"{where}: {err}") from None
 

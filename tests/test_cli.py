@@ -176,6 +176,8 @@ def test_bad_requests_line_is_named(tiny_model_dir, tmp_path):
         ('{"prompt": "x", "temperature": "hot"}', "temperature must be 0 (greedy) or a number"),
         ('{"prompt": "x", "tool_choice": 5, "tools": ' + json.dumps(TOOLS) + "}",
          "tool_choice: expected auto, none, required or a tool name"),
+        ('{"prompt": "x", "tool_choice": "", "tools": ' + json.dumps(TOOLS) + "}",
+         "tool_choice: expected auto, none, required or a tool name"),
         ('{"prompt": "x", "regex": "([a-"}', "unclosed character class"),
         ('{"prompt": "x", "regex": "a+", "stop": "a"}',
          "stop cannot cut a reply the grammar binds whole"),
