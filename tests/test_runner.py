@@ -269,6 +269,23 @@ def test_max_turns_stops_a_model_that_keeps_calling_tools():
     assert len(backend.requests) == 3
 
 
+def test_max_turns_names_why_the_last_turns_calls_failed():
+    # an agent without tools whose model writes a call anyway (the demo model does) uses its
+    # turns up on calls of tools it does not have: the error says so
+    agent = Agent("writer", max_turns=1)
+    backend = ScriptedBackend([ScriptedTurn.calls(("compute_weather", {"city": "Oslo"}))])
+    with pytest.raises(MaxTurnsExceeded, match=r"agent 'writer' reached max_turns \(1\) without "
+                                               r"a final output \(its last turn's call of "
+                                               r"'compute_weather' failed: unknown tool "
+                                               r"'compute_weather' \(tools: none\)\)$"):
+        Runner.run_sync(agent, "go", backend=backend)
+    agent = Agent("a", tools=[get_weather], max_turns=1)  # a call that ran: nothing to add
+    backend = ScriptedBackend([ScriptedTurn.calls(("get_weather", {"city": "Oslo"}))])
+    with pytest.raises(MaxTurnsExceeded, match=r"reached max_turns \(1\) without a final "
+                                               r"output$"):
+        Runner.run_sync(agent, "go", backend=backend)
+
+
 def test_max_turns_counts_the_turns_of_the_agent_that_holds_the_conversation():
     forecaster = Agent("forecaster", max_turns=1)
     triage = Agent("triage", handoffs=[forecaster])

@@ -95,6 +95,18 @@ class RunResult:
         }
 
 
+def _why_calls_failed(calls: list[ToolCallRecord]) -> str:
+    """What the last turn's failed calls got back, for an error that ends the run (an agent
+    without tools whose model writes a call uses its turns up on them)."""
+    if not calls:
+        return ""
+    try:
+        reason = json.loads(calls[-1].result)["error"]
+    except (ValueError, KeyError, TypeError):
+        reason = calls[-1].result
+    return f" (its last turn's call of {calls[-1].name!r} failed: {reason})"
+
+
 # --- how a turn ends: a small tagged union ------------------------------------------------------
 
 
@@ -154,12 +166,17 @@ class _Loop:
             # each agent's turns in this run, whenever it held the conversation: its max_turns
             # bounds them, so handoffs that go round in a cycle end too
             held: dict[int, int] = {}
+            failed: list[ToolCallRecord] = []  # the last turn's calls, where every one failed
             for turn in itertools.count(1):
                 held[id(self.agent)] = held.get(id(self.agent), 0) + 1
                 if held[id(self.agent)] > self.agent.max_turns:
                     raise MaxTurnsExceeded(f"agent {self.agent.name!r} reached max_turns "
-                                           f"({self.agent.max_turns}) without a final output")
+                                           f"({self.agent.max_turns}) without a final output"
+                                           f"{_why_calls_failed(failed)}")
+                before = len(self.tool_calls)
                 end = await self.turn(turn, span)
+                calls = self.tool_calls[before:]
+                failed = calls if calls and all(c.is_error for c in calls) else []
                 if isinstance(end, ToolsRan):
                     self.called_tools = self.called_tools or end.called
                 elif isinstance(end, HandoffTo):
