@@ -521,6 +521,30 @@ def test_dates_are_strings_and_merge_keys_are_overridden_a_key_twice_is_refused(
             """))
 
 
+def test_validate_names_each_problem_once_at_its_key_as_run_would_meet_it(tmp_path):
+    # a bad top-level decoding was named again at every agent, an agent's max_turns at the
+    # agent, a step's use of its own output was told to wait for itself (a cycle), and the
+    # engine's limits passed validate to be refused by run
+    path = write(tmp_path, """\
+        version: 1
+        name: t
+        model: {max_running: 3.0, prefix_cache_mb: .inf}
+        decoding: {max_tokens: 64.0}
+        agents:
+          a: {instructions: You help., max_turns: 2.0}
+        steps:
+          - {id: s1, agent: a, input: "{{ steps.s1.output }}"}
+        """)
+    result = CliRunner().invoke(app, ["validate", str(path)])
+    assert result.exit_code == 2 and result.stderr.splitlines() == [
+        f"error: {path}:3: model.max_running: must be an integer of at least 1, got 3.0",
+        f"error: {path}:3: model.prefix_cache_mb: must be 0 or more, got inf",
+        f"error: {path}:4: decoding: max_tokens must be a positive integer, got 64.0",
+        f"error: {path}:6: agents.a.max_turns: max_turns must be a positive integer, got 2.0",
+        f"error: {path}:8: steps[0].input: the template uses steps.s1, the step's own output, "
+        f"which it does not have before it ends"]
+
+
 def test_a_model_section_with_the_other_backends_keys_is_refused_a_line_each(tmp_path):
     path = write(tmp_path, """\
         version: 1

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import threading
 import time
 from collections import deque
@@ -19,12 +18,13 @@ import torch
 from agentflash.dflash.speculate import accept_choices, draft_logits, lookup_draft
 from agentflash.engine.detokenizer import Detokenizer
 from agentflash.engine.kv_cache import KVCache
+from agentflash.engine.limits import limit_problems
 from agentflash.engine.model_runner import ModelRunner, Row
 from agentflash.engine.prefix_cache import PrefixCache, PrefixHit
 from agentflash.engine.request import FinishReason, Request, SamplingParams, Speculation, Status
 from agentflash.engine.sampling import accept, argmax, sample
 from agentflash.engine.scheduler import Scheduler, SchedulerConfig
-from agentflash.errors import UserError, is_int, is_number
+from agentflash.errors import UserError, is_int
 from agentflash.grammar.constraint import GrammarFailed, apply_bitmask_, greedy_verify
 from agentflash.grammar.sources import GrammarKind
 from agentflash.models.qwen3 import reordered_bytes
@@ -68,17 +68,10 @@ class EngineConfig:
     prefix_cache_mb: float = 64.0
 
     def __post_init__(self) -> None:
-        budget = self.kv_budget_mb
-        if budget is not None and not (is_number(budget) and 0 < budget < math.inf):  # NaN too
-            raise ValueError(f"kv_budget_mb must be a positive number, got {budget!r}")
-        if not is_int(self.max_running) or self.max_running < 1:
-            raise ValueError(f"max_running must be an integer of at least 1, "
-                             f"got {self.max_running!r}")
-        if not is_int(self.max_len) or self.max_len < 2:
-            raise ValueError(f"max_len must be an integer of at least 2, got {self.max_len!r}")
-        cache_mb = self.prefix_cache_mb
-        if not (is_number(cache_mb) and 0 <= cache_mb < math.inf):  # NaN too
-            raise ValueError(f"prefix_cache_mb must be 0 or more, got {cache_mb!r}")
+        problems = limit_problems(self.max_running, self.max_len, self.prefix_cache_mb,
+                                  self.kv_budget_mb)
+        if problems:
+            raise ValueError(problems[0][1])
         try:
             device = torch.device(self.device)
         except (RuntimeError, TypeError):

@@ -37,6 +37,7 @@ from agentflash.backends.base import (
     ModelSpec,
     Speculation,
 )
+from agentflash.engine.limits import limit_problems
 from agentflash.errors import UserError, UserErrors
 from agentflash.runtime import events as ev
 from agentflash.runtime.agent import Agent, output_spec
@@ -471,7 +472,8 @@ class _Builder:
         decoding = self.decoding(("decoding",), self.data.get("decoding", {}), {})
         inputs = self.inputs()
         tools = self.tools()
-        agents = self.agents(tools, self.data.get("decoding", {}))
+        # a bad top-level decoding is named there alone, not again at every agent it reaches
+        agents = self.agents(tools, self.data.get("decoding", {}) if decoding else {})
         self.check_drafter(model, agents)
         steps = self.steps(agents, inputs)
         outputs = self.outputs(steps, inputs)
@@ -522,6 +524,10 @@ class _Builder:
                                                   f"{'openai' if key in _OPENAI_KEYS else 'local'}"
                                                   f" backend, and this model section's backend "
                                                   f"is {spec.backend.value}")
+        if spec.backend is BackendKind.LOCAL:  # the engine's limits, as it will check them
+            for key, problem in limit_problems(spec.max_running, spec.max_len,
+                                               spec.prefix_cache_mb, spec.kv_budget_mb):
+                self.problems.add(("model", key), problem.removeprefix(f"{key} "))
         if self.model_override is not None:  # run --model: the section's model is not used
             return spec
         if spec.backend is BackendKind.LOCAL:
@@ -656,8 +662,10 @@ class _Builder:
                 agents[name] = Agent(name, raw["instructions"], own, [],
                                      raw.get("description", ""), raw.get("output_schema"),
                                      "auto", decoding or Decoding(), raw.get("max_turns", 10))
-            except UserError as err:
-                self.problems.add(keys, str(err))
+            except UserError as err:  # named at the key it is about ("max_turns must be ...")
+                message = str(err).removeprefix(f"agent {name!r}: ")
+                field = message.split(" ", 1)[0]
+                self.problems.add((*keys, field) if field in raw else keys, message)
         for name, raw in self.data["agents"].items():
             for j, target in enumerate(raw.get("handoffs", [])):
                 if target == name:
@@ -755,6 +763,9 @@ class _Builder:
             elif ref.scope == "steps" and ref.field is None and ref.name not in by_id:
                 self.problems.add(keys, f"the template uses steps.{ref.name}, which is not a "
                                         f"step (steps: {', '.join(by_id)})")
+            elif ref.scope == "steps" and ref.field is None and ref.name == owner:
+                self.problems.add(keys, f"the template uses steps.{ref.name}, the step's own "
+                                        f"output, which it does not have before it ends")
             elif ref.scope == "steps" and ref.field is None and allowed is not None \
                     and ref.name not in allowed:
                 self.problems.add(keys, f"the template uses steps.{ref.name}, but step "
