@@ -151,13 +151,30 @@ def test_sync_and_async_tools_errors_and_timeouts():
     async def async_cli(x: int) -> int:
         raise SystemExit("usage: async_cli X")
 
+    @tool
+    def counts(n: int):
+        yield from range(n)
+
+    @tool(timeout_s=0.2)
+    async def ticks(n: int):
+        for i in range(n):
+            await anyio.sleep(0.05)
+            yield {"tick": i}
+
     async def main():
         return [await run_tool(slow, {"seconds": 0}), await run_tool(slow, {"seconds": 5}),
                 await run_tool(sleepy, {"seconds": 0}), await run_tool(sleepy, {"seconds": 1}),
                 await run_tool(broken, {"x": 3}), await run_tool(raw, {"x": 1}),
-                await run_tool(cli, {"x": 1}), await run_tool(async_cli, {"x": 1})]
+                await run_tool(cli, {"x": 1}), await run_tool(async_cli, {"x": 1}),
+                await run_tool(counts, {"n": 3}), await run_tool(ticks, {"n": 2}),
+                await run_tool(ticks, {"n": 50})]
 
-    fast, late, fast_sync, late_sync, failed, unwritable, exited, async_exited = anyio.run(main)
+    (fast, late, fast_sync, late_sync, failed, unwritable, exited, async_exited, counted,
+     ticked, late_ticks) = anyio.run(main)
+    # what a generator yields is its result, an async one's too (it was its repr), under the
+    # timeout
+    assert (counted.output, ticked.output) == ("[0, 1, 2]", '[{"tick": 0}, {"tick": 1}]')
+    assert late_ticks.is_error and late_ticks.error_type == "timeout"
     # a tool's exit is its failure, for the model to read; the run and the process go on
     assert exited.is_error and "cli called exit(3)" in exited.output
     assert async_exited.is_error and "async_cli called exit('usage: async_cli X')" \

@@ -246,7 +246,9 @@ class FunctionTool:
         args = [values.pop(name) for name in self.positional]
         if inspect.iscoroutinefunction(self.fn):
             return await self.fn(*args, **values)
-        result = await _in_daemon_thread(functools.partial(self.fn, *args, **values))
+        if inspect.isasyncgenfunction(self.fn):  # what it yields, as a list (under the timeout)
+            return [item async for item in self.fn(*args, **values)]
+        result = await _in_daemon_thread(functools.partial(_drained, self.fn, *args, **values))
         if inspect.isawaitable(result):  # an async function behind a plain wrapper
             result = await result
         return result
@@ -254,6 +256,13 @@ class FunctionTool:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Call the underlying function directly (no validation)."""
         return self.fn(*args, **kwargs)
+
+
+def _drained(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(...)``, a generator's items as a list: taken where ``fn`` runs (its thread, under
+    its timeout), not where the result is written for the model."""
+    result = fn(*args, **kwargs)
+    return list(result) if inspect.isgenerator(result) else result
 
 
 async def _in_daemon_thread(fn: Callable[[], Any]) -> Any:
