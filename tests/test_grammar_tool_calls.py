@@ -3,6 +3,7 @@ in the exact chat format of the demo template."""
 
 from __future__ import annotations
 
+import json
 import random
 
 import jsonschema
@@ -241,6 +242,36 @@ def test_bad_tools_are_named(tok):
         with pytest.raises(GrammarError) as err:
             compile_grammar(tool_call_body(tools), tok)
         assert what in str(err.value), str(err.value)
+
+
+def test_a_date_is_a_day_of_the_calendar_in_schemas_tools_and_answers(tok):
+    """The grammar's date format allowed February 29 of any year and year 0000, which
+    jsonschema's format check (Python's dates) refuses: a date without a pattern of its own
+    takes one that bounds them, in a schema, a tool's arguments and an answer beside tools."""
+    from agentflash.grammar import json_schema
+
+    day = {"type": "object", "properties": {"d": {"type": "string", "format": "date"},
+                                            "t": {"type": "string", "format": "date-time"}},
+           "required": ["d", "t"]}
+    tools = [{"name": "book", "parameters": day}]
+    grammars = {
+        "schema": (compile_grammar(json_schema(day), tok), "{}"),
+        "loose schema": (compile_grammar(json_schema(day, strict=False), tok), "{}"),
+        "call": (compile_grammar(tool_call_body(tools), tok),
+                 '{"name": "book", "arguments": %s}'),
+        "answer": (compile_grammar(assistant_turn(tools, "none", output_schema=day), tok), "{}"),
+    }
+    for where, (grammar, frame) in grammars.items():
+        for d, t, legal in [("2024-02-29", "2000-02-29T10:00:00Z", True),
+                            ("2023-02-28", "2024-12-31t23:59:59+01:00", True),
+                            ("2023-02-29", "2024-01-01T10:00:00Z", False),
+                            ("1900-02-29", "2024-01-01T10:00:00Z", False),
+                            ("0000-01-01", "2024-01-01T10:00:00Z", False),
+                            ("2024-01-01", "2023-02-29T10:00:00Z", False)]:
+            value = json.dumps({"d": d, "t": t})
+            text = frame.replace("{}", value) if frame == "{}" else frame % value
+            ids = tok.encode(text, add_special_tokens=False)
+            assert is_legal(grammar, ids) == legal, (where, d, t)
 
 
 def test_an_output_schema_the_grammar_cannot_take_is_named_beside_tools():

@@ -22,6 +22,7 @@ from agentflash.grammar.checks import (
     check_schema,
 )
 from agentflash.grammar.constraint import GrammarError
+from agentflash.json_formats import DATE_PATTERNS
 
 
 class GrammarKind(enum.Enum):
@@ -99,6 +100,31 @@ def close_objects(node: Any, close: bool = True) -> Any:
     return out
 
 
+def exact_dates(node: Any) -> Any:
+    """A copy of ``node`` where every ``date`` or ``date-time`` format without a ``pattern``
+    has ``DATE_PATTERNS``'s: RFC 3339's full-date is a day of its month and year, and the
+    grammar's format allows February 29 of any year (and year 0000, which Python's dates, and
+    so jsonschema's format check, refuse)."""
+    if not isinstance(node, dict):
+        return node
+    out = dict(node)
+    for key in SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: exact_dates(sub) for name, sub in out[key].items()}
+    for key in SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [exact_dates(sub) for sub in out[key]]
+    for key in SCHEMA_SINGLES:
+        if isinstance(out.get(key), list):
+            out[key] = [exact_dates(sub) for sub in out[key]]
+        elif key in out:
+            out[key] = exact_dates(out[key])
+    pattern = DATE_PATTERNS.get(out.get("format"))
+    if pattern is not None and "pattern" not in out:
+        out["pattern"] = pattern
+    return out
+
+
 def json_schema(
     schema: dict[str, Any] | bool,
     *,
@@ -116,8 +142,8 @@ def json_schema(
     if schema is True:  # any JSON value: the empty schema (grammar compilers take objects)
         schema = {}
     try:
-        text = json.dumps(close_objects(schema) if strict else schema, ensure_ascii=False,
-                          allow_nan=False)
+        text = json.dumps(exact_dates(close_objects(schema) if strict else schema),
+                          ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError) as err:
         raise GrammarError(f"{origin}: the schema is not JSON-serialisable: {err}") from None
     except RecursionError:

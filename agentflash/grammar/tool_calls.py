@@ -17,7 +17,14 @@ from typing import Any
 from agentflash.grammar.checks import check_schema
 from agentflash.grammar.constraint import GrammarError
 from agentflash.grammar.llguidance_backend import JSON_STYLE_OPTIONS, check_schema_supported
-from agentflash.grammar.sources import GrammarSource, JsonStyle, close_objects, json_schema, lark
+from agentflash.grammar.sources import (
+    GrammarSource,
+    JsonStyle,
+    close_objects,
+    exact_dates,
+    json_schema,
+    lark,
+)
 from agentflash.tool_format import CLOSE, OPEN
 
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}}
@@ -88,7 +95,7 @@ def tool_call_schema(
     branches = []
     for i, spec in enumerate(specs):
         base = f"#/anyOf/{i}/properties/arguments"
-        parameters = close_objects(spec.parameters) if strict else spec.parameters
+        parameters = exact_dates(close_objects(spec.parameters) if strict else spec.parameters)
         arguments = _rebase_refs(copy.deepcopy(parameters), base)
         branches.append(
             {
@@ -213,7 +220,7 @@ def assistant_turn(
 
 def _answer_turn(specs: list[ToolSpec], choice: ToolChoice, parallel: bool, strict: bool,
                  output_schema: dict[str, Any]) -> GrammarSource:
-    schema = close_objects(output_schema) if strict else output_schema
+    schema = exact_dates(close_objects(output_schema) if strict else output_schema)
     # checked alone first: an error of the turn's grammar names no field of the schema in it
     check_schema_supported(schema, "output schema")
     answer = {**schema, "x-guidance": JSON_STYLE_OPTIONS[JsonStyle.DUMPS]}

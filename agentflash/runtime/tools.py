@@ -30,6 +30,7 @@ import pydantic_core
 from pydantic.fields import FieldInfo
 
 from agentflash.errors import UserError, is_number
+from agentflash.json_formats import PYDANTIC_PATTERNS
 
 TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
@@ -114,7 +115,7 @@ class GrammarJsonSchema(pydantic.json_schema.GenerateJsonSchema):
     schema says, since the grammar writes whatever the schema allows: a ``Decimal`` written as
     a string is a decimal number (not any string), a dict with integer keys has keys that
     are integers (pydantic names no pattern for them), and dates, times and durations are
-    ones pydantic reads (``TEMPORAL_PATTERNS``)."""
+    ones pydantic reads (``PYDANTIC_PATTERNS``)."""
 
     def get_decimal_pattern(self, schema):
         return self.build_decimal_pattern(schema)
@@ -141,25 +142,8 @@ class GrammarJsonSchema(pydantic.json_schema.GenerateJsonSchema):
         return out
 
 
-# What pydantic refuses of what JSON Schema's formats allow (RFC 3339's leap second, year 0000,
-# February 29 of any year; a duration of any size), as patterns the grammar writes under
-# beside the format (both hold): a year from 0001, February 29 of a leap year, seconds to 59,
-# a duration's numbers of at most 6 digits (pydantic's largest is 999,999,999 days)
-_YEAR = "(?:[0-9]{3}[1-9]|[0-9]{2}[1-9]0|[0-9][1-9]00|[1-9]000)"
-_LEAP_YEAR = "(?:[0-9]{2}(?:0[48]|[2468][048]|[13579][26])|(?:0[48]|[2468][048]|[13579][26])00)"
-_DATE = (f"(?:{_YEAR}-(?:0[13-9]|1[0-2])-[0-9]{{2}}|{_YEAR}-02-(?:[01][0-9]|2[0-8])"
-         f"|{_LEAP_YEAR}-02-29)")
-_SECONDS = "[0-9]{2}:[0-9]{2}:[0-5][0-9]"
-TEMPORAL_PATTERNS = {
-    "date": f"^{_DATE}$",
-    "time": f"^{_SECONDS}.*$",
-    "date-time": f"^{_DATE}[Tt]{_SECONDS}.*$",
-    "duration": "^[^0-9]*(?:[0-9]{1,6}[^0-9]+)*$",
-}
-
-
 def _temporal(schema: dict[str, Any]) -> dict[str, Any]:
-    pattern = TEMPORAL_PATTERNS.get(schema.get("format"))
+    pattern = PYDANTIC_PATTERNS.get(schema.get("format"))
     return {**schema, "pattern": pattern} if schema.get("type") == "string" and pattern else schema
 
 
