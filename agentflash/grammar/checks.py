@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -35,18 +36,21 @@ def check_schema(schema: Any, origin: str) -> None:
         key = json.dumps(schema, sort_keys=True, allow_nan=False)
     except (TypeError, ValueError, RecursionError):
         key = None  # not JSON: checked (and refused) below
-    if key is not None and key in _PASSED:
-        _PASSED.move_to_end(key)
-        return
+    with _PASSED_LOCK:  # the server prepares its requests in worker threads
+        if key is not None and key in _PASSED:
+            _PASSED.move_to_end(key)
+            return
     _check_schema(schema, origin)
     if key is not None:
-        _PASSED[key] = None
-        if len(_PASSED) > _PASSED_SIZE:
-            _PASSED.popitem(last=False)
+        with _PASSED_LOCK:
+            _PASSED[key] = None
+            if len(_PASSED) > _PASSED_SIZE:
+                _PASSED.popitem(last=False)
 
 
 _PASSED: OrderedDict[str, None] = OrderedDict()  # the schemas ``check_schema`` passed, latest last
 _PASSED_SIZE = 1024
+_PASSED_LOCK = threading.Lock()
 
 
 def _check_schema(schema: Any, origin: str) -> None:
