@@ -13,6 +13,7 @@ import asyncio
 import itertools
 import json
 import math
+import re
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import AsyncExitStack, aclosing, asynccontextmanager, contextmanager
@@ -388,9 +389,18 @@ def _call_name(call: model.ToolCall | model.MalformedToolCall) -> str:
         return call.name
     try:
         name = json.loads(call.body).get("name")
-    except (json.JSONDecodeError, AttributeError):
-        name = None
+    except (json.JSONDecodeError, AttributeError):  # cut short: the name it began with
+        begun = _BEGUN_NAME.match(call.body)
+        try:
+            name = json.loads(begun.group(1)) if begun else None
+        except ValueError:  # an escape JSON has not
+            name = None
     return name if isinstance(name, str) else "invalid"
+
+
+# a call's body that names its tool before it breaks off (max_tokens cut it): the name the
+# stream's deltas gave it
+_BEGUN_NAME = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,')
 
 
 def _handoff_arguments_problem(call: model.ToolCall) -> str | None:
