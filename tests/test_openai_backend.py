@@ -272,6 +272,30 @@ def test_streamed_events_carry_calls_as_they_close_and_the_engine_stats(server):
     assert all(isinstance(e, (TextDelta, ModelFinish)) for e in plain)
 
 
+def test_calls_given_in_the_forms_the_runtime_takes_go_to_the_server_in_openais(server):
+    # arguments as an object and bare {"name", "arguments"} calls: the runtime and chat
+    # templates take them; the server (OpenAI's API) takes the function form, arguments as text
+    url, _ = server
+    messages = [
+        {"role": "user", "content": "Use get_weather with city Oslo."},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "x1", "type": "function",
+             "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}},
+            {"id": "x2", "name": "get_weather", "arguments": {"city": "Rome"}}]},
+        {"role": "tool", "tool_call_id": "x1", "content": '{"status": "ok"}'},
+        {"role": "tool", "tool_call_id": "x2", "content": '{"status": "ok"}'},
+    ]
+    request = ModelRequest(messages, [WEATHER], decoding=Decoding(max_tokens=8))
+    calls = request_body("demo", request)["messages"][1]["tool_calls"]
+    assert calls == [{"id": "x1", "type": "function", "function": {
+                          "name": "get_weather", "arguments": '{"city": "Oslo"}'}},
+                     {"id": "x2", "type": "function", "function": {
+                          "name": "get_weather", "arguments": '{"city": "Rome"}'}}]
+    assert messages[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"}  # as given
+    events = stream(OpenAIBackend(url, "demo"), request)
+    assert isinstance(events[-1], ModelFinish)
+
+
 def test_429_5xx_and_stalls_are_retried_with_backoff(server):
     url, app = server
     request = ModelRequest([{"role": "user", "content": "Hello"}],

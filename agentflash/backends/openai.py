@@ -302,6 +302,30 @@ def from_spec(spec: ModelSpec) -> Backend:
 # --- the request ---------------------------------------------------------------------------------
 
 
+def _wire_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages as OpenAI's API takes them: an assistant's calls in its ``{"type":
+    "function", "function": {"name", "arguments"}}`` form with the arguments as JSON text,
+    where the runtime also takes bare ``{"name", "arguments"}`` calls and arguments as an
+    object (as chat templates read them)."""
+    out = []
+    for message in messages:
+        calls = message.get("tool_calls")
+        if isinstance(calls, list):
+            message = {**message, "tool_calls": [_wire_call(call) for call in calls]}
+        out.append(message)
+    return out
+
+
+def _wire_call(call: dict[str, Any]) -> dict[str, Any]:
+    fn = call.get("function", call)
+    arguments = fn.get("arguments", {})
+    if not isinstance(arguments, str):
+        arguments = json.dumps(arguments, ensure_ascii=False)
+    wired = {k: v for k, v in call.items() if k not in ("function", "name", "arguments")}
+    return {**wired, "type": "function", "function": {"name": fn["name"],
+                                                      "arguments": arguments}}
+
+
 def request_body(model: str, request: ModelRequest) -> dict[str, Any]:
     """The ``/chat/completions`` body of one model turn.
 
@@ -311,7 +335,7 @@ def request_body(model: str, request: ModelRequest) -> dict[str, Any]:
     ``agentflash`` extension object, which ``agentflash serve`` reads and other servers ignore.
     """
     d: Decoding = request.decoding
-    body: dict[str, Any] = {"model": model, "messages": request.messages,
+    body: dict[str, Any] = {"model": model, "messages": _wire_messages(request.messages),
                             "temperature": d.temperature, "max_tokens": d.max_tokens,
                             "stream": True, "stream_options": {"include_usage": True}}
     if d.seed is not None:
