@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +24,25 @@ class ParsedToolCall:
 class MalformedToolCall:
     body: str
     error: str
+
+
+# a call's body that names its tool before it breaks off (max_tokens cut it, or its JSON is
+# bad further on), and where its arguments begin
+_BEGUN = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,(?:\s*"arguments"\s*:\s*)?')
+
+
+def begun_call(body: str) -> tuple[str, str] | None:
+    """(the tool's name, the arguments as far as written) of a malformed call's body that
+    names its tool before it breaks off; None where the name is not whole."""
+    begun = _BEGUN.match(body)
+    if begun is None:
+        return None
+    try:
+        name = json.loads(begun.group(1))
+    except ValueError:  # an escape JSON has not
+        return None
+    rest = body[begun.end():] if begun.group(0).rstrip().endswith(":") else ""
+    return name, rest.strip()
 
 
 class JsonScan:

@@ -145,6 +145,14 @@ def test_a_call_cut_by_max_tokens_is_the_same_call_streamed_or_not(client):
     assert streamed == {"arguments": partial.function.arguments, "content": ""}
     early = client.chat.completions.create(max_tokens=3, **args)  # the name is not out yet
     assert early.choices[0].message.tool_calls is None and early.choices[0].message.content
+    # cut once its name is whole, before its arguments' first delta: a call too (its body was
+    # sent as the reply's text, which the runtime then took for the answer)
+    for n in range(4, 16):
+        message = client.chat.completions.create(max_tokens=n, **args).choices[0].message
+        if message.tool_calls is None:
+            assert f'"name": "{call.function.name}",' not in (message.content or ""), n
+        else:
+            assert message.tool_calls[0].function.name == call.function.name
 
 
 def test_named_tool_choice_and_sampling_still_give_valid_calls(client):

@@ -13,7 +13,6 @@ import asyncio
 import itertools
 import json
 import math
-import re
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import AsyncExitStack, aclosing, asynccontextmanager, contextmanager
@@ -36,6 +35,7 @@ from agentflash.runtime.errors import (
 )
 from agentflash.runtime.tools import Tool, ToolOutcome, error_result, run_tool, tool_spec
 from agentflash.runtime.tracing import Span, SpanKind, Tracer, generation_attributes
+from agentflash.tool_format import begun_call
 
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup
@@ -390,17 +390,9 @@ def _call_name(call: model.ToolCall | model.MalformedToolCall) -> str:
     try:
         name = json.loads(call.body).get("name")
     except (json.JSONDecodeError, AttributeError):  # cut short: the name it began with
-        begun = _BEGUN_NAME.match(call.body)
-        try:
-            name = json.loads(begun.group(1)) if begun else None
-        except ValueError:  # an escape JSON has not
-            name = None
+        begun = begun_call(call.body)  # (the name the stream's deltas gave it)
+        name = begun[0] if begun else None
     return name if isinstance(name, str) else "invalid"
-
-
-# a call's body that names its tool before it breaks off (max_tokens cut it): the name the
-# stream's deltas gave it
-_BEGUN_NAME = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,')
 
 
 def _handoff_arguments_problem(call: model.ToolCall) -> str | None:

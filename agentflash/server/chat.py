@@ -41,6 +41,7 @@ from agentflash.grammar import (
 )
 from agentflash.grammar.llguidance_backend import check_schema_supported
 from agentflash.server.protocol import APIError, ChatCompletionRequest, Message
+from agentflash.tool_format import begun_call
 
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default when a request leaves it out
 
@@ -290,10 +291,17 @@ class ReplyWriter:
         # A call that does not parse (cut by max_tokens, or written without a grammar): where its
         # deltas went out as a call's, the whole reply holds it as the stream did, its arguments
         # as written (cut by max_tokens: finish reason length, as OpenAI's API gives a call cut
-        # there); where none did (its name was never read), it stays text in both.
+        # there); where none did but its name is whole, it is sent now, so (the runtime's own
+        # backend reads such a call as a call too, not as the answer); where its name was never
+        # read, it stays text in both.
         if index in self.calls:
             self.cut.append(index)
             return []
+        begun = begun_call(call.body)
+        if begun is not None:
+            deltas = self.deltas(ToolCallDelta(index, *begun))
+            self.cut.append(index)
+            return deltas
         self.content.append(call.body)
         return [{"content": call.body}]
 
