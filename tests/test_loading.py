@@ -96,6 +96,12 @@ def test_config_missing_a_field_and_unsupported_type(tiny_model_dir, tmp_path):
     (dict(num_key_value_heads=3),
      "num_attention_heads 4 is not a multiple of num_key_value_heads 3"),
     (dict(max_position_embeddings=1), "max_position_embeddings must be at least 2"),
+    # these were read loosely: "false" tied the lm_head, a string or 0 slipped through
+    (dict(tie_word_embeddings="false"), "tie_word_embeddings must be true or false, got 'false'"),
+    (dict(rms_norm_eps="1e-6"), "rms_norm_eps must be a positive number, got '1e-6'"),
+    (dict(rope_theta=0, rope_parameters=None), "rope_theta must be a positive number, got 0"),
+    (dict(rope_parameters={"rope_type": "default", "rope_theta": -1.0}),
+     r"rope_parameters.rope_theta must be a positive number, got -1.0"),
 ])
 def test_config_sizes_are_checked_before_any_tensor_is_built(tiny_model_dir, tmp_path, change,
                                                               message):
@@ -123,6 +129,22 @@ def test_missing_weights_and_weights_that_do_not_fit(tiny_model_dir, tmp_path):
     (tmp_path / "m" / "model.safetensors").write_bytes(b"not safetensors")
     with pytest.raises(UserError, match="cannot read safetensors"):
         load_model(tmp_path / "m")
+
+
+def test_a_null_field_takes_its_default_and_a_bad_shard_index_is_named(tiny_model_dir,
+                                                                        tmp_path):
+    shutil.copytree(tiny_model_dir, tmp_path / "m")
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    (tmp_path / "m" / "config.json").write_text(json.dumps(dict(cfg,
+                                                                max_position_embeddings=None)))
+    model, _, _ = load_model(tmp_path / "m")  # a TypeError from comparing None, before
+    assert model.cfg.max_position_embeddings == 4096
+    (tmp_path / "m" / "model.safetensors").rename(tmp_path / "m" / "shard.safetensors")
+    for index in ({"weight_map": [1, 2]}, {"weight_map": {"a": 1}}, {"metadata": {}}):
+        (tmp_path / "m" / "model.safetensors.index.json").write_text(json.dumps(index))
+        with pytest.raises(UserError, match=r"model.safetensors.index.json: weight_map must "
+                                            r"map each weight's name to its file"):
+            load_model(tmp_path / "m")
 
 
 def test_missing_tokenizer(tmp_path):

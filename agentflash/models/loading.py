@@ -88,7 +88,10 @@ def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
     if single.exists():
         files = [single]
     elif index.exists():
-        shards = read_json(index, "safetensors index").get("weight_map", {})
+        shards = read_json(index, "safetensors index")
+        shards = shards.get("weight_map") if isinstance(shards, dict) else None
+        if not isinstance(shards, dict) or not all(isinstance(f, str) for f in shards.values()):
+            raise UserError(f"{index}: weight_map must map each weight's name to its file")
         files = [model_dir / name for name in sorted(set(shards.values()))]
     else:
         raise UserError(f"{model_dir}: no model.safetensors (or model.safetensors.index.json)")

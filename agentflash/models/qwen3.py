@@ -8,6 +8,7 @@ states of chosen layers for the DFlash drafter. Weight names are the Hugging Fac
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -50,7 +51,7 @@ class ModelConfig:
                                "num_hidden_layers", "num_attention_heads"))
             _check_sizes(cfg, ("num_key_value_heads", "head_dim", "max_position_embeddings"),
                          optional=True)
-            if cfg.get("max_position_embeddings", 4096) < 2:
+            if (cfg.get("max_position_embeddings") or 4096) < 2:
                 raise ValueError("max_position_embeddings must be at least 2 (a prompt token and "
                                  "one more)")
             if heads % (cfg.get("num_key_value_heads") or heads):
@@ -64,11 +65,11 @@ class ModelConfig:
                 num_heads=heads,
                 num_kv_heads=cfg.get("num_key_value_heads") or heads,
                 head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-                rope_theta=float(_rope_theta(cfg)),
-                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                rope_theta=_rope_theta(cfg),
+                rms_norm_eps=_positive_number(cfg, "rms_norm_eps", 1e-6),
+                tie_word_embeddings=_flag(cfg, "tie_word_embeddings"),
                 qk_norm=model_type == "qwen3",
-                max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+                max_position_embeddings=cfg.get("max_position_embeddings") or 4096,
             )
         except KeyError as err:
             raise ValueError(f"config.json has no field {err.args[0]!r}") from None
@@ -118,7 +119,30 @@ def _check_sizes(cfg: dict[str, Any], names: tuple[str, ...], optional: bool = F
 
 def _rope_theta(cfg: dict[str, Any]) -> float:
     params = cfg.get("rope_parameters") or {}
-    return params.get("rope_theta") or cfg.get("rope_theta") or 10000.0
+    where = "rope_parameters" if params.get("rope_theta") is not None else None
+    theta = params.get("rope_theta") if where else cfg.get("rope_theta")
+    if theta is None:
+        return 10000.0
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not 0 < theta < math.inf:
+        name = f"{where}.rope_theta" if where else "rope_theta"
+        raise ValueError(f"{name} must be a positive number, got {theta!r}")
+    return float(theta)
+
+
+def _positive_number(cfg: dict[str, Any], name: str, default: float) -> float:
+    value = cfg.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ValueError(f"{name} must be a positive number, got {value!r}")
+    return float(value)
+
+
+def _flag(cfg: dict[str, Any], name: str) -> bool:
+    value = cfg.get(name, False)
+    if not isinstance(value, bool):  # "false" read as true tied the lm_head to the embeddings
+        raise ValueError(f"{name} must be true or false, got {value!r}")
+    return value
 
 
 class RMSNorm(nn.Module):
