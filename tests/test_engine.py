@@ -141,6 +141,7 @@ def test_sampling_params_name_a_bad_field():
         (dict(stop_token_ids=5), "stop_token_ids must hold token ids"),
         (dict(stop_token_ids=("a",)), "stop_token_ids must hold token ids"),
         (dict(grammar="json"), "grammar must be a GrammarSource"),
+        (dict(ignore_eos="no"), "ignore_eos must be True or False, got 'no'"),
     ]:
         with pytest.raises(ValueError, match=message):
             SamplingParams(**fields)

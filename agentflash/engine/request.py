@@ -86,6 +86,8 @@ class SamplingParams:
             raise ValueError(f"stop must be a tuple or list of strings, got {self.stop!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop must hold non-empty strings, got {self.stop!r}")
+        if not isinstance(self.ignore_eos, bool):  # "no" ignored the end token
+            raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
 
     @property
     def is_greedy(self) -> bool:
