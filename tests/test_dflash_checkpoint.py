@@ -220,6 +220,10 @@ def _edit(config: dict, changes: dict) -> dict:
         ({"dflash.mask_token_id": 200000}, "vocabulary"),
         ({"dflash.output_multiplier": 2.0}, "output_multiplier"),
         ({"dflash_config": [1]}, "dflash_config must be an object"),
+        # read loosely before: "13" as layers [1, 3], 1.5 as 1, true as 1 head
+        ({"dflash.target_layer_ids": "13"}, "target_layer_ids must be a list of layer indexes"),
+        ({"dflash.target_layer_ids": [1.5, 3]}, "target_layer_ids must be a list of layer"),
+        ({"num_attention_heads": True}, "must be a positive integer, got True"),
     ],
 )
 def test_bad_config_is_a_user_error_naming_the_file(tmp_path, changes, message):

@@ -110,7 +110,7 @@ def config_from_hf(raw: dict[str, Any]) -> DrafterConfig:
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             block_size=pick("block_size", 16),
             mask_token_id=pick("mask_token_id"),
-            target_layer_ids=tuple(pick("target_layer_ids")),
+            target_layer_ids=pick("target_layer_ids"),
             num_target_layers=pick("num_target_layers", None),
             vocab_size=raw["vocab_size"],
             max_position_embeddings=raw.get("max_position_embeddings", 40960),

@@ -63,7 +63,12 @@ class DrafterConfig:
     max_position_embeddings: int = 40960
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
+        ids = self.target_layer_ids
+        # a string's characters ("13" as [1, 3]) and 1.5 as 1 were read as layers
+        if isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple)) or not all(
+                isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            raise ValueError(f"target_layer_ids must be a list of layer indexes, got {ids!r}")
+        object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in ids))
         for name in (
             "hidden_size",
             "intermediate_size",
@@ -75,7 +80,7 @@ class DrafterConfig:
             "max_position_embeddings",
         ):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
