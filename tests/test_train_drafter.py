@@ -277,10 +277,10 @@ def test_init_starts_a_new_run_from_a_trained_drafter(run, tiny_model_dir, tmp_p
     first = [e["loss"] for e in read_log(tmp_path) if "loss" in e]
     assert len(first) == 1 and abs(first[0] - trained_loss) < abs(first[0] - fresh_loss)
     other = tmp_path / "other"
-    other.mkdir()
-    shutil.copy(run / "responses.json", other / "responses.json")
     with pytest.raises(UserError, match=f"{run}.*block_size"):
         train_drafter(tiny_model_dir, other, tiny_config(steps=1, init=str(run), block_size=8))
+    # refused before the target answered the corpus (minutes, at the default size)
+    assert not (other / "responses.json").exists()
 
 
 def test_a_drafter_deepened_to_more_layers_drafts_as_before(run, tiny_model_dir, tmp_path):

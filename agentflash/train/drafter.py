@@ -464,6 +464,8 @@ def train_drafter(
     tokenizer = load_tokenizer(model_dir)
     mask_id = choose_mask_token(tokenizer, target.cfg.vocab_size, cfg.mask_token_id)
     dcfg = drafter_config(target, cfg, mask_id)
+    # --init is read and checked before the target answers the corpus (minutes of work)
+    initial = _init_from(cfg.init, dcfg) if cfg.init is not None else None
     train, val = build_samples(target, tokenizer, cfg, out_dir / "responses.json")
     if not train:
         raise UserError(f"{out_dir}: no training sequences (every answer had under 2 tokens)")
@@ -474,8 +476,8 @@ def train_drafter(
     ckpt_dir = out_dir / "checkpoints"
     start = _resume(ckpt_dir, drafter, opt, dcfg)
     trained_for = target_name(target_dir)
-    if start == 0 and cfg.init is not None:
-        _init_from(cfg.init, drafter, dcfg)
+    if start == 0 and initial is not None:
+        drafter.load_state_dict(initial.state_dict())
     num_params = sum(p.numel() for p in drafter.parameters())
     print(
         f"drafter: {num_params / 1e6:.2f}M parameters, {dcfg.num_layers} layers reading target "
@@ -572,12 +574,12 @@ def _save_checkpoint(ckpt_dir: Path, step: int, drafter, opt, dcfg: DrafterConfi
     tmp.replace(ckpt_dir / "latest.pt")
 
 
-def _init_from(source: str, drafter, dcfg: DrafterConfig) -> None:
-    """Start from the weights of the drafter in ``source`` (a directory or ``demo``), whose
-    shape must be the one this run trains, except that it may read fewer target layers or have
-    fewer layers: a drafter reading a subset of this run's target layers is widened
-    (``widen_context``), a shallower one deepened (``deepen``); either drafts as it did until
-    training gives the new weights a say."""
+def _init_from(source: str, dcfg: DrafterConfig) -> DFlashDrafter:
+    """The drafter in ``source`` (a directory or ``demo``) to start from, whose shape must be
+    the one this run trains, except that it may read fewer target layers or have fewer layers:
+    a drafter reading a subset of this run's target layers is widened (``widen_context``), a
+    shallower one deepened (``deepen``); either drafts as it did until training gives the new
+    weights a say."""
     from agentflash.dflash.checkpoint import load_drafter
     from agentflash.models.loading import drafter_dir
 
@@ -594,7 +596,7 @@ def _init_from(source: str, drafter, dcfg: DrafterConfig) -> None:
         init = widen_context(init, dcfg.target_layer_ids)
     elif diff:
         raise UserError(f"{path}: --init drafter differs from the one to train in {diff}")
-    drafter.load_state_dict(init.state_dict())
+    return init
 
 
 def deepen(drafter: DFlashDrafter, num_layers: int) -> DFlashDrafter:
