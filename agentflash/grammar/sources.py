@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -65,6 +66,24 @@ _OPEN_ENDED = (
 )
 
 
+def _with_subschemas(node: dict[str, Any], each: Callable[[Any, str], Any]) -> dict[str, Any]:
+    """A copy of the schema ``node`` whose subschemas are ``each(subschema, key)``, ``key`` the
+    keyword they are under (``properties``, ``anyOf``, ``items``, ...)."""
+    out = dict(node)
+    for key in SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: each(sub, key) for name, sub in out[key].items()}
+    for key in SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [each(sub, key) for sub in out[key]]
+    for key in SCHEMA_SINGLES:
+        if isinstance(out.get(key), list):  # draft-04 tuple ``items``
+            out[key] = [each(sub, key) for sub in out[key]]
+        elif key in out:
+            out[key] = each(out[key], key)
+    return out
+
+
 def close_objects(node: Any, close: bool = True) -> Any:
     """A copy of ``node`` where every object schema that lists its properties, and says nothing
     else about other keys, takes no other keys: what OpenAI's strict mode asks of a schema and
@@ -75,18 +94,8 @@ def close_objects(node: Any, close: bool = True) -> Any:
     branches of an ``allOf`` (closing each would forbid the others' keys)."""
     if not isinstance(node, dict):
         return node
-    out = dict(node)
-    for key in SCHEMA_MAPS:
-        if isinstance(out.get(key), dict):
-            out[key] = {name: close_objects(sub) for name, sub in out[key].items()}
-    for key in SCHEMA_LISTS:  # an allOf's branches stay open themselves
-        if isinstance(out.get(key), list):
-            out[key] = [close_objects(sub, close=key != "allOf") for sub in out[key]]
-    for key in SCHEMA_SINGLES:
-        if isinstance(out.get(key), list):  # draft-04 tuple ``items``
-            out[key] = [close_objects(sub) for sub in out[key]]
-        elif key in out:
-            out[key] = close_objects(out[key])
+    # an allOf's branches stay open themselves
+    out = _with_subschemas(node, lambda sub, key: close_objects(sub, close=key != "allOf"))
     listed = out.get("properties")
     required = out.get("required", [])
     if (
@@ -107,18 +116,7 @@ def exact_dates(node: Any) -> Any:
     so jsonschema's format check, refuse)."""
     if not isinstance(node, dict):
         return node
-    out = dict(node)
-    for key in SCHEMA_MAPS:
-        if isinstance(out.get(key), dict):
-            out[key] = {name: exact_dates(sub) for name, sub in out[key].items()}
-    for key in SCHEMA_LISTS:
-        if isinstance(out.get(key), list):
-            out[key] = [exact_dates(sub) for sub in out[key]]
-    for key in SCHEMA_SINGLES:
-        if isinstance(out.get(key), list):
-            out[key] = [exact_dates(sub) for sub in out[key]]
-        elif key in out:
-            out[key] = exact_dates(out[key])
+    out = _with_subschemas(node, lambda sub, key: exact_dates(sub))
     pattern = DATE_PATTERNS.get(out.get("format"))
     if pattern is not None and "pattern" not in out:
         out["pattern"] = pattern
