@@ -448,13 +448,13 @@ def _is_key(data: Any, keys: Keys, name: str) -> bool:
     return isinstance(data, dict) and name in data
 
 
-
 def _same_file(a: Path, b: Path) -> bool:
     """Whether ``a`` and ``b`` are one file, or hold the same bytes."""
     try:
         return a.resolve() == b.resolve() or a.read_bytes() == b.read_bytes()
     except OSError:
         return False
+
 
 class _Builder:
     """Turns a schema-valid document into a ``Workflow``, collecting every semantic problem."""

@@ -291,9 +291,9 @@ class ReplyWriter:
         # A call that does not parse (cut by max_tokens, or written without a grammar): where its
         # deltas went out as a call's, the whole reply holds it as the stream did, its arguments
         # as written (cut by max_tokens: finish reason length, as OpenAI's API gives a call cut
-        # there); where none did but its name is whole, it is sent now, so (the runtime's own
-        # backend reads such a call as a call too, not as the answer); where its name was never
-        # read, it stays text in both.
+        # there); where none did but its name is whole, it is sent as a call now (the runtime's
+        # own backend reads it as a call too, not as the answer); where its name was never read,
+        # it stays text in both.
         if index in self.calls:
             self.cut.append(index)
             return []
