@@ -862,6 +862,8 @@ def test_a_schema_that_passed_its_checks_is_not_checked_again(monkeypatch):
         (lambda: json_schema({"anyOf": []}), "anyOf"),
         (lambda: json_schema(False), "false"),
         (lambda: json_schema("not a schema"), "must be an object"),
+        (lambda: json_schema({"type": "string", "format": {}}),
+         "#/format: not a valid JSON Schema"),
         (lambda: pydantic_model(type("Opaque", (), {})), "Opaque: pydantic cannot"),
     ],
 )

@@ -117,7 +117,8 @@ def exact_dates(node: Any) -> Any:
     if not isinstance(node, dict):
         return node
     out = _with_subschemas(node, lambda sub, key: exact_dates(sub))
-    pattern = DATE_PATTERNS.get(out.get("format"))
+    fmt = out.get("format")  # not yet checked against the meta-schema: maybe no string
+    pattern = DATE_PATTERNS.get(fmt) if isinstance(fmt, str) else None
     if pattern is not None and "pattern" not in out:
         out["pattern"] = pattern
     return out
