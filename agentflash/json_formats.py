@@ -1,8 +1,10 @@
-"""Patterns for JSON Schema's date and time formats, to hold beside the format: the grammar's
-formats allow values that are not dates (February 29 of any year, year 0000), and a backend
-that reads a string's pattern and not its format (outlines-core) writes what the pattern
-allows, so each pattern is whole on its own. Torch-free, so that a tool's schema is made
-without loading the grammar layer."""
+"""Patterns to hold beside JSON Schema's date and time formats, and of what pydantic reads as a
+decimal or a URL: the grammar's formats allow values that are not dates (February 29 of any
+year, year 0000), and a backend that reads a string's pattern and not its format
+(outlines-core) writes what the pattern allows, so each pattern is whole on its own.
+Torch-free, so that a tool's schema is made without loading the grammar layer."""
+
+import re
 
 _YEAR = "(?:[0-9]{3}[1-9]|[0-9]{2}[1-9]0|[0-9][1-9]00|[1-9]000)"  # 0001 to 9999
 _LEAP_YEAR = "(?:[0-9]{2}(?:0[48]|[2468][048]|[13579][26])|(?:0[48]|[2468][048]|[13579][26])00)"
@@ -16,14 +18,75 @@ _CLOCK = "(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\\.[0-9]{1,9})?"
 DATE_PATTERNS = {"date": f"^{DATE}$", "date-time": f"^{DATE}[Tt]{_CLOCK}{_OFFSET}$"}
 
 # pydantic's date, time, datetime and timedelta (``GrammarJsonSchema``): what it reads, a time
-# with or without its offset, a duration's numbers of at most 6 digits (its largest is
-# 999,999,999 days)
+# or datetime with or without its offset (``temporal_pattern`` binds it where the type does), a
+# duration's numbers of at most 6 digits (its largest is 999,999,999 days)
 _NUMBER = "[0-9]{1,6}"
 _SECONDS = f"{_NUMBER}(?:\\.[0-9]{{1,6}})?S"
 _TIME_PART = (f"T(?:{_NUMBER}H(?:{_NUMBER}M)?(?:{_SECONDS})?|{_NUMBER}M(?:{_SECONDS})?"
               f"|{_SECONDS})")
 PYDANTIC_PATTERNS = {
-    **DATE_PATTERNS,
+    "date": DATE_PATTERNS["date"],
+    "date-time": f"^{DATE}[Tt]{_CLOCK}{_OFFSET}?$",
     "time": f"^{_CLOCK}{_OFFSET}?$",
     "duration": f"^P(?:{_NUMBER}D(?:{_TIME_PART})?|{_TIME_PART})$",
 }
+
+
+def temporal_pattern(format: str, tz_constraint: str | int | None = None) -> str | None:
+    """What pydantic reads of a ``format`` ("date", "date-time", "time" or "duration"; None for
+    another): a time or datetime of pydantic's ``tz_constraint`` ("naive": without an offset,
+    "aware": with one, seconds east of UTC: that offset) or either (None)."""
+    pattern = PYDANTIC_PATTERNS.get(format)
+    if pattern is None or format not in ("date-time", "time") or tz_constraint is None:
+        return pattern
+    if tz_constraint == "naive":
+        offset = ""
+    elif tz_constraint == "aware":
+        offset = _OFFSET
+    elif tz_constraint == 0:  # one offset, in seconds east of UTC
+        offset = "(?:[Zz]|[+-]00:00)"
+    else:
+        hours, minutes = divmod(abs(int(tz_constraint)) // 60, 60)
+        offset = f"{'-' if tz_constraint < 0 else '[+]'}{hours:02d}:{minutes:02d}"
+    return pattern.replace(f"{_OFFSET}?$", f"{offset}$")
+
+
+def decimal_pattern(max_digits: int | None, decimal_places: int | None) -> str:
+    """A decimal number written out (no exponent: pydantic does not bound an exponent's digits)
+    with at most ``max_digits`` digits, ``decimal_places`` of them after the point."""
+    if max_digits is not None and max_digits < 1:
+        raise ValueError(f"a decimal of max_digits={max_digits} has no value to write")
+    if max_digits is None:
+        whole = "(?:0|[1-9][0-9]*)"
+        fraction = "[0-9]+" if decimal_places is None else f"[0-9]{{1,{decimal_places}}}"
+        number = f"{whole}(?:\\.{fraction})?" if decimal_places != 0 else whole
+    elif decimal_places is not None:
+        wholes = max_digits - decimal_places  # digits before the point
+        places = min(decimal_places, max_digits)
+        if wholes <= 0:  # pydantic counts a 0 before the point where nothing follows it
+            number = f"0\\.[0-9]{{1,{places}}}"
+        else:
+            whole = f"(?:0|[1-9][0-9]{{0,{wholes - 1}}})"
+            number = f"{whole}(?:\\.[0-9]{{1,{places}}})?" if places else whole
+    else:  # the digits shared between the two sides: one branch per length of the whole part
+        branches = [f"0(?:\\.[0-9]{{1,{max_digits}}})?"] if max_digits else ["0"]
+        for wholes in range(1, max_digits + 1):
+            rest = max_digits - wholes
+            tail = f"(?:\\.[0-9]{{1,{rest}}})?" if rest else ""
+            branches.append(f"[1-9][0-9]{{{wholes - 1}}}{tail}")
+        number = "(?:" + "|".join(branches) + ")"
+    return f"^-?{number}$"
+
+
+def url_pattern(schemes: list[str]) -> str:
+    """A URL of one of ``schemes`` (pydantic's ``allowed_schemes``) that pydantic reads: a host
+    name of letters, digits and hyphens whose last label begins with a letter (one of digits
+    reads as an IPv4 address) and none of them with ``xn--`` (punycode, checked), a port of up
+    to 4 digits, then a path, query or fragment of printable characters (no blank)."""
+    names = "|".join(re.escape(s) for s in schemes)
+    rest = "[A-Za-z0-9-]*"
+    not_punycode = (f"[Xx](?:[A-MO-Za-mo-z0-9-]{rest})?|[Xx][Nn](?:[A-Za-z0-9]{rest})?"
+                    f"|[Xx][Nn]-(?:[A-Za-z0-9]{rest})?")
+    label = f"(?:[A-WYZa-wyz0-9-]{rest}|{not_punycode})"
+    last = f"(?:[A-WYZa-wyz]{rest}|{not_punycode})"
+    return f"^(?:{names})://(?:{label}\\.)*{last}(?::[0-9]{{1,4}})?(?:[/?#][!-~]*)?$"

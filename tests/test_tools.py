@@ -316,8 +316,9 @@ def test_the_schema_binds_what_pydantic_checks_and_arguments_are_read_as_json():
     schema = tool(pay).parameters
     check = Draft202012Validator(schema)
     assert check.is_valid({"amount": "12.50", "counts": {"3": "x", "-1": "y"}})
-    assert check.is_valid({"amount": 12.5, "counts": {}})
-    for bad in ({"amount": "river", "counts": {}}, {"amount": 1, "counts": {"status": "x"}}):
+    # a number is read through a float (0.1000000000000000055 is 0.1; 1e400 infinity): a string
+    for bad in ({"amount": "river", "counts": {}}, {"amount": "1", "counts": {"status": "x"}},
+                {"amount": 12.5, "counts": {}}, {"amount": "1E+400", "counts": {}}):
         assert not check.is_valid(bad), bad
 
     class Color(enum.Enum):
@@ -387,6 +388,61 @@ def test_dates_times_and_durations_the_grammar_writes_are_ones_pydantic_reads(
             refused.append((arguments, str(err).splitlines()[1]))
     assert not refused, refused[:3]
     assert finished >= 40
+
+
+def test_decimals_urls_and_naive_or_aware_datetimes_the_grammar_writes_are_ones_pydantic_reads(
+        demo_tokenizer_dir):
+    """pydantic's schemas allow a Decimal of any digits (and 1e400, infinity), an HttpUrl of any
+    scheme and a datetime with an offset only, where pydantic refuses the one and a naive
+    datetime the other: random outputs under a tool's grammar, biased to digits, all validate
+    as its arguments, and a naive and an aware datetime are both reachable."""
+    import datetime
+    import decimal
+    import random
+    from typing import Annotated
+
+    import numpy as np
+    import pydantic
+    from pydantic import Field
+    from transformers import AutoTokenizer
+
+    from agentflash.grammar import compile_grammar, json_schema
+    from agentflash.grammar.bench import closing_tokens, random_output
+
+    class Order(BaseModel):
+        any_amount: decimal.Decimal
+        price: Annotated[decimal.Decimal, Field(max_digits=4, decimal_places=2)]
+        fee: Annotated[decimal.Decimal, Field(max_digits=3)]
+        tip: Annotated[decimal.Decimal, Field(ge=0, le=50, max_digits=3)]
+        step: Annotated[decimal.Decimal, Field(multiple_of=decimal.Decimal("0.25"),
+                                               decimal_places=1)]
+        local: pydantic.NaiveDatetime
+        utc: pydantic.AwareDatetime
+        stamp: datetime.datetime
+        site: pydantic.HttpUrl
+
+    def place(order: Order) -> str:
+        return "ok"
+
+    placed = tool(place)
+    tok = AutoTokenizer.from_pretrained(demo_tokenizer_dir)
+    grammar = compile_grammar(json_schema(placed.parameters), tok, vocab_size=len(tok))
+    digits = np.array([any(ch.isdigit() for ch in (piece or ""))
+                       for piece in tok.convert_ids_to_tokens(list(range(len(tok))))])
+    rng, refused, stamps = random.Random(0), [], []
+    for _ in range(60):
+        tokens = random_output(grammar.new_constraint(), closing_tokens(tok, len(tok)) | digits,
+                               rng, max_tokens=600)
+        if tokens[-1] != tok.eos_token_id:
+            continue
+        arguments = json.loads(tok.decode(tokens[:-1]))
+        try:
+            stamps.append(Order.model_validate_json(json.dumps(arguments["order"])).stamp)
+        except ValueError as err:
+            refused.append((arguments, str(err).splitlines()[1:3]))
+    assert not refused, refused[:3]
+    assert len(stamps) >= 15  # the others ran out of tokens (a URL's path goes on)
+    assert {stamp.tzinfo is None for stamp in stamps} == {True, False}
 
 
 def test_field_defaults_partials_and_callable_objects_make_tools():

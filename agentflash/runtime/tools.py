@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import contextvars
 import copy
+import decimal
 import functools
 import inspect
 import json
+import math
 import re
 import threading
 import typing
@@ -30,7 +32,7 @@ import pydantic_core
 from pydantic.fields import FieldInfo
 
 from agentflash.errors import UserError, is_number
-from agentflash.json_formats import PYDANTIC_PATTERNS
+from agentflash.json_formats import decimal_pattern, temporal_pattern, url_pattern
 
 TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
@@ -112,25 +114,33 @@ _KEY_ORDER = ("type", "description", "enum", "items", "properties", "required")
 
 class GrammarJsonSchema(pydantic.json_schema.GenerateJsonSchema):
     """pydantic's JSON Schema, tightened where pydantic's JSON validation is stricter than the
-    schema says, since the grammar writes whatever the schema allows: a ``Decimal`` written as
-    a string is a decimal number (not any string), a dict with integer keys has keys that
-    are integers (pydantic names no pattern for them), and dates, times and durations are
-    ones pydantic reads (``PYDANTIC_PATTERNS``)."""
+    schema says, since the grammar writes whatever the schema allows: a ``Decimal`` is a
+    decimal number of its digits (``_decimal``), a dict with integer keys has keys that are
+    integers (pydantic names no pattern for them), dates, times and durations are ones
+    pydantic reads (``temporal_pattern``: a naive datetime without an offset, an aware one with
+    it), and a URL of some schemes (``HttpUrl``) begins with one of them."""
 
-    def get_decimal_pattern(self, schema):
-        return self.build_decimal_pattern(schema)
+    def decimal_schema(self, schema):
+        return _decimal(schema) if self.mode == "validation" else super().decimal_schema(schema)
 
     def date_schema(self, schema):
         return _temporal(super().date_schema(schema))
 
     def time_schema(self, schema):
-        return _temporal(super().time_schema(schema))
+        return _temporal(super().time_schema(schema), schema.get("tz_constraint"))
 
     def datetime_schema(self, schema):
-        return _temporal(super().datetime_schema(schema))
+        return _temporal(super().datetime_schema(schema), schema.get("tz_constraint"))
 
     def timedelta_schema(self, schema):
         return _temporal(super().timedelta_schema(schema))
+
+    def url_schema(self, schema):
+        out = super().url_schema(schema)
+        schemes = schema.get("allowed_schemes")
+        if schemes and out.get("type") == "string":
+            out["pattern"] = url_pattern(schemes)
+        return out
 
     def _common_dict_schema(self, schema):
         out = super()._common_dict_schema(schema)
@@ -142,9 +152,60 @@ class GrammarJsonSchema(pydantic.json_schema.GenerateJsonSchema):
         return out
 
 
-def _temporal(schema: dict[str, Any]) -> dict[str, Any]:
-    pattern = PYDANTIC_PATTERNS.get(schema.get("format"))
-    return {**schema, "pattern": pattern} if schema.get("type") == "string" and pattern else schema
+def _temporal(schema: dict[str, Any], tz_constraint: str | int | None = None) -> dict[str, Any]:
+    format = schema.get("format")
+    pattern = temporal_pattern(format, tz_constraint)
+    if schema.get("type") != "string" or not pattern:
+        return schema
+    if format in ("date-time", "time") and tz_constraint in (None, "naive"):
+        # JSON Schema's date-time and time have an offset, a naive one none: the pattern alone
+        return {**{k: v for k, v in schema.items() if k != "format"}, "pattern": pattern}
+    return {**schema, "pattern": pattern}
+
+
+def _decimal(schema: dict[str, Any]) -> dict[str, Any]:
+    """A ``Decimal``'s schema: a string of a decimal number within its digits, or, where it has
+    bounds (which no pattern holds), a number within them and its digits (below 10^15 where no
+    digits are given). pydantic's own schema allows a number of any digits, a string with an
+    exponent of any size and so infinity."""
+    digits, places = schema.get("max_digits"), schema.get("decimal_places")
+    bounds = {key: schema[key] for key in ("multiple_of", "ge", "gt", "le", "lt")
+              if schema.get(key) is not None}
+    if not bounds:
+        return {"type": "string", "pattern": decimal_pattern(digits, places)}
+    decimal_pattern(digits, places)  # the same check of the digits
+    number: dict[str, Any] = {"type": "number"}
+    for key, name in (("ge", "minimum"), ("gt", "exclusiveMinimum"), ("le", "maximum"),
+                      ("lt", "exclusiveMaximum")):
+        if key in bounds:
+            number[name] = float(bounds[key])
+    # each branch: k places after the point at most, so a multiple of 10^-k below 10^(digits-k)
+    branches = []
+    for k in ([places] if places is not None else range(digits + 1) if digits is not None
+              else [None]):
+        branch = dict(number)
+        step = _multiple(bounds.get("multiple_of"), k)
+        if step is not None:
+            branch["multipleOf"] = step
+        # pydantic reads a number through a float: below 10^15 its digits stay what they were
+        top = 10 ** (digits - min(k or 0, digits)) if digits is not None else 10 ** 15
+        branch["exclusiveMaximum"] = min(branch.get("exclusiveMaximum", math.inf), top)
+        branch["exclusiveMinimum"] = max(branch.get("exclusiveMinimum", -math.inf), -top)
+        branches.append(branch)
+    return branches[0] if len(branches) == 1 else {"anyOf": branches}
+
+
+def _multiple(multiple_of: Any, places: int | None) -> float | int | None:
+    """The least common multiple of ``multiple_of`` and 10^-places (either may be None)."""
+    if places is None:
+        return None if multiple_of is None else float(multiple_of)
+    if multiple_of is None:
+        return 1 if places == 0 else float(decimal.Decimal(1).scaleb(-places))
+    given = decimal.Decimal(str(multiple_of))
+    scale = max(places, -given.as_tuple().exponent, 0)
+    lcm = math.lcm(int(given.scaleb(scale)), 10 ** (scale - places))
+    out = decimal.Decimal(lcm).scaleb(-scale)
+    return int(out) if out == out.to_integral_value() else float(out)
 
 
 INTEGER_KEY = r"^-?(0|[1-9][0-9]*)$"
