@@ -11,6 +11,7 @@ from agentflash.backends import create_backend, is_available
 from agentflash.backends.base import (
     BackendKind,
     Decoding,
+    ForceTool,
     MalformedToolCall,
     ModelFinish,
     ModelRequest,
@@ -22,7 +23,7 @@ from agentflash.backends.base import (
     ToolCallReady,
     ToolChoice,
 )
-from agentflash.backends.local import EngineFailed, HermesStreamParser, LocalBackend
+from agentflash.backends.local import EngineFailed, HermesStreamParser, LocalBackend, turn_grammar
 from agentflash.backends.scripted import ScriptedBackend, ScriptedTurn, tool_call_text
 from agentflash.errors import UserError
 from agentflash.runtime.errors import RunError
@@ -284,6 +285,18 @@ def test_local_backend_shows_tools_under_every_tool_choice(tiny_model_dir):
             return seen
 
     assert anyio.run(prompts) == [tools, tools]
+
+
+@pytest.mark.parametrize("name", ["none", "auto", "required"])
+def test_a_forced_tool_named_like_a_tool_choice_mode_is_that_tool(name):
+    """``ForceTool("none")`` forces the tool named none: not the mode none (no calls), nor auto
+    or required (any tool)."""
+    tools = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}}
+             for n in (name, "lookup")]
+    grammar = turn_grammar(ModelRequest([{"role": "user", "content": "hi"}], tools,
+                                        ForceTool(name)))
+    assert grammar.text.startswith("start: calls\n")
+    assert f'"const": "{name}"' in grammar.text and '"const": "lookup"' not in grammar.text
 
 
 def test_local_backend_raises_when_the_engine_fails_a_turn(tiny_model_dir):

@@ -375,7 +375,9 @@ def turn_grammar(request: ModelRequest) -> Any:
     if not request.tools and request.output_schema is None:
         return assistant_turn([], "none") if request.tool_choice is ToolChoice.NONE else None
     choice = request.tool_choice
-    value = choice.name if isinstance(choice, ForceTool) else choice.value
+    # a forced tool in the object form: a tool may be named none, auto or required
+    value = ({"type": "function", "function": {"name": choice.name}}
+             if isinstance(choice, ForceTool) else choice.value)
     return assistant_turn(request.tools, value, output_schema=request.output_schema)
 
 
