@@ -296,6 +296,12 @@ def test_bad_tool_definitions_are_user_errors():
     with pytest.raises(UserError, match="shadows.*pydantic cannot describe the parameters"):
         tool(shadows)
 
+    def named_like_properties(model_extra: int, model_fields_set: int = 7) -> str:
+        return f"{model_extra} {model_fields_set}"  # BaseModel's properties: pydantic allows
+
+    called = anyio.run(run_tool, tool(named_like_properties), {"model_extra": 42})
+    assert called.output == "42 7"
+
 
 def test_the_schema_binds_what_pydantic_checks_and_arguments_are_read_as_json():
     """The grammar writes whatever a tool's schema allows, so where pydantic's JSON validation

@@ -287,7 +287,7 @@ class FunctionTool:
             validated = self.params_model.model_validate_json(json.dumps(arguments))
         except pydantic.ValidationError as err:
             raise ToolArgumentsError(_validation_message(self.name, err)) from None
-        values = {name: getattr(validated, name) for name in type(validated).model_fields}
+        values = {name: validated.__dict__[name] for name in type(validated).model_fields}
         args = [values.pop(name) for name in self.positional]
         if inspect.iscoroutinefunction(self.fn):
             return await self.fn(*args, **values)
