@@ -73,10 +73,16 @@ def parse_docstring(doc: str | None) -> tuple[str, dict[str, str]]:
         sphinx = _SPHINX.match(text)
         if sphinx:
             _flush_section(section, numpy, body, params)
-            section, body = None, []
+            section, body = f":param {sphinx.group(1)}", []
             params[sphinx.group(1)] = sphinx.group(2).strip()
         elif text.startswith(":"):
             section = "sphinx-other"
+        elif section and section.startswith(":param ") and line.startswith((" ", "\t")):
+            name = section.removeprefix(":param ")  # the field's text goes on, indented
+            params[name] = f"{params[name]} {text}".strip()
+        elif section and section.startswith(":param ") and text:
+            section = None
+            summary.append(text)
         elif section is None:
             summary.append(text)
         else:
