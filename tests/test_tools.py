@@ -100,9 +100,8 @@ def test_docstring_styles():
                                                            "b": "The second."})
     sphinx = "Send a note.\n\n:param to: Recipient.\n:param str body: The text.\n:returns: id"
     assert parse_docstring(sphinx) == ("Send a note.", {"to": "Recipient.", "body": "The text."})
-    wrapped = "Send a note.\n\n:param to: The one\n    who reads it.\n:param body: Text.\n:returns: id"
-    assert parse_docstring(wrapped) == ("Send a note.", {"to": "The one who reads it.",
-                                                         "body": "Text."})
+    wrapped = "Send.\n\n:param to: The one\n    who reads it.\n:param body: Text.\n:returns: id"
+    assert parse_docstring(wrapped) == ("Send.", {"to": "The one who reads it.", "body": "Text."})
     google = "Find.\n\nArgs:\n    *names: Names.\n    limit (int, optional): At most this many.\n"
     assert parse_docstring(google)[1] == {"names": "Names.", "limit": "At most this many."}
     assert parse_docstring(None) == ("", {})
