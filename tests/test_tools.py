@@ -157,6 +157,10 @@ def test_sync_and_async_tools_errors_and_timeouts():
     def counts(n: int):
         yield from range(n)
 
+    @tool
+    def stats(n: int) -> dict:
+        return {"mean": float("nan"), "range": [float("-inf"), 1.5]}
+
     @tool(timeout_s=0.2)
     async def ticks(n: int):
         for i in range(n):
@@ -169,10 +173,12 @@ def test_sync_and_async_tools_errors_and_timeouts():
                 await run_tool(broken, {"x": 3}), await run_tool(raw, {"x": 1}),
                 await run_tool(cli, {"x": 1}), await run_tool(async_cli, {"x": 1}),
                 await run_tool(counts, {"n": 3}), await run_tool(ticks, {"n": 2}),
-                await run_tool(ticks, {"n": 50})]
+                await run_tool(ticks, {"n": 50}), await run_tool(stats, {"n": 1})]
 
     (fast, late, fast_sync, late_sync, failed, unwritable, exited, async_exited, counted,
-     ticked, late_ticks) = anyio.run(main)
+     ticked, late_ticks, no_number) = anyio.run(main)
+    # JSON has no NaN: the model read NaN and -Infinity, which no JSON parser reads
+    assert json.loads(no_number.output) == {"mean": "NaN", "range": ["-Infinity", 1.5]}
     # what a generator yields is its result, an async one's too (it was its repr), under the
     # timeout
     assert (counted.output, ticked.output) == ("[0, 1, 2]", '[{"tick": 0}, {"tick": 1}]')

@@ -261,7 +261,12 @@ def format_result(value: Any) -> str:
     if isinstance(value, str):
         return value
     # json.dumps layout: the one chat-format models are trained to read
-    return json.dumps(pydantic_core.to_jsonable_python(value, fallback=str), ensure_ascii=False)
+    jsonable = pydantic_core.to_jsonable_python(value, fallback=str)
+    try:
+        return json.dumps(jsonable, ensure_ascii=False, allow_nan=False)
+    except ValueError:  # NaN or an infinity, which JSON has not: strings, as pydantic writes them
+        jsonable = json.loads(pydantic_core.to_json(value, fallback=str, inf_nan_mode="strings"))
+        return json.dumps(jsonable, ensure_ascii=False)
 
 
 def error_result(message: str) -> str:
