@@ -123,6 +123,24 @@ def _blocks(text: str) -> list[tuple[int, int, int | None]]:
     return blocks
 
 
+def stop_at(text: str, stops: tuple[str, ...] | list[str]) -> int | None:
+    """Where the first of ``stops`` begins in ``text``; None where none does. Not inside a tool
+    call (after its ``<tool_call>``, to the end of its ``</tool_call>``): the call is the
+    grammar's to finish, and cut there its arguments would not parse. Not at a character whose
+    bytes are still coming (a trailing U+FFFD)."""
+    text = text.rstrip("\ufffd")
+    calls = [(at, None if end is None else end + len(CLOSE)) for at, _, end in _blocks(text)]
+    first = None
+    for stop in stops:
+        at = text.find(stop)
+        while at >= 0 and any(opened < at and (closed is None or at < closed)
+                              for opened, closed in calls):
+            at = text.find(stop, at + 1)
+        if at >= 0 and (first is None or at < first):
+            first = at
+    return first
+
+
 def parse_tool_calls(text: str) -> tuple[list[ParsedToolCall], list[MalformedToolCall]]:
     """Every ``<tool_call>`` block of ``text``: the well-formed calls and the malformed ones (a
     call never closed, as a reply cut by max tokens leaves it, is malformed)."""

@@ -71,6 +71,30 @@ def test_named_tool_choice_forces_that_tool(demo):
     assert sum(s["forced"] for s in res.stats["segments"]) >= len(name)  # the name was forced
 
 
+def test_a_stop_string_is_not_matched_inside_a_tool_call(demo):
+    """Under ``auto`` a call's body is the grammar's: a stop string met there (in its JSON, in
+    its closing tag) does not cut it into arguments that do not parse; before a call it cuts."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather",
+              "parameters": {"type": "object", "properties": {"city": {"type": "string"},
+                                                              "days": {"type": "integer"}},
+                             "required": ["city"]}}}]
+    msgs = [{"role": "system", "content": "You are a helpful assistant with access to tools."},
+            {"role": "user", "content": "Use get_weather with city Oslo, days 3."}]
+    ids = demo.chat_prompt(msgs, tools)
+
+    def run(*stop):
+        return demo.generate(ids, SamplingParams(max_tokens=64, stop=stop,
+                                                 grammar=assistant_turn(tools, "auto")))
+
+    free = run()
+    assert free.text.startswith("<tool_call>") and free.text.endswith("</tool_call>"), free.text
+    check_calls(free.text, tools)
+    for stop in ('"days"', "}", "</tool_call>", "\n"):
+        assert run(stop).token_ids == free.token_ids, stop
+    cut = run("\n", "<tool_call>")
+    assert (cut.text, cut.finish_reason) == ("", "stop")
+
+
 def test_schema_answers_validate_and_are_one_schema_segment(demo):
     for seed in range(6):
         schema = corpus.random_object(random.Random(seed), 1)

@@ -183,6 +183,19 @@ def test_stop_string_cuts_text_where_it_starts(engine):
     assert stop in engine.tokenizer.decode(res.token_ids) and len(res.token_ids) <= 16
 
 
+def test_stop_at_skips_tool_calls_and_a_character_still_coming():
+    from agentflash.tool_format import stop_at
+
+    call = '<tool_call>\n{"name": "f", "arguments": {"a": "x}"}}\n</tool_call>'
+    assert stop_at(f"ab{call}\nx}}", ["}"]) == len(f"ab{call}\nx")
+    assert stop_at(f"ab{call}", ["</tool_call>", "}"]) is None
+    assert stop_at(f"ab{call}", ["b<tool", "}"]) == 1
+    assert stop_at('a<tool_call>\n{"name": "f}', ["}"]) is None  # a call not yet closed
+    # a trailing U+FFFD is the bytes of a character not yet whole; one before text is text
+    assert stop_at("e\ufffd", ["\ufffd"]) is None
+    assert stop_at("e\ufffdx", ["\ufffd"]) == 1
+
+
 def test_prompt_longer_than_a_slot_is_a_user_error(engine):
     with pytest.raises(UserError, match="holds 512"):
         engine.submit(list(range(10, 700)), SamplingParams())

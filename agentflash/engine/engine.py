@@ -39,7 +39,7 @@ from agentflash.router.policy import (
     priors_from_validation,
 )
 from agentflash.router.segments import SegmentKind
-from agentflash.tool_format import parse_tool_calls
+from agentflash.tool_format import parse_tool_calls, stop_at
 
 log = logging.getLogger(__name__)
 
@@ -883,10 +883,10 @@ class Engine:
             return True
         if not params.stop:
             return False
-        text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True)
-        cuts = [i for i in (text.find(s) for s in params.stop) if i >= 0]
-        if cuts:
-            req.stop_text_len = min(cuts)
+        at = stop_at(self.tokenizer.decode(req.output_ids, skip_special_tokens=True),
+                     params.stop)
+        if at is not None:
+            req.stop_text_len = at
             return True
         return False
 
