@@ -286,7 +286,29 @@ def test_stop_strings_and_max_tokens(client):
     word = full.split()[1]
     cut = client.chat.completions.create(model="demo", messages=user("Hello, who are you?"),
                                          max_tokens=40, temperature=0, stop=[word])
-    assert cut.choices[0].message.content == full[: full.index(word)].strip()
+    # the blank before the stop string too (it was held back as if a call might follow)
+    assert cut.choices[0].message.content == full[: full.index(word)]
+
+
+def test_a_reply_keeps_the_blank_it_ends_with_after_text_not_after_a_call():
+    """Whitespace alone in a delta is held back (beside a call it is no content); at the reply's
+    end after text it is content, whether a step committed it alone (plain) or with the text
+    before it (dflash): the modes' replies differed."""
+    from agentflash.backends.base import TextDelta, ToolCall, ToolCallDelta, ToolCallReady
+    from agentflash.server.chat import ReplyWriter
+
+    def reply(*events):
+        writer = ReplyWriter()
+        sent = [delta for event in events for delta in writer.deltas(event)] + writer.close()
+        assert "".join(d.get("content", "") for d in sent) == (writer.text() or "")
+        return writer.text(), writer.tool_calls()
+
+    assert reply(TextDelta("Done."), TextDelta("\n")) == reply(TextDelta("Done.\n")) == (
+        "Done.\n", [])
+    assert reply(TextDelta(" \n")) == (" \n", [])
+    text, calls = reply(TextDelta("Hi."), TextDelta("\n"), ToolCallDelta(0, "f", "{}"),
+                        ToolCallReady(0, ToolCall("c1", "f", {})), TextDelta("\n"))
+    assert text == "Hi." and [c["function"]["name"] for c in calls] == ["f"]
 
 
 @pytest.mark.parametrize("kwargs, status, param", [

@@ -177,6 +177,7 @@ class Server:
                 async for event in events:
                     if isinstance(event, Finished):
                         result = event.result
+                        writer.close()
                     else:
                         writer.deltas(event)
             tg.cancel_scope.cancel()
@@ -207,6 +208,8 @@ class Server:
                 if failure is not None:  # the stream ends with the error, as when the engine stops
                     yield protocol.sse(failure.body())
                     return
+                for delta in writer.close():
+                    yield protocol.sse(protocol.chunk(ident, name, created, delta))
                 yield protocol.sse(protocol.chunk(
                     ident, name, created, {}, writer.finish_reason(result),
                     agentflash=speculation_stats(result)))

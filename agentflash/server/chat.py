@@ -250,7 +250,10 @@ class ReplyWriter:
     calls: dict[int, _Call] = field(default_factory=dict)
     complete: list[int] = field(default_factory=list)  # indexes of well-formed calls
     cut: list[int] = field(default_factory=list)  # of calls that do not parse, sent as calls
-    _blank: str = ""  # whitespace held back: it separates calls and is not content
+    # whitespace held back: beside a call it separates calls and is not content; before text,
+    # or at the end of a reply whose last word was text, it is
+    _blank: str = ""
+    _after_call: bool = False
 
     def deltas(self, event: ModelEvent) -> list[dict[str, Any]]:
         """The chunk deltas ``event`` adds (maybe none)."""
@@ -258,11 +261,11 @@ class ReplyWriter:
             if not event.text.strip():
                 self._blank += event.text
                 return []
-            text, self._blank = self._blank + event.text, ""
+            text, self._blank, self._after_call = self._blank + event.text, "", False
             self.content.append(text)
             return [{"content": text}]
         if isinstance(event, ToolCallDelta):
-            self._blank = ""
+            self._blank, self._after_call = "", True
             call = self.calls.get(event.index)
             if call is None:
                 call = self.calls[event.index] = _Call(f"call_{uuid.uuid4().hex[:24]}", event.name)
@@ -279,6 +282,14 @@ class ReplyWriter:
         if isinstance(event, ToolCallReady):
             return self._ready(event.index, event.call)
         raise AssertionError(f"unknown reply event {event!r}")
+
+    def close(self) -> list[dict[str, Any]]:
+        """The deltas the reply's end lets out: the whitespace it ended with, after text."""
+        blank, self._blank = self._blank, ""
+        if not blank or self._after_call:
+            return []
+        self.content.append(blank)
+        return [{"content": blank}]
 
     def _ready(self, index: int, call: ToolCall | MalformedToolCall) -> list[dict[str, Any]]:
         if isinstance(call, ToolCall):
@@ -313,7 +324,7 @@ class ReplyWriter:
     def text(self) -> str | None:
         """The content as the stream sent it (a leading blank with the first text after it)."""
         text = "".join(self.content)
-        return text if text.strip() else None
+        return text or None
 
     def finish_reason(self, result: GenerationResult) -> str:
         if result.finish_reason == "length":
