@@ -173,6 +173,16 @@ def test_strict_unions_take_no_invented_arguments(tok):
         assert is_legal(lenient, ids), body
     assert "additionalProperties" not in loose[0]["parameters"]  # the caller's schema is kept
 
+    # strict mode per tool, as OpenAI's API has it: one tool's "strict": false opens its own
+    # arguments, not the others'
+    both = [{**loose[0], "strict": False}, {**loose[0], "name": "g", "strict": True}]
+    mixed = compile_grammar(tool_call_body(both), tok)
+    assert is_legal(mixed, tok.encode(invented, add_special_tokens=False) + eos)
+    assert not is_legal(mixed, tok.encode(invented.replace('"f"', '"g"'),
+                                          add_special_tokens=False) + eos)
+    with pytest.raises(GrammarError, match=r"tools\[0\] \(f\): strict must be true or false"):
+        tool_call_body([{**loose[0], "strict": "no"}])
+
 
 def test_union_schema_validates_like_each_tool(tok):
     union = tool_call_schema(TOOLS)

@@ -208,6 +208,38 @@ def test_json_schema_response_format(client):
         assert reply.choices[0].message.content.startswith("{")
 
 
+def test_strict_mode_is_each_tools_and_the_response_formats_own():
+    """One tool's ``"strict": false`` opened every tool's arguments and the response format;
+    a format's ``strict: false`` every tool's."""
+    from agentflash.server.chat import _answer_schema, _tool_choice, reply_grammar
+    from agentflash.server.protocol import parse_request
+
+    params = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
+    answer = {"type": "object", "properties": {"y": {"type": "string"}}}
+
+    def grammar(loose_tool: bool, loose_format: bool) -> str:
+        request = parse_request(json.dumps({
+            "model": "demo", "messages": [{"role": "user", "content": "hi"}],
+            "tools": [{"type": "function", "function": {"name": "loose", "parameters": params,
+                                                         "strict": not loose_tool}},
+                      {"type": "function", "function": {"name": "tight", "parameters": params,
+                                                         "strict": True}}],
+            "response_format": {"type": "json_schema", "json_schema": {
+                "name": "a", "schema": answer, "strict": not loose_format}}}).encode())
+        tools = [t.model_dump(exclude_unset=True) for t in request.tools]
+        return reply_grammar(tools, _tool_choice(request, tools), True, _answer_schema(request),
+                             answer_strict=request.response_format.json_schema.strict).text
+
+    closed = '"additionalProperties": false'
+    rules = {line.split(":")[0]: line for line in grammar(True, False).splitlines()}
+    body = json.loads(rules["body"].split("%json ", 1)[1])
+    assert closed not in json.dumps(body["anyOf"][0]["properties"]["arguments"])
+    assert closed in json.dumps(body["anyOf"][1]["properties"]["arguments"])
+    assert closed in rules["answer"]
+    rules = {line.split(":")[0]: line for line in grammar(False, True).splitlines()}
+    assert closed not in rules["answer"] and rules["body"].count(closed) == 4
+
+
 def test_tools_with_a_response_format_answer_or_call(client):
     schema = {"type": "object", "properties": {"status": {"type": "string"}},
               "required": ["status"]}

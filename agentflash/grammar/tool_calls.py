@@ -32,10 +32,13 @@ _EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 
 @dataclass(frozen=True)
 class ToolSpec:
-    """A tool as grammars need it: its name and the JSON Schema of its arguments."""
+    """A tool as grammars need it: its name and the JSON Schema of its arguments; ``strict``
+    False (a tool's own ``"strict": false``) leaves its objects open where a grammar closes
+    the others'."""
 
     name: str
     parameters: dict[str, Any]
+    strict: bool = True
 
 
 def tool_specs(tools: list[dict[str, Any]]) -> list[ToolSpec]:
@@ -56,7 +59,10 @@ def tool_specs(tools: list[dict[str, Any]]) -> list[ToolSpec]:
             raise GrammarError(f"{where}: two tools are named {name!r}")
         params = fn.get("parameters", _EMPTY_PARAMETERS)
         check_parameters(params, f"{where} ({name})")
-        specs.append(ToolSpec(name, params))
+        strict = fn.get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise GrammarError(f"{where} ({name}): strict must be true or false, got {strict!r}")
+        specs.append(ToolSpec(name, params, strict is not False))
     return specs
 
 
@@ -88,14 +94,16 @@ def tool_call_schema(
 ) -> dict[str, Any]:
     """The JSON Schema of one call's body: ``{"name": <a tool>, "arguments": <its schema>}``,
     an ``anyOf`` whose ``name`` const selects the tool's arguments schema. ``strict`` closes
-    the argument objects (see ``close_objects``)."""
+    the argument objects (see ``close_objects``) of the tools not marked otherwise."""
     specs = _specs(tools)
     if not specs:
         raise GrammarError("tools: the list is empty")
     branches = []
     for i, spec in enumerate(specs):
         base = f"#/anyOf/{i}/properties/arguments"
-        parameters = exact_dates(close_objects(spec.parameters) if strict else spec.parameters)
+        parameters = spec.parameters
+        parameters = exact_dates(close_objects(parameters) if strict and spec.strict
+                                 else parameters)
         arguments = _rebase_refs(copy.deepcopy(parameters), base)
         branches.append(
             {
@@ -114,8 +122,8 @@ def tool_call_body(
     strict: bool = True,
 ) -> GrammarSource:
     """The grammar of one call's JSON body (what goes between the tags)."""
-    return json_schema(
-        tool_call_schema(tools, strict), origin="tools", json_style=json_style, strict=strict
+    return json_schema(  # closed as each tool is (not again, as a whole)
+        tool_call_schema(tools, strict), origin="tools", json_style=json_style, strict=False
     )
 
 
@@ -170,6 +178,7 @@ def assistant_turn(
     parallel_tool_calls: bool = True,
     strict: bool = True,
     output_schema: dict[str, Any] | None = None,
+    output_strict: bool | None = None,
 ) -> GrammarSource:
     """The grammar of a whole assistant reply under ``tool_choice``.
 
@@ -180,12 +189,14 @@ def assistant_turn(
     tool: the same, restricted to that tool. ``auto``: free text, or optional text then calls;
     once ``<tool_call>`` is written, the body is constrained to the tools' union. ``none``: free
     text without calls. The end token is legal wherever the reply may end. ``strict`` closes the
-    argument objects (see ``close_objects``).
+    output schema's objects (unless ``output_strict`` says otherwise) and the tools' argument
+    objects (but a tool's own ``strict: false``; see ``close_objects``).
     """
     choice = ToolChoice.parse(tool_choice)
     specs = _specs(tools)
     if output_schema is not None:
-        return _answer_turn(specs, choice, parallel_tool_calls, strict, output_schema)
+        closed = strict if output_strict is None else output_strict
+        return _answer_turn(specs, choice, parallel_tool_calls, strict, output_schema, closed)
     if choice.mode is ToolChoiceMode.NONE:
         return lark(f"start: TEXT\nTEXT: {_TEXT}\n", origin="tool_choice=none")
     if not specs:
@@ -219,8 +230,8 @@ def assistant_turn(
 
 
 def _answer_turn(specs: list[ToolSpec], choice: ToolChoice, parallel: bool, strict: bool,
-                 output_schema: dict[str, Any]) -> GrammarSource:
-    schema = exact_dates(close_objects(output_schema) if strict else output_schema)
+                 output_schema: dict[str, Any], output_strict: bool) -> GrammarSource:
+    schema = exact_dates(close_objects(output_schema) if output_strict else output_schema)
     # checked alone first: an error of the turn's grammar names no field of the schema in it
     check_schema_supported(schema, "output schema")
     answer = {**schema, "x-guidance": JSON_STYLE_OPTIONS[JsonStyle.DUMPS]}

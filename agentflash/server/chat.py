@@ -62,7 +62,7 @@ def prepare(request: ChatCompletionRequest, engine: Engine, max_tokens_limit: in
     choice = _tool_choice(request, tools)
     answer_schema = _answer_schema(request)
     grammar = reply_grammar(tools, choice, request.parallel_tool_calls is not False,
-                            answer_schema, strict=_is_strict(request))
+                            answer_schema, answer_strict=_answer_strict(request))
     whole = answer_schema is not None or choice.mode in (ToolChoiceMode.REQUIRED,
                                                          ToolChoiceMode.NAMED)
     if request.stop_strings and whole:
@@ -158,35 +158,36 @@ def _answer_schema(request: ChatCompletionRequest) -> dict[str, Any] | None:
     return fmt.json_schema.schema_
 
 
-def _is_strict(request: ChatCompletionRequest) -> bool:
-    """Closed object schemas unless the client turned strict mode off somewhere."""
+def _answer_strict(request: ChatCompletionRequest) -> bool:
+    """The response format's objects closed unless the client turned its strict mode off (a
+    tool's ``strict`` is the tool's: ``tool_specs`` reads it)."""
     fmt = request.response_format
-    if fmt is not None and fmt.json_schema is not None and fmt.json_schema.strict is False:
-        return False
-    return not any(t.function.strict is False for t in request.tools or [])
+    return not (fmt is not None and fmt.json_schema is not None and fmt.json_schema.strict is False)
 
 
 def reply_grammar(tools: list[dict[str, Any]], choice: ToolChoice, parallel: bool,
-                  answer_schema: dict[str, Any] | None, strict: bool = True
+                  answer_schema: dict[str, Any] | None, answer_strict: bool = True
                   ) -> GrammarSource | None:
     """The grammar of the reply (``assistant_turn``, as the embedded backend builds it), or None
     for free text when there are neither tools nor a response format.
 
     With tools the reply follows ``tool_choice`` (``none``: text without calls); a response
-    format makes the reply's text the answer in that format. ``strict`` closes object schemas
-    to the properties they list, as OpenAI's strict mode does.
+    format makes the reply's text the answer in that format. Object schemas are closed to the
+    properties they list, as OpenAI's strict mode does, but a tool's marked ``"strict": false``
+    and the format's where ``answer_strict`` is False.
     """
     if not tools and answer_schema is None:
         return None
     # Agents send the same tools turn after turn; checking their schemas is most of the cost.
-    key = json.dumps([tools, choice.mode.value, choice.name, parallel, answer_schema, strict])
+    key = json.dumps([tools, choice.mode.value, choice.name, parallel, answer_schema,
+                      answer_strict])
     return _turn_grammar(key)
 
 
 @functools.lru_cache(maxsize=256)
 def _turn_grammar(key: str) -> GrammarSource:
     """``reply_grammar`` for its arguments as JSON text (a failure raises and is not cached)."""
-    tools, mode, name, parallel, answer_schema, strict = json.loads(key)
+    tools, mode, name, parallel, answer_schema, answer_strict = json.loads(key)
     choice = ToolChoice(ToolChoiceMode(mode), name)
     try:
         specs = tool_specs(tools)
@@ -199,7 +200,8 @@ def _turn_grammar(key: str) -> GrammarSource:
         except GrammarError as err:
             raise APIError(400, str(err), param="response_format.json_schema.schema") from None
     try:
-        return assistant_turn(specs, choice, parallel, strict, output_schema=answer_schema)
+        return assistant_turn(specs, choice, parallel, output_schema=answer_schema,
+                              output_strict=answer_strict)
     except GrammarError as err:
         raise APIError(400, str(err), param="tools" if specs else "response_format") from None
 
