@@ -208,6 +208,17 @@ def test_json_schema_response_format(client):
         assert reply.choices[0].message.content.startswith("{")
 
 
+def test_tool_choice_none_without_tools_binds_the_reply_to_text(client):
+    """As ``generate`` and agents have it: the demo model, asked nothing in particular, writes
+    a call; ``none`` says it may not (the server ignored ``none`` where no tools came)."""
+    free = client.chat.completions.create(model="demo", messages=user("hi"), max_tokens=24,
+                                          temperature=0)
+    assert free.choices[0].message.content.startswith("<tool_call>")
+    bound = client.chat.completions.create(model="demo", messages=user("hi"), max_tokens=24,
+                                           temperature=0, tool_choice="none")
+    assert "<tool_call>" not in bound.choices[0].message.content
+
+
 def test_a_call_cut_by_max_tokens_goes_back_in_the_history(client):
     """OpenAI's API takes a call's arguments as any text; this server refused its own cut call
     (arguments not yet JSON) sent back with the tool's error, as agent loops do."""

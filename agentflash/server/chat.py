@@ -169,15 +169,15 @@ def reply_grammar(tools: list[dict[str, Any]], choice: ToolChoice, parallel: boo
                   answer_schema: dict[str, Any] | None, answer_strict: bool = True
                   ) -> GrammarSource | None:
     """The grammar of the reply (``assistant_turn``, as the embedded backend builds it), or None
-    for free text when there are neither tools nor a response format.
+    for free text when there are neither tools nor a response format nor ``tool_choice`` none.
 
     With tools the reply follows ``tool_choice`` (``none``: text without calls); a response
     format makes the reply's text the answer in that format. Object schemas are closed to the
     properties they list, as OpenAI's strict mode does, but a tool's marked ``"strict": false``
     and the format's where ``answer_strict`` is False.
     """
-    if not tools and answer_schema is None:
-        return None
+    if not tools and answer_schema is None and choice.mode is not ToolChoiceMode.NONE:
+        return None  # (none without tools: text without calls, as generate and agents have it)
     # Agents send the same tools turn after turn; checking their schemas is most of the cost.
     key = json.dumps([tools, choice.mode.value, choice.name, parallel, answer_schema,
                       answer_strict])
