@@ -548,3 +548,23 @@ def test_chunk_reader_closes_calls_as_their_arguments_complete():
     assert stats["prompt_tokens"] == 5 and stats["cached_prompt_tokens"] == 4
     assert stats["mode"] == "remote"
 
+
+
+def test_server_sent_events_end_lines_at_cr_and_lf_only():
+    """JSON text holds U+2028, U+2029 and U+0085 raw (this server and vLLM write them so):
+    httpx's lines ended there too, and the reply broke as invalid JSON. Every split of the
+    stream between two reads gives the same events (a CR LF split too)."""
+    from agentflash.backends.openai import _sse_events
+
+    async def events(chunks):
+        async def body():
+            for chunk in chunks:
+                yield chunk
+
+        return [event async for event in _sse_events(httpx.Response(200, content=body()))]
+
+    data = 'data: {"a": "one\u2028two\u2029three\x85"}\r\n\r\nevent: error\rdata: b\n\n'.encode()
+    expected = [("message", '{"a": "one\u2028two\u2029three\x85"}'), ("error", "b")]
+    assert anyio.run(events, [data]) == expected
+    for cut in range(1, len(data)):
+        assert anyio.run(events, [data[:cut], data[cut:]]) == expected, cut

@@ -21,6 +21,7 @@ import json
 import math
 import os
 import random
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -369,7 +370,7 @@ async def _sse_events(response: httpx.Response) -> AsyncIterator[tuple[str, str]
     """The ``(event, data)`` of each server-sent event (event ``message`` unless named)."""
     lines: list[str] = []
     name = "message"
-    async for line in response.aiter_lines():
+    async for line in _sse_lines(response):
         if line.startswith("data:"):
             lines.append(line[5:].removeprefix(" "))
         elif line.startswith("event:"):
@@ -380,6 +381,26 @@ async def _sse_events(response: httpx.Response) -> AsyncIterator[tuple[str, str]
             lines, name = [], "message"
     if lines:
         yield name, "\n".join(lines)
+
+
+async def _sse_lines(response: httpx.Response) -> AsyncIterator[str]:
+    """The stream's lines, each ended by CR, LF or CR LF only, as SSE ends them: httpx's lines
+    (``str.splitlines``) end also at U+2028, U+2029 and U+0085, which JSON text holds raw."""
+    pending, after_cr = "", False
+    async for text in response.aiter_text():
+        if after_cr and text.startswith("\n"):  # a CR LF split between two reads
+            text, after_cr = text[1:], False
+        if not text:
+            continue
+        after_cr = text.endswith("\r")
+        *done, pending = _LINE_END.split(pending + text)
+        for line in done:
+            yield line
+    if pending:
+        yield pending
+
+
+_LINE_END = re.compile(r"\r\n|\r|\n")
 
 
 @dataclass
