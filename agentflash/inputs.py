@@ -67,7 +67,19 @@ def check_messages(messages: Any, where: str) -> list[dict[str, Any]]:
             continue
         if not isinstance(content, str):
             raise UserError(f"{where}: messages[{i}].content must be a string")
+        check_unicode(content, f"{where}: messages[{i}].content")
     return messages
+
+
+def check_unicode(text: str, where: str) -> None:
+    """A ``UserError`` naming ``where`` if ``text`` holds a lone surrogate (no character: JSON's
+    escape of half a pair, or a byte that was not UTF-8 in a command line or a file name),
+    which no tokenizer takes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise UserError(f"{where} holds {text[err.start]!r} at character {err.start}: half "
+                        f"of a surrogate pair or a byte that is not UTF-8, no character") from None
 
 
 def _check_tool_calls(calls: Any, where: str) -> None:
@@ -166,6 +178,7 @@ def make_input(values: dict[str, Any], where: str) -> GenerateInput:
     if prompt is not None:
         if not isinstance(prompt, str) or not prompt:
             raise UserError(f"{where}: prompt must be a non-empty string")
+        check_unicode(prompt, f"{where}: prompt")
         messages = [{"role": "user", "content": prompt}]
     messages = check_messages(messages, where)
     tools = check_tools(values.get("tools") or [], where)

@@ -161,6 +161,10 @@ def test_sync_and_async_tools_errors_and_timeouts():
     def stats(n: int) -> dict:
         return {"mean": float("nan"), "range": [float("-inf"), 1.5]}
 
+    @tool
+    def listing(n: int) -> str:
+        return "files: caf\udce9.txt"  # a Latin-1 name read with surrogateescape
+
     @tool(timeout_s=0.2)
     async def ticks(n: int):
         for i in range(n):
@@ -173,10 +177,14 @@ def test_sync_and_async_tools_errors_and_timeouts():
                 await run_tool(broken, {"x": 3}), await run_tool(raw, {"x": 1}),
                 await run_tool(cli, {"x": 1}), await run_tool(async_cli, {"x": 1}),
                 await run_tool(counts, {"n": 3}), await run_tool(ticks, {"n": 2}),
-                await run_tool(ticks, {"n": 50}), await run_tool(stats, {"n": 1})]
+                await run_tool(ticks, {"n": 50}), await run_tool(stats, {"n": 1}),
+                await run_tool(listing, {"n": 1})]
 
     (fast, late, fast_sync, late_sync, failed, unwritable, exited, async_exited, counted,
-     ticked, late_ticks, no_number) = anyio.run(main)
+     ticked, late_ticks, no_number, listed) = anyio.run(main)
+    # a byte that was not UTF-8 is U+FFFD for the model (no tokenizer takes a lone surrogate)
+    assert listed.output.startswith("files: caf\ufffd") and listed.output.endswith(".txt")
+    listed.output.encode("utf-8")
     # JSON has no NaN: the model read NaN and -Infinity, which no JSON parser reads
     assert json.loads(no_number.output) == {"mean": "NaN", "range": ["-Infinity", 1.5]}
     # what a generator yields is its result, an async one's too (it was its repr), under the

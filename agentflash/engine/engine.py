@@ -243,6 +243,9 @@ class Engine:
         text = self.tokenizer.apply_chat_template(
             messages, tools=tools or None, tokenize=False, add_generation_prompt=True
         )
+        from agentflash.inputs import check_unicode  # callers name the field; this, the rest
+
+        check_unicode(text, "the chat prompt (messages, tools or instructions)")
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     # --- requests --------------------------------------------------------------------------

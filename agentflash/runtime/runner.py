@@ -428,6 +428,9 @@ def _input_messages(input: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     if isinstance(input, str):
         if not input.strip():
             raise UserError("the run's input is empty")
+        from agentflash.inputs import check_unicode
+
+        check_unicode(input, "the run's input")
         return [{"role": "user", "content": input}]
     if isinstance(input, list) and input and all(isinstance(m, dict) and "role" in m
                                                  for m in input):

@@ -259,14 +259,24 @@ def _check_timeout(timeout_s: Any, where: str) -> None:
 def format_result(value: Any) -> str:
     """A tool's return value as the text the model reads."""
     if isinstance(value, str):
-        return value
+        return _characters(value)
     # json.dumps layout: the one chat-format models are trained to read
     jsonable = pydantic_core.to_jsonable_python(value, fallback=str)
     try:
-        return json.dumps(jsonable, ensure_ascii=False, allow_nan=False)
+        return _characters(json.dumps(jsonable, ensure_ascii=False, allow_nan=False))
     except ValueError:  # NaN or an infinity, which JSON has not: strings, as pydantic writes them
         jsonable = json.loads(pydantic_core.to_json(value, fallback=str, inf_nan_mode="strings"))
-        return json.dumps(jsonable, ensure_ascii=False)
+        return _characters(json.dumps(jsonable, ensure_ascii=False))
+
+
+def _characters(text: str) -> str:
+    """``text`` with each lone surrogate (a byte that was not UTF-8, from a file name or a
+    command's output read with ``surrogateescape``) as U+FFFD: no tokenizer takes them."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
 
 
 def error_result(message: str) -> str:
