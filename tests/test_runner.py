@@ -319,6 +319,22 @@ def test_handoffs_that_go_round_in_a_cycle_end_at_max_turns():
     assert len(backend.requests) == 4  # a, b, a, b: a's third turn is over its two
 
 
+def test_a_forced_tool_choice_stays_spent_when_the_conversation_comes_back():
+    """``tool_choice`` holds until the agent has called a tool in the run: a handoff back to it
+    forced it again (its answer refused, or a forced handoff back and forth to max_turns)."""
+    specialist = Agent("specialist")
+    triage = Agent("triage", tools=[get_weather], handoffs=[specialist],
+                   tool_choice="required")
+    specialist.handoffs.append(triage)
+    result, _, backend = run(triage, [
+        ScriptedTurn.calls(("get_weather", {"city": "Oslo"})),
+        ScriptedTurn.calls(("transfer_to_specialist", {"reason": "go"})),
+        ScriptedTurn.calls(("transfer_to_triage", {"reason": "back"})), "All done."])
+    assert (result.final_output, result.last_agent) == ("All done.", "triage")
+    assert [r.tool_choice for r in backend.requests] == [
+        ToolChoice.REQUIRED, ToolChoice.AUTO, ToolChoice.AUTO, ToolChoice.AUTO]
+
+
 def test_a_required_call_is_made_only_by_a_call_that_reaches_a_tool():
     agent = Agent("a", tools=[get_weather], tool_choice="required")
     script = [ScriptedTurn('<tool_call>{"name": "get_weather", "arguments": {"ci'),  # cut

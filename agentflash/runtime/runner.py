@@ -156,7 +156,9 @@ class _Loop:
         self.messages = _input_messages(input)
         self.tool_calls: list[ToolCallRecord] = []
         self.generations: list[ev.GenerationStats] = []
-        self.called_tools = False  # whether the current agent called a tool (resets tool_choice)
+        # the agents (by name) that called a tool or handed off in this run: their tool_choice
+        # is spent, also when the conversation comes back to them
+        self.called: set[str] = set()
 
     async def run(self) -> RunResult:
         attrs = {"gen_ai.operation.name": "invoke_workflow", "gen_ai.agent.name": self.agent.name}
@@ -179,10 +181,12 @@ class _Loop:
                 calls = self.tool_calls[before:]
                 failed = calls if calls and all(c.is_error for c in calls) else []
                 if isinstance(end, ToolsRan):
-                    self.called_tools = self.called_tools or end.called
+                    if end.called:
+                        self.called.add(self.agent.name)
                 elif isinstance(end, HandoffTo):
                     self.emit(ev.HandoffOccurred(self.agent.name, end.target.name, end.reason))
-                    self.agent, self.called_tools = end.target, False
+                    self.called.add(self.agent.name)
+                    self.agent = end.target
                 elif isinstance(end, Final):
                     await _guard("output", self.agent.output_guardrails, end.output)
                     self.emit(ev.FinalOutput(self.agent.name, end.output))
@@ -195,7 +199,7 @@ class _Loop:
     def request(self, tools: dict[str, Tool], handoffs: dict[str, Agent]) -> ModelRequest:
         agent = self.agent
         choice = agent.tool_choice
-        if self.called_tools and choice is not ToolChoice.AUTO:
+        if agent.name in self.called and choice is not ToolChoice.AUTO:
             # a forced or required call was made: now answer (in the output schema, if any)
             choice = ToolChoice.NONE if agent.output else ToolChoice.AUTO
         specs = [tool_spec(t) for t in tools.values()]
