@@ -481,6 +481,26 @@ def test_names_of_dict_methods_off_as_a_word_and_json_booleans_in_templates(tmp_
     assert result.outputs == {"given": "1,2,3 false"}
 
 
+def test_an_output_of_a_lazy_filter_is_its_list(tmp_path):
+    """Jinja's map, select, unique and reverse give iterators: an output was the generator
+    itself (its repr in --json; a TypeError traceback after the run without)."""
+    wf = load_workflow(write(tmp_path, """\
+        version: 1
+        name: t
+        inputs:
+          tags: {type: array, items: {type: string}, default: [b, a, b]}
+        agents:
+          a: {instructions: You help.}
+        steps:
+          - {id: s, agent: a, input: hi}
+        outputs:
+          upper: "{{ inputs.tags | map('upper') }}"
+          kept: "{{ inputs.tags | unique | reverse }}"
+        """))
+    result = anyio.run(lambda: wf.run(backend=ScriptedBackend(lambda request: "ok")))
+    assert result.outputs == {"upper": ["B", "A", "B"], "kept": ["a", "b"]}
+
+
 def test_dates_are_strings_and_merge_keys_are_overridden_a_key_twice_is_refused(tmp_path):
     # YAML 1.2 has no timestamps: an unquoted date is the string a JSON schema wants (a date
     # object made the schema unwritable as JSON: a traceback from validate and run)

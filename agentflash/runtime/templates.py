@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -108,4 +109,6 @@ def render_value(text: str, context: dict[str, Any]) -> Any:
     value = ENV.compile_expression(match.group("expr"), undefined_to_none=False)(**context)
     if isinstance(value, Undefined):
         str(value)  # raises the UndefinedError that names what is missing
+    if isinstance(value, (Iterator, set, frozenset)):
+        return list(value)  # Jinja's map, select, unique, reverse: lazy; a set: no JSON
     return value
