@@ -215,6 +215,12 @@ def test_live_view_marks_the_failed_step_and_the_cancelled_ones_apart():
     view.rows["other"].status = "running"
     view.fail(KeyboardInterrupt())  # Ctrl-C: what ran is cancelled, not failed
     assert view.rows["other"].status == "cancelled"
+    # a step that failed before it started (its input's template): failed, with the reason
+    view.rows = {"early": _Row("writer"), "later": _Row("writer")}
+    view.fail(StepFailed("early", "writer", ValueError("template error: no element 0")))
+    assert (view.rows["early"].status, view.rows["early"].writing) == (
+        "failed", "template error: no element 0")
+    assert view.rows["later"].status == "not run"
 
 
 def test_live_view_fits_any_terminal_with_every_status_shown():

@@ -57,9 +57,10 @@ class WorkflowView:
         interrupted = not isinstance(err, Exception)
         failed = err.step_id if isinstance(err, StepFailed) else None
         for step, row in self.rows.items():
-            if row.status == "waiting":
+            # the failed step may have failed before it started (its input's template)
+            if row.status == "waiting" and (interrupted or step != failed):
                 row.status = "not run"
-            elif row.status != "running":
+            elif row.status not in ("running", "waiting"):
                 continue
             elif not interrupted and (failed is None or step == failed):
                 row.status, row.writing = "failed", str(getattr(err, "cause", err))
