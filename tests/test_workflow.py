@@ -481,6 +481,31 @@ def test_names_of_dict_methods_off_as_a_word_and_json_booleans_in_templates(tmp_
     assert result.outputs == {"given": "1,2,3 false"}
 
 
+def test_a_step_reads_steps_only_through_their_ids(tmp_path):
+    """``{{ steps }}`` whole, or by another name, read whatever steps had run by then (validate
+    passed it); the workflow's outputs, made once all ran, may read it whole."""
+    text = """\
+        version: 1
+        name: t
+        agents:
+          a: {instructions: You help.}
+        steps:
+          - {id: first, agent: a, input: go}
+          - {id: second, agent: a, input: "{% set s = steps %}{{ s.first.output }}",
+             needs: [first]}
+          - {id: third, agent: a, input: "all: {{ steps }}", needs: [first]}
+        outputs:
+          everything: "{{ steps }}"
+        """
+    with pytest.raises(UserError) as err:
+        load_workflow(write(tmp_path, text))
+    lines = str(err.value).splitlines()
+    assert [line.split(": ")[1] for line in lines] == ["steps[1].input", "steps[2].input"], lines
+    assert all("through their ids, as in {{ steps.ID.output }}" in line for line in lines)
+    fixed = text.replace("{% set s = steps %}{{ s.first.output }}", "{{ steps.first.output }}")
+    load_workflow(write(tmp_path, fixed.replace("all: {{ steps }}", "x")))
+
+
 def test_an_output_of_a_lazy_filter_is_its_list(tmp_path):
     """Jinja's map, select, unique and reverse give iterators: an output was the generator
     itself (its repr in --json; a TypeError traceback after the run without)."""

@@ -39,7 +39,8 @@ _ONE_EXPRESSION = re.compile(r"^\s*\{\{(?P<expr>(?:(?!\}\}|\{\{|\{%|\{#).)*)\}\}
 
 @dataclass(frozen=True)
 class Reference:
-    """A name a template uses: ``inputs.<name>`` or ``steps.<name>.<field>``."""
+    """A name a template uses: ``inputs.<name>`` or ``steps.<name>.<field>`` (``steps`` read
+    whole: the name "")."""
 
     scope: str  # inputs | steps
     name: str
@@ -69,6 +70,10 @@ def references(text: str) -> tuple[list[Reference], list[str]]:
     problems = [f"unknown variable {name!r} (templates see inputs and steps)"
                 for name in sorted(names - {"inputs", "steps"})]
     refs: list[Reference] = []
+    # steps read whole (or by another name) rather than through a step's id: its name ""
+    keyed = {id(node.node) for node in ast.find_all((nodes.Getattr, nodes.Getitem))}
+    if any(name.name == "steps" and id(name) not in keyed for name in ast.find_all(nodes.Name)):
+        refs.append(Reference("steps", ""))
     for node in ast.find_all((nodes.Getattr, nodes.Getitem)):
         scope = node.node.name if isinstance(node.node, nodes.Name) else None
         if scope not in ("inputs", "steps"):

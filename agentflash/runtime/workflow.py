@@ -757,7 +757,11 @@ class _Builder:
         for problem in template_problems:
             self.problems.add(keys, problem)
         for ref in refs:
-            if ref.scope == "inputs" and ref.name not in inputs:
+            if ref.scope == "steps" and ref.name == "":
+                if allowed is not None:  # a step's input: what it reads depends on what ran
+                    self.problems.add(keys, "a step reads steps through their ids, as in "
+                                            "{{ steps.ID.output }}, and those in its needs")
+            elif ref.scope == "inputs" and ref.name not in inputs:
                 self.problems.add(keys, f"the template uses inputs.{ref.name}, which is not "
                                         f"declared (inputs: {', '.join(inputs) or 'none'})")
             elif ref.scope == "steps" and ref.field is None and ref.name not in by_id:
