@@ -643,6 +643,21 @@ def test_inputs_typed_as_a_list_of_types_or_an_enum_are_read_from_the_command_li
     with pytest.raises(UserError, match="input 'n' must be of type integer or null, got 'x'"):
         wf.resolve_inputs({"n": "x", "level": "1", "tags": "t"})
 
+    # pydantic's Optional[int], and a const: typed by their branches (they stayed strings)
+    wf = load_workflow(write(tmp_path, """\
+        version: 1
+        name: t
+        inputs:
+          days: {anyOf: [{type: integer, minimum: 1}, {type: "null"}], default: null}
+          mode: {const: 2}
+        agents:
+          a: {instructions: You help.}
+        steps:
+          - {id: s, agent: a, input: "{{ inputs.days }} {{ inputs.mode }}"}
+        """))
+    assert wf.resolve_inputs({"days": "3", "mode": "2"}) == {"days": 3, "mode": 2}
+    assert wf.resolve_inputs({"days": "null", "mode": "2"}) == {"days": None, "mode": 2}
+
 
 def test_python_tools_print_to_stderr_under_json_import_their_neighbours_and_may_not_exit(
         tmp_path):

@@ -308,17 +308,31 @@ _KINDS = ("null", "boolean", "integer", "number", "array", "object", "string")  
 
 def _convert(name: str, text: str, schema: dict[str, Any]) -> Any:
     """A command-line string as the input's declared type: one type, a list of types (the first
-    that reads it, in the order of ``_KINDS``), or an enum's values' types."""
-    kinds = schema.get("type")
-    if kinds is None and isinstance(schema.get("enum"), list):
-        kinds = [_json_kind(v) for v in schema["enum"]]
-    kinds = [kinds] if isinstance(kinds, str) else list(kinds or ["string"])
+    that reads it, in the order of ``_KINDS``), an enum's or a const's values' types, or those
+    of the branches of an ``anyOf`` / ``oneOf`` (pydantic's ``Optional[int]``)."""
+    kinds = list(dict.fromkeys(_kinds(schema)))
     for kind in sorted(set(kinds) & set(_KINDS), key=_KINDS.index):
         try:
             return _convert_one(kind, text)
         except (ValueError, json.JSONDecodeError):
             continue
     raise UserError(f"input {name!r} must be of type {' or '.join(kinds)}, got {text!r}")
+
+
+def _kinds(schema: Any) -> list[str]:
+    if not isinstance(schema, dict):
+        return ["string"]
+    kinds = schema.get("type")
+    if isinstance(kinds, (str, list)):
+        return [kinds] if isinstance(kinds, str) else list(kinds)
+    if isinstance(schema.get("enum"), list):
+        return [_json_kind(v) for v in schema["enum"]]
+    if "const" in schema:
+        return [_json_kind(schema["const"])]
+    branches = schema.get("anyOf") or schema.get("oneOf")
+    if isinstance(branches, list) and branches:
+        return [kind for branch in branches for kind in _kinds(branch)]
+    return ["string"]
 
 
 def _json_kind(value: Any) -> str:
