@@ -383,6 +383,14 @@ def test_a_reply_keeps_the_blank_it_ends_with_after_text_not_after_a_call():
     (dict(response_format={"type": "json_object"}, stop="a"), 400, "stop"),
     (dict(max_tokens=10**6), 400, "max_tokens"),
     (dict(n=2), 400, "n"),
+    # silently ignored before: they change the output, or OpenAI's API refuses them
+    (dict(logit_bias={"50": 100}), 400, "logit_bias"),
+    (dict(functions=[{"name": "f", "parameters": {"type": "object"}}]), 400, "functions"),
+    (dict(stream_options={"include_usage": True}), 400, "stream_options"),
+    (dict(messages=[{"role": "user", "content": "hi"},
+                    {"role": "tool", "tool_call_id": "call_x", "content": "r"}]), 400,
+     "messages[1].tool_call_id"),
+    (dict(messages=[{"role": "user"}]), 400, "messages[0]"),
     (dict(top_logprobs=2), 400, "top_logprobs"),  # not silently without logprobs
     (dict(logprobs=True), 400, "logprobs"),
     (dict(stop=["a", "b", "c", "d", "e"]), 400, "stop"),

@@ -98,6 +98,8 @@ class Message(_Wire):
             raise ValueError("a tool message needs the tool_call_id of the call it answers")
         if self.role == "assistant" and self.content is None and not self.tool_calls:
             raise ValueError("an assistant message needs content or tool_calls")
+        if self.role in ("system", "developer", "user") and self.content is None:
+            raise ValueError(f"a {self.role} message needs content")
         return self
 
     @property
@@ -153,6 +155,9 @@ class ChatCompletionRequest(_Wire):
     presence_penalty: float | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    logit_bias: dict[str, float] | None = None
+    functions: list[Any] | None = None  # the API's calls before tools
+    function_call: Any = None
     agentflash: AgentflashOptions | None = None
 
     def check_supported(self) -> None:
@@ -173,6 +178,22 @@ class ChatCompletionRequest(_Wire):
                            param="max_completion_tokens")
         if any(not s for s in self.stop_strings):
             raise APIError(400, "stop: stop strings must not be empty", param="stop")
+        if self.logit_bias:
+            raise APIError(400, "logit_bias: not supported", param="logit_bias")
+        for name in ("functions", "function_call"):
+            if getattr(self, name) is not None:
+                raise APIError(400, f"{name}: not supported; use tools and tool_choice",
+                               param=name)
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options: only with stream true", param="stream_options")
+        called: set[str] = set()
+        for i, message in enumerate(self.messages):
+            called.update(call.id for call in message.tool_calls or [])
+            if message.role == "tool" and message.tool_call_id not in called:
+                # as OpenAI's API: a result answers a call of an assistant message before it
+                raise APIError(400, f"messages[{i}].tool_call_id: {message.tool_call_id!r} "
+                                    f"answers no tool call of the messages before it",
+                               param=f"messages[{i}].tool_call_id")
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
