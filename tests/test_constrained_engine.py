@@ -109,6 +109,27 @@ def test_schema_answers_validate_and_are_one_schema_segment(demo):
         assert {s["kind"] for s in res.stats["segments"]} == {"schema"}
 
 
+
+def test_an_agents_answer_in_a_schema_is_a_schema_segment_and_its_calls_tool_calls(demo):
+    """An agent's or a response format's schema comes as an assistant turn's grammar (the
+    answer, or calls beside it): its answer was counted as prose (and math), and routed so."""
+    schema = {"type": "object", "properties": {"days": {"type": "integer"}},
+              "required": ["days"]}
+    msgs = [{"role": "user", "content": "How many days? Answer with JSON."}]
+    res = demo.generate(demo.chat_prompt(msgs), SamplingParams(
+        max_tokens=40, grammar=assistant_turn([], "none", output_schema=schema)))
+    assert {s["kind"] for s in res.stats["segments"]} == {"schema"}, res.stats["segments"]
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+    msgs = [{"role": "system", "content": "You are a helpful assistant with access to tools."},
+            {"role": "user", "content": "Use get_weather with city Oslo."}]
+    res = demo.generate(demo.chat_prompt(msgs, tools), SamplingParams(
+        max_tokens=60, grammar=assistant_turn(tools, "auto", output_schema=schema)))
+    assert res.text.startswith("<tool_call>"), res.text
+    kinds = [s["kind"] for s in res.stats["segments"]]
+    assert "tool_call" in kinds and set(kinds) <= {"tool_call", "schema"}, kinds
+
+
 def test_regex_constrains_the_reply(demo):
     res = demo.generate(
         demo.chat_prompt([{"role": "user", "content": "A date?"}]),

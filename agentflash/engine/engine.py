@@ -265,7 +265,9 @@ class Engine:
         req = Request([int(t) for t in prompt_ids], params)
         if params.grammar is not None:
             req.constraint = self.compile(params.grammar).new_constraint()
-            req.segments.schema_bound = params.grammar.kind is GrammarKind.JSON_SCHEMA
+            answers = params.grammar.answers_in_schema  # text outside calls: the answer
+            req.segments.schema_bound = params.grammar.kind is GrammarKind.JSON_SCHEMA or answers
+            req.segments.calls_beside = answers
         self._inbox.append(req)
         return req
 

@@ -48,6 +48,9 @@ class GrammarSource:
     text: str
     json_style: JsonStyle = JsonStyle.DUMPS
     origin: str = field(default="grammar", compare=False)  # named in error messages
+    # an assistant turn whose text outside tool calls is a JSON schema's answer (the router
+    # counts that text as a schema segment, as it does a JSON schema's whole reply)
+    answers_in_schema: bool = field(default=False, compare=False)
 
     @property
     def schema(self) -> Any:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import enum
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from agentflash.grammar.checks import check_schema
@@ -237,7 +237,8 @@ def _answer_turn(specs: list[ToolSpec], choice: ToolChoice, parallel: bool, stri
     answer = {**schema, "x-guidance": JSON_STYLE_OPTIONS[JsonStyle.DUMPS]}
     answer_rule = f"answer: %json {json.dumps(answer, ensure_ascii=False)}"
     if choice.mode is ToolChoiceMode.NONE or not specs:
-        return lark(f"start: answer\n{answer_rule}\n", origin="output schema")
+        return replace(lark(f"start: answer\n{answer_rule}\n", origin="output schema"),
+                       answers_in_schema=True)
     calls = assistant_turn(specs, choice, parallel, strict)
     if choice.mode is not ToolChoiceMode.AUTO:
         return calls
@@ -250,7 +251,8 @@ def _answer_turn(specs: list[ToolSpec], choice: ToolChoice, parallel: bool, stri
         f'call: {OPEN} "\\n" body "\\n" {CLOSE}',
         f"body: %json {json.dumps(body, ensure_ascii=False)}",
     ]
-    return lark("\n".join(rules) + "\n", origin="tool_choice=auto with an output schema")
+    return replace(lark("\n".join(rules) + "\n", origin="tool_choice=auto with an output schema"),
+                   answers_in_schema=True)
 
 
 def _specs(tools: list[dict[str, Any]] | list[ToolSpec]) -> list[ToolSpec]:

@@ -55,8 +55,9 @@ class SegmentTracker:
 
     TAIL = 64
 
-    def __init__(self, schema_bound: bool = False):
-        self.schema_bound = schema_bound
+    def __init__(self, schema_bound: bool = False, calls_beside: bool = False):
+        self.schema_bound = schema_bound  # the reply's text is a JSON schema's answer
+        self.calls_beside = calls_beside  # ... and tool calls may stand instead of it
         self.in_tool_call = False
         self.in_code = False
         self.line = ""  # text of the current line so far
@@ -65,7 +66,7 @@ class SegmentTracker:
 
     @property
     def kind(self) -> SegmentKind:
-        if self.schema_bound:
+        if self.schema_bound and not (self.calls_beside and self.in_tool_call):
             return SegmentKind.SCHEMA
         if self.in_tool_call:
             return SegmentKind.TOOL_CALL
