@@ -43,7 +43,8 @@ def generate(
     requests: Annotated[Path | None, typer.Option(help="one request per JSON line")] = None,
     model: ModelOpt = "demo",
     max_tokens: Annotated[int | None, typer.Option(
-        "--max-tokens", help="per request, at most (default 256)")] = None,
+        "--max-tokens", help="new tokens per request at most (default 256; a --requests line's "
+                             "max_tokens wins)")] = None,
     temperature: Annotated[float | None, typer.Option()] = None,
     top_p: Annotated[float | None, typer.Option("--top-p")] = None,
     seed: Annotated[int | None, typer.Option()] = None,

@@ -4,7 +4,8 @@ One workload (held-out prompts of the bench suites, with their tools, greedy) ru
 in process (``prepare`` + ``AsyncEngine``, what an embedded caller does), and against
 ``agentflash serve`` on the same model in its own process, as plain JSON responses and as
 server-sent event streams. Each path keeps ``concurrency`` requests in flight. The overhead is the
-mean latency over the in-process one; every path must produce the same tokens.
+mean latency over the in-process one; every path must write as many tokens for each request
+(``same_tokens`` compares the counts, which the three paths report alike).
 """
 
 from __future__ import annotations
