@@ -106,6 +106,14 @@ def test_bench_server_reports_every_path_with_identical_tokens(tiny_model_dir):
             assert row["overhead_ms_per_request"] == 0 and row["overhead_pct"] == 0
 
 
+def test_bench_server_refuses_more_in_flight_than_it_has_requests(tiny_model_dir):
+    result = CliRunner().invoke(app, ["bench-server", "--model", str(tiny_model_dir),
+                                      "--suites", "prose", "--num-prompts", "1",
+                                      "--concurrency", "1,4"])
+    assert result.exit_code == 2
+    assert "--concurrency 4: at most 1 requests could be in flight" in result.stderr
+
+
 def test_serve_loads_the_engine_off_the_main_thread(monkeypatch):
     # torch keeps an OpenMP team for every thread that ran it: a model loaded on the main
     # thread, which lives on, left two teams on 2 cores and the engine's steps ran 1.6x slower

@@ -57,17 +57,21 @@ def run(model: str = "demo", suites: tuple[str, ...] = ("tool_call", "prose"),
     from agentflash.server.app import ServerConfig, load_engine
 
     if min(num_prompts, max_tokens, rounds) < 1 or not concurrency or min(concurrency) < 1:
-        raise UserError("num_prompts, max_tokens, rounds and concurrency levels must be positive")
+        raise UserError("--num-prompts, --max-tokens, --rounds and --concurrency levels must be "
+                        "positive")
     config = ServerConfig(model=model, drafter=drafter, max_tokens=max_tokens)
+    bodies = [{"model": config.name, "messages": p.messages, "tools": p.tools or None,
+               "max_tokens": max_tokens, "temperature": 0}
+              for suite in suites for p in held_out_prompts(suite, num_prompts)]
+    bodies = [{k: v for k, v in b.items() if v is not None} for b in bodies]
+    if max(concurrency) > len(bodies):  # a row named 8 in flight that had 2 would say 8
+        raise UserError(f"--concurrency {max(concurrency)}: at most {len(bodies)} requests could "
+                        f"be in flight ({len(bodies)} prompts); raise --num-prompts")
     # Loaded as the server loads its own, in a thread that ends with the loading: torch work on
     # the main thread (which lives on) followed by steps on the engine thread runs those steps
     # about half as fast here (two OpenMP thread teams on two cores), which would flatter the
     # server path.
     engine = anyio.run(run_in_own_thread, load_engine, config)
-    bodies = [{"model": config.name, "messages": p.messages, "tools": p.tools or None,
-               "max_tokens": max_tokens, "temperature": 0}
-              for suite in suites for p in held_out_prompts(suite, num_prompts)]
-    bodies = [{k: v for k, v in b.items() if v is not None} for b in bodies]
     measured: list[dict[str, Any]] = []
     with server_process(config, max_concurrent=max(concurrency)) as url:
         for _ in range(rounds):
