@@ -506,6 +506,18 @@ def test_a_step_reads_steps_only_through_their_ids(tmp_path):
     load_workflow(write(tmp_path, fixed.replace("all: {{ steps }}", "x")))
 
 
+def test_a_blank_step_input_is_refused_by_validate_as_by_run(tmp_path):
+    with pytest.raises(UserError, match=r"wf.yaml:6: steps\[0\].input: the input is blank"):
+        load_workflow(write(tmp_path, """\
+            version: 1
+            name: t
+            agents:
+              a: {instructions: You help.}
+            steps:
+              - {id: s, agent: a, input: " "}
+            """))
+
+
 def test_an_output_of_a_lazy_filter_is_its_list(tmp_path):
     """Jinja's map, select, unique and reverse give iterators: an output was the generator
     itself (its repr in --json; a TypeError traceback after the run without)."""

@@ -738,6 +738,9 @@ class _Builder:
         self.check_cycles(steps, by_id)
         for step in steps:
             before = _ancestors(step, by_id)
+            if isinstance(step.input, str) and not step.input.strip():  # the run refuses it
+                self.problems.add(("steps", step.index, "input"), "the input is blank")
+                continue
             self.check_template(("steps", step.index, "input"), step.input, inputs, by_id,
                                 allowed=before, owner=step.id)
         return steps
