@@ -506,6 +506,20 @@ def test_a_step_reads_steps_only_through_their_ids(tmp_path):
     load_workflow(write(tmp_path, fixed.replace("all: {{ steps }}", "x")))
 
 
+def test_a_model_refused_as_it_opens_names_the_files_model_line(tmp_path, tiny_model_dir):
+    wf = load_workflow(write(tmp_path, f"""\
+        version: 1
+        name: t
+        model: {{path: "{tiny_model_dir}", kv_budget_mb: 0.0001}}
+        agents:
+          a: {{instructions: You help.}}
+        steps:
+          - {{id: s, agent: a, input: hi}}
+        """))
+    with pytest.raises(UserError, match=r"wf.yaml:3: kv_budget_mb 0.0001 holds no request"):
+        anyio.run(wf.run)
+
+
 def test_a_blank_step_input_is_refused_by_validate_as_by_run(tmp_path):
     with pytest.raises(UserError, match=r"wf.yaml:6: steps\[0\].input: the input is blank"):
         load_workflow(write(tmp_path, """\

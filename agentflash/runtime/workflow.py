@@ -135,7 +135,11 @@ class Workflow:
         with single_errors():
             async with AsyncExitStack() as stack:
                 if backend is None:
-                    backend = await stack.enter_async_context(self._open_backend())
+                    made = self._open_backend()
+                    try:  # what it refuses as it opens (loads) names the section too
+                        backend = await stack.enter_async_context(made)
+                    except UserError as err:
+                        raise self._at_model(err) from None
                 chosen = backend
 
                 async def work(emit: Callable[[WorkflowEvent], None]) -> WorkflowResult:
@@ -147,11 +151,15 @@ class Workflow:
 
     def _open_backend(self):
         """The backend the ``model:`` section names; what it refuses as it is made (an unset
-        ``api_key_env``) names the file and the section's line."""
+        ``api_key_env``) or opened (a budget too small for one request) names the file and the
+        section's line."""
         try:
             return create_backend(self.model)
         except UserError as err:
-            raise UserError(f"{self.doc.path}:{self.doc.line(('model',))}: {err}") from None
+            raise self._at_model(err) from None
+
+    def _at_model(self, err: UserError) -> UserError:
+        return UserError(f"{self.doc.path}:{self.doc.line(('model',))}: {err}")
 
 
 # --- events and results -------------------------------------------------------------------------
