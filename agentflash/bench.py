@@ -633,8 +633,9 @@ def run_concurrency(
     machine lands on every mode. Suite ``mixed`` interleaves prompts of every kind; in suite
     ``agent`` a prompt is a conversation of two turns, the second submitted when the first ends
     (its prompt begins with the first's: the prefix cache holds it), both under the tools'
-    grammar (``tool_choice`` auto), as the runtime decodes an agent's turns. Outputs are checked
-    against each prompt run alone with plain greedy decoding.
+    grammar (``tool_choice`` auto), as the runtime decodes an agent's turns; the other suites
+    decode without their grammars, as the single-stream table's unconstrained rows. Outputs are
+    checked against each prompt run alone with plain greedy decoding.
     """
     from agentflash.engine.engine import EngineConfig
 
