@@ -66,6 +66,26 @@ def test_schema_comes_from_signature_hints_and_docstring():
         "name": "book", "description": "Book a hotel.", "parameters": schema}}
 
 
+def test_a_fields_own_description_wins_over_the_docstrings():
+    from typing import Annotated
+
+    from pydantic import Field
+
+    def f(a: Annotated[int, Field(description="from Field")], b: int = Field(1, description="bee"),
+          c: int = 0) -> int:
+        """F.
+
+        Args:
+            a: from the docstring
+            b: docstring bee
+            c: docstring cee
+        """
+        return a
+
+    props = tool(f).parameters["properties"]
+    assert [props[k]["description"] for k in "abc"] == ["from Field", "bee", "docstring cee"]
+
+
 def _schema_keywords(schema) -> set[str]:
     """Every keyword used anywhere in a schema (property names are not keywords)."""
     if isinstance(schema, list):

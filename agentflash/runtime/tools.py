@@ -422,7 +422,10 @@ def function_tool(fn: Callable[..., Any], *, name: str | None = None,
             info.description = info.description or doc
         else:
             default = ... if param.default is param.empty else param.default
-            info = pydantic.Field(default, description=doc)
+            # x: Annotated[int, Field(description=...)]: its own words over the docstring's
+            own = any(isinstance(m, FieldInfo) and m.description
+                      for m in getattr(hints[param.name], "__metadata__", ()))
+            info = pydantic.Field(default) if own else pydantic.Field(default, description=doc)
         fields[param.name] = (hints[param.name], info)
     try:
         with warnings.catch_warnings():  # a parameter named json or copy is the tool's own
