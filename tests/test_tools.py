@@ -542,6 +542,12 @@ class Recorder(BaseHTTPRequestHandler):
             time.sleep(1)
         self._reply(200, "application/json", json.dumps({"path": self.path}).encode())
 
+    def do_DELETE(self):
+        Recorder.seen.append(("DELETE", self.path, None))
+        if self.path.startswith("/broken"):  # says JSON, is not
+            return self._reply(200, "application/json", b"<html>oops</html>")
+        self._reply(204, "application/json", b"")  # done, nothing to say
+
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         Recorder.seen.append(("POST", self.path, body))
@@ -610,7 +616,58 @@ def test_http_tool_calls_only_its_declared_url(server_url):
     assert "/elsewhere" not in paths and len([p for p in paths if p == "/flights"]) == 2
 
 
+def test_http_tool_checks_arguments_as_the_grammar_writes_them(server_url):
+    """Arguments the grammar would not write (a key the schema does not list, a date that is no
+    date) never reach the server, nor does one replacing the declared URL's own query; an empty
+    JSON reply is a result, not a failure."""
+    Recorder.seen.clear()
+    params = {"type": "object", "properties": {"q": {"type": "string"},
+                                               "when": {"type": "string", "format": "date"}}}
+    search = HttpTool("search", "", "GET", f"{server_url}/find?api_key=SECRET", params)
+    anything = HttpTool("any", "", "GET", f"{server_url}/find?api_key=SECRET",
+                        {"type": "object", "properties": {}, "additionalProperties": True})
+    remove = HttpTool("remove", "", "DELETE", f"{server_url}/items", params)
+    broken = HttpTool("broken", "", "DELETE", f"{server_url}/broken", params)
+
+    async def main():
+        return [await run_tool(search, {"q": "x", "api_key": "EVIL"}),
+                await run_tool(search, {"q": "x", "when": "not a date"}),
+                await run_tool(anything, {"api_key": "EVIL", "q": "x"}),
+                await run_tool(search, {"q": "x", "when": "2024-02-29"}),
+                await run_tool(remove, {"q": "x"}),
+                await run_tool(broken, {})]
+
+    extra, undated, replaced, ok, removed, said = anyio.run(main)
+    assert extra.error_type == "invalid_arguments" and "'api_key' was unexpected" in extra.output
+    assert undated.error_type == "invalid_arguments" and "is not a 'date'" in undated.output
+    assert replaced.error_type == "invalid_arguments"
+    assert "api_key: is the url's own query parameter" in replaced.output
+    assert json.loads(ok.output)["path"] == "/find?api_key=SECRET&q=x&when=2024-02-29"
+    assert (removed.output, removed.is_error) == ("", False)
+    assert (said.output, said.is_error) == ("<html>oops</html>", False)
+    assert [p for _, p, _ in Recorder.seen] == ["/find?api_key=SECRET&q=x&when=2024-02-29",
+                                                "/items?q=x", "/broken"]
+
+
+def test_a_tool_failing_in_a_task_group_names_its_own_error():
+    async def fetch() -> str:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(anyio.sleep, 5)
+            raise OSError("port must be 0-65535")
+
+    outcome = anyio.run(run_tool, tool(fetch), {})
+    assert outcome.error_type == "OSError" and "port must be 0-65535" in outcome.output
+
+
 def test_http_tool_definition_errors():
+    for url in ("http://[::1/x", "http://127.0.0.1:99999/x", "http://127.0.0.1:abc/x"):
+        with pytest.raises(UserError, match=r"url '.*' is not a valid URL"):
+            HttpTool("t", "", "GET", url)
+    with pytest.raises(UserError, match="parameter 'v' is also in the url's query"):
+        HttpTool("t", "", "GET", "http://127.0.0.1/x?v=2",
+                 {"type": "object", "properties": {"v": {"type": "integer"}}})
+    HttpTool("t", "", "POST", "http://127.0.0.1/x?v=2",  # the arguments go in the body
+             {"type": "object", "properties": {"v": {"type": "integer"}}})
     with pytest.raises(UserError, match="url must be an absolute http"):
         HttpTool("t", "", "GET", "file:///etc/passwd")
     with pytest.raises(UserError, match="method must be one of"):

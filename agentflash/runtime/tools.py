@@ -21,7 +21,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, overload
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, urlsplit
 
 import anyio
 import anyio.from_thread
@@ -492,27 +492,51 @@ class HttpTool:
         if self.method not in HTTP_METHODS:
             raise UserError(f"http tool {self.name!r}: method must be one of "
                             f"{', '.join(HTTP_METHODS)}, got {self.method!r}")
-        parts = urlsplit(self.url)
+        import httpx  # imported now, so that the first call does not stall the loop
+
+        try:
+            parts = urlsplit(self.url)
+            parts.port  # noqa: B018  (raises on a port that is no number or past 65535)
+            httpx.URL(self.url)
+        except (ValueError, httpx.InvalidURL) as err:
+            raise UserError(f"http tool {self.name!r}: url {self.url!r} is not a valid URL: "
+                            f"{err}") from None
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise UserError(f"http tool {self.name!r}: url must be an absolute http(s) URL, "
                             f"got {self.url!r}")
         _check_timeout(self.timeout_s, f"http tool {self.name!r}")
-        import httpx  # noqa: F401  (imported now, so that the first call does not stall the loop)
 
         from agentflash.grammar.tool_calls import check_parameters
 
         # what a call's arguments are constrained to: checked now, not at the first call
         check_parameters(self.parameters, f"http tool {self.name!r}")
+        clash = sorted(self._declared_query() & set(self.parameters.get("properties", {})))
+        if clash:
+            raise UserError(f"http tool {self.name!r}: parameter {clash[0]!r} is also in the "
+                            f"url's query, which arguments never change")
+
+    def _declared_query(self) -> set[str]:
+        """The query keys of the declared URL where arguments go in the query (else none)."""
+        if self.method not in ("GET", "DELETE"):
+            return set()
+        return {key for key, _ in parse_qsl(urlsplit(self.url).query, keep_blank_values=True)}
 
     async def call(self, arguments: dict[str, Any]) -> Any:
         import httpx
-        from jsonschema import Draft202012Validator
+        from jsonschema import Draft202012Validator, FormatChecker
 
-        errors = sorted(Draft202012Validator(self.parameters).iter_errors(arguments), key=str)
-        if errors:
-            problems = "; ".join(f"{'.'.join(map(str, e.absolute_path)) or 'arguments'}: "
-                                 f"{e.message}" for e in errors)
-            raise ToolArgumentsError(f"invalid arguments for {self.name}: {problems}")
+        from agentflash.grammar.sources import close_objects
+
+        # what the grammar lets the model write: no keys the schema does not list, formats kept
+        schema = close_objects(self.parameters)
+        errors = sorted(Draft202012Validator(schema, format_checker=FormatChecker())
+                        .iter_errors(arguments), key=str)
+        problems = [f"{'.'.join(map(str, e.absolute_path)) or 'arguments'}: {e.message}"
+                    for e in errors]
+        problems += [f"{key}: is the url's own query parameter"
+                     for key in sorted(self._declared_query() & set(arguments))]
+        if problems:
+            raise ToolArgumentsError(f"invalid arguments for {self.name}: {'; '.join(problems)}")
         query = self.method in ("GET", "DELETE")
         # the model's arguments join the query the declared URL has (httpx's params replace it)
         url = httpx.URL(self.url).copy_merge_params(_query(arguments)) if query else self.url
@@ -522,7 +546,10 @@ class HttpTool:
             raise RuntimeError(f"HTTP {response.status_code} from {self.url}: "
                                f"{response.text[:300]}")
         if response.headers.get("content-type", "").startswith("application/json"):
-            return response.json()
+            try:
+                return response.json()
+            except ValueError:  # empty (204 No Content) or not JSON after all: its text
+                pass
         return response.text
 
 
@@ -571,6 +598,8 @@ async def run_tool(t: Tool, arguments: dict[str, Any]) -> ToolOutcome:
     except ToolArgumentsError as err:
         return failed(str(err), "invalid_arguments")
     except Exception as err:  # the tool's own failure is the model's to handle
+        while isinstance(err, ExceptionGroup) and len(err.exceptions) == 1:
+            err = err.exceptions[0]  # a task group's one failure, not "unhandled errors in..."
         return failed(f"{type(err).__name__}: {err}", type(err).__name__)
     except SystemExit as err:  # a tool that wraps a command line's main(): not the run's exit
         return failed(f"{t.name} called exit({err.code!r})", "SystemExit")
