@@ -72,18 +72,21 @@ def test_a_fields_own_description_wins_over_the_docstrings():
     from pydantic import Field
 
     def f(a: Annotated[int, Field(description="from Field")], b: int = Field(1, description="bee"),
-          c: int = 0) -> int:
+          c: int = 0, d: int = Field(2, ge=1, le=14)) -> int:
         """F.
 
         Args:
             a: from the docstring
             b: docstring bee
             c: docstring cee
+            d: docstring dee
         """
         return a
 
     props = tool(f).parameters["properties"]
-    assert [props[k]["description"] for k in "abc"] == ["from Field", "bee", "docstring cee"]
+    assert [props[k]["description"] for k in "abcd"] == ["from Field", "bee", "docstring cee",
+                                                          "docstring dee"]
+    assert (props["d"]["minimum"], props["d"]["maximum"], props["d"]["default"]) == (1, 14, 2)
 
 
 def _schema_keywords(schema) -> set[str]:
@@ -124,6 +127,10 @@ def test_docstring_styles():
     assert parse_docstring(wrapped) == ("Send.", {"to": "The one who reads it.", "body": "Text."})
     google = "Find.\n\nArgs:\n    *names: Names.\n    limit (int, optional): At most this many.\n"
     assert parse_docstring(google)[1] == {"names": "Names.", "limit": "At most this many."}
+    nested = "F.\n\nArgs:\n    a (int): first.\n    b (tuple(int, int)): second (a pair).\n"
+    assert parse_docstring(nested)[1] == {"a": "first.", "b": "second (a pair)."}
+    shared = "F.\n\nParameters\n----------\na, b : int\n    The bounds.\nc : str\n    C.\n"
+    assert parse_docstring(shared)[1] == {"a": "The bounds.", "b": "The bounds.", "c": "C."}
     assert parse_docstring(None) == ("", {})
 
 

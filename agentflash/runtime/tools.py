@@ -8,7 +8,6 @@ runs before every call cannot disagree.
 from __future__ import annotations
 
 import contextvars
-import copy
 import decimal
 import functools
 import inspect
@@ -47,7 +46,8 @@ PARAM_SECTIONS = {"args", "arguments", "parameters", "params", "keyword args",
                   "keyword arguments", "other parameters"}
 OTHER_SECTIONS = {"returns", "return", "yields", "raises", "examples", "example", "notes",
                   "note", "see also", "references", "attributes", "warnings", "todo"}
-_ENTRY = re.compile(r"^\*{0,2}(\w+)\s*(?:\(([^)]*)\))?\s*(?::\s*(.*))?$")
+# name(s) (type, which may hold parentheses): description -- NumPy lists "a, b : int"
+_ENTRY = re.compile(r"^\*{0,2}(\w+(?:\s*,\s*\*{0,2}\w+)*)\s*(?:\((.*?)\))?\s*(?::\s*(.*))?$")
 _SPHINX = re.compile(r"^:param\s+(?:[^:]*\s)?(\w+)\s*:\s*(.*)$")
 
 
@@ -99,15 +99,17 @@ def _flush_section(section: str | None, numpy: bool, body: list[str], out: dict[
     if not indents:
         return
     base = min(indents)
-    name: str | None = None
+    names: list[str] = []
     for line in body:
         if not line.strip():
             continue
         if len(line) - len(line.lstrip()) == base and (m := _ENTRY.match(line.strip())):
-            name = m.group(1)
-            out[name] = "" if numpy else (m.group(3) or "").strip()
-        elif name is not None:
-            out[name] = (out[name] + " " + line.strip()).strip()
+            names = [n.strip().lstrip("*") for n in m.group(1).split(",")]
+            for name in names:
+                out[name] = "" if numpy else (m.group(3) or "").strip()
+        else:
+            for name in names:
+                out[name] = (out[name] + " " + line.strip()).strip()
 
 
 # --- schemas ------------------------------------------------------------------------------------
@@ -418,8 +420,9 @@ def function_tool(fn: Callable[..., Any], *, name: str | None = None,
             positional.append(param.name)
         doc = param_docs.get(param.name)
         if isinstance(param.default, FieldInfo):  # x: int = Field(3, ge=0): the field itself
-            info = copy.copy(param.default)
-            info.description = info.description or doc
+            info = param.default
+            if doc and not info.description:  # set through pydantic, whose models rebuild it
+                info = FieldInfo.merge_field_infos(info, description=doc)
         else:
             default = ... if param.default is param.empty else param.default
             # x: Annotated[int, Field(description=...)]: its own words over the docstring's
