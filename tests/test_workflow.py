@@ -103,6 +103,7 @@ def test_inputs_are_converted_defaulted_and_checked(tmp_path):
                 ({"days": "three"}, "input 'days' must be of type integer, got 'three'"),
                 ({"days": "1_0"}, "input 'days' must be of type integer, got '1_0'"),
                 ({"days": "2.0"}, "input 'days' must be of type integer, got '2.0'"),
+                ({"days": "١٢"}, "input 'days' must be of type integer, got '١٢'"),
                 ({"days": "0"}, "input 'days': 0 is less than the minimum of 1"),
                 ({"days": "1", "direct": "maybe"}, "input 'direct' must be of type boolean")]
     for values, message in problems:
@@ -126,10 +127,12 @@ def test_a_number_input_is_a_json_number(tmp_path):
         steps:
           - {id: one, agent: a, input: "{{ inputs.share }}"}
         """))
-    for text, value in (("0.5", 0.5), ("-2", -2.0), (".5e2", 50.0), (" 3. ", 3.0)):
-        assert wf.resolve_inputs({"share": text}) == {"share": value}
-    # what --json could not write back, and Python's own spellings
-    for text in ("nan", "inf", "-inf", "1e999", "1_0", "0x1f", "", "+1.5e+", "Infinity"):
+    for text, value in (("0.5", 0.5), ("-2", -2), (".5e2", 50.0), (" 3. ", 3.0), ("100", 100)):
+        got = wf.resolve_inputs({"share": text})["share"]
+        # 100 stays 100 (a template writes it as a default of 100 would), not 100.0
+        assert (got, type(got)) == (value, type(value))
+    # what --json could not write back, and Python's own spellings (digits of other scripts)
+    for text in ("nan", "inf", "-inf", "1e999", "1_0", "0x1f", "", "+1.5e+", "Infinity", "١٢"):
         with pytest.raises(UserError, match=re.escape(f"type number, got '{text}'")):
             wf.resolve_inputs({"share": text})
 

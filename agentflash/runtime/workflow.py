@@ -307,8 +307,8 @@ def _jsonable(value: Any) -> Any:
     return value if isinstance(value, str) else pydantic_core.to_jsonable_python(value)
 
 
-_INTEGER = re.compile(r"-?\d+")
-_NUMBER = re.compile(r"-?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
+_INTEGER = re.compile(r"-?[0-9]+")  # ASCII digits only, as JSON: not int("١٢")'s
+_NUMBER = re.compile(r"-?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")
 
 
 _KINDS = ("null", "boolean", "integer", "number", "array", "object", "string")  # tried in order
@@ -361,7 +361,8 @@ def _convert_one(kind: str, text: str) -> Any:
         number = _INTEGER if kind == "integer" else _NUMBER
         if not number.fullmatch(text.strip()):
             raise ValueError
-        value = int(text) if kind == "integer" else float(text)
+        # a number without a point or exponent stays an integer, as JSON (and YAML) read it
+        value = int(text) if _INTEGER.fullmatch(text.strip()) else float(text)
         if not math.isfinite(value):  # 1e999
             raise ValueError
         return value
