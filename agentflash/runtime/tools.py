@@ -14,6 +14,7 @@ import inspect
 import json
 import math
 import re
+import sys
 import threading
 import typing
 import warnings
@@ -32,6 +33,9 @@ from pydantic.fields import FieldInfo
 
 from agentflash.errors import UserError, is_number
 from agentflash.json_formats import decimal_pattern, temporal_pattern, url_pattern
+
+if sys.version_info < (3, 11):  # anyio's own dependency there
+    from exceptiongroup import ExceptionGroup
 
 TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
