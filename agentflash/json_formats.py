@@ -78,15 +78,49 @@ def decimal_pattern(max_digits: int | None, decimal_places: int | None) -> str:
     return f"^-?{number}$"
 
 
+_OCTET = "(?:25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])"
+_IPV4 = f"{_OCTET}(?:\\.{_OCTET}){{3}}"
+
+
+def _ipv6() -> str:
+    """RFC 3986's IPv6address: eight groups, or fewer around one ``::``, the last two of them
+    an IPv4 address or not."""
+    h16 = "[0-9A-Fa-f]{1,4}"
+    ls32 = f"(?:{h16}:{h16}|{_IPV4})"
+
+    def groups(n: int) -> str:  # n groups, each followed by a colon
+        return f"(?:{h16}:){{{n}}}" if n else ""
+
+    forms = [f"{groups(6)}{ls32}", f"::{groups(5)}{ls32}"]
+    # [ *before( h16 ":" ) h16 ] "::" then what is left of the eight groups
+    tails = [f"{groups(4)}{ls32}", f"{groups(3)}{ls32}", f"{groups(2)}{ls32}",
+             f"{groups(1)}{ls32}", ls32, h16, ""]
+    for before, tail in enumerate(tails):
+        head = f"(?:(?:{h16}:){{0,{before}}}{h16})?" if before else f"(?:{h16})?"
+        forms.append(f"{head}::{tail}")
+    return "(?:" + "|".join(forms) + ")"
+
+
+_PORT = "(?:[0-9]{1,4}|[1-5][0-9]{4}|6[0-4][0-9]{3}|65[0-4][0-9]{2}|655[0-2][0-9]|6553[0-5])"
+
+
 def url_pattern(schemes: list[str]) -> str:
     """A URL of one of ``schemes`` (pydantic's ``allowed_schemes``) that pydantic reads: a host
-    name of letters, digits and hyphens whose last label begins with a letter (one of digits
-    reads as an IPv4 address) and none of them with ``xn--`` (punycode, checked), a port of up
-    to 4 digits, then a path, query or fragment of printable characters (no blank)."""
-    names = "|".join(re.escape(s) for s in schemes)
+    (an IPv4 address, an IPv6 address in brackets, or a name of letters, digits and hyphens whose
+    last label begins with a letter -- one of digits reads as an IPv4 address -- and none of
+    them with ``xn--``, punycode, which is checked), a port up to 65535, then a path, query or
+    fragment of printable characters (no blank). A ``file`` URL has no port and may leave the
+    host out (``file:///etc/hosts``). Not written: a ``user:password@``, which overlaps a host
+    name so much that llguidance's lexer gives up on a tool's grammar holding it beside other
+    patterns ("too many expressions constructed")."""
     rest = "[A-Za-z0-9-]*"
     not_punycode = (f"[Xx](?:[A-MO-Za-mo-z0-9-]{rest})?|[Xx][Nn](?:[A-Za-z0-9]{rest})?"
                     f"|[Xx][Nn]-(?:[A-Za-z0-9]{rest})?")
     label = f"(?:[A-WYZa-wyz0-9-]{rest}|{not_punycode})"
     last = f"(?:[A-WYZa-wyz]{rest}|{not_punycode})"
-    return f"^(?:{names})://(?:{label}\\.)*{last}(?::[0-9]{{1,4}})?(?:[/?#][!-~]*)?$"
+    host = f"(?:(?:{label}\\.)*{last}|{_IPV4}|\\[{_ipv6()}\\])"
+    others = "|".join(re.escape(s) for s in schemes if s != "file")
+    starts = [f"(?:{others})://{host}(?::{_PORT})?"] if others else []
+    if "file" in schemes:  # a host or none, without user or port
+        starts.append(f"file://{host}?")
+    return f"^(?:{'|'.join(starts)})(?:[/?#][!-~]*)?$"

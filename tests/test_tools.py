@@ -1,6 +1,7 @@
 """``@tool`` schemas from signatures and docstrings, validation before the call, HTTP tools."""
 
 import functools
+import itertools
 import json
 import sys
 import threading
@@ -492,6 +493,63 @@ def test_decimals_urls_and_naive_or_aware_datetimes_the_grammar_writes_are_ones_
     assert not refused, refused[:3]
     assert len(stamps) >= 15  # the others ran out of tokens (a URL's path goes on)
     assert {stamp.tzinfo is None for stamp in stamps} == {True, False}
+
+
+def test_usual_urls_fit_a_url_parameter_and_pydantic_reads_every_url_its_pattern_allows(
+        demo_tokenizer_dir):
+    """A URL parameter's pattern takes what tools are given every day (an IP address, a port
+    past 9999, IPv6, a file path) and nothing pydantic refuses: URLs built from good and bad
+    parts (a user and password among them, which the pattern leaves out), and IPv6 hosts
+    checked against the ipaddress module."""
+    import ipaddress
+    import random
+    import re
+
+    import pydantic
+    from transformers import AutoTokenizer
+
+    from agentflash.grammar import compile_grammar, json_schema
+    from agentflash.json_formats import _ipv6, url_pattern
+
+    def fetch(site: pydantic.HttpUrl, path: pydantic.FileUrl, cache: pydantic.RedisDsn) -> str:
+        return "ok"
+
+    usual = {"site": ["http://127.0.0.1:8000/", "http://localhost:11434/api",
+                      "https://[2001:db8::8a2e:370:7334]/", "http://[::1]:8080/x?y=1#z",
+                      "https://api.example.com/v1/items?id=3"],
+             "path": ["file:///etc/hosts", "file://host/share/a.txt"],
+             "cache": ["redis://localhost:6379/0", "rediss://10.0.0.7:6380"]}
+    tok = AutoTokenizer.from_pretrained(demo_tokenizer_dir)
+    grammar = compile_grammar(json_schema(tool(fetch).parameters), tok, vocab_size=len(tok))
+    for i in range(2):
+        arguments = {key: urls[i] for key, urls in usual.items()}
+        tokens = tok(json.dumps(arguments), add_special_tokens=False)["input_ids"]
+        constraint = grammar.new_constraint()
+        assert constraint.validate_draft(tokens) == len(tokens), arguments
+
+    rng, r6 = random.Random(0), re.compile(_ipv6())
+    for _ in range(20_000):
+        parts = [rng.choice(["", "0", "1", "ffff", "abcd", "12345", "g", "1.2.3.4", "256.0.0.1"])
+                 for _ in range(rng.randint(0, 9))]
+        text = rng.choice(["", "::"]) + ":".join(parts) + rng.choice(["", "::"])
+        try:
+            ipaddress.IPv6Address(text)
+            valid = True
+        except ValueError:
+            valid = False
+        assert bool(r6.fullmatch(text)) == valid, text
+    hosts = ["example.com", "localhost", "127.0.0.1", "256.1.1.1", "01.2.3.4", "[::1]", "[::1",
+             "[::ffff:1.2.3.4]", "-a.com", "a.1com", "xn--e1a.com", "1.2.3", "", "[g::1]", "x.y."]
+    users = ["", "u:p@", "u:@", ":p@", "a%20b:c@", "u:p:q@", "@", "u p@"]
+    ports = ["", ":0", ":8080", ":65535", ":65536", ":", ":1a"]
+    for kind, schemes in ((pydantic.HttpUrl, ["http", "https"]), (pydantic.FileUrl, ["file"]),
+                          (pydantic.RedisDsn, ["redis", "rediss"])):
+        pattern, reader = re.compile(url_pattern(schemes)), pydantic.TypeAdapter(kind)
+        for host, user, port, path in itertools.product(hosts, users, ports,
+                                                         ["", "/a/b?x=1#f", "/a b"]):
+            url = f"{schemes[0]}://{user}{host}{port}{path}"
+            if pattern.fullmatch(url):
+                reader.validate_python(url)  # raises where pydantic refuses it
 
 
 def test_field_defaults_partials_and_callable_objects_make_tools():
