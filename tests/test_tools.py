@@ -3,6 +3,7 @@
 import functools
 import itertools
 import json
+import math
 import sys
 import threading
 import time
@@ -493,6 +494,39 @@ def test_decimals_urls_and_naive_or_aware_datetimes_the_grammar_writes_are_ones_
     assert not refused, refused[:3]
     assert len(stamps) >= 15  # the others ran out of tokens (a URL's path goes on)
     assert {stamp.tzinfo is None for stamp in stamps} == {True, False}
+
+
+def test_every_number_a_bounded_decimals_schema_allows_is_one_pydantic_reads():
+    """Places past max_digits add no digits (0.123 has 3): the number branches of a bounded
+    Decimal stay within its digits, as its string pattern does."""
+    import decimal
+    from typing import Annotated
+
+    import pydantic
+    from pydantic import Field
+
+    for digits, places, bounds in ((2, 3, {"ge": 0}), (3, 1, {"ge": 0}), (2, 2, {"ge": 0}),
+                                   (2, 2, {"le": 0.5}), (1, 0, {"gt": -5})):
+        kind = Annotated[decimal.Decimal,
+                         Field(max_digits=digits, decimal_places=places, **bounds)]
+
+        def f(x: kind) -> str:  # noqa: B023
+            return "ok"
+
+        schema, reader = tool(f).parameters["properties"]["x"], pydantic.TypeAdapter(kind)
+        allowed = 0
+        for branch in schema.get("anyOf", [schema]):
+            step = decimal.Decimal(str(branch["multipleOf"]))
+            top = decimal.Decimal(str(branch["exclusiveMaximum"]))
+            assert step > 0 and top <= 10 ** digits
+            for n in range(-int(top / step), int(top / step) + 1):
+                x = step * n
+                if (x < top and x > decimal.Decimal(str(branch["exclusiveMinimum"]))
+                        and x >= decimal.Decimal(str(branch.get("minimum", -math.inf)))
+                        and x <= decimal.Decimal(str(branch.get("maximum", math.inf)))):
+                    reader.validate_json(format(x.normalize(), "f"))  # raises if it refuses
+                    allowed += 1
+        assert allowed >= 5, (digits, places, bounds)
 
 
 def test_usual_urls_fit_a_url_parameter_and_pydantic_reads_every_url_its_pattern_allows(

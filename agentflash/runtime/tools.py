@@ -186,6 +186,8 @@ def _decimal(schema: dict[str, Any]) -> dict[str, Any]:
     if not bounds:
         return {"type": "string", "pattern": decimal_pattern(digits, places)}
     decimal_pattern(digits, places)  # the same check of the digits
+    if places is not None and digits is not None:
+        places = min(places, digits)  # 0.123 has 3 digits: places past max_digits add none
     number: dict[str, Any] = {"type": "number"}
     for key, name in (("ge", "minimum"), ("gt", "exclusiveMinimum"), ("le", "maximum"),
                       ("lt", "exclusiveMaximum")):
@@ -203,7 +205,13 @@ def _decimal(schema: dict[str, Any]) -> dict[str, Any]:
         top = 10 ** (digits - min(k or 0, digits)) if digits is not None else 10 ** 15
         branch["exclusiveMaximum"] = min(branch.get("exclusiveMaximum", math.inf), top)
         branch["exclusiveMinimum"] = max(branch.get("exclusiveMinimum", -math.inf), -top)
-        branches.append(branch)
+        parts = [branch]
+        if places is not None and k == digits:  # no whole digits: pydantic reads 0 as one
+            parts = [{**branch, "exclusiveMaximum": min(branch["exclusiveMaximum"], 0)},
+                     {**branch, "exclusiveMinimum": max(branch["exclusiveMinimum"], 0)}]
+            parts = [p for p in parts if max(p["exclusiveMinimum"], p.get("minimum", -math.inf))
+                     < min(p["exclusiveMaximum"], p.get("maximum", math.inf))] or parts
+        branches += parts
     return branches[0] if len(branches) == 1 else {"anyOf": branches}
 
 
