@@ -221,6 +221,34 @@ def test_pydantic_model_outputs_parse_as_the_model(tok, closers):
         text = decoded(tok, random_output(grammar.new_constraint(), closers, random.Random(seed)))
         Person.model_validate_json(text)
 
+    # the schema of what pydantic reads, as tools' (a naive datetime has no offset)
+    import decimal
+    from typing import Annotated
+
+    from pydantic import NaiveDatetime
+
+    class Entry(BaseModel):
+        when: NaiveDatetime
+        price: Annotated[decimal.Decimal, Field(max_digits=5, decimal_places=2)]
+
+    grammar = compile_grammar(pydantic_model(Entry), tok)
+    for text, valid in (('{"when": "2024-01-01T10:00:00", "price": "123.45"}', True),
+                        ('{"when": "2024-01-01T10:00:00Z", "price": "123.45"}', False),
+                        ('{"when": "2024-01-01T10:00:00", "price": 123456.789}', False)):
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        assert (grammar.new_constraint().validate_draft(ids) == len(ids)) == valid, text
+        assert valid == (not _refused(Entry, text))
+
+
+def _refused(model, text: str) -> bool:
+    from pydantic import ValidationError
+
+    try:
+        model.model_validate_json(text)
+    except ValidationError:
+        return True
+    return False
+
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_regex_outputs_match(tok, closers, backend):

@@ -184,12 +184,16 @@ def json_schema_file(
 def pydantic_model(
     model: type, *, json_style: JsonStyle = JsonStyle.DUMPS, strict: bool = True
 ) -> GrammarSource:
-    """The JSON Schema of a pydantic model class (or any type pydantic can describe)."""
+    """The JSON Schema of a pydantic model class (or any type pydantic can describe), as tools'
+    and agents' output types make it: of values pydantic reads (a naive datetime without an
+    offset, a Decimal within its digits; see ``GrammarJsonSchema``)."""
     from pydantic import PydanticUserError, TypeAdapter
+
+    from agentflash.runtime.tools import GrammarJsonSchema
 
     name = getattr(model, "__name__", repr(model))
     try:
-        schema = TypeAdapter(model).json_schema()
+        schema = TypeAdapter(model).json_schema(schema_generator=GrammarJsonSchema)
     except (PydanticUserError, TypeError, ValueError) as err:
         raise GrammarError(f"{name}: pydantic cannot produce a JSON Schema: {err}") from None
     return json_schema(schema, origin=name, json_style=json_style, strict=strict)
