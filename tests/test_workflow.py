@@ -550,9 +550,13 @@ def test_an_output_of_a_lazy_filter_is_its_list(tmp_path):
         outputs:
           upper: "{{ inputs.tags | map('upper') }}"
           kept: "{{ inputs.tags | unique | reverse }}"
+          nested: "{{ {'tags': inputs.tags | unique, 'n': range(2)} }}"
+          keys: "{{ {'x': 1}.keys() }}"
         """))
     result = anyio.run(lambda: wf.run(backend=ScriptedBackend(lambda request: "ok")))
-    assert result.outputs == {"upper": ["B", "A", "B"], "kept": ["a", "b"]}
+    assert result.outputs == {"upper": ["B", "A", "B"], "kept": ["a", "b"],
+                              "nested": {"tags": ["b", "a"], "n": [0, 1]}, "keys": ["x"]}
+    json.dumps(result.outputs)  # what run prints without --json
 
 
 def test_dates_are_strings_and_merge_keys_are_overridden_a_key_twice_is_refused(tmp_path):

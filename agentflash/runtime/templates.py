@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import ItemsView, Iterator, KeysView, Mapping, ValuesView
 from dataclasses import dataclass
 from typing import Any
 
@@ -114,6 +114,20 @@ def render_value(text: str, context: dict[str, Any]) -> Any:
     value = ENV.compile_expression(match.group("expr"), undefined_to_none=False)(**context)
     if isinstance(value, Undefined):
         str(value)  # raises the UndefinedError that names what is missing
-    if isinstance(value, (Iterator, set, frozenset)):
-        return list(value)  # Jinja's map, select, unique, reverse: lazy; a set: no JSON
+    return _plain(value)
+
+
+# Jinja's map, select, unique, reverse: lazy; range(), a set, a dict's keys(): no JSON
+_SEQUENCES = (list, tuple, Iterator, set, frozenset, range, KeysView, ValuesView, ItemsView)
+
+
+def _plain(value: Any) -> Any:
+    """``value`` with every sequence in it a list (and every mapping a dict): what JSON
+    writes, so that a lazy filter's values are an output's, however deep."""
+    if isinstance(value, (str, bytes)):
+        return value
+    if isinstance(value, Mapping):
+        return {key: _plain(item) for key, item in value.items()}
+    if isinstance(value, _SEQUENCES):
+        return [_plain(item) for item in value]
     return value
