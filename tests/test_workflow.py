@@ -521,6 +521,12 @@ def test_a_model_refused_as_it_opens_names_the_files_model_line(tmp_path, tiny_m
         """))
     with pytest.raises(UserError, match=r"wf.yaml:3: kv_budget_mb 0.0001 holds no request"):
         anyio.run(wf.run)
+    # run --model DIR: the directory given is named, not the section whose path it replaces
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    wf = load_workflow(wf.path, model=str(empty))
+    with pytest.raises(UserError, match=rf"wf.yaml: run --model {empty}: .*config.json"):
+        anyio.run(wf.run)
 
 
 def test_a_blank_step_input_is_refused_by_validate_as_by_run(tmp_path):

@@ -83,6 +83,7 @@ class Workflow:
     steps: list[Step]
     outputs: dict[str, str]  # output name -> template
     doc: YamlDoc = field(repr=False)
+    model_given: str | None = None  # run --model DIR: the model it runs on instead of the section's
 
     def resolve_inputs(self, given: dict[str, Any] | None = None) -> dict[str, Any]:
         """Inputs from ``given`` (strings from the command line are converted to the declared
@@ -159,6 +160,8 @@ class Workflow:
             raise self._at_model(err) from None
 
     def _at_model(self, err: UserError) -> UserError:
+        if self.model_given is not None:  # not the section's path, though its other settings
+            return UserError(f"{self.doc.path}: run --model {self.model_given}: {err}")
         return UserError(f"{self.doc.path}:{self.doc.line(('model',))}: {err}")
 
 
@@ -503,7 +506,7 @@ class _Builder:
         self.problems.raise_if_any()
         assert decoding is not None
         return Workflow(self.doc.path, self.data["name"], model, decoding, inputs, tools, agents,
-                        steps, outputs, self.doc)
+                        steps, outputs, self.doc, self.model_override)
 
     def check_drafter(self, model: ModelSpec, agents: dict[str, Agent]) -> None:
         """An agent that asks for DFlash on an embedded engine without a drafter (none, or auto
