@@ -276,21 +276,27 @@ def format_result(value: Any) -> str:
         return _characters(value)
     # json.dumps layout: the one chat-format models are trained to read
     jsonable = pydantic_core.to_jsonable_python(value, fallback=str)
-    try:
-        return _characters(json.dumps(jsonable, ensure_ascii=False, allow_nan=False))
-    except ValueError:  # NaN or an infinity, which JSON has not: strings, as pydantic writes them
-        jsonable = json.loads(pydantic_core.to_json(value, fallback=str, inf_nan_mode="strings"))
-        return _characters(json.dumps(jsonable, ensure_ascii=False))
+    return _characters(json.dumps(_finite(jsonable), ensure_ascii=False, allow_nan=False))
+
+
+def _finite(value: Any) -> Any:
+    """NaN and the infinities, which JSON has not, as the strings pydantic writes for them."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else "Infinity" if value > 0 else "-Infinity"
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_finite(item) for item in value]
+    return value
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def _characters(text: str) -> str:
     """``text`` with each lone surrogate (a byte that was not UTF-8, from a file name or a
     command's output read with ``surrogateescape``) as U+FFFD: no tokenizer takes them."""
-    try:
-        text.encode("utf-8")
-        return text
-    except UnicodeEncodeError:
-        return text.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
+    return _SURROGATE.sub("\ufffd", text)
 
 
 def error_result(message: str) -> str:
