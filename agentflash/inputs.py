@@ -92,7 +92,9 @@ def _check_tool_calls(calls: Any, where: str) -> None:
         fn = call.get("function", call) if isinstance(call, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
             raise UserError(f"{where}[{j}] must be an object with a function's name")
-        arguments = fn.get("arguments", {})
+        if "arguments" not in fn:  # as OpenAI's API (and serve) refuse; the template needs them
+            raise UserError(f"{where}[{j}] has no arguments (give {{}} for none)")
+        arguments = fn["arguments"]
         if isinstance(arguments, str):
             try:
                 arguments = json.loads(arguments)

@@ -112,6 +112,10 @@ def test_requests_file_writes_one_result_per_line(tiny_model_dir, tmp_path):
         ('[{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": '
          '[{"function": {"name": "f", "arguments": "{no"}}]}]',
          "messages[1].tool_calls[0].arguments is not JSON"),
+        # the chat template's tojson met Undefined: a TypeError traceback
+        ('[{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": '
+         '[{"type": "function", "function": {"name": "f"}}]}]',
+         "messages[1].tool_calls[0] has no arguments (give {} for none)"),
         # half a surrogate pair (JSON's escape): the tokenizer raised a TypeError traceback
         ('[{"role": "user", "content": "hi \\ud800 x"}]',
          "messages[0].content holds '\\ud800' at character 3"),
