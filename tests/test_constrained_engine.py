@@ -128,6 +128,10 @@ def test_an_agents_answer_in_a_schema_is_a_schema_segment_and_its_calls_tool_cal
     assert res.text.startswith("<tool_call>"), res.text
     kinds = [s["kind"] for s in res.stats["segments"]]
     assert "tool_call" in kinds and set(kinds) <= {"tool_call", "schema"}, kinds
+    # a required call's forced opening is the call's: nothing in the reply is prose
+    res = demo.generate(demo.chat_prompt(msgs, tools), SamplingParams(
+        max_tokens=60, grammar=assistant_turn(tools, "required")))
+    assert [s["kind"] for s in res.stats["segments"]] == ["tool_call"], res.stats["segments"]
 
 
 def test_regex_constrains_the_reply(demo):
@@ -221,7 +225,8 @@ def test_the_tokens_a_reply_is_forced_to_begin_with_go_in_with_the_prompt(tiny, 
     assert rows[0][0].tokens == ids + lead and rows[0][0].last_only
     assert res.token_ids[: len(lead)] == lead and res.stats["first_step_tokens"] == len(lead) + 1
     segments = res.stats["segments"]
-    assert sum(s["forced"] for s in segments) >= len(lead) and segments[0]["target_forwards"] == 0
+    assert sum(s["forced"] for s in segments) >= len(lead)
+    assert segments[0]["kind"] == "tool_call"  # the forced opening is the call's
     assert parse_tool_calls(res.text)[0][0].name == name
     # from the prefix cache, the prompt only (the answer begins after it) and the same reply
     assert again.token_ids == res.token_ids and again.stats["cached_prompt_tokens"] > 0

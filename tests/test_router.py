@@ -55,6 +55,14 @@ def test_segments_switch_at_their_boundaries():
     assert k == [P, P, P, T, T, T, P, P, P, C, C, C, P, P, M, M, P, P]
 
 
+def test_a_fence_inside_a_tool_calls_json_opens_no_code_block():
+    pieces = ["<tool_call>", '\n{"name": "run", "arguments": {"code": "``', '`"}}\n',
+              "</tool_call>", "\nThe weather is nice."]
+    k = kinds_along(pieces)
+    P, T = SegmentKind.PROSE, SegmentKind.TOOL_CALL
+    assert k == [P, T, T, T, P, P]
+
+
 def test_schema_bound_reply_is_one_schema_segment():
     tracker = SegmentTracker(schema_bound=True)
     tracker.feed('{"a": 1 + 2}')

@@ -431,9 +431,10 @@ class Engine:
             if req.kept_hidden is not None:
                 req.kept_hidden.append(hidden[fed:].clone())
             forced = self._commit(req, lead)
-            for token in forced:  # a token at a time: the run may open a segment (a tool call)
-                self._track(req, req.segments.kind, mode, [token], 0,
-                            BlockDraft([token], 1, False), 1)
+            for token in forced:  # a token at a time, each in the segment it opens or is in:
+                # nothing chose them, so a required call's <tool_call> is the call's, not prose
+                req.segments.feed(self.tokenizer.decode([token], skip_special_tokens=True))
+                req.segments.record(req.segments.kind, mode, 1, 0, forced=1, accepted=1)
             if req.is_finished:  # a stop among them
                 req.stats.first_step_tokens = len(forced)
                 return StepOutput(req, forced)

@@ -92,10 +92,11 @@ class SegmentTracker:
     def feed(self, text: str) -> None:
         """Advance over newly committed text."""
         for piece in re.split(r"(<tool_call>|</tool_call>|\n)", text):
-            if piece == "<tool_call>":
-                self.in_tool_call = True
-            elif piece == "</tool_call>":
-                self.in_tool_call = False
+            if piece in ("<tool_call>", "</tool_call>"):
+                self.in_tool_call = piece == "<tool_call>"
+                self.tail = ""  # no fence runs across the marker
+            elif self.in_tool_call:  # a ``` in the call's JSON opens no code block
+                self.line = "" if piece == "\n" else self.line + piece
             elif piece == "\n":
                 self.line = ""
                 self.tail += piece
