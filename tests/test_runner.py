@@ -353,10 +353,16 @@ def test_an_answer_cut_by_max_tokens_says_so(tiny_model_dir):
     async def main():
         async with LocalBackend(str(tiny_model_dir), drafter="none") as backend:
             agent = Agent("a", decoding=Decoding(max_tokens=3, temperature=0))
-            return await Runner.run(agent, "Tell me a long story.", backend=backend)
+            one = Agent("b", decoding=Decoding(max_tokens=1, temperature=0))
+            return (await Runner.run(agent, "Tell me a long story.", backend=backend),
+                    await Runner.run(one, "Tell me a long story.", backend=backend))
 
-    result = anyio.run(main)
+    result, one = anyio.run(main)
     assert result.finish_reason == "length" and result.stats()["new_tokens"] == 3
+    # the prompt's forward gave the one token, no decode forward: tau is the engine's, 1.0
+    stats = one.stats()
+    assert (stats["target_forwards"], stats["tau"]) == (0, 1.0) == (
+        0, stats["generations"][0]["tau"])
 
 
 def test_an_agent_changed_after_it_was_built_is_checked_as_when_built():

@@ -89,7 +89,10 @@ class RunResult:
             "new_tokens": new,
             "target_forwards": forwards,
             "draft_forwards": sum(s.get("draft_forwards", 0) for s in gens),
-            "tau": round(new / forwards, 3) if forwards else 0.0,
+            # no forward at all (one-token or wholly forced replies): the engine's tau, its
+            # tokens; a remote server counts none (its 0.0)
+            "tau": round(new / forwards, 3) if forwards else (
+                float(new) if gens and all(s.get("mode") != "remote" for s in gens) else 0.0),
             "wall_s": round(wall, 4),
             "tokens_per_s": round(new / wall, 2) if wall > 0 else 0.0,
             "generations": gens,
