@@ -884,6 +884,10 @@ def test_a_schema_that_passed_its_checks_is_not_checked_again(monkeypatch):
          "#/enum holds '</tool_call>', the text of a special token"),
         (lambda: json_schema({"type": "object", "properties": {"<tools>": {"type": "integer"}}}),
          "#/properties holds '<tools>'"),
+        # every request failed at the forced text (the tokenizer reads it as the special token)
+        (lambda: regex("<tool_call>[a-z]{1,5}"),
+         "the literal '<tool_call>' holds '<tool_call>', the text of a special token"),
+        (lambda: regex("(ok|x</tool_call>)"), "the literal 'x</tool_call>' holds"),
         (lambda: lark("start: /[/"), "unclosed character class"),
         (lambda: regex("a[b"), "invalid regex"),
         (lambda: regex("[a&&b]"), "no output matches"),

@@ -12,6 +12,7 @@ import json
 import math
 import re
 import threading
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -532,6 +533,47 @@ def written_literals(lark_text: str | None, schema: Any = None) -> list[tuple[st
                 continue
             found += [(f"%json {where}", lit) for where, lit in _schema_literals(body, [])]
     return found
+
+
+def regex_literals(pattern: str) -> list[str]:
+    """The runs of literal characters a regex writes (``<tool_call>`` in ``<tool_call>[a-z]+``),
+    read by Python's regex parser: none where it cannot read the (Rust-syntax) pattern."""
+    try:
+        from re import _parser as parser  # type: ignore[attr-defined]
+    except ImportError:  # Python 3.10
+        import sre_parse as parser
+    try:
+        with warnings.catch_warnings():  # Rust's [a&&b] is Python's "possible set intersection"
+            warnings.simplefilter("ignore")
+            tree = parser.parse(pattern)
+    except Exception:  # noqa: BLE001  (a syntax Python's parser lacks: llguidance's to judge)
+        return []
+    runs: list[str] = []
+
+    def walk(sequence: Any) -> None:
+        run: list[str] = []
+        for op, arg in sequence:
+            name = str(op)
+            if name == "LITERAL":
+                run.append(chr(arg))
+                continue
+            if run:
+                runs.append("".join(run))
+                run = []
+            if name == "SUBPATTERN":
+                walk(arg[-1])
+            elif name == "BRANCH":
+                for branch in arg[1]:
+                    walk(branch)
+            elif name in ("MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT"):
+                walk(arg[2])
+            elif name == "ATOMIC_GROUP":
+                walk(arg)
+        if run:
+            runs.append("".join(run))
+
+    walk(tree)
+    return runs
 
 
 def _schema_literals(node: Any, path: list[str | int]) -> Iterator[tuple[str, str]]:

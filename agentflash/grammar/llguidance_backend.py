@@ -191,13 +191,15 @@ def _check_no_special_text(source: GrammarSource, info: TokenizerInfo) -> None:
     """A literal the grammar writes as text that holds a special token's text (an enum value
     ``</tool_call>``) cannot be written: the tokenizer reads that text as the special token,
     which the grammar does not take as text, and every request would fail at that point."""
-    from agentflash.grammar.checks import written_literals
+    from agentflash.grammar.checks import regex_literals, written_literals
 
     added = getattr(info.tokenizer, "get_added_vocab", None)
     specials = [t for t in (added() if added is not None else {}) if len(t) > 1]
-    if not specials or source.kind is GrammarKind.REGEX:
+    if not specials:
         return
-    if source.kind is GrammarKind.JSON_SCHEMA:
+    if source.kind is GrammarKind.REGEX:
+        literals = [(f"the literal {run!r}", run) for run in regex_literals(source.text)]
+    elif source.kind is GrammarKind.JSON_SCHEMA:
         literals = written_literals(None, source.schema)
     else:
         literals = written_literals(source.text)
