@@ -187,8 +187,8 @@ def bench(
     max_tokens: Annotated[int, typer.Option("--max-tokens")] = 128,
     drafter: Annotated[str, typer.Option(help="auto | demo | none | a drafter directory")] = "auto",
     concurrency: Annotated[str | None, typer.Option(
-        help="e.g. 1,4,8,32: plain, dflash and router rows with that many requests at once "
-             "(suites may include 'mixed' and 'agent')")] = None,
+        help="e.g. 1,4,8,32: plain, dflash and router rows with that many requests at once, "
+             "decoding without the suites' grammars ('agent' under its tools')")] = None,
     rounds: Annotated[int, typer.Option(
         help="with --concurrency: turns each mode takes; the median is shown")] = 3,
     as_json: Annotated[bool, typer.Option("--json")] = False,
