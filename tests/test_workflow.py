@@ -565,6 +565,28 @@ def test_an_output_of_a_lazy_filter_is_its_list(tmp_path):
     json.dumps(result.outputs)  # what run prints without --json
 
 
+def test_numbers_are_yaml_1_2s(tmp_path):
+    """YAML 1.1 read 010 as 8, 5e-1 as a string (a temperature refused) and 1_000 as 1000."""
+    wf = load_workflow(write(tmp_path, """\
+        version: 1
+        name: t
+        inputs:
+          a: {type: integer, default: 010}
+          b: {type: integer, default: 0o17}
+          c: {type: string, default: 1_000}
+          d: {type: string, default: "12:30"}
+          e: {type: string, default: 12:30}
+        decoding: {temperature: 5e-1, max_tokens: 0x20}
+        agents:
+          x: {instructions: You help.}
+        steps:
+          - {id: s, agent: x, input: hi}
+        """))
+    defaults = {name: spec["default"] for name, spec in wf.inputs.items()}
+    assert defaults == {"a": 10, "b": 15, "c": "1_000", "d": "12:30", "e": "12:30"}
+    assert (wf.decoding.temperature, wf.decoding.max_tokens) == (0.5, 32)
+
+
 def test_dates_are_strings_and_merge_keys_are_overridden_a_key_twice_is_refused(tmp_path):
     # YAML 1.2 has no timestamps: an unquoted date is the string a JSON schema wants (a date
     # object made the schema unwritable as JSON: a traceback from validate and run)

@@ -46,16 +46,41 @@ class _Loader(yaml.SafeLoader):
     """Safe YAML with YAML 1.2's booleans, true and false only: YAML 1.1 also reads on, off,
     yes and no as booleans, so that ``speculation: off`` was false and refused. Nor are dates
     and times read as such (YAML 1.2 has no timestamps): ``default: 2024-01-01`` in a schema is
-    the string JSON has, where a date object made the schema unwritable as JSON."""
+    the string JSON has, where a date object made the schema unwritable as JSON. Numbers are
+    YAML 1.2's too: ``010`` is 10 (1.1: octal 8), ``5e-1`` is 0.5 (1.1: a string), ``0o17`` is
+    15 and ``1_000`` a string."""
 
 
-_YAML_1_1_ONLY = ("tag:yaml.org,2002:bool", "tag:yaml.org,2002:timestamp")
+_YAML_1_1_ONLY = ("tag:yaml.org,2002:bool", "tag:yaml.org,2002:timestamp",
+                  "tag:yaml.org,2002:int", "tag:yaml.org,2002:float")
 _Loader.yaml_implicit_resolvers = {
     first: [(tag, regexp) for tag, regexp in resolvers if tag not in _YAML_1_1_ONLY]
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
 }
 _Loader.add_implicit_resolver("tag:yaml.org,2002:bool",
                               re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+# YAML 1.2's core schema; an integer is tried first
+_Loader.add_implicit_resolver("tag:yaml.org,2002:int",
+                              re.compile(r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$"),
+                              list("-+0123456789"))
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?"
+               r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
+    list("-+.0123456789"))
+
+
+def _integer(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
+    """YAML 1.2's integer: decimal (leading zeros too), ``0o`` octal or ``0x`` hexadecimal."""
+    text = loader.construct_scalar(node)
+    if re.fullmatch(r"0o[0-7]+|0x[0-9a-fA-F]+", text):
+        return int(text[2:], 8 if text[1] == "o" else 16)
+    if re.fullmatch(r"[-+]?[0-9]+", text):
+        return int(text, 10)
+    return loader.construct_yaml_int(node)  # an explicit !!int of YAML 1.1's spellings
+
+
+_Loader.add_constructor("tag:yaml.org,2002:int", _integer)
 
 
 def load_yaml(path: str | Path) -> YamlDoc:
