@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -350,11 +351,17 @@ def serve(
         from agentflash.server.app import ServerConfig
         from agentflash.server.app import serve as run_server
 
-        config = ServerConfig(model=model, drafter=drafter, host=host, port=port, api_key=api_key,
-                              served_name=served_name, max_tokens=max_tokens,
-                              max_concurrent=max_concurrent, max_body_bytes=max_body_bytes,
-                              prefix_cache_mb=prefix_cache_mb, max_running=max_running,
-                              max_len=max_len, kv_budget_mb=kv_budget_mb)
+        try:
+            config = ServerConfig(model=model, drafter=drafter, host=host, port=port,
+                                  api_key=api_key, served_name=served_name,
+                                  max_tokens=max_tokens, max_concurrent=max_concurrent,
+                                  max_body_bytes=max_body_bytes, prefix_cache_mb=prefix_cache_mb,
+                                  max_running=max_running, max_len=max_len,
+                                  kv_budget_mb=kv_budget_mb)
+        except UserError as err:  # "server max_len ...": the flag it came from
+            raise UserError(re.sub(r"^server (\w+)",
+                                   lambda m: "--" + m.group(1).replace("_", "-"), str(err))
+                            ) from None
         typer.echo(f"agentflash serve: loading {config.name}, to serve on http://{host}:{port}/v1"
                    f"{' (API key required)' if api_key else ''}", err=True)
         run_server(config)

@@ -59,23 +59,23 @@ def test_serve_runs_on_loopback_with_the_key_from_the_environment(tiny_model_dir
 
 def test_serve_names_a_bad_flag(tiny_model_dir):
     result = CliRunner().invoke(app, ["serve", "--model", "demo", "--max-tokens", "0"])
-    assert result.exit_code == 2 and "max_tokens must be a positive integer" in result.stderr
+    assert result.exit_code == 2 and "--max-tokens must be a positive integer" in result.stderr
     result = CliRunner().invoke(app, ["serve", "--model", "demo", "--prefix-cache-mb", "-1"])
-    assert result.exit_code == 2 and "prefix_cache_mb must be 0 or more" in result.stderr
+    assert result.exit_code == 2 and "--prefix-cache-mb must be 0 or more" in result.stderr
     result = CliRunner().invoke(app, ["serve", "--model", "demo", "--max-running", "0"])
-    assert result.exit_code == 2 and "max_running must be a positive integer" in result.stderr
+    assert result.exit_code == 2 and "--max-running must be a positive integer" in result.stderr
     result = CliRunner().invoke(app, ["serve", "--model", "demo", "--kv-budget-mb", "0"])
-    assert result.exit_code == 2 and "kv_budget_mb must be positive" in result.stderr
+    assert result.exit_code == 2 and "--kv-budget-mb must be positive" in result.stderr
+    # the engine's own limit, before the model loads (it was said after "loading")
+    result = CliRunner().invoke(app, ["serve", "--model", "demo", "--max-len", "1"])
+    assert result.exit_code == 2 and "loading" not in result.stderr
+    assert "--max-len must be an integer of at least 2, got 1" in result.stderr
     # a budget too small for one request of --max-len tokens: said before anything is served
     # (tiny model: 128 KiB of keys and values for 128 tokens)
     result = CliRunner().invoke(app, ["serve", "--model", str(tiny_model_dir), "--port", "0",
                                       "--max-len", "128", "--kv-budget-mb", "0.05"])
     assert result.exit_code == 2
     assert "kv_budget_mb 0.05 holds no request of 128 tokens" in result.stderr
-    result = CliRunner().invoke(app, ["serve", "--model", str(tiny_model_dir), "--port", "0",
-                                      "--max-len", "1"])  # the engine's own limit
-    assert result.exit_code == 2
-    assert "max_len must be an integer of at least 2, got 1" in result.stderr
 
 
 def test_the_engine_limits_reach_the_engine(tiny_model_dir):

@@ -87,6 +87,10 @@ class ServerConfig:
         if budget is not None and (not isinstance(budget, int | float) or isinstance(budget, bool)
                                    or not budget > 0):
             raise UserError(f"server kv_budget_mb must be positive, got {budget!r}")
+        from agentflash.engine.limits import limit_problems
+
+        for _name, problem in limit_problems(self.max_running, self.max_len, cache_mb, budget):
+            raise UserError(f"server {problem}")  # max_len 1: before the model loads
         if not 0 <= self.port <= 65535:
             raise UserError(f"server port must be in [0, 65535], got {self.port}")
         if self.api_key is not None and not self.api_key.strip():
