@@ -392,6 +392,8 @@ def test_a_reply_keeps_the_blank_it_ends_with_after_text_not_after_a_call():
      "messages[1].tool_call_id"),
     (dict(messages=[{"role": "user"}]), 400, "messages[0]"),
     (dict(top_logprobs=2), 400, "top_logprobs"),  # not silently without logprobs
+    # the extension's own keys: a misspelt one did nothing
+    (dict(extra_body={"agentflash": {"blocksize": 4}}), 400, "agentflash.blocksize"),
     (dict(logprobs=True), 400, "logprobs"),
     (dict(stop=["a", "b", "c", "d", "e"]), 400, "stop"),
     (dict(tools=[{"type": "function", "function": {"name": "x", "parameters": {

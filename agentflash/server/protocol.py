@@ -129,7 +129,11 @@ class StreamOptions(_Wire):
 
 
 class AgentflashOptions(_Wire):
-    """The extension object ``agentflash`` of a request: how the engine may speculate."""
+    """The extension object ``agentflash`` of a request: how the engine may speculate. Its own
+    object, so a key it does not know is refused (``blocksize`` did nothing), where OpenAI's
+    fields beside it are ignored as other servers ignore them."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
     speculation: Literal["auto", "dflash", "off"] = "auto"
     block_size: Annotated[int, Field(ge=2, le=64)] | None = None
@@ -234,7 +238,8 @@ def _validation_error(err: ValidationError) -> APIError:
         return APIError(400, "the request body must be a JSON object")
     # A union reports one error per branch: keep the deepest (the branch the client meant),
     # and join the messages of branches that failed at the same depth.
-    same_field = [(_path(e["loc"]), e["msg"]) for e in errors if e["loc"][0] == first["loc"][0]]
+    same_field = [(_path(e["loc"], e["type"] == "extra_forbidden"), e["msg"]) for e in errors
+                  if e["loc"][0] == first["loc"][0]]
     deepest = max(len(path) for path, _ in same_field)
     chosen = [(path, msg) for path, msg in same_field if len(path) == deepest]
     param = _param(chosen[0][0])
@@ -242,9 +247,12 @@ def _validation_error(err: ValidationError) -> APIError:
     return APIError(400, f"{param}: {', or '.join(messages)}", param=param)
 
 
-def _path(loc: tuple[Any, ...]) -> tuple[str | int, ...]:
-    """The field path of an error location, without the names of union branches."""
-    return tuple(p for p in loc if isinstance(p, int) or p in _FIELD_NAMES)
+def _path(loc: tuple[Any, ...], extra: bool = False) -> tuple[str | int, ...]:
+    """The field path of an error location, without the names of union branches (but the key
+    refused where it is an ``extra`` one)."""
+    path = tuple(p for p in loc[:-1] if isinstance(p, int) or p in _FIELD_NAMES)
+    last = loc[-1:] if extra or isinstance(loc[-1], int) or loc[-1] in _FIELD_NAMES else ()
+    return path + tuple(last)
 
 
 def _param(path: tuple[str | int, ...]) -> str:
