@@ -442,8 +442,8 @@ def test_connection_errors_are_retried_then_reported():
         OpenAIBackend("localhost:8000", "demo")
 
 
-def _calls(chunks) -> list:
-    reader = _ChunkReader()
+def _calls(chunks, tools=()) -> list:
+    reader = _ChunkReader(tools)
     events = [e for c in chunks for e in reader.read(c)] + reader.close()
     return [e for e in events if isinstance(e, ToolCallReady)]
 
@@ -503,6 +503,16 @@ def test_chunk_reader_keeps_calls_whole_where_the_rules_could_split_or_merge_the
     # no ids: a call without arguments, then another tool
     assert summary(_calls([call("now"), call("get_weather", '{"city": "Oslo"}')])) == [
         ("now", {}), ("get_weather", {"city": "Oslo"})]
+    # a name streamed in pieces, as OpenAI's SDK joins them (it was two calls, "get_" and
+    # "weather"): where the pieces join into one of the request's tools
+    assert summary(_calls([call("get_", id="a", index=0), call("weather", index=0),
+                           call(arguments='{"city": "Oslo"}', index=0)],
+                          tools=["get_weather", "now"])) == [("get_weather", {"city": "Oslo"})]
+    # a trailing empty piece repeating the id and the name: no second call (a tool whose
+    # arguments are all optional ran twice)
+    assert summary(_calls([call("ping", '{"host": ', id="c1", index=0),
+                           call("ping", '"a"}', id="c1", index=0),
+                           call("ping", "", id="c1", index=0)])) == [("ping", {"host": "a"})]
     # a call that never got a name is no call
     (nameless,) = _calls([call(arguments='{"a": 1}', id="x", index=0)])
     assert "names no tool" in nameless.call.error

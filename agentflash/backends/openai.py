@@ -24,7 +24,7 @@ import random
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -144,7 +144,7 @@ class OpenAIBackend(Backend):
         body = request_body(self.model_name, request)
         tries = _Tries(self.retry)  # one budget for every kind of retry of this call
         while True:
-            reader = _ChunkReader()
+            reader = _ChunkReader(t["function"]["name"] for t in request.tools)
             try:
                 async with aclosing(self._reply(body, reader, tries)) as events:
                     async for event in events:
@@ -410,12 +410,16 @@ class _RemoteCall:
     arguments: str = ""
     is_ready: bool = False
     server_id: str | None = None  # the id the server gave it
+    # begun by a piece that only repeated the call before's name (and id): a call once its
+    # arguments come, nothing if none do (a trailing empty piece)
+    tentative: bool = False
 
 
 class _ChunkReader:
     """``chat.completion.chunk`` objects in, model events out."""
 
-    def __init__(self) -> None:
+    def __init__(self, tool_names: Iterable[str] = ()) -> None:
+        self.tool_names = set(tool_names)  # the request's tools: a name streamed in pieces
         self.calls: dict[int, _RemoteCall] = {}  # by index in the reply, in the order begun
         self._slots: dict[Any, int] = {}  # the server's index of a call -> its index here
         self._last_slot: Any = 0
@@ -457,8 +461,16 @@ class _ChunkReader:
         piece = fn.get("arguments") or ""
         if not isinstance(piece, str):
             raise TypeError(f"function.arguments is {type(piece).__name__}, not text")
+        id_ = entry.get("id")
+        if (call is not None and name and call.name and name != call.name
+                and not call.arguments.strip() and id_ in (None, "", call.server_id)
+                and any(t.startswith(call.name + name) for t in self.tool_names)):
+            call.name, name = call.name + name, ""  # its name in pieces ("get_", "weather")
         replaced = None  # a call that no piece can reach any more: its index begins another
-        if call is not None and self._starts_another(call, entry.get("id"), name, piece):
+        tentative = False
+        if call is not None and self._starts_another(call, id_, name, piece):
+            tentative = not piece.strip() and name == call.name and id_ in (None, "",
+                                                                            call.server_id)
             call, replaced = None, index
         if call is None:  # a new call: the ones before it whose arguments are whole are ready
             # (a server may interleave the calls' pieces: an unfinished one stays open)
@@ -466,8 +478,8 @@ class _ChunkReader:
             # and so is one this call replaces at its index, arguments or none (``{}``)
             events += self._ready(lambda i: i == replaced or (i < index
                                                               and self._is_whole(self.calls[i])))
-            call = self.calls[index] = _RemoteCall(self._unique_id(entry.get("id")), name,
-                                                   server_id=entry.get("id"))
+            call = self.calls[index] = _RemoteCall(self._unique_id(id_), name, server_id=id_,
+                                                   tentative=tentative)
         elif name and not call.name:
             call.name = name  # its first pieces came without one
         if call.is_ready:  # a piece after the call was handed on: nothing may be lost
@@ -476,6 +488,8 @@ class _ChunkReader:
                                  f"whole")
             return events
         call.arguments += piece
+        if call.tentative and not call.arguments.strip():
+            return events  # nothing to show until its arguments come
         events.append(ToolCallDelta(index, call.name, piece))
         if piece.rstrip().endswith("}") and self._is_whole(call):
             events += self._ready(lambda i: i == index)
@@ -518,8 +532,9 @@ class _ChunkReader:
     def _ready(self, which: Any) -> list[ModelEvent]:
         events: list[ModelEvent] = []
         for index, call in sorted(self.calls.items()):
-            if call.is_ready or not which(index):
-                continue
+            if call.is_ready or not which(index) or (call.tentative
+                                                      and not call.arguments.strip()):
+                continue  # (a trailing piece that repeated a name is no call)
             call.is_ready = True
             args = _parse(call.arguments or "{}")
             if isinstance(args, dict) and call.name:
