@@ -87,6 +87,11 @@ QUIRKS = {
     "object-error": (SSE, [b'data: {"object": "error", "message": "KV cache full", '
                            b'"type": "InternalServerError", "code": 500}\n\n']),
     "json-200": (b"application/json", [b'{"error": {"message": "quota exceeded"}}']),
+    # named keep-alives while the upstream is stuck: they reset no timeout either
+    "pings": (SSE, [_chunk({"content": "he"})] + [b"event: ping\ndata: {}\n\n", None] * 10),
+    # a chunk that says it has no error
+    "error-null": (SSE, [b'data: {"choices": [{"index": 0, "delta": {"content": "Hi"}, '
+                         b'"finish_reason": "stop"}], "error": null}\n\n']),
     "abort": (SSE, [_chunk({"content": "The answer"}), _chunk({"content": " is"}, "ABORT"),
                     b"data: [DONE]\n\n"]),
     # the second call closes before the first: the model wrote get_weather first
@@ -142,6 +147,12 @@ class Flaky:
                                     "more_body": True})
                     await send({"type": "http.response.body", "body": b""})
                     return
+                if failure == "503-cut":  # an error whose body breaks off
+                    await send({"type": "http.response.start", "status": 503, "headers": [
+                        (b"content-type", b"application/json"), (b"content-length", b"200")]})
+                    await send({"type": "http.response.body", "body": b'{"error": ',
+                                "more_body": True})
+                    raise RuntimeError("injected: the connection breaks")
                 if failure == "stall":
                     await anyio.sleep(2.0)
                     failure = 503
@@ -313,11 +324,21 @@ def test_429_5xx_and_stalls_are_retried_with_backoff(server):
     app.failures = ["cut"]
     with pytest.raises(ServerUnavailable, match="the reply stream ended without a finish_reason"):
         stream(OpenAIBackend(url, "demo", retry=FAST_RETRY), request)
+    # a 503 whose body breaks off is a 503 (it was httpx's traceback, and not asked again)
+    app.failures, app.attempts = ["503-cut", "503-cut", "503-cut"], 0
+    with pytest.raises(ServerUnavailable, match=r"HTTP 503: \(its body could not be read: "
+                                                r".*after 3 attempts"):
+        stream(OpenAIBackend(url, "demo", retry=FAST_RETRY), request)
+    assert app.attempts == 3
+    app.failures = ["error-null"]
+    events = stream(OpenAIBackend(url, "demo", retry=FAST_RETRY), request)
+    assert [e.text for e in events if isinstance(e, TextDelta)] == ["Hi"]
     app.failures = []
 
 
 @pytest.mark.parametrize("quirk, message", [
     ("keepalive", r"no data in 0\.3 s \(timeout_s\)"),
+    ("pings", r"no data in 0\.3 s \(timeout_s\)"),
     ("event-error", r"the server stopped the reply: model overloaded \(503\)"),
     ("object-error", r"the server stopped the reply: KV cache full \(500\)"),
     ("json-200", r"answered with application/json, not an event stream: quota exceeded"),
@@ -440,6 +461,14 @@ def test_connection_errors_are_retried_then_reported():
         stream(backend, ModelRequest([{"role": "user", "content": "hi"}]))
     with pytest.raises(UserError, match="base_url"):
         OpenAIBackend("localhost:8000", "demo")
+    # found before a request: tracebacks at the first request before (OverflowError, and
+    # UnicodeEncodeError for a key with a non-breaking space pasted in)
+    for url, problem in (("http://127.0.0.1:99999/v1", "port 99999 is not one of 1 to 65535"),
+                         ("http://", "names no host")):
+        with pytest.raises(UserError, match=f"model.base_url .*{problem}"):
+            OpenAIBackend(url, "demo")
+    with pytest.raises(UserError, match="the api_key holds a character that cannot go in"):
+        OpenAIBackend("http://127.0.0.1:8000/v1", "demo", api_key="sk-abc\u00a0")
 
 
 def _calls(chunks, tools=()) -> list:
@@ -578,3 +607,42 @@ def test_server_sent_events_end_lines_at_cr_and_lf_only():
     assert anyio.run(events, [data]) == expected
     for cut in range(1, len(data)):
         assert anyio.run(events, [data[:cut], data[cut:]]) == expected, cut
+
+
+def test_one_backend_serves_more_streams_at_once_than_httpxs_pool_of_100():
+    """The 101st concurrent stream waited on httpx's connection pool under the read timeout
+    and failed with a PoolTimeout before the server saw it."""
+    import asyncio
+
+    async def reply(reader, writer):
+        await reader.readuntil(b"\r\n\r\n")  # the headers; the body is left unread
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                     b"connection: close\r\n\r\n")
+        for piece in (_chunk({"content": "a"}), _chunk({"content": "b"}), _chunk(finish="stop")):
+            writer.write(piece)
+            await writer.drain()
+            await asyncio.sleep(0.4)
+        writer.close()
+
+    async def main():
+        server = await asyncio.start_server(reply, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1"
+        request = ModelRequest([{"role": "user", "content": "hi"}])
+        outcomes = []
+
+        async def one(backend):
+            try:
+                events = [e async for e in backend.stream(request)]
+                outcomes.append("".join(e.text for e in events if isinstance(e, TextDelta)))
+            except ServerUnavailable as err:
+                outcomes.append(str(err))
+
+        async with server, OpenAIBackend(url, "x", timeout_s=0.6,
+                                         retry=RetryPolicy(0, 0.01, 0.05)) as backend:
+            async with anyio.create_task_group() as tg:
+                for _ in range(110):
+                    tg.start_soon(one, backend)
+        return outcomes
+
+    outcomes = anyio.run(main)
+    assert outcomes == ["ab"] * 110, sorted(set(outcomes))

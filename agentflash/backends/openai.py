@@ -93,6 +93,21 @@ class RetryPolicy:
         return base * (0.5 + random.random() / 2)
 
 
+def base_url_problem(base_url: Any) -> str | None:
+    """What keeps ``base_url`` from naming a server to reach (``validate`` says it too)."""
+    if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
+        return f"must be an http:// or https:// URL, got {base_url!r}"
+    try:
+        url = httpx.URL(base_url)
+        if not url.host:
+            return f"{base_url!r} names no host"
+        if url.port is not None and not 0 < url.port < 65536:
+            return f"{base_url!r}: port {url.port} is not one of 1 to 65535"
+    except httpx.InvalidURL as err:
+        return f"{base_url!r} is not a valid URL: {err}"
+    return None
+
+
 class OpenAIBackend(Backend):
     """A remote OpenAI-compatible chat-completions server. Open it with ``async with``; one open
     backend serves any number of concurrent runs (one HTTP connection pool).
@@ -105,8 +120,9 @@ class OpenAIBackend(Backend):
     def __init__(self, base_url: str, model: str, *, api_key: str | None = None,
                  api_key_env: str | None = None, timeout_s: float = 120.0,
                  connect_timeout_s: float = 10.0, retry: RetryPolicy = RetryPolicy()):
-        if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
-            raise UserError(f"model.base_url must be an http:// or https:// URL, got {base_url!r}")
+        problem = base_url_problem(base_url)
+        if problem:
+            raise UserError(f"model.base_url {problem}")
         if not isinstance(model, str) or not model:
             raise UserError("model.model must name the served model")
         if api_key is None and api_key_env is not None:
@@ -116,6 +132,10 @@ class OpenAIBackend(Backend):
         self.base_url, self.model_name = base_url.rstrip("/"), model
         self.timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s)
         self.retry = retry
+        if api_key and not (api_key.isascii() and api_key.isprintable()):
+            source = f"model.api_key_env {api_key_env}" if api_key_env else "the api_key"
+            raise UserError(f"{source} holds a character that cannot go in an HTTP header "
+                            f"(a space or a line end copied with it?)")
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._client: httpx.AsyncClient | None = None
 
@@ -128,7 +148,11 @@ class OpenAIBackend(Backend):
 
     async def __aenter__(self) -> OpenAIBackend:
         assert self._client is None, "this OpenAIBackend is already open"
-        self._client = httpx.AsyncClient(headers=self._headers, timeout=self.timeout)
+        # any number of concurrent runs: no cap of connections (httpx's is 100, and the 101st
+        # request waited on the pool under the read timeout: a PoolTimeout)
+        self._client = httpx.AsyncClient(headers=self._headers, timeout=self.timeout,
+                                         limits=httpx.Limits(max_connections=None,
+                                                             max_keepalive_connections=20))
         return self
 
     async def __aexit__(self, *exc: object) -> bool | None:
@@ -210,14 +234,18 @@ class OpenAIBackend(Backend):
                                     f"event stream: {_error_message(text)}")
         wait = self.timeout.read
         async with aclosing(_sse_events(response)) as events:
+            # one deadline, which only a chunk moves on: named keep-alives (event: ping) do not
+            deadline = anyio.current_time() + (wait if wait is not None else math.inf)
             while True:
-                with anyio.move_on_after(wait if wait is not None else math.inf) as scope:
+                with anyio.move_on_after(deadline - anyio.current_time()) as scope:
                     item = await anext(events, None)
                 if scope.cancelled_caught:
                     raise _Silent(f"{self.base_url}: no data in {wait:g} s (timeout_s)")
                 if item is None:
                     return
                 name, data = item
+                if name in ("message", "error"):
+                    deadline = anyio.current_time() + (wait if wait is not None else math.inf)
                 if name == "error":
                     obj = _parse(data)
                     raise ServerUnavailable(f"{self.base_url}: the server stopped the reply: "
@@ -233,7 +261,7 @@ class OpenAIBackend(Backend):
                                     f"{data[:200]!r}") from None
         if not isinstance(chunk, dict):
             raise ServerUnavailable(f"{self.base_url}: the stream sent {data[:200]!r}")
-        if "error" in chunk or chunk.get("object") == "error":
+        if chunk.get("error") is not None or chunk.get("object") == "error":  # not "error": null
             raise ServerUnavailable(f"{self.base_url}: the server stopped the reply: "
                                     f"{_error_message(chunk)}")
         finish = next((c.get("finish_reason") for c in chunk.get("choices") or []
@@ -266,8 +294,12 @@ class OpenAIBackend(Backend):
                 finally:
                     await response.aclose()
                 return
-            text = (await response.aread()).decode("utf-8", "replace")
-            await response.aclose()
+            try:
+                text = (await response.aread()).decode("utf-8", "replace")
+            except httpx.HTTPError as err:  # its body cut off or stalled: the status tells
+                text = f"(its body could not be read: {_describe(err)})"
+            finally:
+                await response.aclose()
             if response.status_code in RETRY_STATUS and not tries.spent:
                 await anyio.sleep(tries.delay(response.headers.get("retry-after")))
                 continue

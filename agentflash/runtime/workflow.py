@@ -566,10 +566,11 @@ class _Builder:
             for key in ("base_url", "model"):
                 if not getattr(spec, key):
                     self.problems.add(("model",), f"backend openai needs model.{key}")
-            url = spec.base_url
-            if url and not (isinstance(url, str) and url.startswith(("http://", "https://"))):
-                self.problems.add(("model", "base_url"), f"must be an http:// or https:// URL, "
-                                                         f"got {url!r}")
+            from agentflash.backends.openai import base_url_problem
+
+            problem = base_url_problem(spec.base_url) if spec.base_url else None
+            if problem:
+                self.problems.add(("model", "base_url"), problem)
         return spec
 
     def decoding(self, keys: Keys, raw: dict[str, Any], defaults: dict[str, Any]
