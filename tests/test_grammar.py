@@ -1073,6 +1073,28 @@ def test_schemas_take_no_keys_they_do_not_list_unless_they_say_so(tok):
     assert close_objects(unlisted) == unlisted
     nested = {"type": "array", "items": listed}
     assert close_objects(nested)["items"]["additionalProperties"] is False
+    # nor the schemas that describe one object together: $defs an allOf names, a $ref beside
+    # properties, anyOf branches beside properties of their own (each was refused: "required
+    # property 'x' is unsatisfiable"); a $defs object used alone is still closed
+    x = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
+    y = {"type": "object", "properties": {"y": {"type": "string"}}, "required": ["y"]}
+    composed = [
+        ({"$defs": {"a": x, "b": y}, "allOf": [{"$ref": "#/$defs/a"}, {"$ref": "#/$defs/b"}]},
+         '{"x": 1, "y": "a"}'),
+        ({"$defs": {"a": x}, "$ref": "#/$defs/a", "properties": {"y": {"type": "string"}},
+          "required": ["y"]}, '{"x": 1, "y": "a"}'),
+        ({"type": "object", "properties": {"kind": {"type": "string"}}, "required": ["kind"],
+          "anyOf": [{"properties": {"a": {"type": "integer"}}, "required": ["a"]},
+                    {"properties": {"b": {"type": "integer"}}, "required": ["b"]}]},
+         '{"kind": "k", "b": 2}'),
+    ]
+    for schema, text in composed:
+        jsonschema.validate(json.loads(text), schema)
+        ids = tok.encode(text, add_special_tokens=False)
+        assert compile_grammar(json_schema(schema), tok).new_constraint().validate_draft(
+            ids) == len(ids), schema
+    alone = close_objects({"$defs": {"a": x}, "properties": {"p": {"$ref": "#/$defs/a"}}})
+    assert alone["$defs"]["a"]["additionalProperties"] is False
 
 
 @pytest.mark.parametrize("content, message", [

@@ -94,11 +94,26 @@ def close_objects(node: Any, close: bool = True) -> Any:
     does not mention, and a model given that freedom invents them (the demo model adds keys to
     its answers until max tokens, and arguments the tool does not take). Left open: an object
     that says anything about other keys, one that requires a key it does not list, and the
-    branches of an ``allOf`` (closing each would forbid the others' keys)."""
+    schemas that describe one object together with others (closing each would forbid the
+    others' keys): the branches of an ``allOf``, those of an ``anyOf`` / ``oneOf`` beside
+    properties of their own, and the ``$defs`` such a branch, or a ``$ref`` beside properties,
+    names."""
+    return _close(node, close, _composing_refs(node))
+
+
+def _close(node: Any, close: bool, composing: set[str]) -> Any:
     if not isinstance(node, dict):
         return node
-    # an allOf's branches stay open themselves
-    out = _with_subschemas(node, lambda sub, key: close_objects(sub, close=key != "allOf"))
+
+    def each(sub: Any, key: str) -> Any:
+        shares = key == "allOf" or (key in ("anyOf", "oneOf") and "properties" in node)
+        return _close(sub, not shares, composing)
+
+    out = _with_subschemas(node, each)
+    for key in ("$defs", "definitions"):  # named by the root's pointers, #/$defs/NAME
+        if isinstance(node.get(key), dict):
+            out[key] = {name: _close(sub, f"#/{key}/{name}" not in composing, composing)
+                        for name, sub in node[key].items()}
     listed = out.get("properties")
     required = out.get("required", [])
     if (
@@ -110,6 +125,25 @@ def close_objects(node: Any, close: bool = True) -> Any:
     ):
         out["additionalProperties"] = False
     return out
+
+
+def _composing_refs(root: Any) -> set[str]:
+    """The ``$ref`` s that describe an object together with other schemas: an ``allOf``
+    branch's, an ``anyOf`` / ``oneOf`` branch's beside properties of its own, and one beside
+    ``properties``."""
+    found: set[str] = set()
+
+    def walk(node: Any, shared: bool) -> Any:
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and (shared or "properties" in node):
+                found.add(ref)
+            _with_subschemas(node, lambda sub, key: walk(sub, key == "allOf" or (
+                key in ("anyOf", "oneOf") and "properties" in node)))
+        return node
+
+    walk(root, False)
+    return found
 
 
 def exact_dates(node: Any) -> Any:
