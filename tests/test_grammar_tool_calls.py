@@ -282,6 +282,11 @@ def test_a_date_is_a_day_of_the_calendar_in_schemas_tools_and_answers(tok):
             text = frame.replace("{}", value) if frame == "{}" else frame % value
             ids = tok.encode(text, add_special_tokens=False)
             assert is_legal(grammar, ids) == legal, (where, d, t)
+    # a pattern of its own holds beside the calendar's (alone it let 2021-02-29 through)
+    leap = json_schema({"type": "string", "format": "date", "pattern": "-02-29$"})
+    for text, legal in (('"2021-02-29"', False), ('"2020-02-29"', True), ('"2020-03-01"', False)):
+        assert is_legal(compile_grammar(leap, tok), tok.encode(text, add_special_tokens=False)
+                        ) == legal, text
 
 
 def test_an_output_schema_the_grammar_cannot_take_is_named_beside_tools():

@@ -147,17 +147,22 @@ def _composing_refs(root: Any) -> set[str]:
 
 
 def exact_dates(node: Any) -> Any:
-    """A copy of ``node`` where every ``date`` or ``date-time`` format without a ``pattern``
-    has ``DATE_PATTERNS``'s: RFC 3339's full-date is a day of its month and year, and the
-    grammar's format allows February 29 of any year (and year 0000, which Python's dates, and
-    so jsonschema's format check, refuse)."""
+    """A copy of ``node`` where every ``date`` or ``date-time`` format has ``DATE_PATTERNS``'s
+    pattern (beside its own, in an ``allOf``, where it has one): RFC 3339's full-date is a day
+    of its month and year, and the grammar's format allows February 29 of any year (and year
+    0000, which Python's dates, and so jsonschema's format check, refuse)."""
     if not isinstance(node, dict):
         return node
     out = _with_subschemas(node, lambda sub, key: exact_dates(sub))
     fmt = out.get("format")  # not yet checked against the meta-schema: maybe no string
     pattern = DATE_PATTERNS.get(fmt) if isinstance(fmt, str) else None
-    if pattern is not None and "pattern" not in out:
+    if pattern is None or out.get("pattern") == pattern:
+        return out
+    if "pattern" not in out:
         out["pattern"] = pattern
+    else:  # both hold: "-02-29$" alone let 2021-02-29 through
+        branches = out.get("allOf") if isinstance(out.get("allOf"), list) else []
+        out["allOf"] = [*branches, {"pattern": pattern}]
     return out
 
 
