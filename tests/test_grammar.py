@@ -1097,6 +1097,16 @@ def test_schemas_take_no_keys_they_do_not_list_unless_they_say_so(tok):
     assert alone["$defs"]["a"]["additionalProperties"] is False
 
 
+def test_a_ref_to_an_anchor_is_followed(tok):
+    # it was refused as a recursion without end: "#num" was read as the root
+    schema = {"$defs": {"n": {"$anchor": "num", "type": "integer", "maximum": 3}},
+              "type": "object", "properties": {"x": {"$ref": "#num"}}, "required": ["x"]}
+    grammar = compile_grammar(json_schema(schema), tok)
+    for text, legal in (('{"x": 3}', True), ('{"x": 4}', False)):
+        ids = tok.encode(text, add_special_tokens=False) + [tok.eos_token_id]
+        assert (grammar.new_constraint().validate_draft(ids) == len(ids)) == legal, text
+
+
 @pytest.mark.parametrize("content, message", [
     (None, "cannot read the schema: No such file or directory"),
     ('{"type": ', ":1:10: invalid JSON"),

@@ -164,9 +164,12 @@ def _no_value_of_type(node: dict) -> str | None:
 
 
 def _resolve(root: Any, ref: str) -> Any:
-    """The subschema a local ``$ref`` points at, or None if it is not a local pointer."""
+    """The subschema a local ``$ref`` points at (a JSON pointer, or a ``$anchor``'s name), or
+    None if it is not a local one."""
     if not ref.startswith("#"):
         return None
+    if ref != "#" and not ref.startswith("#/"):  # "#num": the subschema whose $anchor is num
+        return _anchored(root, ref[1:])
     node = root
     for raw in ref[1:].split("/")[1:]:
         part = raw.replace("~1", "/").replace("~0", "~")
@@ -177,6 +180,20 @@ def _resolve(root: Any, ref: str) -> Any:
         else:
             return None
     return node
+
+
+def _anchored(node: Any, name: str) -> Any:
+    if isinstance(node, list):
+        return next((found for item in node if (found := _anchored(item, name)) is not None),
+                    None)
+    if not isinstance(node, dict):
+        return None
+    if node.get("$anchor") == name:
+        return node
+    subschemas = [node[key] for key in (*SCHEMA_LISTS, *SCHEMA_SINGLES) if key in node]
+    subschemas += [sub for key in SCHEMA_MAPS if isinstance(node.get(key), dict)
+                   for sub in node[key].values()]
+    return _anchored(subschemas, name)
 
 
 class _Productivity:
