@@ -832,7 +832,7 @@ def test_schemas_whose_required_values_can_finish_compile(tok, closers, schema):
 @pytest.mark.parametrize("schema", [
     # a pattern Python's re cannot read: what a name must match is not known, so no refusal
     {"type": "object", "patternProperties": {"^\\p{Lu}": False}, "required": ["a"]},
-    {"type": "integer", "minimum": 0, "maximum": 10**400},  # past a float: still a bound
+    {"type": "integer", "minimum": 0, "maximum": 2**53},  # a float's integers, all of them
     {"type": "integer", "enum": [10**400, 1]},
 ])
 def test_the_schema_checks_refuse_nothing_they_cannot_tell(schema):
@@ -884,6 +884,14 @@ def test_a_schema_that_passed_its_checks_is_not_checked_again(monkeypatch):
          "#/enum holds '</tool_call>', the text of a special token"),
         (lambda: json_schema({"type": "object", "properties": {"<tools>": {"type": "integer"}}}),
          "#/properties holds '<tools>'"),
+        # bounds llguidance turns into ranges that let a value past them through
+        (lambda: json_schema({"type": "number", "exclusiveMinimum": 0, "maximum": 0.5}),
+         "exclusiveMinimum (0) with the range within one unit of it (0.5): llguidance lets 0"),
+        (lambda: json_schema({"type": "number", "minimum": -2.5, "exclusiveMaximum": -2}),
+         "(e.g. maximum -2.000001)"),
+        (lambda: json_schema({"type": "integer", "minimum": 0, "maximum": 12345678901234567}),
+         "maximum (12345678901234567) is past 2^53"),
+        (lambda: json_schema({"type": "integer", "maximum": 10**400}), "is past 2^53"),
         # every request failed at the forced text (the tokenizer reads it as the special token)
         (lambda: regex("<tool_call>[a-z]{1,5}"),
          "the literal '<tool_call>' holds '<tool_call>', the text of a special token"),

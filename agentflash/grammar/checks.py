@@ -105,9 +105,48 @@ def _contradictory_bounds(schema: Any) -> tuple[str, str] | None:
             strict = low_key.startswith("exclusive") or high_key.startswith("exclusive")
             if low > high or (strict and low == high):
                 return pointer(path), f"{low_key} ({low}) leaves no value under {high_key} ({high})"
-        found = _no_integer_between(node) or _no_value_of_type(node)
+        found = (_no_integer_between(node) or _no_value_of_type(node)
+                 or _bounds_llguidance_misreads(node))
         if found:
             return pointer(path), found
+    return None
+
+
+_EXACT_INTEGERS = 2**53  # past it a float (llguidance reads bounds as floats) skips integers
+
+
+def _bounds_llguidance_misreads(node: dict) -> str | None:
+    """Bounds llguidance (1.9) turns into a range that lets a value past them through, where
+    the output would then fail its schema: an integer's past 2^53 (read as floats:
+    maximum 12345678901234567 let 12345678901234568 through), and an exclusive bound at a whole
+    number N, nearer zero, whose range lies within one unit of it (exclusiveMinimum 0 with
+    maximum 0.5 let 0 through)."""
+    types = node.get("type")
+    types = [types] if isinstance(types, str) else types if isinstance(types, list) else []
+    bounds = {k: v for k in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum")
+              if _is_number(v := node.get(k))}
+    if "integer" in types:
+        for key, value in bounds.items():
+            if abs(value) > _EXACT_INTEGERS:
+                return (f"{key} ({value}) is past 2^53 ({_EXACT_INTEGERS}), where llguidance "
+                        f"reads bounds as floats and lets integers past them through: leave "
+                        f"the bound out or keep it within 2^53")
+    if "number" not in types:
+        return None
+    low, high = bounds.get("exclusiveMinimum"), bounds.get("exclusiveMaximum")
+    upper = min((v for k, v in bounds.items() if k.endswith("aximum")), default=None)
+    lower = max((v for k, v in bounds.items() if k.endswith("inimum")), default=None)
+    for key, edge, other, inside in (
+            ("exclusiveMinimum", low, upper, low is not None and low >= 0 and upper is not None
+             and upper < low + 1),
+            ("exclusiveMaximum", high, lower, high is not None and high < 0 and lower is not None
+             and lower > high - 1)):
+        if inside and float(edge).is_integer():
+            instead = (f"minimum {edge + 1e-6:g}" if key == "exclusiveMinimum"
+                       else f"maximum {edge - 1e-6:.7g}")
+            return (f"{key} ({edge}) with the range within one unit of it ({other}): "
+                    f"llguidance lets {int(edge)} itself through there; give an inclusive "
+                    f"bound a fraction past it instead (e.g. {instead}) or widen the range")
     return None
 
 

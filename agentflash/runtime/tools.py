@@ -207,8 +207,10 @@ def _decimal(schema: dict[str, Any]) -> dict[str, Any]:
         branch["exclusiveMinimum"] = max(branch.get("exclusiveMinimum", -math.inf), -top)
         parts = [branch]
         if places is not None and k == digits:  # no whole digits: pydantic reads 0 as one
-            parts = [{**branch, "exclusiveMaximum": min(branch["exclusiveMaximum"], 0)},
-                     {**branch, "exclusiveMinimum": max(branch["exclusiveMinimum"], 0)}]
+            # the multiples of step but 0, in two ranges (inclusive: llguidance lets 0 through
+            # an exclusive bound at 0 where the range ends within one unit of it)
+            parts = [{**branch, "maximum": min(branch.get("maximum", math.inf), -step)},
+                     {**branch, "minimum": max(branch.get("minimum", -math.inf), step)}]
             parts = [p for p in parts if max(p["exclusiveMinimum"], p.get("minimum", -math.inf))
                      < min(p["exclusiveMaximum"], p.get("maximum", math.inf))] or parts
         branches += parts
