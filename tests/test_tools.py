@@ -749,6 +749,21 @@ def test_http_tool_checks_arguments_as_the_grammar_writes_them(server_url):
                                                 "/items?q=x", "/broken"]
 
 
+def test_a_sync_tool_may_run_an_event_loop_of_its_own():
+    """An agent as a tool (Runner.run_sync inside a sync tool): anyio refused, "Already running
+    asyncio in this thread", as the tool's thread had the caller's async library marked."""
+    @tool
+    def nested(x: int) -> int:
+        async def double():
+            await anyio.sleep(0)
+            return 2 * x
+
+        return anyio.run(double)
+
+    outcome = anyio.run(run_tool, nested, {"x": 3})
+    assert (outcome.output, outcome.is_error) == ("6", False)
+
+
 def test_a_tool_failing_in_a_task_group_names_its_own_error():
     async def fetch() -> str:
         async with anyio.create_task_group() as tg:
