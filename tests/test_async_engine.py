@@ -133,6 +133,23 @@ def test_the_engine_is_not_stepped_beside_its_async_engine(engine):
     assert_all_slots_free(engine)
 
 
+def test_a_stream_from_another_event_loop_is_refused_not_left_waiting(engine):
+    """The engine thread hands a request's events to the loop that opened the AsyncEngine: one
+    asked for from another loop (Runner.run_sync in a sync tool, on the run's backend) waited
+    forever."""
+    async def main():
+        async with AsyncEngine(engine) as aengine:
+            def elsewhere():
+                return anyio.run(aengine.generate, prompt(1), SHORT)
+
+            with pytest.raises(UserError, match="opened in another event loop"):
+                await anyio.to_thread.run_sync(elsewhere)
+            return await aengine.generate(prompt(1), SHORT)  # its own loop: served
+
+    assert len(anyio.run(main).token_ids) == SHORT.max_tokens
+    assert_all_slots_free(engine)
+
+
 def test_a_stream_whose_events_fail_ends_alone(engine, caplog):
     result = engine.result
 

@@ -116,6 +116,9 @@ class AsyncEngine:
         if self._thread is None:
             raise UserError("the AsyncEngine is not running: stream inside "
                             "`async with AsyncEngine(engine) as aengine:`")
+        if anyio.lowlevel.current_token() != self._loop_token:  # its events would never come
+            raise UserError("this engine (backend) was opened in another event loop: use it "
+                            "in the loop that opened it, or open one in this loop")
         send, receive = anyio.create_memory_object_stream[TokenEvent | FinishEvent](
             max_buffer_size=1 << 16
         )
