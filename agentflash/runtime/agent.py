@@ -181,7 +181,8 @@ class Agent:
 
     tool_choice: ToolChoiceSpec | str = ToolChoice.AUTO
     """``auto``, ``required``, ``none`` or ``ForceTool(name)``. ``required`` and a forced tool
-    apply until the agent has called a tool in the run, then ``auto`` (so that it can answer)."""
+    apply until the agent has called a tool in the run, then ``auto`` (so that it can answer),
+    or ``none`` where it has an output type: its next reply is its answer in the schema."""
 
     decoding: Decoding = field(default_factory=Decoding)
     """Speculation, block size, temperature, max_tokens per turn and seed."""
