@@ -388,6 +388,13 @@ def test_an_agent_changed_after_it_was_built_is_checked_as_when_built():
     twice.tools.append(get_weather)
     with pytest.raises(UserError, match="tool 'get_weather' is listed twice"):
         twice.turn_tools()
+    # a handoff target renamed to no name (re.sub's TypeError before)
+    target = Agent("b")
+    source = Agent("a", handoffs=[target])
+    for bad in (None, " "):
+        target.name = bad
+        with pytest.raises(UserError, match="a handoff target's Agent.name must be a non-empty"):
+            source.turn_tools()
     # a forced tool swapped for another, one field after the other
     def lookup(key: str) -> str:
         """Look a key up."""

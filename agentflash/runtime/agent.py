@@ -292,6 +292,9 @@ class Agent:
             if not isinstance(target, Agent):
                 raise UserError(f"agent {self.name!r}: handoffs must be Agents, "
                                 f"got {type(target).__name__}")
+            if not isinstance(target.name, str) or not target.name.strip():  # renamed since
+                raise UserError(f"agent {self.name!r}: a handoff target's Agent.name must be a "
+                                f"non-empty string, got {target.name!r}")
             name = handoff_tool_name(target)
             if name in tools or name in handoffs:
                 raise UserError(f"agent {self.name!r}: the handoff tool {name!r} clashes with "
