@@ -579,12 +579,16 @@ async def streaming(work: Callable[[Callable[[E], None]], Awaitable[R]]
     """Run ``work(emit)`` in a task, handing out what it emits; leaving the block cancels it."""
     run: Streamed[E, R] = Streamed()
     with single_errors():
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(run._drive, work)
-            try:
-                yield run
-            finally:
-                run.cancel()
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(run._drive, work)
+                try:
+                    yield run
+                finally:
+                    run.cancel()
+        finally:
+            if not run._iterated:  # its events never read: nobody will (ResourceWarning)
+                run._receive.close()
 
 
 StreamedRun = Streamed[ev.RunEvent, RunResult]
