@@ -646,3 +646,13 @@ def test_one_backend_serves_more_streams_at_once_than_httpxs_pool_of_100():
 
     outcomes = anyio.run(main)
     assert outcomes == ["ab"] * 110, sorted(set(outcomes))
+
+
+def test_an_emoji_sent_as_two_surrogates_in_two_chunks_is_one_character():
+    """A server that splits text in UTF-16 units: the run's text held two lone surrogates, and
+    `agentflash run` printing it raised UnicodeEncodeError."""
+    reader = _ChunkReader()
+    texts = [e.text for piece in ("A \ud83d", "\ude00 B", "x\udc00y", "z\ud83d")
+             for e in reader.read({"choices": [{"delta": {"content": piece}}]})]
+    texts += [e.text for e in reader.close() if isinstance(e, TextDelta)]
+    assert texts == ["A ", "\U0001f600 B", "x\ufffdy", "z", "\ufffd"]

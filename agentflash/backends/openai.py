@@ -458,6 +458,7 @@ class _ChunkReader:
         self.finish_reason: str | None = None  # until a choice says why it ended
         self.usage: dict[str, Any] = {}
         self.engine_stats: dict[str, Any] = {}
+        self._held = ""  # the first half of a surrogate pair, until its second comes
 
     def read(self, chunk: dict[str, Any]) -> list[ModelEvent]:
         if isinstance(chunk.get("usage"), dict):
@@ -470,6 +471,7 @@ class _ChunkReader:
             content = delta.get("content")
             if content is not None and not isinstance(content, str):
                 raise TypeError(f"delta.content is {type(content).__name__}, not text")
+            content = self._characters(content or "")
             if content:
                 events.append(TextDelta(content))
             for entry in delta.get("tool_calls") or []:
@@ -478,6 +480,18 @@ class _ChunkReader:
             if finish:  # those of a reply cut short are refused by ``_chunk``
                 self.finish_reason = "length" if str(finish).lower() in LENGTH else "stop"
         return events
+
+    def _characters(self, text: str) -> str:
+        """``text`` whole: a server that splits text in UTF-16 units sends an emoji's two
+        surrogates (JSON's ``\\ud83d``, ``\\ude00``) in two chunks; the first waits for the
+        second, the pair becomes its character, and one left alone becomes U+FFFD."""
+        text = self._held + text
+        self._held = ""
+        if text and "\ud800" <= text[-1] <= "\udbff":  # the first half: its second may come
+            text, self._held = text[:-1], text[-1]
+        if not any("\ud800" <= ch <= "\udfff" for ch in text):
+            return text
+        return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
 
     def _tool_call_delta(self, entry: dict[str, Any]) -> list[ModelEvent]:
         events: list[ModelEvent] = []
@@ -580,7 +594,8 @@ class _ChunkReader:
         return events
 
     def close(self) -> list[ModelEvent]:
-        return self._ready(lambda i: True)
+        held, self._held = self._held, ""  # a half that never got its pair
+        return ([TextDelta("\ufffd")] if held else []) + self._ready(lambda i: True)
 
     def stats(self, wall_s: float) -> dict[str, Any]:
         """The engine's stats when the server is ``agentflash serve``; otherwise what the usage
