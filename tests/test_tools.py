@@ -764,6 +764,18 @@ def test_a_sync_tool_may_run_an_event_loop_of_its_own():
     assert (outcome.output, outcome.is_error) == ("6", False)
 
 
+def test_sync_tools_run_without_sniffio(monkeypatch):
+    # anyio no longer needs it: every sync tool failed with a ModuleNotFoundError without it
+    monkeypatch.setitem(sys.modules, "sniffio", None)
+
+    @tool
+    def add(a: int, b: int) -> int:
+        return a + b
+
+    outcome = anyio.run(run_tool, add, {"a": 1, "b": 2})
+    assert (outcome.output, outcome.is_error) == ("3", False)
+
+
 def test_a_tool_failing_in_a_task_group_names_its_own_error():
     async def fetch() -> str:
         async with anyio.create_task_group() as tg:

@@ -358,13 +358,15 @@ async def _in_daemon_thread(fn: Callable[[], Any]) -> Any:
     Ctrl-C) keeps running there until it returns, but holds neither the run nor the process's
     exit: a worker thread of anyio's pool would be joined when the interpreter exits. It sees
     the caller's context variables (and so its current trace span), as an async tool would."""
-    import sniffio
-
     token = anyio.lowlevel.current_token()
     context = contextvars.copy_context()
-    # but not that an async library runs here (as anyio's own worker threads): a tool that
-    # runs an event loop of its own (Runner.run_sync, anyio.run) was refused
-    context.run(sniffio.current_async_library_cvar.set, None)
+    try:  # not a dependency of anyio's any more; where it is not, nothing marks the library
+        import sniffio
+    except ImportError:
+        pass
+    else:  # but not that an async library runs here (as anyio's own worker threads): a tool
+        # that runs an event loop of its own (Runner.run_sync, anyio.run) was refused
+        context.run(sniffio.current_async_library_cvar.set, None)
     done = anyio.Event()
     outcome: list[tuple[bool, Any]] = []
 
