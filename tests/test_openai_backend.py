@@ -467,8 +467,9 @@ def test_connection_errors_are_retried_then_reported():
                          ("http://", "names no host")):
         with pytest.raises(UserError, match=f"model.base_url .*{problem}"):
             OpenAIBackend(url, "demo")
-    with pytest.raises(UserError, match="the api_key holds a character that cannot go in"):
-        OpenAIBackend("http://127.0.0.1:8000/v1", "demo", api_key="sk-abc\u00a0")
+    for key in ("sk-abc\u00a0", "sk-abc ", "sk-abc\n"):
+        with pytest.raises(UserError, match="the api_key holds a character that cannot go in"):
+            OpenAIBackend("http://127.0.0.1:8000/v1", "demo", api_key=key)
 
 
 def _calls(chunks, tools=()) -> list:

@@ -132,7 +132,8 @@ class OpenAIBackend(Backend):
         self.base_url, self.model_name = base_url.rstrip("/"), model
         self.timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s)
         self.retry = retry
-        if api_key and not (api_key.isascii() and api_key.isprintable()):
+        if api_key and not (api_key.isascii() and api_key.isprintable()
+                            and not any(ch.isspace() for ch in api_key)):
             source = f"model.api_key_env {api_key_env}" if api_key_env else "the api_key"
             raise UserError(f"{source} holds a character that cannot go in an HTTP header "
                             f"(a space or a line end copied with it?)")
