@@ -833,6 +833,10 @@ def test_schemas_whose_required_values_can_finish_compile(tok, closers, schema):
     # a pattern Python's re cannot read: what a name must match is not known, so no refusal
     {"type": "object", "patternProperties": {"^\\p{Lu}": False}, "required": ["a"]},
     {"type": "integer", "minimum": 0, "maximum": 2**53},  # a float's integers, all of them
+    {"type": "integer", "minimum": 0, "maximum": 2**63 - 1},  # int64's, which llguidance holds
+    {"type": "integer", "maximum": 10**17},  # past 2^53, and a float's
+    # an exclusive edge an inclusive bound keeps out already (a Decimal's gt=0 with 2 places)
+    {"type": "number", "exclusiveMinimum": 0, "minimum": 0.01, "maximum": 0.5},
     {"type": "integer", "enum": [10**400, 1]},
 ])
 def test_the_schema_checks_refuse_nothing_they_cannot_tell(schema):
@@ -892,6 +896,7 @@ def test_a_schema_that_passed_its_checks_is_not_checked_again(monkeypatch):
         (lambda: json_schema({"type": "integer", "minimum": 0, "maximum": 12345678901234567}),
          "maximum (12345678901234567) is past 2^53"),
         (lambda: json_schema({"type": "integer", "maximum": 10**400}), "is past 2^53"),
+        (lambda: json_schema({"type": "integer", "maximum": 2**53 + 1}), "is past 2^53"),
         # every request failed at the forced text (the tokenizer reads it as the special token)
         (lambda: regex("<tool_call>[a-z]{1,5}"),
          "the literal '<tool_call>' holds '<tool_call>', the text of a special token"),

@@ -507,7 +507,8 @@ def test_every_number_a_bounded_decimals_schema_allows_is_one_pydantic_reads():
     from pydantic import Field
 
     for digits, places, bounds in ((2, 3, {"ge": 0}), (3, 1, {"ge": 0}), (2, 2, {"ge": 0}),
-                                   (2, 2, {"le": 0.5}), (1, 0, {"gt": -5})):
+                                   (2, 2, {"le": 0.5}), (1, 0, {"gt": -5}),
+                                   (2, 2, {"gt": 0, "le": 0.5})):
         kind = Annotated[decimal.Decimal,
                          Field(max_digits=digits, decimal_places=places, **bounds)]
 

@@ -115,6 +115,13 @@ def _contradictory_bounds(schema: Any) -> tuple[str, str] | None:
 _EXACT_INTEGERS = 2**53  # past it a float (llguidance reads bounds as floats) skips integers
 
 
+def _float_holds(value: int | float) -> bool:
+    try:
+        return float(value) == value
+    except OverflowError:  # past a float altogether
+        return False
+
+
 def _bounds_llguidance_misreads(node: dict) -> str | None:
     """Bounds llguidance (1.9) turns into a range that lets a value past them through, where
     the output would then fail its schema: an integer's past 2^53 (read as floats:
@@ -127,20 +134,22 @@ def _bounds_llguidance_misreads(node: dict) -> str | None:
               if _is_number(v := node.get(k))}
     if "integer" in types:
         for key, value in bounds.items():
-            if abs(value) > _EXACT_INTEGERS:
-                return (f"{key} ({value}) is past 2^53 ({_EXACT_INTEGERS}), where llguidance "
-                        f"reads bounds as floats and lets integers past them through: leave "
-                        f"the bound out or keep it within 2^53")
+            if abs(value) > _EXACT_INTEGERS and not _float_holds(value) and value != 2**63 - 1:
+                return (f"{key} ({value}) is past 2^53 ({_EXACT_INTEGERS}) and no float's, "
+                        f"where llguidance reads bounds as floats (and so lets integers past "
+                        f"them through or refuses the bound itself): leave the bound out, or "
+                        f"give one a float holds (2^60, 10^17, 2^63 - 1)")
     if "number" not in types:
         return None
     low, high = bounds.get("exclusiveMinimum"), bounds.get("exclusiveMaximum")
     upper = min((v for k, v in bounds.items() if k.endswith("aximum")), default=None)
     lower = max((v for k, v in bounds.items() if k.endswith("inimum")), default=None)
+    # an exclusive edge that an inclusive bound on its side keeps out already is no matter
     for key, edge, other, inside in (
             ("exclusiveMinimum", low, upper, low is not None and low >= 0 and upper is not None
-             and upper < low + 1),
+             and upper < low + 1 and not bounds.get("minimum", low) > low),
             ("exclusiveMaximum", high, lower, high is not None and high < 0 and lower is not None
-             and lower > high - 1)):
+             and lower > high - 1 and not bounds.get("maximum", high) < high)):
         if inside and float(edge).is_integer():
             instead = (f"minimum {edge + 1e-6:g}" if key == "exclusiveMinimum"
                        else f"maximum {edge - 1e-6:.7g}")
