@@ -882,6 +882,13 @@ def test_a_schema_that_passed_its_checks_is_not_checked_again(monkeypatch):
                       '"required": ["a"]}'),
          "%json in rule 'start': #/properties/a: no finite JSON value satisfies this schema"),
         (lambda: ebnf('root ::= item\nitem ::= "a" item\n'), "rule 'root' has no finite"),
+        # a rule but start that never finishes: the requests that entered it failed in llguidance
+        # ("Too many items"); a %json body's bounds as json_schema's; nested past Python's stack
+        (lambda: lark('start: "x" | y\ny: "a" y'),
+         "rule 'y' has no finite expansion: a reply that enters it never ends"),
+        (lambda: lark('start: %json {"type": "number", "exclusiveMinimum": 0, "maximum": 0.5}'),
+         "%json in rule 'start': #: exclusiveMinimum (0) with the range within one unit"),
+        (lambda: lark("start: " + "(" * 200 + '"a"' + ")" * 200), "too deeply nested"),
         (lambda: lark('start: "hi" <|im_end|>'), "writes the end token <|im_end|>: leave it out"),
         (lambda: lark('start: "hi <tools>"'), "holds '<tools>', the text of a special token"),
         (lambda: json_schema({"enum": ["a", "</tool_call>"]}),

@@ -848,28 +848,33 @@ def unproductive_rules(text: str) -> list[str] | None:
     try:
         bodies = _split_definitions(_lark_tokens(text))
         rules = {name: _RuleParser(body).parse() for name, body in bodies.items()}
-    except (_Unparsed, IndexError, ValueError):
-        return None
-    known: set[str] = set()
-    changed = True
-    while changed:
-        changed = False
-        for name, expr in rules.items():
-            if name not in known and _finite(expr, known, rules):
-                known.add(name)
-                changed = True
+        known: set[str] = set()
+        changed = True
+        while changed:
+            changed = False
+            for name, expr in rules.items():
+                if name not in known and _finite(expr, known, rules):
+                    known.add(name)
+                    changed = True
+    except (_Unparsed, IndexError, ValueError, RecursionError):  # nested past Python's stack:
+        return None  # llguidance judges it ("too deeply nested")
     return sorted(set(rules) - known)
 
 
 def check_lark_finishes(text: str, origin: str) -> None:
-    """Raise ``GrammarError`` if the ``start`` rule of a Lark grammar has no finite expansion,
-    or a ``%json`` schema in it has no finite value (a reply that enters it never ends)."""
+    """Raise ``GrammarError`` if a rule of a Lark grammar has no finite expansion (``start``: the
+    grammar can never finish; another: a reply that enters it never ends), or a ``%json``
+    schema in it has no finite value or bounds llguidance misreads (as ``json_schema``'s)."""
     for rule, body in _json_bodies(text):
         unfinished = _unfinishable(body)
         if unfinished is not None:
             where, reason = unfinished
             raise GrammarError(f"{origin}: %json in rule {rule!r}: {where}: no finite JSON value "
                                f"satisfies this schema: {reason}")
+        contradiction = _contradictory_bounds(body)
+        if contradiction is not None:
+            raise GrammarError(f"{origin}: %json in rule {rule!r}: {contradiction[0]}: "
+                               f"{contradiction[1]}")
     stuck = unproductive_rules(text)
     if stuck and "start" in stuck:
         others = ", ".join(r for r in stuck if r != "start")
@@ -877,6 +882,9 @@ def check_lark_finishes(text: str, origin: str) -> None:
         raise GrammarError(
             f"{origin}: the grammar can never finish: rule 'start' has no finite expansion{detail}"
         )
+    if stuck:
+        raise GrammarError(f"{origin}: rule {stuck[0]!r} has no finite expansion: a reply that "
+                           f"enters it never ends")
 
 
 def recursive_ref(schema: Any) -> str | None:
