@@ -262,6 +262,21 @@ def test_regex_outputs_match(tok, closers, backend):
         assert re.fullmatch(pattern, text), text
 
 
+def test_ebnf_unicode_escapes_with_leading_zeros_are_read(tok):
+    """llguidance's converter stripped their zeros (\\u00e9 became \\ue9, which Lark refuses)."""
+    for text, good, bad in ((r'root ::= "caf\u00e9"', "café", "cafe"),
+                            (r'root ::= "\U0001F600!"', "\U0001f600!", "!"),
+                            (r"root ::= [\u00e0-\u00ff]+", "àÿ", "a"),
+                            (r'root ::= "\\u00e9"', "\\u00e9", "é")):  # an escaped backslash
+        grammar = compile_grammar(ebnf(text), tok)
+        for output, legal in ((good, True), (bad, False)):
+            ids = tok.encode(output, add_special_tokens=False) + [tok.eos_token_id]
+            assert (grammar.new_constraint().validate_draft(ids) == len(ids)) == legal, (
+                text, output)
+    with pytest.raises(GrammarError, match="a rule named 'start' cannot be converted"):
+        ebnf('root ::= start "!"\nstart ::= "hi"')  # it was read as Lark
+
+
 def test_lark_and_ebnf_outputs_match(tok, closers):
     nested = 'start: "[" item ("," item)* "]"\nitem: "a" | "bb" | start'
     grammar = compile_grammar(lark(nested), tok)

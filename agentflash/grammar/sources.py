@@ -261,13 +261,47 @@ def lark(text: str, *, origin: str = "grammar") -> GrammarSource:
     return GrammarSource(GrammarKind.LARK, text, origin=origin)
 
 
+def _unicode_escapes(text: str) -> str:
+    """GBNF's ``\\uXXXX`` and ``\\UXXXXXXXX`` escapes as the converter keeps them whole: it
+    strips their leading zeros (``\\u00e9`` became ``\\ue9``, which Lark refuses), so one below
+    U+0100 becomes ``\\xHH`` and a larger one its character."""
+    out, i = [], 0
+    while i < len(text):
+        ch = text[i]
+        if ch != "\\" or i + 1 == len(text):
+            out.append(ch)
+            i += 1
+            continue
+        width = {"u": 4, "U": 8}.get(text[i + 1], 0)
+        digits = text[i + 2:i + 2 + width]
+        if width and len(digits) == width and all(c in "0123456789abcdefABCDEF" for c in digits):
+            code = int(digits, 16)
+            if code < 0x100:
+                out.append(f"\\x{code:02x}")
+            elif code <= 0x10FFFF and not 0xD800 <= code <= 0xDFFF:
+                out.append(chr(code))
+            else:
+                out.append(text[i:i + 2 + width])  # left to the converter to refuse
+            i += 2 + width
+        else:  # another escape, \\ included: as it is
+            out.append(text[i:i + 2])
+            i += 2
+    return "".join(out)
+
+
 def ebnf(text: str, *, origin: str = "grammar") -> GrammarSource:
     """A GBNF/EBNF grammar (llama.cpp syntax, ``root ::= ...``), converted to Lark."""
-    from llguidance.gbnf_to_lark import any_to_lark
+    from llguidance.gbnf_to_lark import gbnf_to_lark
 
-    try:
-        converted = any_to_lark(text)
+    if not isinstance(text, str):
+        raise GrammarError(f"{origin}: an EBNF grammar must be a string, got "
+                           f"{type(text).__name__}")
+    try:  # GBNF always: a rule named start made it look like Lark ("start ::=" has "start :")
+        converted = gbnf_to_lark(_unicode_escapes(text))
     except Exception as err:  # the converter raises its own error types and plain exceptions
+        if "Rule 'start' already exists" in str(err):  # it names root start
+            raise GrammarError(f"{origin}: a rule named 'start' cannot be converted (root "
+                               f"becomes start): rename it") from None
         raise GrammarError(f"{origin}: cannot read the EBNF grammar: {err}") from None
     try:
         return lark(converted, origin=origin)
