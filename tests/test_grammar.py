@@ -905,6 +905,8 @@ def test_a_schema_that_passed_its_checks_is_not_checked_again(monkeypatch):
          "%json in rule 'start': #: exclusiveMinimum (0) with the range within one unit"),
         (lambda: lark("start: " + "(" * 200 + '"a"' + ")" * 200), "too deeply nested"),
         (lambda: lark('start: "hi" <|im_end|>'), "writes the end token <|im_end|>: leave it out"),
+        # another end of a turn: the engine stopped there, "stop", the grammar unfinished
+        (lambda: lark('start: "a" <|endoftext|> "b"'), "writes the end token <|endoftext|>"),
         (lambda: lark('start: "hi <tools>"'), "holds '<tools>', the text of a special token"),
         (lambda: json_schema({"enum": ["a", "</tool_call>"]}),
          "#/enum holds '</tool_call>', the text of a special token"),
