@@ -371,9 +371,19 @@ def test_a_reply_keeps_the_blank_it_ends_with_after_text_not_after_a_call():
     assert text == "Hi." and [c["function"]["name"] for c in calls] == ["f"]
 
 
+def _nested(depth: int) -> dict:
+    schema: dict = {"type": "integer"}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
 @pytest.mark.parametrize("kwargs, status, param", [
     (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}), 400,
      "tool_choice"),
+    # jsonschema's meta-schema walk recursed past Python's stack: a 500, the connection closed
+    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": _nested(120)}}}}]), 400, "tools"),
     (dict(tool_choice="required"), 400, "tool_choice"),
     (dict(temperature="hot"), 400, "temperature"),
     (dict(temperature=0.5, seed=10**23), 400, "seed"),  # beyond what a torch generator takes

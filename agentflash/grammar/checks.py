@@ -41,7 +41,10 @@ def check_schema(schema: Any, origin: str) -> None:
         if key is not None and key in _PASSED:
             _PASSED.move_to_end(key)
             return
-    _check_schema(schema, origin)
+    try:
+        _check_schema(schema, origin)
+    except RecursionError:  # jsonschema's walks recurse: a tool's schema nested 120 deep was a 500
+        raise GrammarError(f"{origin}: the schema is nested too deeply") from None
     if key is not None:
         with _PASSED_LOCK:
             _PASSED[key] = None
