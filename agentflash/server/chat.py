@@ -29,7 +29,7 @@ from agentflash.backends.local import HermesStreamParser
 from agentflash.engine.async_engine import AsyncEngine, FinishEvent
 from agentflash.engine.engine import Engine, GenerationResult
 from agentflash.engine.request import FinishReason, SamplingParams, Speculation
-from agentflash.errors import UserError
+from agentflash.errors import MIN_TEMPERATURE, UserError
 from agentflash.grammar import (
     GrammarError,
     GrammarSource,
@@ -94,10 +94,13 @@ def prepare(request: ChatCompletionRequest, engine: Engine, max_tokens_limit: in
                             f"{max_tokens_limit}", param=field)
     room = max_len - len(prompt_ids)
     options = request.agentflash
+    temperature = DEFAULT_TEMPERATURE if request.temperature is None else request.temperature
+    if temperature < MIN_TEMPERATURE:  # OpenAI's API takes any from 0: below it, greedy
+        temperature = 0.0
     try:
         params = SamplingParams(
             max_tokens=min(max_tokens or max_tokens_limit, room),
-            temperature=DEFAULT_TEMPERATURE if request.temperature is None else request.temperature,
+            temperature=temperature,
             top_p=1.0 if request.top_p is None else request.top_p,
             seed=request.seed,
             stop=request.stop_strings,
