@@ -327,6 +327,10 @@ def test_streamed_tool_call_deltas_add_up_to_the_whole_reply(client):
         (c.function.name, c.function.arguments) for c in expected]
     assert all(c["pieces"] >= 2 for c in calls.values())  # the arguments came as they were written
     assert usage.completion_tokens == whole.usage.completion_tokens
+    # the client's own accumulation: content null both ways (the stream said "")
+    with client.chat.completions.stream(model="demo", **args) as stream:
+        streamed = stream.get_final_completion().choices[0].message
+    assert streamed.content is None and whole.choices[0].message.content is None
 
 
 @pytest.mark.parametrize("args", [

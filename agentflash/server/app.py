@@ -199,8 +199,11 @@ class Server:
                      ) -> AsyncIterator[bytes]:
         """Server-sent ``chat.completion.chunk`` events, then ``[DONE]``."""
         name, writer = self.config.name, ReplyWriter()
-        yield protocol.sse(protocol.chunk(ident, name, created, {"role": "assistant",
-                                                                   "content": ""}))
+        # a reply bound to calls (tool_choice required or named) has no content: null, as the
+        # whole reply says it (OpenAI's too); "" made the client's accumulated message differ
+        calls_only = bool(chat.tools) and chat.tool_choice not in (None, "auto", "none")
+        yield protocol.sse(protocol.chunk(ident, name, created, {
+            "role": "assistant", "content": None if calls_only else ""}))
         async with aclosing(reply_events(self.aengine, job)) as events:
             async for event in events:
                 if not isinstance(event, Finished):
