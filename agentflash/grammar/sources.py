@@ -262,9 +262,9 @@ def lark(text: str, *, origin: str = "grammar") -> GrammarSource:
 
 
 def _unicode_escapes(text: str) -> str:
-    """GBNF's ``\\uXXXX`` and ``\\UXXXXXXXX`` escapes as the converter keeps them whole: it
-    strips their leading zeros (``\\u00e9`` became ``\\ue9``, which Lark refuses), so one below
-    U+0100 becomes ``\\xHH`` and a larger one its character."""
+    """GBNF's ``\\u`` (four hex digits) and ``\\U`` (eight) escapes as the converter keeps
+    them whole: it strips their leading zeros (``\\u00e9`` became ``\\ue9``, which Lark
+    refuses), so one below U+0100 becomes ``\\xHH`` and a larger one its character."""
     out, i = [], 0
     while i < len(text):
         ch = text[i]
