@@ -93,6 +93,12 @@ class RetryPolicy:
         return base * (0.5 + random.random() / 2)
 
 
+def _tool_names(tools: list[Any]) -> list[str]:
+    """The names of a request's tools, OpenAI's ``{"function": {"name"}}`` or bare."""
+    specs = [t.get("function", t) if isinstance(t, dict) else None for t in tools]
+    return [s["name"] for s in specs if isinstance(s, dict) and isinstance(s.get("name"), str)]
+
+
 def base_url_problem(base_url: Any) -> str | None:
     """What keeps ``base_url`` from naming a server to reach (``validate`` says it too)."""
     if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
@@ -169,7 +175,7 @@ class OpenAIBackend(Backend):
         body = request_body(self.model_name, request)
         tries = _Tries(self.retry)  # one budget for every kind of retry of this call
         while True:
-            reader = _ChunkReader(t["function"]["name"] for t in request.tools)
+            reader = _ChunkReader(_tool_names(request.tools))
             try:
                 async with aclosing(self._reply(body, reader, tries)) as events:
                     async for event in events:
