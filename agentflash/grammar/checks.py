@@ -233,18 +233,9 @@ def _resolve(root: Any, ref: str) -> Any:
     return node
 
 
-def _anchored(node: Any, name: str) -> Any:
-    if isinstance(node, list):
-        return next((found for item in node if (found := _anchored(item, name)) is not None),
-                    None)
-    if not isinstance(node, dict):
-        return None
-    if node.get("$anchor") == name:
-        return node
-    subschemas = [node[key] for key in (*SCHEMA_LISTS, *SCHEMA_SINGLES) if key in node]
-    subschemas += [sub for key in SCHEMA_MAPS if isinstance(node.get(key), dict)
-                   for sub in node[key].values()]
-    return _anchored(subschemas, name)
+def _anchored(root: Any, name: str) -> Any:
+    return next((node for _, node in _subschemas(root, [])
+                 if isinstance(node, dict) and node.get("$anchor") == name), None)
 
 
 class _Productivity:
