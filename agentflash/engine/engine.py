@@ -27,6 +27,7 @@ from agentflash.engine.scheduler import Scheduler, SchedulerConfig
 from agentflash.errors import UserError, is_int
 from agentflash.grammar.constraint import GrammarFailed, apply_bitmask_, greedy_verify
 from agentflash.grammar.sources import GrammarKind
+from agentflash.grammar.tokenizers import chat_end_ids
 from agentflash.models.qwen3 import reordered_bytes
 from agentflash.router.policy import (
     AGREEMENT,
@@ -1020,11 +1021,7 @@ def end_of_turn_ids(tokenizer, model_dir: Path | None = None) -> set[int]:
     """Token ids that end an assistant turn: the tokenizer's eos, the chat end markers, and the
     ``eos_token_id`` (one or a list) of the model's ``generation_config.json``, as transformers'
     ``generate`` stops on them."""
-    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    for marker in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>"):
-        token_id = tokenizer.convert_tokens_to_ids(marker)
-        if isinstance(token_id, int) and token_id != tokenizer.unk_token_id:
-            ids.add(token_id)
+    ids = set(chat_end_ids(tokenizer))
     path = model_dir / "generation_config.json" if model_dir is not None else None
     if path is not None and path.is_file():
         try:

@@ -18,7 +18,7 @@ from agentflash.grammar.constraint import (
     GrammarFailed,
 )
 from agentflash.grammar.sources import GrammarKind, GrammarSource, JsonStyle
-from agentflash.grammar.tokenizers import TokenizerInfo
+from agentflash.grammar.tokenizers import TokenizerInfo, chat_end_ids
 
 # x-guidance options per layout; a schema's own "x-guidance" key overrides them.
 JSON_STYLE_OPTIONS: dict[JsonStyle, dict[str, Any]] = {
@@ -220,23 +220,11 @@ def _check_no_end_token(source: GrammarSource, info: TokenizerInfo) -> None:
         return
     # the engine ends a turn at any of them (<|endoftext|> too): the reply would end there,
     # "stop", before the grammar is complete
-    for end in _end_tokens(info):
-        convert = getattr(info.tokenizer, "convert_ids_to_tokens", None)
+    convert = getattr(info.tokenizer, "convert_ids_to_tokens", None)
+    for end in dict.fromkeys([info.eos_token_id, *chat_end_ids(info.tokenizer)]):
         name = convert(end) if convert is not None else None
         for spelling in (name, f"<[{end}]>"):
             if spelling and spelling in written:
                 raise GrammarError(f"{source.origin}: the grammar writes the end token "
                                    f"{spelling}: leave it out (the reply ends wherever the "
                                    f"grammar is complete)")
-
-
-def _end_tokens(info: TokenizerInfo) -> list[int]:
-    """The grammar's end token and the chat end markers the tokenizer has, which the engine
-    ends a turn at too (``engine.end_of_turn_ids``)."""
-    ends = [info.eos_token_id]
-    to_id = getattr(info.tokenizer, "convert_tokens_to_ids", None)
-    for marker in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>"):
-        token = to_id(marker) if to_id is not None else None
-        if isinstance(token, int) and token != getattr(info.tokenizer, "unk_token_id", None):
-            ends.append(token)
-    return list(dict.fromkeys(ends))

@@ -37,6 +37,20 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
     return digest
 
 
+def chat_end_ids(tokenizer: Any) -> list[int]:
+    """The tokenizer's eos and the chat end markers it has (``<|im_end|>``, ``<|endoftext|>``,
+    Llama's ``<|eot_id|>``...): where the engine ends an assistant turn, and so what no grammar
+    may write."""
+    eos = getattr(tokenizer, "eos_token_id", None)
+    ids = [eos] if isinstance(eos, int) else []
+    to_id = getattr(tokenizer, "convert_tokens_to_ids", None)
+    for marker in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>"):
+        token = to_id(marker) if to_id is not None else None
+        if isinstance(token, int) and token != getattr(tokenizer, "unk_token_id", None):
+            ids.append(token)
+    return list(dict.fromkeys(ids))
+
+
 @dataclass(frozen=True)
 class TokenizerInfo:
     """What a compiled grammar depends on besides its source. Equal infos share compilations."""
