@@ -224,6 +224,15 @@ def _edit(config: dict, changes: dict) -> dict:
         ({"dflash.target_layer_ids": "13"}, "target_layer_ids must be a list of layer indexes"),
         ({"dflash.target_layer_ids": [1.5, 3]}, "target_layer_ids must be a list of layer"),
         ({"num_attention_heads": True}, "must be a positive integer, got True"),
+        # the fields a target's config.json is refused for: a ZeroDivisionError, or a drafter
+        # loaded to run another network than its checkpoint's (gelu run as SiLU, theta 0 as
+        # 10000)
+        ({"num_attention_heads": 0, "head_dim": None}, "num_attention_heads must be a positive"),
+        ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
+        ({"mlp_bias": True}, "mlp_bias"),
+        ({"rope_theta": 0}, "rope_theta must be a positive number, got 0"),
+        ({"rms_norm_eps": -1.0}, "rms_norm_eps must be a positive number, got -1.0"),
+        ({"rms_norm_eps": "abc"}, "rms_norm_eps must be a positive number, got 'abc'"),
     ],
 )
 def test_bad_config_is_a_user_error_naming_the_file(tmp_path, changes, message):
@@ -287,5 +296,6 @@ def test_validate_against_target_names_the_mismatch(tmp_path):
     unrecorded = DrafterConfig(**{**cfg.__dict__, "num_target_layers": None})
     with pytest.raises(UserError, match="layers \\[33\\] that the target lacks .*0..27"):
         validate_against_target(unrecorded, qwen3_8b_target(layers=28))
-    with pytest.raises(UserError, match="mask_token_id 151669 is outside the target's vocabulary"):
+    # its mask token inside the drafter's vocabulary is inside the target's too
+    with pytest.raises(UserError, match="vocab_size 151936 does not match the target's 4096"):
         validate_against_target(cfg, qwen3_8b_target(vocab=4096))

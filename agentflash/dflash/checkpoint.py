@@ -18,7 +18,13 @@ import torch
 from agentflash.dflash.drafter import DFlashDrafter, DrafterConfig
 from agentflash.errors import UserError
 from agentflash.models.loading import load_state_dict, read_json
-from agentflash.models.qwen3 import ModelConfig, check_plain_attention
+from agentflash.models.qwen3 import (
+    ModelConfig,
+    check_decoder_fields,
+    check_sizes,
+    positive_number,
+    rope_theta_field,
+)
 
 ARCHITECTURE = "DFlashDraftModel"
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -98,6 +104,10 @@ def config_from_hf(raw: dict[str, Any]) -> DrafterConfig:
         return default
 
     try:
+        # the fields as a target's are checked: a drafter is a Qwen3 decoder too
+        check_sizes(raw, ("hidden_size", "intermediate_size", "num_hidden_layers",
+                          "num_attention_heads", "vocab_size"))
+        check_sizes(raw, ("num_key_value_heads", "head_dim"), optional=True)
         heads = raw["num_attention_heads"]
         return DrafterConfig(
             hidden_size=raw["hidden_size"],
@@ -106,8 +116,8 @@ def config_from_hf(raw: dict[str, Any]) -> DrafterConfig:
             num_heads=heads,
             num_kv_heads=raw.get("num_key_value_heads") or heads,
             head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
-            rope_theta=float(_rope_theta(raw)),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta_field(raw),
+            rms_norm_eps=positive_number(raw, "rms_norm_eps", 1e-6),
             block_size=pick("block_size", 16),
             mask_token_id=pick("mask_token_id"),
             target_layer_ids=pick("target_layer_ids"),
@@ -121,11 +131,6 @@ def config_from_hf(raw: dict[str, Any]) -> DrafterConfig:
         raise ValueError(f"has a field of the wrong type: {err}") from None
 
 
-def _rope_theta(raw: dict[str, Any]) -> float:
-    params = raw.get("rope_parameters") or {}
-    return params.get("rope_theta") or raw.get("rope_theta") or 10000.0
-
-
 def _check_supported(raw: dict[str, Any]) -> None:
     archs = raw.get("architectures") or []
     if ARCHITECTURE not in archs:
@@ -137,9 +142,8 @@ def _check_supported(raw: dict[str, Any]) -> None:
         raise ValueError(f"architectures is {archs!r}, expected [{ARCHITECTURE!r}]")
     if raw.get("model_type", "qwen3") != "qwen3":
         raise ValueError(f"model_type {raw['model_type']!r} is not supported (qwen3)")
-    if raw.get("attention_bias"):
-        raise ValueError("attention_bias is true; DFlash drafters here have no attention biases")
-    check_plain_attention(raw)
+    # plain rope and attention, SiLU, no biases: what DFlashDrafter computes
+    check_decoder_fields(raw, "qwen3")
     dflash = raw.get("dflash_config") or {}
     if not isinstance(dflash, dict):
         raise ValueError("dflash_config must be an object")
@@ -235,8 +239,8 @@ def validate_against_target(
             f"{where}: target_layer_ids {list(drafter_cfg.target_layer_ids)} name "
             f"layers {outside} that the target lacks (it has layers 0..{layers - 1})"
         )
-    if drafter_cfg.mask_token_id >= target_cfg.vocab_size:
+    if drafter_cfg.vocab_size != target_cfg.vocab_size:
         raise UserError(
-            f"{where}: mask_token_id {drafter_cfg.mask_token_id} is outside the "
-            f"target's vocabulary of {target_cfg.vocab_size}"
+            f"{where}: vocab_size {drafter_cfg.vocab_size} does not match the target's "
+            f"{target_cfg.vocab_size} (a drafter is trained on its target's tokenizer)"
         )

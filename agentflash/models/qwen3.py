@@ -44,12 +44,12 @@ class ModelConfig:
                              "as the drafter (--drafter DIR) beside the model it drafts for")
         if model_type not in ("qwen3", "llama", "qwen2"):
             raise ValueError(f"model_type {model_type!r} is not supported (qwen3, qwen2, llama)")
-        _check_supported(cfg, model_type)
+        check_decoder_fields(cfg, model_type)
         try:
             heads = cfg["num_attention_heads"]
-            _check_sizes(cfg, ("vocab_size", "hidden_size", "intermediate_size",
+            check_sizes(cfg, ("vocab_size", "hidden_size", "intermediate_size",
                                "num_hidden_layers", "num_attention_heads"))
-            _check_sizes(cfg, ("num_key_value_heads", "head_dim", "max_position_embeddings"),
+            check_sizes(cfg, ("num_key_value_heads", "head_dim", "max_position_embeddings"),
                          optional=True)
             if (cfg.get("max_position_embeddings") or 4096) < 2:
                 raise ValueError("max_position_embeddings must be at least 2 (a prompt token and "
@@ -65,8 +65,8 @@ class ModelConfig:
                 num_heads=heads,
                 num_kv_heads=cfg.get("num_key_value_heads") or heads,
                 head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-                rope_theta=_rope_theta(cfg),
-                rms_norm_eps=_positive_number(cfg, "rms_norm_eps", 1e-6),
+                rope_theta=rope_theta_field(cfg),
+                rms_norm_eps=positive_number(cfg, "rms_norm_eps", 1e-6),
                 tie_word_embeddings=_flag(cfg, "tie_word_embeddings"),
                 qk_norm=model_type == "qwen3",
                 max_position_embeddings=cfg.get("max_position_embeddings") or 4096,
@@ -75,7 +75,7 @@ class ModelConfig:
             raise ValueError(f"config.json has no field {err.args[0]!r}") from None
 
 
-def _check_supported(cfg: dict[str, Any], model_type: str) -> None:
+def check_decoder_fields(cfg: dict[str, Any], model_type: str) -> None:
     """Refuse what this decoder does not compute, which would load and then write other text
     than the model: scaled rope and sliding-window layers (``check_plain_attention``), another
     activation, biases Llama or Qwen3 may declare."""
@@ -106,7 +106,7 @@ def check_plain_attention(cfg: dict[str, Any]) -> None:
                          f"only)")
 
 
-def _check_sizes(cfg: dict[str, Any], names: tuple[str, ...], optional: bool = False) -> None:
+def check_sizes(cfg: dict[str, Any], names: tuple[str, ...], optional: bool = False) -> None:
     """Each field a positive integer (``optional``: or absent, or null); ``KeyError`` if not
     ``optional`` and missing."""
     for name in names:
@@ -117,7 +117,9 @@ def _check_sizes(cfg: dict[str, Any], names: tuple[str, ...], optional: bool = F
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
-def _rope_theta(cfg: dict[str, Any]) -> float:
+def rope_theta_field(cfg: dict[str, Any]) -> float:
+    """``rope_theta`` (transformers 5's ``rope_parameters`` first; 10000 where absent), a
+    positive number or a ``ValueError`` naming the field."""
     params = cfg.get("rope_parameters") or {}
     where = "rope_parameters" if params.get("rope_theta") is not None else None
     theta = params.get("rope_theta") if where else cfg.get("rope_theta")
@@ -129,7 +131,8 @@ def _rope_theta(cfg: dict[str, Any]) -> float:
     return float(theta)
 
 
-def _positive_number(cfg: dict[str, Any], name: str, default: float) -> float:
+def positive_number(cfg: dict[str, Any], name: str, default: float) -> float:
+    """The field ``name``, a positive number (``default`` where absent or null)."""
     value = cfg.get(name)
     if value is None:
         return default
