@@ -56,6 +56,10 @@ def test_covered_entries_go_and_the_least_recent_is_evicted_within_the_budget():
     assert cache.lookup(list(range(1, 12)), with_hidden=False).length == 10
     cache.insert(list(range(100, 200)), kv(100), None)  # larger than the budget: not kept
     assert len(cache) == 2
+    # ... nor does one that begins with a kept entry take that entry with it (a turn whose
+    # answer outgrew the budget dropped its prompt's entry, which the next turn would reuse)
+    cache.insert(list(range(1, 101)), kv(100), None)
+    assert len(cache) == 2 and cache.lookup(list(range(1, 12)), with_hidden=False).length == 10
     cache.clear()
     assert len(cache) == 0 and cache.num_bytes == 0
 

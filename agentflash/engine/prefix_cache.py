@@ -78,11 +78,15 @@ class PrefixCache:
         return False
 
     def insert(self, sequence: list[int], kv: list[torch.Tensor], hidden: torch.Tensor | None):
-        """Keep ``sequence``'s keys and values (and hidden states), unless an entry covers them;
-        entries that are a beginning of it, with no more than it carries, are dropped."""
+        """Keep ``sequence``'s keys and values (and hidden states), unless an entry covers them
+        or they are more than the budget holds; entries that are a beginning of it, with no
+        more than it carries, are dropped for it."""
         if len(sequence) < self.min_tokens or self.budget_bytes <= 0:
             return
-        tokens = np.asarray(sequence, dtype=np.int64)
+        new = PrefixEntry(np.asarray(sequence, dtype=np.int64), kv, hidden)
+        if new.num_bytes > self.budget_bytes:  # kept nowhere: the entries it covers stay
+            return
+        tokens = new.tokens
         covered = []  # entries the new one covers: one pass over them all
         for key, entry in self._entries.items():
             n = _common_length(entry.tokens, tokens)
@@ -93,14 +97,11 @@ class PrefixCache:
                 covered.append(key)
         for key in covered:
             self._drop(key)
-        entry = PrefixEntry(tokens, kv, hidden)
-        if entry.num_bytes > self.budget_bytes:
-            return
-        while self.num_bytes + entry.num_bytes > self.budget_bytes:
+        while self.num_bytes + new.num_bytes > self.budget_bytes:
             self._drop(next(iter(self._entries)))
-        self._entries[self._next_key] = entry
+        self._entries[self._next_key] = new
         self._next_key += 1
-        self.num_bytes += entry.num_bytes
+        self.num_bytes += new.num_bytes
 
     def clear(self) -> None:
         self._entries.clear()
