@@ -233,6 +233,16 @@ def _resolve(root: Any, ref: str) -> Any:
     return node
 
 
+def unresolved_ref(schema: Any) -> tuple[str, str] | None:
+    """(pointer, ref) of the first ``$ref`` that does not point inside ``schema`` (a URL, which
+    validating it would fetch; a pointer or anchor to nothing), or None."""
+    for path, node in _subschemas(schema, []):
+        ref = node.get("$ref") if isinstance(node, dict) else None
+        if ref is not None and (not isinstance(ref, str) or _resolve(schema, ref) is None):
+            return pointer(path + ["$ref"]), ref
+    return None
+
+
 def _anchored(root: Any, name: str) -> Any:
     return next((node for _, node in _subschemas(root, [])
                  if isinstance(node, dict) and node.get("$anchor") == name), None)

@@ -584,12 +584,20 @@ class _Builder:
     def inputs(self) -> dict[str, dict[str, Any]]:
         from jsonschema import Draft202012Validator, SchemaError
 
+        from agentflash.grammar.checks import unresolved_ref
+
         inputs = self.data.get("inputs", {})
         for name, schema in inputs.items():
             try:
                 Draft202012Validator.check_schema(schema)
             except SchemaError as err:
                 self.problems.add(("inputs", name), f"not a valid JSON Schema: {err.message}")
+                continue
+            unresolved = unresolved_ref(schema)
+            if unresolved is not None:  # jsonschema would fetch a URL, or fail with a traceback
+                where, ref = unresolved
+                self.problems.add(("inputs", name), f"$ref {ref!r} (at {where}) does not "
+                                  "point inside the input's schema (only local refs are read)")
                 continue
             if "default" in schema:
                 for err in Draft202012Validator(schema).iter_errors(schema["default"]):
