@@ -168,11 +168,21 @@ def parse_body(body: str) -> ParsedToolCall | MalformedToolCall:
     return ParsedToolCall(obj["name"], args)
 
 
+def loads_strict(text: str) -> Any:
+    """``json.loads`` refusing NaN and Infinity (``ValueError``), which Python reads and JSON
+    has not: a model decoding without the grammar may write them."""
+    return json.loads(text, parse_constant=_no_constant)
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
 def load_body(body: str) -> tuple[Any, str | None]:
     """A call's body as JSON, or why it is not: whatever the model wrote, never an exception
-    (an integer of more digits than Python converts, nesting deeper than it recurses)."""
+    (an integer of more digits than Python converts, nesting deeper than it recurses, NaN)."""
     try:
-        return json.loads(body), None
+        return loads_strict(body), None
     except json.JSONDecodeError as err:
         return None, f"invalid JSON: {err.msg}"
     except (ValueError, RecursionError) as err:

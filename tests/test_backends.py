@@ -100,7 +100,8 @@ def test_model_text_python_cannot_load_is_a_malformed_call_for_both_parsers():
 
     huge = '{"name": "f", "arguments": {"x": 1' + "0" * 5000 + "}}"  # over int's 4300 digits
     deep = '{"name": "f", "arguments": ' + '{"a": ' * 2000 + "1" + "}" * 2001
-    for body in (huge, deep):
+    nan = '{"name": "f", "arguments": {"x": NaN, "y": -Infinity}}'  # Python reads, JSON has not
+    for body in (huge, deep, nan):
         text = f"<tool_call>\n{body}\n</tool_call>"
         calls, bad = parse_tool_calls(text)
         assert calls == [] and len(bad) == 1 and bad[0].error.startswith("invalid JSON")

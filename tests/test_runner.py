@@ -239,6 +239,10 @@ def test_json_schema_output_type():
     assert result.final_output == {"n": 4}
     with pytest.raises(ModelBehaviorError, match="'n' is a required property"):
         run(Agent("a", output_type=schema), ['{"m": 4}'])
+    # Python's json reads NaN (past "minimum", and printed as invalid JSON): no JSON number
+    bounded = {"type": "object", "properties": {"x": {"type": "number", "minimum": 0}}}
+    with pytest.raises(ModelBehaviorError, match="not JSON \\(NaN is not a JSON number\\)"):
+        run(Agent("a", output_type=bounded), ['{"x": NaN}'])
 
 
 def test_input_guardrail_stops_the_run_before_any_model_turn():

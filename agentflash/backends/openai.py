@@ -51,6 +51,7 @@ from agentflash.backends.base import (
 )
 from agentflash.errors import UserError, is_int
 from agentflash.runtime.errors import RunError
+from agentflash.tool_format import load_body
 
 RETRY_STATUS = frozenset({408, 409, 429, 500, 502, 503, 504})
 # the finish reasons of a reply the server cut short (SGLang's and vLLM's abort and error, a
@@ -580,7 +581,7 @@ class _ChunkReader:
         """Whether ``call``'s arguments are a whole JSON object (``empty_is``: none count)."""
         if not call.arguments.strip():
             return empty_is
-        return isinstance(_parse(call.arguments), dict)
+        return isinstance(load_body(call.arguments)[0], dict)
 
     def _ready(self, which: Any) -> list[ModelEvent]:
         events: list[ModelEvent] = []
@@ -589,7 +590,7 @@ class _ChunkReader:
                                                       and not call.arguments.strip()):
                 continue  # (a trailing piece that repeated a name is no call)
             call.is_ready = True
-            args = _parse(call.arguments or "{}")
+            args, _ = load_body(call.arguments or "{}")  # NaN refused, as the grammar's
             if isinstance(args, dict) and call.name:
                 events.append(ToolCallReady(index, ToolCall(call.id, call.name, args)))
             else:

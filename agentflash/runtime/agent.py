@@ -20,6 +20,7 @@ from agentflash.runtime.tools import (
     function_tool,
     strict_schema,
 )
+from agentflash.tool_format import loads_strict
 
 GuardrailCheck = Callable[[Any], str | None | Awaitable[str | None]]
 
@@ -120,9 +121,12 @@ def _schema_spec(schema: dict[str, Any]) -> OutputSpec:
 
     def parse(text: str) -> Any:
         try:
-            value = json.loads(text)
+            value = loads_strict(text)
         except json.JSONDecodeError as err:
             raise OutputValidationError(f"reply: not JSON ({err.msg})") from None
+        except (ValueError, RecursionError) as err:  # NaN; past int digits or nesting limits
+            raise OutputValidationError(
+                f"reply: not JSON ({str(err) or type(err).__name__})") from None
         errors = sorted(validator.iter_errors(value), key=str)
         if errors:
             raise OutputValidationError("; ".join(
