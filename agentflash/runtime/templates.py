@@ -61,6 +61,12 @@ def references(text: str) -> tuple[list[Reference], list[str]]:
                 for what, kind, known in (("filter", nodes.Filter, ENV.filters),
                                           ("test", nodes.Test, ENV.tests))
                 for node in ast.find_all(kind) if node.name not in known]
+    # a template is one string: no loader holds other templates to include, extend or import
+    problems += [f"{{% {tag} %}} reads another template, and a workflow's templates have "
+                 "none to read"
+                 for tag, kind in (("include", nodes.Include), ("extends", nodes.Extends),
+                                   ("import", nodes.Import), ("from ... import", nodes.FromImport))
+                 if any(True for _ in ast.find_all(kind))]
     if problems:
         return [], problems
     try:  # compiles the template: what the parser let through may still be refused here
