@@ -565,6 +565,30 @@ def test_an_output_of_a_lazy_filter_is_its_list(tmp_path):
     json.dumps(result.outputs)  # what run prints without --json
 
 
+def test_an_output_json_has_no_form_for_is_its_text(tmp_path):
+    """A namespace(), a cycler or NaN: run without --json ended in a TypeError traceback after
+    every step had run, and --json printed NaN, which is not JSON."""
+    wf = load_workflow(write(tmp_path, """\
+        version: 1
+        name: t
+        inputs:
+          nan: {type: string, default: nan}
+          inf: {type: string, default: inf}
+        agents:
+          a: {instructions: You help.}
+        steps:
+          - {id: s, agent: a, input: hi}
+        outputs:
+          ns: "{{ namespace(a=1) }}"
+          nan: "{{ inputs.nan | float }}"
+          inside: "{{ {'n': inputs.inf | float, 'half': 0.5, (1, 2): none} }}"
+        """))
+    result = anyio.run(lambda: wf.run(backend=ScriptedBackend(lambda request: "ok")))
+    assert result.outputs == {"ns": "<Namespace {'a': 1}>", "nan": "nan",
+                              "inside": {"n": "inf", "half": 0.5, "(1, 2)": None}}
+    json.dumps(result.outputs, allow_nan=False)
+
+
 def test_numbers_are_yaml_1_2s(tmp_path):
     """YAML 1.1 read 010 as 8, 5e-1 as a string (a temperature refused) and 1_000 as 1000."""
     wf = load_workflow(write(tmp_path, """\

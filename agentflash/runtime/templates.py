@@ -7,6 +7,7 @@ Templates are checked when the workflow loads: every name they use must be an in
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import ItemsView, Iterator, KeysView, Mapping, ValuesView
 from dataclasses import dataclass
@@ -129,11 +130,20 @@ _SEQUENCES = (list, tuple, Iterator, set, frozenset, range, KeysView, ValuesView
 
 def _plain(value: Any) -> Any:
     """``value`` with every sequence in it a list (and every mapping a dict): what JSON
-    writes, so that a lazy filter's values are an output's, however deep."""
-    if isinstance(value, (str, bytes)):
+    writes, so that a lazy filter's values are an output's, however deep. Other values JSON
+    has no form for (a ``namespace()``, a date, NaN) become the text the template would write
+    for them."""
+    if value is None or isinstance(value, (str, bool, int)):
         return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else str(value)
     if isinstance(value, Mapping):
-        return {key: _plain(item) for key, item in value.items()}
+        return {_key(key): _plain(item) for key, item in value.items()}
     if isinstance(value, _SEQUENCES):
         return [_plain(item) for item in value]
-    return value
+    return str(value)
+
+
+def _key(key: Any) -> Any:
+    # JSON's keys are text; json.dumps writes numbers', booleans' and None's itself
+    return key if key is None or isinstance(key, (str, bool, int, float)) else str(key)
