@@ -139,4 +139,10 @@ def _build(loader: _Loader, node: yaml.Node, keys: Keys, doc: YamlDoc) -> Any:
             doc.lines[(*keys, i)] = item.start_mark.line + 1
             items.append(_build(loader, item, (*keys, i), doc))
         return items
-    return loader.construct_object(node, deep=True)
+    value = loader.construct_object(node, deep=True)
+    if value is not None and not isinstance(value, (str, int, float)):  # bool is an int
+        # an explicit tag (!!binary, !!timestamp): a value JSON has no form for
+        tag = node.tag.replace("tag:yaml.org,2002:", "!!")
+        raise UserError(f"{doc.path}:{node.start_mark.line + 1}: {dotted(keys)}: a {tag} value "
+                        "is not one JSON has (text, a number, a boolean or null)")
+    return value
