@@ -299,8 +299,8 @@ def run_workflow(
                 result = anyio.run(run_with_view, wf, values, Console(stderr=True))
     except UserError as err:
         fail(err)
-    except RunError as err:
-        typer.echo(f"error: {err}", err=True)
+    except RunError as err:  # on one line, like every error: a tool's message may hold more
+        typer.echo(f"error: {one_line(str(err))}", err=True)
         raise typer.Exit(1) from None
     except KeyboardInterrupt:  # Ctrl-C: the view shows what ran; the shell's code for it
         typer.echo("error: interrupted", err=True)

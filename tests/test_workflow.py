@@ -789,6 +789,32 @@ def test_python_tools_print_to_stderr_under_json_import_their_neighbours_and_may
     assert "tools[0].python: cannot import 'exits': SystemExit: 3" in result.stderr
 
 
+def test_a_run_that_fails_says_why_on_one_line(tmp_path):
+    # a tool's message of two lines was printed as it was: the error's second line stood alone
+    (tmp_path / "ftools.py").write_text(textwrap.dedent('''
+        def fail(x: int) -> int:
+            """Fails."""
+            raise ValueError("first line\\nsecond line")
+        '''))
+    path = write(tmp_path, """\
+        version: 1
+        name: p
+        model: {path: demo, drafter: none}
+        decoding: {max_tokens: 40}
+        tools:
+          - {name: fail, python: "ftools:fail"}
+        agents:
+          a: {instructions: You fail., tools: [fail], tool_choice: fail, max_turns: 1}
+        steps:
+          - {id: s, agent: a, input: "Use fail with x 2."}
+        """)
+    result = CliRunner().invoke(app, ["run", str(path), "--json"])
+    assert result.exit_code == 1 and result.stdout == ""
+    assert result.stderr.splitlines() == [
+        "error: step 's' (agent 'a') failed: agent 'a' reached max_turns (1) without a final "
+        "output (its last turn's call of 'fail' failed: ValueError: first line second line)"]
+
+
 def test_a_tools_module_of_another_workflows_folder_is_not_taken_for_this_ones(tmp_path):
     # two workflows in one process, each beside its own tools.py of the same name: Python
     # gives the second the module the first imported, whose function is another one
