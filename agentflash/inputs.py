@@ -1,5 +1,6 @@
 """User input files (chat messages, OpenAI tools, request lists), checked with errors that name
-the file, line and field."""
+the file, line and field. Torch-free: the runtime checks an agent's messages here on any
+backend, and a remote one's first step would wait for torch's import."""
 
 from __future__ import annotations
 
@@ -9,13 +10,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from agentflash.engine.request import SamplingParams
 from agentflash.errors import UserError
 
 if TYPE_CHECKING:
+    from agentflash.engine.request import SamplingParams
     from agentflash.grammar.tool_calls import ToolSpec
 
 ROLES = ("system", "user", "assistant", "tool")
+
+
+def _sampling_params(**fields: Any) -> SamplingParams:
+    from agentflash.engine.request import SamplingParams
+
+    return SamplingParams(**fields)
 
 
 @dataclass(frozen=True)
@@ -24,7 +31,7 @@ class GenerateInput:
 
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] = field(default_factory=list)
-    params: SamplingParams = SamplingParams()
+    params: SamplingParams = field(default_factory=_sampling_params)
     where: str = "command line"  # what its errors name: a requests file's path and line
 
 
@@ -162,7 +169,7 @@ def make_params(values: dict[str, Any], where: str) -> SamplingParams:
         raise UserError(f"{where}: stop must be a string or a list of strings, "
                         f"got {fields['stop']!r}")
     try:
-        return SamplingParams(**fields)
+        return _sampling_params(**fields)
     except (TypeError, ValueError) as err:
         raise UserError(f"{where}: {err}") from None
 

@@ -62,6 +62,21 @@ def test_text_reply_is_the_final_output():
     assert result.messages[-1] == {"role": "assistant", "content": "Hello there."}
 
 
+def test_a_run_on_a_backend_without_torch_does_not_import_it():
+    # the first turn imported torch (checking its messages), seconds inside the step's time
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "from agentflash.backends.scripted import ScriptedBackend\n"
+            "from agentflash.runtime import Agent, Runner\n"
+            "r = Runner.run_sync(Agent('a'), [{'role': 'user', 'content': 'hi'}],\n"
+            "                    backend=ScriptedBackend(['hello']))\n"
+            "print(r.final_output, 'torch' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["hello", "False"]
+
+
 def test_tool_call_round_trip_and_the_messages_the_model_sees_next():
     agent = Agent("a", tools=[get_weather])
     result, events, backend = run(agent, [
