@@ -129,6 +129,25 @@ def test_masked_argmax_ties_and_infinities():
     assert out == masked_argmax_reference(logits, mask).tolist()
 
 
+def test_masked_argmax_takes_the_first_allowed_nan_as_torch_argmax_does():
+    # the kernel skipped NaN: another token, and "no legal token" where only the NaN was allowed
+    vocab = 3000
+    logits = torch.arange(vocab, dtype=torch.float32).repeat(4, 1)
+    logits[:, [5, 2500]] = float("nan")
+    logits[2, 2999] = float("inf")
+    words = (vocab + 31) // 32
+    mask = torch.full((4, words), -1, dtype=torch.int32)
+    mask[1] = 0
+    mask[1, 0] = 1 << 5  # only the NaN
+    mask[3, 0] = 0  # the first NaN's block not allowed: the one in a later block
+    logits, mask = logits.to(DEVICE), mask.to(DEVICE)
+    out = masked_argmax(logits, mask).tolist()
+    assert out == [5, 5, 5, 2500]
+    assert out == masked_argmax_reference(logits, mask).tolist()
+    for row in range(4):
+        assert _masked_argmax(mask[row].cpu(), logits[row].cpu(), vocab) == out[row]
+
+
 def test_masked_argmax_of_reduced_precision_logits():
     gen = torch.Generator().manual_seed(3)
     logits = torch.randn(3, 2100, generator=gen).to(DEVICE, torch.float16)

@@ -4,7 +4,8 @@ Greedy decoding under a grammar takes the best legal token where the model's own
 illegal (a verify position whose target argmax the grammar forbids; a drafter slot likewise).
 On the GPU this kernel returns it without unpacking the mask or masking a copy of the logits:
 one program per row scans the vocabulary in blocks and keeps the first of equal maxima, as
-``torch.argmax`` does. A row that allows no token gets -1.
+``torch.argmax`` does, for which a NaN is above every number (the first NaN wins). A row that
+allows no token gets -1.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ def _masked_argmax_kernel(
     row = tl.program_id(0)
     best = tl.full((), float("-inf"), tl.float32)
     best_token = tl.full((), -1, tl.int32)
+    best_nan = tl.full((), 0, tl.int32)  # best_token is an allowed NaN: nothing beats it
     for start in range(0, vocab_size, BLOCK):
         tokens = start + tl.arange(0, BLOCK)  # [BLOCK]
         in_vocab = tokens < vocab_size
@@ -38,8 +40,13 @@ def _masked_argmax_kernel(
         found = first < vocab_size
         # a later block wins only with a strictly greater value: the first maximum stands
         take = found & ((top > best) | (best_token < 0))
-        best_token = tl.where(take, first, best_token)
+        # tl.max skips NaN, and a NaN equals nothing: the block's first allowed NaN, if any
+        nan = tl.min(tl.where(allowed & (values != values), tokens, vocab_size), axis=0)
+        take_nan = (nan < vocab_size) & (best_nan == 0)
+        take = take & (best_nan == 0) & (nan >= vocab_size)
+        best_token = tl.where(take_nan, nan, tl.where(take, first, best_token))
         best = tl.where(take, top, best)
+        best_nan = tl.where(take_nan, 1, best_nan)
     tl.store(out_ptr + row, best_token)
 
 
