@@ -638,6 +638,7 @@ def run_concurrency(
     checked against each prompt run alone with plain greedy decoding.
     """
     from agentflash.engine.engine import EngineConfig
+    from agentflash.models.loading import resolve_drafter
 
     if rounds < 1 or not levels or min(levels) < 1:
         raise UserError("rounds and concurrency levels must be positive")
@@ -645,9 +646,9 @@ def run_concurrency(
     if max(levels) > num_prompts:  # a level's label says how many requests were in flight
         raise UserError(f"--concurrency {max(levels)} is more than --num-prompts {num_prompts}: "
                         f"at most {num_prompts} requests could be in flight")
-    engine = Engine.from_pretrained(model, EngineConfig(max_running=max(levels)), drafter=drafter)
-    if engine.drafter is None:
+    if resolve_drafter(model, drafter) is None:  # before the model loads
         raise UserError("the concurrency benchmark compares dflash rows: load a drafter")
+    engine = Engine.from_pretrained(model, EngineConfig(max_running=max(levels)), drafter=drafter)
     rows = []
     for suite in suites:
         items = held_out_prompts(suite, num_prompts)

@@ -146,6 +146,9 @@ def _suites(text: str, known: tuple[str, ...]) -> list[str]:
     unknown = [n for n in names if n not in known]
     if unknown:
         raise UserError(f"--suites: unknown suite {unknown[0]!r} (known: {', '.join(known)})")
+    twice = [n for i, n in enumerate(names) if n in names[:i]]
+    if twice:  # its rows twice over, in one table
+        raise UserError(f"--suites names {twice[0]!r} twice")
     return names
 
 
@@ -201,8 +204,8 @@ def bench(
         names = _suites(suites, bench_mod.ALL_SUITES)
         _positive(num_prompts=num_prompts, max_tokens=max_tokens, rounds=rounds)
         draft = None if drafter == "none" else drafter
-        if concurrency:
-            levels = _int_list(concurrency, "--concurrency")
+        if concurrency is not None:  # given empty: refused, not the one-stream bench
+            levels = _int_list(concurrency, "--concurrency", distinct=True)
             report = bench_mod.run_concurrency(
                 model, names, levels, max_tokens, draft, num_prompts, rounds=rounds
             )
@@ -212,20 +215,23 @@ def bench(
         fail(str(err))
     if as_json:
         typer.echo(json.dumps(report, indent=2))
-    elif concurrency:
+    elif concurrency is not None:
         bench_mod.print_concurrency_table(report)
     else:
         bench_mod.print_table(report)
 
 
-def _int_list(text: str, flag: str, minimum: int = 1) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
+def _int_list(text: str, flag: str, minimum: int = 1, distinct: bool = False) -> list[int]:
+    try:  # an empty item ("1,,4", "1,4,") is a typo, not nothing
+        values = [int(x) for x in text.split(",")]
     except ValueError:
         raise UserError(f"{flag} takes comma-separated integers, got {text!r}") from None
-    if not values or min(values) < minimum:
+    if min(values) < minimum:
         kind = "positive integers" if minimum == 1 else f"integers from {minimum}"
         raise UserError(f"{flag} takes {kind}, got {text!r}")
+    twice = [v for i, v in enumerate(values) if v in values[:i]]
+    if distinct and twice:
+        raise UserError(f"{flag} names {twice[0]} twice")
     return values
 
 
@@ -391,9 +397,9 @@ def bench_server(
         from agentflash.server import bench as server_bench
 
         names = tuple(_suites(suites, ("tool_call", "code", "math", "prose")))
-        report = server_bench.run(model, names, num_prompts, max_tokens,
-                                  tuple(_int_list(concurrency, "--concurrency")), drafter,
-                                  rounds)
+        _positive(num_prompts=num_prompts, max_tokens=max_tokens, rounds=rounds)
+        levels = tuple(_int_list(concurrency, "--concurrency", distinct=True))
+        report = server_bench.run(model, names, num_prompts, max_tokens, levels, drafter, rounds)
     except UserError as err:
         fail(str(err))
     if as_json:

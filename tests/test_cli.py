@@ -293,6 +293,17 @@ def test_missing_model_and_missing_files(tmp_path):
         (["bench", "--rounds", "0"], "--rounds must be at least 1"),
         (["bench", "--concurrency", "1,4", "--num-prompts", "2"],
          "--concurrency 4 is more than --num-prompts 2"),
+        # empty items were dropped, an empty list ran the one-stream bench, a repeated level
+        # or suite ran twice, bench-server named no flag, and a concurrency bench without a
+        # drafter was refused only once the model had loaded
+        (["bench", "--concurrency", "1,,4"],
+         "--concurrency takes comma-separated integers, got '1,,4'"),
+        (["bench", "--concurrency", ""], "--concurrency takes comma-separated integers, got ''"),
+        (["bench", "--concurrency", "4,1,1"], "--concurrency names 1 twice"),
+        (["bench", "--suites", "code,code"], "--suites names 'code' twice"),
+        (["bench", "--drafter", "none", "--concurrency", "1"], "compares dflash rows"),
+        (["bench-server", "--rounds", "0"], "--rounds must be at least 1, got 0"),
+        (["bench-server", "--concurrency", "1,4,"], "--concurrency takes comma-separated"),
         (["bench-server", "--suites", "json"], "--suites: unknown suite 'json'"),
         (["eval-tool-calls", "--num", "0"], "--num must be at least 1, got 0"),
         (["train", "target", "--out", "FILE"], "--out must be a directory, and this is a file"),

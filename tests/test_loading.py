@@ -187,6 +187,23 @@ def test_a_drafter_given_as_the_model_is_named(tmp_path):
         load_model(DEMO_DIR / "drafter")
 
 
+def test_a_bad_drafter_is_named_before_the_target_loads(tmp_path, monkeypatch):
+    # a real target takes minutes to load: its drafter's path was checked after it
+    import agentflash.models.loading as loading
+    from agentflash.engine.engine import Engine
+
+    def no_loading(*_, **__):
+        raise AssertionError("the target was loaded before the drafter was checked")
+
+    monkeypatch.setattr(loading, "load_model", no_loading)
+    with pytest.raises(UserError, match="nowhere: drafter directory does not exist"):
+        Engine.from_pretrained("demo", drafter=tmp_path / "nowhere")
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "config.json").write_text('{"architectures": ["Qwen3ForCausalLM"]}')
+    with pytest.raises(UserError, match="expected \\['DFlashDraftModel'\\]"):
+        Engine.from_pretrained("demo", drafter=tmp_path / "d")
+
+
 def test_the_eos_ids_of_generation_config_end_the_reply(tiny_model_dir, tmp_path):
     from agentflash.engine.engine import Engine, EngineConfig
     from agentflash.engine.request import SamplingParams

@@ -224,12 +224,19 @@ class Engine:
         ``drafter``: a DFlash drafter directory, ``demo``, ``None`` for none, or ``auto`` (the
         demo drafter for the demo model, none otherwise).
         """
-        from agentflash.models.loading import DEMO_DIR, load_drafter_for, load_model, load_tokenizer
+        from agentflash.dflash.checkpoint import load_drafter_config
+        from agentflash.models.loading import (
+            drafter_dir,
+            load_drafter_for,
+            load_model,
+            load_tokenizer,
+            resolve_drafter,
+        )
 
+        drafter = resolve_drafter(model, drafter)
+        if drafter is not None:  # a bad drafter is named before the target takes its time
+            load_drafter_config(drafter_dir(drafter))
         net, _, model_dir = load_model(model, device=config.device)
-        if drafter == "auto":
-            shipped = str(model) == "demo" and (DEMO_DIR / "drafter" / "config.json").exists()
-            drafter = "demo" if shipped else None
         draft_net = load_drafter_for(net, drafter, config.device) if drafter is not None else None
         return cls(net, load_tokenizer(model_dir), config, model_dir, draft_net)
 

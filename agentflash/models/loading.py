@@ -25,6 +25,15 @@ def load_drafter_for(target: Qwen3Model, drafter: str | Path, device: str | torc
     return net
 
 
+def resolve_drafter(model: str | Path, drafter: str | Path | None) -> str | Path | None:
+    """The drafter an engine loads for ``drafter``: ``auto`` is the demo drafter for the demo
+    model, none otherwise."""
+    if drafter != "auto":
+        return drafter
+    shipped = str(model) == "demo" and (DEMO_DIR / "drafter" / "config.json").exists()
+    return "demo" if shipped else None
+
+
 def drafter_dir(drafter: str | Path) -> Path:
     """``demo`` names the bundled drafter; anything else is a directory path."""
     return DEMO_DIR / "drafter" if str(drafter) == "demo" else Path(drafter).expanduser()
