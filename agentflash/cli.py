@@ -484,6 +484,8 @@ def train_drafter(
             if target_layer_ids
             else ()
         )
+        if list(layer_ids) != sorted(set(layer_ids)):  # before the target loads
+            raise UserError(f"--target-layer-ids must be increasing, got {target_layer_ids!r}")
         n, total = num_conversations, sum(shares)
         tool, code, math, prose = counts = [n * k // total for k in shares]
         if max(counts) <= HELD_OUT_PER_KIND:

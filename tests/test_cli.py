@@ -314,6 +314,8 @@ def test_missing_model_and_missing_files(tmp_path):
          "--num-anchors must be at least 1"),
         (["train", "drafter", "--target", "demo", "--out", "DIR", "--block-size", "1"],
          "--block-size must be at least 2"),
+        (["train", "drafter", "--target", "demo", "--out", "DIR", "--target-layer-ids", "3,1"],
+         "--target-layer-ids must be increasing, got '3,1'"),
         (["train", "drafter", "--target", "demo", "--out", "DIR", "--init", "DIR/none"],
          "is not a drafter directory"),
         (["train", "drafter", "--target", "demo", "--out", "DIR", "--num-conversations", "0"],
@@ -398,6 +400,10 @@ def _checkpoint(out, **state):
         ("target", "a target checkpoint at 12", 5, "the run is at step 12, past --steps 5"),
         ("drafter", "a drafter checkpoint of another target", 10,
          "the drafter was trained for the target /elsewhere"),
+        # taken before: the run wrote among them (into assets/demo, the demo's own folder)
+        ("target", "a folder of notes", 10, "holds 'notes.txt', which a target run does not "
+                                            "write: give a new or empty --out"),
+        ("drafter", "a folder of notes", 10, "holds 'notes.txt', which a drafter run does not"),
     ],
 )
 def test_training_refuses_an_out_it_would_spoil_before_any_work(tmp_path, tiny_model_dir,
@@ -426,12 +432,25 @@ def test_training_refuses_an_out_it_would_spoil_before_any_work(tmp_path, tiny_m
         _checkpoint(out, step=2, drafter={}, target=trained_for)
     elif setup == "a target checkpoint at 12":
         _checkpoint(out, step=12, model={})
+    elif setup == "a folder of notes":
+        out.mkdir()
+        (out / "train_log.jsonl").write_text("")  # a run's own file...
+        (out / "notes.txt").write_text("mine")  # ...beside one that is not
     before = sorted((p.name, p.stat().st_mtime_ns) for p in out.rglob("*"))
     command = (["train", "target"] if kind == "target"
                else ["train", "drafter", "--target", str(target)])
     code, _, err = run(*command, "--out", str(out), "--steps", str(steps))
     assert code == 2 and message in err, err
     assert sorted((p.name, p.stat().st_mtime_ns) for p in out.rglob("*")) == before
+
+
+def test_the_demo_target_is_one_target_however_it_is_given():
+    # a drafter run of --target demo was refused on a rerun naming the demo's directory
+    from agentflash.models.loading import DEMO_DIR
+    from agentflash.train.runs import target_name
+
+    assert target_name("demo") == target_name(DEMO_DIR / "target") == "demo"
+    assert target_name(DEMO_DIR / "target" / "..") == str(DEMO_DIR.resolve())
 
 
 def test_a_resumed_run_keeps_one_log_line_a_step(tmp_path):

@@ -211,8 +211,20 @@ def test_cached_answers_of_another_target_are_regenerated(run, tiny_model_dir):
             assert calls == []
             train_mod.build_samples(other, load_tokenizer(tiny_model_dir), tiny_config(), cache)
             assert calls == ["train", "val"]
+            # a cache cut short (its write interrupted) is made again, not an error each rerun
+            cache.write_text(kept[:100])
+            train_mod.build_samples(target, load_tokenizer(tiny_model_dir), tiny_config(), cache)
+            assert calls == ["train", "val"] * 2
+            assert json.loads(cache.read_text())["train"] == []
         finally:
             cache.write_text(kept)
+
+
+def test_a_drafter_the_target_cannot_have_leaves_no_out_behind(tiny_model_dir, tmp_path):
+    # the --out was made once the target had loaded, before the drafter's shape was checked
+    with pytest.raises(ValueError, match="reach past num_target_layers"):
+        train_drafter(tiny_model_dir, tmp_path / "out", tiny_config(target_layer_ids=(0, 99)))
+    assert not (tmp_path / "out").exists()
 
 
 def test_validation_tau_is_what_draft_and_verify_decoding_achieves(run, tiny_model_dir):

@@ -187,10 +187,9 @@ def build_samples(
         "num_val_per_kind": cfg.num_val_per_kind,
         "constrained_tool_calls": cfg.constrained_tool_calls,
     }
-    if cache_path.exists():
-        cached = json.loads(cache_path.read_text(encoding="utf-8"))
-        if cached.get("settings") == settings:
-            return ([Sample(**s) for s in cached["train"]], [Sample(**s) for s in cached["val"]])
+    cached = _cached_samples(cache_path, settings)
+    if cached is not None:
+        return cached
     from agentflash.engine.engine import Engine, EngineConfig
 
     train_convos, val_convos = split_corpus(corpus_mod.generate(cfg.corpus), cfg.num_val_per_kind)
@@ -210,7 +209,8 @@ def build_samples(
         ]
         samples = regenerate(engine, prompts, cfg.max_response_tokens, label)
         splits.append([s for s in samples if s.num_response >= 2])
-    cache_path.write_text(
+    tmp = cache_path.with_name(cache_path.name + ".tmp")  # a write cut short is no cache
+    tmp.write_text(
         json.dumps(
             {
                 "settings": settings,
@@ -220,7 +220,26 @@ def build_samples(
         ),
         encoding="utf-8",
     )
+    tmp.replace(cache_path)
     return splits[0], splits[1]
+
+
+def _cached_samples(
+    cache_path: Path, settings: dict[str, Any]
+) -> tuple[list[Sample], list[Sample]] | None:
+    """The samples ``cache_path`` keeps for ``settings``; None if it keeps others or cannot be
+    read (cut short by an earlier version's write): they are made again."""
+    if not cache_path.exists():
+        return None
+    try:
+        cached = json.loads(cache_path.read_text(encoding="utf-8"))
+        if cached.get("settings") != settings:
+            return None
+        return [Sample(**s) for s in cached["train"]], [Sample(**s) for s in cached["val"]]
+    except (ValueError, TypeError, KeyError, AttributeError) as err:
+        print(f"drafter: {cache_path} cannot be read ({type(err).__name__}: {err}); the target "
+              "answers again", flush=True)
+        return None
 
 
 # --- target features and blocks ----------------------------------------------------------------
@@ -459,13 +478,13 @@ def train_drafter(
 
     out_dir = Path(out_dir)
     target, _, model_dir = load_model(target_dir, device=cfg.device, dtype=torch.float32)
-    out_dir.mkdir(parents=True, exist_ok=True)  # once the target loaded: no empty --out left
     target.requires_grad_(False)
     tokenizer = load_tokenizer(model_dir)
     mask_id = choose_mask_token(tokenizer, target.cfg.vocab_size, cfg.mask_token_id)
     dcfg = drafter_config(target, cfg, mask_id)
     # --init is read and checked before the target answers the corpus (minutes of work)
     initial = _init_from(cfg.init, dcfg) if cfg.init is not None else None
+    out_dir.mkdir(parents=True, exist_ok=True)  # once all is checked: no empty --out left
     train, val = build_samples(target, tokenizer, cfg, out_dir / "responses.json")
     if not train:
         raise UserError(f"{out_dir}: no training sequences (every answer had under 2 tokens)")

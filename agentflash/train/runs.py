@@ -18,6 +18,14 @@ from agentflash.errors import UserError
 # files only one kind of run writes (besides the checkpoint, which says its kind itself)
 _OWN_FILES = {"target": ("tokenizer.json", "train_config.json"),
               "drafter": ("responses.json", "train_drafter.json")}
+# every name a run writes into --out (a target's tokenizer files are transformers' to name)
+_RUN_FILES = {
+    "target": ("checkpoints", "train_log.jsonl", "train_config.json", "config.json",
+               "generation_config.json", "model.safetensors", "chat_template.jinja",
+               "special_tokens_map.json", "added_tokens.json"),
+    "drafter": ("checkpoints", "train_log.jsonl", "train_drafter.json", "config.json",
+                "model.safetensors", "responses.json", "responses.json.tmp"),
+}
 
 
 def check_out_dir(out: Path, kind: str, steps: int, target: str | None = None) -> None:
@@ -32,6 +40,10 @@ def check_out_dir(out: Path, kind: str, steps: int, target: str | None = None) -
     found = [name for name in _OWN_FILES[other] if (out / name).exists()]
     if found:
         raise UserError(f"{out}: holds a {other} run ({found[0]}): give another --out")
+    strangers = sorted(p.name for p in out.iterdir() if not _run_file(p.name, kind))
+    if strangers:  # a run would write among them (read a tokenizer.json that is not its own)
+        raise UserError(f"{out}: holds {strangers[0]!r}, which a {kind} run does not write: "
+                        f"give a new or empty --out, or a {kind} run to resume")
     path = out / "checkpoints" / "latest.pt"  # where target.py and drafter.py keep it
     if not path.exists():
         if (out / "config.json").exists() or (out / "model.safetensors").exists():
@@ -52,6 +64,10 @@ def check_out_dir(out: Path, kind: str, steps: int, target: str | None = None) -
                         f"{target_name(target)}: give that target, or another --out")
 
 
+def _run_file(name: str, kind: str) -> bool:
+    return name in _RUN_FILES[kind] or (kind == "target" and name.startswith("tokenizer"))
+
+
 def read_checkpoint(path: Path) -> dict[str, Any]:
     import torch
 
@@ -62,8 +78,14 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
 
 
 def target_name(target: str | Path) -> str:
-    """How a drafter's checkpoint names its target: ``demo`` or the directory's full path."""
-    return "demo" if str(target) == "demo" else str(Path(target).resolve())
+    """How a drafter's checkpoint names its target: ``demo`` (also given as the bundled
+    target's directory) or the directory's full path."""
+    from agentflash.models.loading import DEMO_DIR
+
+    if str(target) == "demo":
+        return "demo"
+    path = Path(target).expanduser().resolve()
+    return "demo" if path == (DEMO_DIR / "target").resolve() else str(path)
 
 
 def open_log(path: Path, start: int):
