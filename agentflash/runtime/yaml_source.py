@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,6 +50,20 @@ class _Loader(yaml.SafeLoader):
     the string JSON has, where a date object made the schema unwritable as JSON. Numbers are
     YAML 1.2's too: ``010`` is 10 (1.1: octal 8), ``5e-1`` is 0.5 (1.1: a string), ``0o17`` is
     15 and ``1_000`` a string."""
+
+
+def _compose_alias(self: _Loader, parent: Any, index: Any) -> yaml.Node:
+    """The node an alias names, as a copy that knows the alias's line: the errors found in it
+    name where the alias stands (a step repeated by ``- *step``), not the anchor's line."""
+    if not self.check_event(yaml.AliasEvent):
+        return yaml.SafeLoader.compose_node(self, parent, index)
+    line = self.peek_event().start_mark.line + 1
+    here = copy.copy(yaml.SafeLoader.compose_node(self, parent, index))
+    here.alias_line = line
+    return here
+
+
+_Loader.compose_node = _compose_alias
 
 
 _YAML_1_1_ONLY = ("tag:yaml.org,2002:bool", "tag:yaml.org,2002:timestamp",
@@ -113,7 +128,11 @@ def load_yaml(path: str | Path) -> YamlDoc:
         loader.dispose()
 
 
-def _build(loader: _Loader, node: yaml.Node, keys: Keys, doc: YamlDoc) -> Any:
+def _build(loader: _Loader, node: yaml.Node, keys: Keys, doc: YamlDoc,
+           at: int | None = None) -> Any:
+    """``node`` as plain data, with the line of every key in ``doc``: ``at`` for all of it
+    inside an alias (the alias's line)."""
+    at = getattr(node, "alias_line", at)
     if isinstance(node, yaml.MappingNode):
         own = {id(k) for k, _ in node.value if k.tag != "tag:yaml.org,2002:merge"}
         loader.flatten_mapping(node)  # YAML merge keys (<<): the merged pairs come first
@@ -121,7 +140,7 @@ def _build(loader: _Loader, node: yaml.Node, keys: Keys, doc: YamlDoc) -> Any:
         written: set[str] = set()  # the keys this mapping writes itself
         for key_node, value_node in node.value:
             key = loader.construct_object(key_node, deep=True)
-            line = key_node.start_mark.line + 1
+            line = at or key_node.start_mark.line + 1
             if not isinstance(key, str):
                 raise UserError(f"{doc.path}:{line}: {dotted(keys)}: keys must be strings, "
                                 f"got {key!r}")
@@ -131,18 +150,19 @@ def _build(loader: _Loader, node: yaml.Node, keys: Keys, doc: YamlDoc) -> Any:
                                     f"appears twice (first on line {doc.lines[(*keys, key)]})")
                 written.add(key)
             doc.lines[(*keys, key)] = line
-            out[key] = _build(loader, value_node, (*keys, key), doc)
+            out[key] = _build(loader, value_node, (*keys, key), doc, at)
         return out
     if isinstance(node, yaml.SequenceNode):
         items = []
         for i, item in enumerate(node.value):
-            doc.lines[(*keys, i)] = item.start_mark.line + 1
-            items.append(_build(loader, item, (*keys, i), doc))
+            doc.lines[(*keys, i)] = at or getattr(item, "alias_line", item.start_mark.line + 1)
+            items.append(_build(loader, item, (*keys, i), doc, at))
         return items
     value = loader.construct_object(node, deep=True)
     if value is not None and not isinstance(value, (str, int, float)):  # bool is an int
         # an explicit tag (!!binary, !!timestamp): a value JSON has no form for
         tag = node.tag.replace("tag:yaml.org,2002:", "!!")
-        raise UserError(f"{doc.path}:{node.start_mark.line + 1}: {dotted(keys)}: a {tag} value "
-                        "is not one JSON has (text, a number, a boolean or null)")
+        line = at or node.start_mark.line + 1
+        raise UserError(f"{doc.path}:{line}: {dotted(keys)}: a {tag} value is not one JSON has "
+                        "(text, a number, a boolean or null)")
     return value
