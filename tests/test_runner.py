@@ -499,6 +499,31 @@ def test_cancelling_a_run_stops_the_generation_and_running_tools():
     assert cancelled == [True]
 
 
+def test_a_streamed_run_cancelled_from_outside_is_finished_and_cancelled():
+    # a timeout around the run left it "not finished" (result: "read the events first") and
+    # its event stream open
+    @tool
+    async def slow() -> str:
+        """Slow."""
+        await anyio.sleep(30)
+        return "never"
+
+    backend = ScriptedBackend([ScriptedTurn.calls(("slow", {})), "ok"])
+
+    async def main():
+        with anyio.move_on_after(0.2):
+            async with Runner.run_streamed(Agent("a", tools=[slow]), "go",
+                                           backend=backend) as streamed:
+                async for _ in streamed:
+                    pass
+        return streamed
+
+    streamed = anyio.run(main)
+    assert streamed.is_finished and streamed._send._closed
+    with pytest.raises(RunCancelled):
+        _ = streamed.result
+
+
 def test_a_tool_whose_own_awaited_task_is_cancelled_fails_like_any_tool():
     """A CancelledError raised inside the tool (a task it awaited was cancelled), not by a
     cancel scope around the run, is the tool's failure: an error result for the model."""

@@ -561,16 +561,18 @@ class Streamed(Generic[E, R]):
             pass  # nobody reads them any more: the work goes on to its result
 
     async def _drive(self, work: Callable[[Callable[[E], None]], Awaitable[R]]) -> None:
-        with self._scope:
-            try:
-                self._result = await work(self._emit)
-                self._finished = True
-            except Exception as err:
-                self._error = err
-        if self._scope.cancelled_caught and not self._finished and self._error is None:
-            self._error = RunCancelled("the run was cancelled")
-        self._finished = True
-        self._send.close()
+        try:
+            with self._scope:
+                try:
+                    self._result = await work(self._emit)
+                    self._finished = True
+                except Exception as err:
+                    self._error = err
+        finally:  # cancelled by this run's cancel(), or from outside it (a timeout around it)
+            if not self._finished and self._error is None:
+                self._error = RunCancelled("the run was cancelled")
+            self._finished = True
+            self._send.close()
 
 
 @asynccontextmanager
