@@ -57,6 +57,20 @@ def test_spans_form_a_tree_with_timings_and_stats():
     assert "chat scripted  [mode=scripted tokens=" in timeline
 
 
+def test_a_call_that_runs_no_tool_has_its_span_too():
+    # an unknown tool's call and a malformed one were answered with no span in the trace
+    tracer = Tracer(sinks=[])
+    script = [ScriptedTurn.calls(("nope", {})).text
+              + '<tool_call>\n{"name": "get_weather", "arguments":\n</tool_call>', "Done."]
+    Runner.run_sync(Agent("a", tools=[get_weather]), "go", backend=ScriptedBackend(script),
+                    tracer=tracer)
+    tools = [s for s in tracer.spans if s.kind is SpanKind.TOOL]
+    assert [s.name for s in tools] == ["execute_tool nope", "execute_tool get_weather"]
+    assert tools[0].error.startswith("unknown_tool: ") and "unknown tool 'nope'" in tools[0].error
+    assert tools[1].error.startswith("malformed_tool_call: ")
+    assert all(s.parent.kind is SpanKind.TURN for s in tools)
+
+
 def test_opentelemetry_export_follows_the_genai_conventions():
     pytest.importorskip("opentelemetry.sdk")
     from opentelemetry.sdk.trace import TracerProvider

@@ -338,12 +338,17 @@ class _Loop:
         name, arguments = _call_name(call), _call_args(call)
         # answered by the runtime itself: started and done at once, each result after its start
         self.emit(ev.ToolStarted(self.agent.name, call.id, name, arguments))
-        if isinstance(call, model.ToolCall) and call.name in handoffs:
-            attrs = {"gen_ai.operation.name": "execute_tool", "gen_ai.tool.name": name,
-                     "gen_ai.tool.call.id": call.id, "gen_ai.tool.type": "handoff"}
-            with self.tracer.span(SpanKind.TOOL, f"execute_tool {name}", turn.span, attrs) as span:
-                if is_error:
-                    span.error = f"handoff_refused: {output}"
+        attrs = {"gen_ai.operation.name": "execute_tool", "gen_ai.tool.name": name,
+                 "gen_ai.tool.call.id": call.id}
+        if isinstance(call, model.MalformedToolCall):
+            why = "malformed_tool_call"
+        elif call.name in handoffs:
+            why, attrs["gen_ai.tool.type"] = "handoff_refused", "handoff"
+        else:
+            why = "unknown_tool"
+        with self.tracer.span(SpanKind.TOOL, f"execute_tool {name}", turn.span, attrs) as span:
+            if is_error:  # every call has its span, those that ran no tool too
+                span.error = f"{why}: {output}"
         self._record(call.id, name, arguments, output, is_error, 0.0)
         self.emit(ev.ToolResult(self.agent.name, call.id, name, arguments, output, is_error, 0.0))
         return output, is_error
