@@ -101,6 +101,40 @@ def test_opentelemetry_export_follows_the_genai_conventions():
     assert tool_span.end_time - tool_span.start_time >= 50_000_000  # ns
 
 
+def test_opentelemetry_spans_carry_the_provider_output_type_and_cache_reads_from_the_start():
+    # gen_ai.provider.name (required) and gen_ai.output.type were missing, cached prompt tokens
+    # went under agentflash's own name, and a span processor saw no attribute at a span's start
+    pytest.importorskip("opentelemetry.sdk")
+    from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from agentflash.runtime.tracing import OtelSink
+
+    at_start = {}
+
+    class OnStart(SpanProcessor):
+        def on_start(self, span, parent_context=None):
+            at_start[span.name] = dict(span.attributes or {})
+
+    exporter, provider = InMemorySpanExporter(), TracerProvider()
+    provider.add_span_processor(OnStart())
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    schema = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
+    reply = ScriptedTurn('{"x": 1}', stats={"cached_prompt_tokens": 7})
+    Runner.run_sync(Agent("a", output_type=schema), "hi", backend=ScriptedBackend([reply]),
+                    tracer=Tracer(sinks=[OtelSink(provider)]))
+    (chat,) = [s for s in exporter.get_finished_spans() if s.name == "chat scripted"]
+    assert chat.attributes["gen_ai.provider.name"] == "agentflash"
+    assert chat.attributes["gen_ai.output.type"] == "json"
+    assert chat.attributes["gen_ai.usage.cache_read.input_tokens"] == 7
+    assert at_start["chat scripted"]["gen_ai.operation.name"] == "chat"
+    assert at_start["chat scripted"]["gen_ai.request.model"] == "scripted"
+    from agentflash.backends.openai import OpenAIBackend
+
+    assert OpenAIBackend("http://127.0.0.1:9/v1", "m").provider_name == "openai"
+
+
 def test_spans_a_tool_opens_nest_under_its_execute_tool_span():
     pytest.importorskip("opentelemetry.sdk")
     from opentelemetry.sdk.trace import TracerProvider

@@ -161,6 +161,7 @@ class Backend(abc.ABC):
     concurrent agents and runs."""
 
     model_name: str = "model"  # shown in traces (``gen_ai.request.model``)
+    provider_name: str = "agentflash"  # ... and ``gen_ai.provider.name``: whose API it calls
 
     @abc.abstractmethod
     def stream(self, request: ModelRequest) -> AsyncIterator[ModelEvent]:

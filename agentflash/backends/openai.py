@@ -124,6 +124,8 @@ class OpenAIBackend(Backend):
     ``timeout_s`` bounds each wait for data (the reply's start, then every chunk).
     """
 
+    provider_name = "openai"  # the API it speaks, whichever server answers
+
     def __init__(self, base_url: str, model: str, *, api_key: str | None = None,
                  api_key_env: str | None = None, timeout_s: float = 120.0,
                  connect_timeout_s: float = 10.0, retry: RetryPolicy = RetryPolicy()):

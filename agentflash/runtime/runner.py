@@ -236,6 +236,8 @@ class _Loop:
         """Stream the model's reply, dispatching each tool call as it closes."""
         agent = self.agent
         attrs = {"gen_ai.operation.name": "chat", "gen_ai.request.model": self.backend.model_name,
+                 "gen_ai.provider.name": self.backend.provider_name,
+                 "gen_ai.output.type": "json" if request.output_schema else None,
                  "gen_ai.request.temperature": request.decoding.temperature,
                  "gen_ai.request.max_tokens": request.decoding.max_tokens,
                  "gen_ai.request.seed": request.decoding.seed}

@@ -159,8 +159,11 @@ class OtelSink:
         context = self._trace.set_span_in_context(parent) if parent is not None else None
         kind = (self._trace.SpanKind.CLIENT if span.kind is SpanKind.GENERATION
                 else self._trace.SpanKind.INTERNAL)
+        # what is known at the start (the operation, the model asked for): samplers and span
+        # processors read it there
+        known = {k: _otel_value(v) for k, v in span.attributes.items() if v is not None}
         otel = self._tracer.start_span(span.name, context=context, kind=kind,
-                                       start_time=span.start_ns)
+                                       start_time=span.start_ns, attributes=known)
         # current while it runs: spans a tool (or the application) opens inside it nest there
         token = self._context.attach(self._trace.set_span_in_context(otel))
         self._live[span.id] = (otel, token)
@@ -190,7 +193,7 @@ def generation_attributes(stats: dict[str, Any], finish_reason: str) -> dict[str
               for key in SEGMENT_COUNTS if any(key in seg for seg in segments)}
     return {**totals,
         "gen_ai.usage.input_tokens": stats.get("prompt_tokens"),
-        "agentflash.cached_input_tokens": stats.get("cached_prompt_tokens"),
+        "gen_ai.usage.cache_read.input_tokens": stats.get("cached_prompt_tokens"),
         "gen_ai.usage.output_tokens": stats.get("new_tokens"),
         "gen_ai.response.finish_reasons": [finish_reason],
         "agentflash.finish_reason": finish_reason,
