@@ -320,6 +320,11 @@ def test_a_failing_step_stops_the_workflow_and_names_itself(tmp_path):
     message = "step 'right' (agent 'planner') failed: agent 'planner' must answer with"
     assert message in str(err.value)
     assert cancelled == ["left"]
+    # the failed workflow's trace (it could not be reached): its steps, the one that broke
+    timeline = err.value.tracer.timeline()
+    assert "invoke_workflow dag  FAILED StepFailed" in timeline.splitlines()[0]
+    assert "step right" in timeline
+    assert err.value.cause.tracer is err.value.tracer  # the step's run wrote into it
 
 
 def test_template_errors_at_run_time_name_the_key(tmp_path):

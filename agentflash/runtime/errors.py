@@ -10,7 +10,10 @@ from __future__ import annotations
 
 
 class RunError(Exception):
-    """A run stopped before its final output; the message says why."""
+    """A run stopped before its final output; the message says why. ``tracer``: the failed
+    run's trace (``tracer.timeline()``), as a finished run's result holds it."""
+
+    tracer = None  # set where the run (or workflow) that failed raises it
 
 
 class ModelBehaviorError(RunError):

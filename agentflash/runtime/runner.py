@@ -32,6 +32,7 @@ from agentflash.runtime.errors import (
     MaxTurnsExceeded,
     ModelBehaviorError,
     RunCancelled,
+    RunError,
 )
 from agentflash.runtime.tools import Tool, ToolOutcome, error_result, run_tool, tool_spec
 from agentflash.runtime.tracing import Span, SpanKind, Tracer, generation_attributes
@@ -687,7 +688,11 @@ async def _run_streamed(agent: Agent, input: str | list[dict[str, Any]], *,
             chosen, trace = backend, tracer or Tracer()
 
             async def work(emit: Callable[[ev.RunEvent], None]) -> RunResult:
-                return await _Loop(agent, input, chosen, trace, trace_parent, emit).run()
+                try:
+                    return await _Loop(agent, input, chosen, trace, trace_parent, emit).run()
+                except RunError as err:  # its trace, as a result's: what ran, and where it broke
+                    err.tracer = err.tracer or trace
+                    raise
 
             async with streaming(work) as run:
                 yield run

@@ -239,12 +239,15 @@ class _WorkflowRun:
                 for step in self.wf.steps:
                     tg.start_soon(self.run_step, step, done, span, tg.cancel_scope)
             if self.failure is not None:
+                self.failure.tracer = self.tracer  # the workflow's, not the step's run's
                 raise self.failure from self.failure.cause
             try:  # a template that fails on the steps' results (1 / 0): the run failed
                 outputs = {name: self.render(("outputs", name), text, render_value)
                            for name, text in self.wf.outputs.items()}
             except UserError as err:
-                raise OutputsFailed(str(err)) from None
+                failed = OutputsFailed(str(err))
+                failed.tracer = self.tracer
+                raise failed from None
         return WorkflowResult(outputs, self.results, self.stats(span), self.tracer)
 
     async def run_step(self, step: Step, done: dict[str, anyio.Event], span: Span,
