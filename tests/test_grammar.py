@@ -165,6 +165,10 @@ def test_outlines_outputs_validate_against_generated_schemas(tok, closers, seed)
     pytest.importorskip("outlines_core")
     rng = random.Random(100 + seed)
     schema = random_schema(rng, kind=KINDS[seed % len(KINDS)], number_bounds=False)
+    if schema.get("type") == "number":  # outlines-core ends it after its whole part: refused
+        with pytest.raises(GrammarError, match="outlines-core ends the output after"):
+            compile_grammar(json_schema(schema), tok, backend=Backend.OUTLINES)
+        return
     grammar = compile_grammar(
         json_schema(schema), tok, backend=Backend.OUTLINES, vocab_size=len(tok) + 40
     )
@@ -255,7 +259,8 @@ def test_regex_outputs_match(tok, closers, backend):
     import re
 
     pytest.importorskip("outlines_core")
-    pattern = r"(yes|no), [0-9]{2,4}( items)?"
+    # (outlines-core drops a match's continuations: "( items)?" after the digits is refused)
+    pattern = r"(yes|no), [0-9]{2,4} (items|boxes)"
     grammar = compile_grammar(regex(pattern), tok, backend=backend)
     for seed in range(4):
         text = decoded(tok, random_output(grammar.new_constraint(), closers, random.Random(seed)))
@@ -967,11 +972,38 @@ def test_outlines_refuses_what_it_cannot_do(tok):
             "#/properties/a",
         ),
         (regex("a[b"), "unclosed character class"),
+        # compiled before, then writing what the schema refuses, or ending early: a bound in
+        # $defs, allOf's objects one after the other, oneOf read as anyOf, a raw quote in an
+        # email, and "12" ended where "12.5" goes on
+        (json_schema({"$defs": {"n": {"type": "integer", "minimum": 5}},
+                      "properties": {"a": {"$ref": "#/$defs/n"}}}),
+         "#/$defs/n: outlines-core ignores 'minimum'"),
+        (json_schema({"allOf": [{"properties": {"a": {"type": "integer"}}},
+                                {"properties": {"b": {"type": "integer"}}}]}),
+         "#: outlines-core writes allOf's branches one after the other"),
+        (json_schema({"properties": {"n": {"oneOf": [{"type": "integer"},
+                                                     {"type": "number"}]}}}),
+         "#/properties/n: outlines-core reads oneOf as anyOf"),
+        (json_schema({"properties": {"e": {"type": "string", "format": "email"}}}),
+         "#/properties/e: format 'email' is not supported by outlines-core"),
+        (json_schema({"type": "number"}), "outlines-core ends the output after"),
+        (regex(r"[0-9]+(\.[0-9]+)?"), "outlines-core ends the output after"),
+        (regex("ab|abcd"), "outlines-core ends the output after"),
+        # its error quoted the whole schema's regex and named no field
+        (json_schema({"properties": {"code": {"type": "string", "pattern": "(?=a)b"}}}),
+         "#/properties/code: outlines-core cannot compile this schema"),
     ]
     for source, what in cases:
         with pytest.raises(GrammarError) as err:
             compile_grammar(source, tok, backend=Backend.OUTLINES)
         assert what in str(err.value), str(err.value)
+    # a date's format is the whole of the pattern exact_dates puts beside it: kept, not refused
+    for schema in ({"type": "string", "format": "date"},
+                   {"properties": {"at": {"type": "string", "format": "date-time"}}}):
+        compile_grammar(json_schema(schema), tok, backend=Backend.OUTLINES)
+    for source in (json_schema({"type": "integer"}), json_schema({"enum": ["a", "ab"]}),
+                   regex("[a-z]+"), regex("(yes|no)!")):  # a match that goes on is kept
+        compile_grammar(source, tok, backend=Backend.OUTLINES)
 
 
 def test_model_vocab_smaller_than_the_tokenizer_is_an_error(tok):

@@ -297,11 +297,11 @@ def main(argv: list[str] | None = None) -> None:
 
         tokenizer = AutoTokenizer.from_pretrained(DEMO_DIR / "target")
         vocab = len(tokenizer)
-    print(
-        json.dumps(
-            measure(tokenizer, schema, backend=Backend(args.backend), vocab_size=vocab), indent=1
-        )
-    )
+    try:
+        report = measure(tokenizer, schema, backend=Backend(args.backend), vocab_size=vocab)
+    except GrammarError as err:  # a schema this backend refuses (outlines: the default's bounds)
+        parser.exit(2, f"error: {err}\n")
+    print(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":

@@ -96,7 +96,7 @@ def _contradictory_bounds(schema: Any) -> tuple[str, str] | None:
     Even where the schema stays satisfiable (an optional property that can then never appear),
     such a pair is a mistake worth reporting rather than silently dropping the field.
     """
-    for path, node in _subschemas(schema, []):
+    for path, node in subschemas(schema, []):
         if not isinstance(node, dict):
             continue
         for low_key, high_key in _BOUNDS:
@@ -236,7 +236,7 @@ def _resolve(root: Any, ref: str) -> Any:
 def unresolved_ref(schema: Any) -> tuple[str, str] | None:
     """(pointer, ref) of the first ``$ref`` that does not point inside ``schema`` (a URL, which
     validating it would fetch; a pointer or anchor to nothing), or None."""
-    for path, node in _subschemas(schema, []):
+    for path, node in subschemas(schema, []):
         ref = node.get("$ref") if isinstance(node, dict) else None
         if ref is not None and (not isinstance(ref, str) or _resolve(schema, ref) is None):
             return pointer(path + ["$ref"]), ref
@@ -244,7 +244,7 @@ def unresolved_ref(schema: Any) -> tuple[str, str] | None:
 
 
 def _anchored(root: Any, name: str) -> Any:
-    return next((node for _, node in _subschemas(root, [])
+    return next((node for _, node in subschemas(root, [])
                  if isinstance(node, dict) and node.get("$anchor") == name), None)
 
 
@@ -453,10 +453,11 @@ def _children(node: Any) -> Iterator[tuple[list[str | int], Any]]:
             yield [key], sub
 
 
-def _subschemas(node: Any, path: list[str | int]) -> Iterator[tuple[list[str | int], Any]]:
+def subschemas(node: Any, path: list[str | int]) -> Iterator[tuple[list[str | int], Any]]:
+    """(path, subschema) of ``node`` and every schema inside it, ``path`` first."""
     yield path, node
     for part, sub in _children(node):
-        yield from _subschemas(sub, path + part)
+        yield from subschemas(sub, path + part)
 
 
 # Assertion keywords, with the values that assert nothing.
@@ -491,8 +492,8 @@ def ignored_keyword(schema: Any, output_of: Callable[[Any], str]) -> tuple[str, 
     """
     roots = schema if isinstance(schema, dict) else {}
     defs = {k: roots[k] for k in ("$defs", "definitions") if k in roots}
-    for path, node in _subschemas(schema, []):
-        if not isinstance(node, dict) or path[:1] in (["$defs"], ["definitions"]):
+    for path, node in subschemas(schema, []):  # $defs too: a $ref reaches what they assert
+        if not isinstance(node, dict):
             continue
         standalone = {**node, **{k: v for k, v in defs.items() if k not in node}}
         for keyword, no_op in _ASSERTIONS.items():

@@ -73,8 +73,24 @@ def compile_grammar(
     if grammar is None:
         grammar = _build(backend, source, info)
         _check_can_start(grammar, source)
+        if backend is Backend.OUTLINES:
+            _check_outlines_continuations(grammar, source, info)
         _grammars.put(key, grammar)
     return grammar
+
+
+def _check_outlines_continuations(grammar: CompiledGrammar, source: GrammarSource,
+                                  info: TokenizerInfo) -> None:
+    """outlines-core's index against llguidance's on the same source (where llguidance takes
+    it): ``outlines_backend.check_continuations``."""
+    from agentflash.grammar.outlines_backend import check_continuations
+
+    try:
+        reference = compile_grammar(source, info.tokenizer, vocab_size=info.vocab_size,
+                                    eos_token_id=info.eos_token_id)
+    except GrammarError:
+        return
+    check_continuations(grammar, reference, info.tokenizer.decode)
 
 
 def _build(backend: Backend, source: GrammarSource, info: TokenizerInfo) -> CompiledGrammar:

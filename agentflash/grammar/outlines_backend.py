@@ -5,6 +5,12 @@ special tokens), no recursive schemas (outlines-core cuts recursion at a fixed d
 silently emit values the schema rejects, so they are refused), JSON separators are whitespace
 patterns (``JsonStyle.DUMPS`` allows an optional space around ``,`` and ``:``, so json.dumps
 layout is allowed but not enforced), and forced tokens are only states with a single legal token.
+
+What outlines-core 0.2.14 would get wrong is refused when the grammar compiles, naming the
+field: assertions its regex ignores (bounds, in ``$defs`` too), ``allOf`` / ``oneOf`` / ``not``
+/ ``dependentSchemas`` / ``if``, the ``email`` format, and a language in which a match goes on
+through text that is none (a top-level number, ``a(bc)?``), whose continuations its index drops
+(``check_continuations``, against llguidance on the same source).
 """
 
 from __future__ import annotations
@@ -15,10 +21,22 @@ from typing import Any
 
 import torch
 
-from agentflash.grammar.checks import ignored_keyword, locate_schema_error, recursive_ref
-from agentflash.grammar.constraint import CompiledGrammar, Constraint, GrammarError
-from agentflash.grammar.sources import GrammarKind, GrammarSource, JsonStyle
+from agentflash.grammar.checks import (
+    ignored_keyword,
+    locate_schema_error,
+    pointer,
+    recursive_ref,
+    subschemas,
+)
+from agentflash.grammar.constraint import (
+    CompiledGrammar,
+    Constraint,
+    GrammarError,
+    allowed_token_ids,
+)
+from agentflash.grammar.sources import GrammarKind, GrammarSource, JsonStyle, with_subschemas
 from agentflash.grammar.tokenizers import TokenizerInfo
+from agentflash.json_formats import DATE_PATTERNS
 
 WHITESPACE_PATTERNS: dict[JsonStyle, str | None] = {
     JsonStyle.DUMPS: "[ ]?",
@@ -81,6 +99,10 @@ def source_regex(source: GrammarSource) -> str:
             "only; use the llguidance backend for Lark grammars and tool_choice"
         )
     schema = source.schema
+    unsupported = _unsupported(schema)
+    if unsupported is not None:
+        where, what = unsupported
+        raise GrammarError(f"{source.origin}: {where}: {what}; use the llguidance backend")
     loop = recursive_ref(schema)
     if loop is not None:
         raise GrammarError(
@@ -94,7 +116,7 @@ def source_regex(source: GrammarSource) -> str:
         where = locate_schema_error(schema, lambda s: _schema_error(source, s))
         message = " ".join(str(err).split())
         raise GrammarError(f"{source.origin}: {where}: {message}") from None
-    ignored = ignored_keyword(schema, lambda s: _schema_regex(source, s))
+    ignored = ignored_keyword(_date_formats_kept(schema), lambda s: _schema_regex(source, s))
     if ignored is not None:
         where, keyword = ignored
         raise GrammarError(
@@ -102,6 +124,66 @@ def source_regex(source: GrammarSource) -> str:
             f"its output could break the schema; use the llguidance backend"
         )
     return pattern
+
+
+# keywords outlines-core reads wrongly (0.2.14): allOf's branches one after another ({..}{..});
+# oneOf as anyOf; not, dependentSchemas and if/then/else dropped
+_UNSUPPORTED = {
+    "allOf": "outlines-core writes allOf's branches one after the other, not one value",
+    "oneOf": "outlines-core reads oneOf as anyOf, letting a value match several branches",
+    "not": "outlines-core ignores 'not'",
+    "dependentSchemas": "outlines-core ignores 'dependentSchemas'",
+    "if": "outlines-core ignores 'if', 'then' and 'else'",
+}
+# formats whose outlines-core pattern lets text through that is not a JSON string
+_UNSOUND_FORMATS = {"email": "its email pattern writes a raw quote, which JSON refuses"}
+
+
+def _unsupported(schema: Any) -> tuple[str, str] | None:
+    """(pointer, why) of the first keyword outlines-core would not keep to, or None."""
+    for path, node in subschemas(schema, []):
+        if not isinstance(node, dict):
+            continue
+        for keyword, why in _UNSUPPORTED.items():
+            if keyword in node:
+                return pointer(path), why
+        fmt = node.get("format")
+        if isinstance(fmt, str) and fmt.lower() in _UNSOUND_FORMATS:
+            return pointer(path), (f"format {fmt!r} is not supported by outlines-core "
+                                   f"({_UNSOUND_FORMATS[fmt.lower()]})")
+    return None
+
+
+def _date_formats_kept(schema: Any) -> Any:
+    """``schema`` without the date formats that ``sources.exact_dates`` put a pattern beside:
+    outlines-core writes by the pattern, which is the whole format, so ignoring the format
+    loses nothing."""
+    if not isinstance(schema, dict):
+        return schema
+    out = with_subschemas(schema, lambda sub, key: _date_formats_kept(sub))
+    fmt = out.get("format")
+    if isinstance(fmt, str) and out.get("pattern") == DATE_PATTERNS.get(fmt):
+        del out["format"]
+    return out
+
+
+def _index_error(source: GrammarSource, schema: Any, vocabulary: Any) -> str | None:
+    """outlines-core's error building the index of the standalone ``schema``, or None."""
+    try:
+        _outlines().Index(_schema_regex(source, schema), vocabulary)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def _subpattern(schema: Any, where: str) -> str:
+    """The ``pattern`` of the subschema at pointer ``where``, if it has one (else "")."""
+    node = schema
+    for part in where.removeprefix("#").split("/")[1:]:
+        key = part.replace("~1", "/").replace("~0", "~")
+        node = node[int(key)] if isinstance(node, list) else node.get(key, {})
+    pattern = node.get("pattern") if isinstance(node, dict) else None
+    return pattern if isinstance(pattern, str) else ""
 
 
 def _regex_syntax_error(pattern: str) -> str | None:
@@ -123,10 +205,18 @@ class OutlinesGrammar(CompiledGrammar):
         try:
             self.index = _outlines().Index(pattern, vocabulary)
         except ValueError as err:
-            what = "regex" if source.kind is GrammarKind.REGEX else "schema"
-            message = " ".join((_regex_syntax_error(pattern) or str(err)).split())
+            if source.kind is GrammarKind.REGEX:
+                message = " ".join((_regex_syntax_error(pattern) or str(err)).split())
+                raise GrammarError(
+                    f"{source.origin}: outlines-core cannot compile this regex: {message}"
+                ) from None
+            # the field whose pattern it cannot build (its message quotes the whole regex)
+            where = locate_schema_error(source.schema,
+                                        lambda s: _index_error(source, s, vocabulary))
+            message = " ".join((_regex_syntax_error(_subpattern(source.schema, where))
+                                or str(err)).split())
             raise GrammarError(
-                f"{source.origin}: outlines-core cannot compile this {what}: {message}"
+                f"{source.origin}: {where}: outlines-core cannot compile this schema: {message}"
             ) from None
         self._single: dict[int, int | None] = {}  # state -> its only legal token, if just one
 
@@ -183,6 +273,50 @@ class OutlinesConstraint(Constraint):
             forced.append(token)
             state = self._index.get_next_state(state, token)
         return forced
+
+
+def check_continuations(grammar: OutlinesGrammar, reference: CompiledGrammar,
+                        decode: Any) -> None:
+    """Refuse ``grammar`` where outlines-core's index lost a way on: outlines-core (0.2.14)
+    drops a match's continuations that pass through text that is no match (``12`` then
+    ``.5`` for a number, ``ab`` then ``cd`` for ``ab|abcd``), so that it ends the output early.
+    At each complete match (reached by its shortest token path), the tokens ``reference``
+    (llguidance on the same source) allows must be the index's too. Only a language in which a
+    match can go on has such states: a JSON object or array ends at its bracket, so only
+    regexes and top-level scalars are walked."""
+    source, index = grammar.source, grammar.index
+    if source.kind is GrammarKind.JSON_SCHEMA and _bracketed(source.schema):
+        return
+    finals, paths = set(index.get_final_states()), {index.get_initial_state(): []}
+    transitions = index.get_transitions()
+    queue = [index.get_initial_state()]
+    for state in queue:  # breadth first: the shortest path to every state
+        for token, target in transitions.get(state, {}).items():
+            if target not in paths:
+                paths[target] = paths[state] + [token]
+                queue.append(target)
+    for state in sorted(finals & set(paths)):
+        path, follow = paths[state], reference.new_constraint()
+        if follow.validate_draft(path) < len(path):
+            continue  # the two read the source differently here: nothing to compare
+        follow.advance(path)
+        kept = set(index.get_allowed_tokens(state))
+        lost = [t for t in allowed_token_ids(follow.bitmask(), grammar.vocab_size)
+                if t not in kept and t != grammar.eos_token_id]
+        if lost:
+            raise GrammarError(
+                f"{source.origin}: outlines-core ends the output after {decode(path)!r}, where "
+                f"it may go on ({decode(path + lost[:1])!r}): its index drops what follows a "
+                "complete match through text that is none; use the llguidance backend")
+
+
+def _bracketed(schema: Any) -> bool:
+    """Whether every value of ``schema`` is a JSON object or array (nothing follows it)."""
+    if not isinstance(schema, dict):
+        return False
+    kinds = schema.get("type")
+    kinds = [kinds] if isinstance(kinds, str) else kinds
+    return isinstance(kinds, list) and bool(kinds) and set(kinds) <= {"object", "array"}
 
 
 def compile_source(source: GrammarSource, vocabulary: Any, info: TokenizerInfo) -> OutlinesGrammar:

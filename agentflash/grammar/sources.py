@@ -69,7 +69,7 @@ _OPEN_ENDED = (
 )
 
 
-def _with_subschemas(node: dict[str, Any], each: Callable[[Any, str], Any]) -> dict[str, Any]:
+def with_subschemas(node: dict[str, Any], each: Callable[[Any, str], Any]) -> dict[str, Any]:
     """A copy of the schema ``node`` whose subschemas are ``each(subschema, key)``, ``key`` the
     keyword they are under (``properties``, ``anyOf``, ``items``, ...)."""
     out = dict(node)
@@ -109,7 +109,7 @@ def _close(node: Any, close: bool, composing: set[str]) -> Any:
         shares = key == "allOf" or (key in ("anyOf", "oneOf") and "properties" in node)
         return _close(sub, not shares, composing)
 
-    out = _with_subschemas(node, each)
+    out = with_subschemas(node, each)
     for key in ("$defs", "definitions"):  # named by the root's pointers, #/$defs/NAME
         if isinstance(node.get(key), dict):
             out[key] = {name: _close(sub, f"#/{key}/{name}" not in composing, composing)
@@ -138,7 +138,7 @@ def _composing_refs(root: Any) -> set[str]:
             ref = node.get("$ref")
             if isinstance(ref, str) and (shared or "properties" in node):
                 found.add(ref)
-            _with_subschemas(node, lambda sub, key: walk(sub, key == "allOf" or (
+            with_subschemas(node, lambda sub, key: walk(sub, key == "allOf" or (
                 key in ("anyOf", "oneOf") and "properties" in node)))
         return node
 
@@ -153,7 +153,7 @@ def exact_dates(node: Any) -> Any:
     0000, which Python's dates, and so jsonschema's format check, refuse)."""
     if not isinstance(node, dict):
         return node
-    out = _with_subschemas(node, lambda sub, key: exact_dates(sub))
+    out = with_subschemas(node, lambda sub, key: exact_dates(sub))
     fmt = out.get("format")  # not yet checked against the meta-schema: maybe no string
     pattern = DATE_PATTERNS.get(fmt) if isinstance(fmt, str) else None
     if pattern is None or out.get("pattern") == pattern:
