@@ -378,6 +378,27 @@ def test_a_reply_keeps_the_blank_it_ends_with_after_text_not_after_a_call():
     text, calls = reply(TextDelta("Hi."), TextDelta("\n"), ToolCallDelta(0, "f", "{}"),
                         ToolCallReady(0, ToolCall("c1", "f", {})), TextDelta("\n"))
     assert text == "Hi." and [c["function"]["name"] for c in calls] == ["f"]
+    # the blank came with the text before the call in one delta (a block of accepted tokens):
+    # it was content then, and not when it came alone
+    assert reply(TextDelta("Hi.\n\n"), ToolCallDelta(0, "f", "{}"),
+                 ToolCallReady(0, ToolCall("c1", "f", {})))[0] == text
+    assert reply(TextDelta("Hi. "), TextDelta("there.")) == ("Hi. there.", [])
+
+
+def test_a_streamed_reply_adds_up_to_the_whole_one_without_text_too(client):
+    """A reply of calls alone under tool_choice auto, and an empty one: the stream opened with
+    content "" where the whole reply said null, and the whole empty reply said null."""
+    full = client.chat.completions.create(model="demo", messages=user("Hello, who are you?"),
+                                          max_tokens=20, temperature=0).choices[0].message.content
+    for args in (dict(messages=user("Use get_weather with city Oslo, days 3."), tools=TOOLS,
+                      max_tokens=120, temperature=0),
+                 dict(messages=user("Hello, who are you?"), max_tokens=20, temperature=0,
+                      stop=[full[:2]])):
+        whole = client.chat.completions.create(model="demo", **args).choices[0].message
+        with client.chat.completions.stream(model="demo", **args) as stream:
+            streamed = stream.get_final_completion().choices[0].message
+        assert streamed.content == whole.content
+        assert (whole.content is None) == bool(whole.tool_calls)
 
 
 def _nested(depth: int) -> dict:

@@ -199,16 +199,23 @@ class Server:
                      ) -> AsyncIterator[bytes]:
         """Server-sent ``chat.completion.chunk`` events, then ``[DONE]``."""
         name, writer = self.config.name, ReplyWriter()
-        # a reply bound to calls (tool_choice required or named) has no content: null, as the
-        # whole reply says it (OpenAI's too); "" made the client's accumulated message differ
-        calls_only = bool(chat.tools) and chat.tool_choice not in (None, "auto", "none")
-        yield protocol.sse(protocol.chunk(ident, name, created, {
-            "role": "assistant", "content": None if calls_only else ""}))
+        opened = False
+
+        def delta_chunk(delta: dict[str, Any]) -> str:
+            # the first delta carries the role, and content "" or, where a call comes first,
+            # null: what the whole reply's content is then, once the client has added it up
+            nonlocal opened
+            if not opened:
+                opened = True
+                delta = {"role": "assistant",
+                         "content": None if "tool_calls" in delta else "", **delta}
+            return protocol.sse(protocol.chunk(ident, name, created, delta))
+
         async with aclosing(reply_events(self.aengine, job)) as events:
             async for event in events:
                 if not isinstance(event, Finished):
                     for delta in writer.deltas(event):
-                        yield protocol.sse(protocol.chunk(ident, name, created, delta))
+                        yield delta_chunk(delta)
                     continue
                 result = event.result
                 failure = engine_failure(result)
@@ -216,7 +223,9 @@ class Server:
                     yield protocol.sse(failure.body())
                     return
                 for delta in writer.close():
-                    yield protocol.sse(protocol.chunk(ident, name, created, delta))
+                    yield delta_chunk(delta)
+                if not opened:  # an empty reply
+                    yield delta_chunk({})
                 yield protocol.sse(protocol.chunk(
                     ident, name, created, {}, writer.finish_reason(result),
                     agentflash=speculation_stats(result)))

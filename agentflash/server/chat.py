@@ -263,10 +263,14 @@ class ReplyWriter:
     def deltas(self, event: ModelEvent) -> list[dict[str, Any]]:
         """The chunk deltas ``event`` adds (maybe none)."""
         if isinstance(event, TextDelta):
-            if not event.text.strip():
+            # the whitespace it ends with is held like a blank delta: whether it is content
+            # must not depend on how the text was cut into deltas (a block of accepted tokens)
+            words = event.text.rstrip()
+            if not words:
                 self._blank += event.text
                 return []
-            text, self._blank, self._after_call = self._blank + event.text, "", False
+            text, self._after_call = self._blank + words, False
+            self._blank = event.text[len(words):]
             self.content.append(text)
             return [{"content": text}]
         if isinstance(event, ToolCallDelta):
@@ -327,9 +331,10 @@ class ReplyWriter:
                 for i in sorted(self.complete + self.cut)]
 
     def text(self) -> str | None:
-        """The content as the stream sent it (a leading blank with the first text after it)."""
+        """The content as the stream sent it (a leading blank with the first text after it);
+        null for a reply of calls alone, "" for an empty one (as a streamed reply adds up)."""
         text = "".join(self.content)
-        return text or None
+        return None if not text and self.calls else text
 
     def finish_reason(self, result: GenerationResult) -> str:
         if result.finish_reason == "length":
