@@ -947,6 +947,18 @@ def test_bad_grammars_raise_clear_errors(tok, source, what):
     assert what in str(err.value), str(err.value)
 
 
+def test_an_added_token_that_is_text_may_be_written(demo_tokenizer_dir):
+    # every added token's text was refused, an added one llguidance reads as text ("zzqq") too
+    tok = AutoTokenizer.from_pretrained(demo_tokenizer_dir)
+    tok.add_tokens(["zzqq"])
+    grammar = compile_grammar(regex("a zzqq b"), tok, vocab_size=len(tok))
+    ids = tok.encode("a zzqq b", add_special_tokens=False) + [tok.eos_token_id]
+    assert tok.convert_tokens_to_ids("zzqq") in ids
+    assert grammar.new_constraint().validate_draft(ids) == len(ids)
+    with pytest.raises(GrammarError, match="holds '<tools>', the text of a special token"):
+        compile_grammar(regex("hi <tools>"), tok, vocab_size=len(tok))
+
+
 def test_productive_lark_grammars_pass_the_finish_check(tok):
     ok = 'start: expr\nexpr: term ("+" term)*\nterm: NUM | "(" expr ")"\nNUM: /[0-9]+/\n'
     constraint = compile_grammar(lark(ok), tok).new_constraint()

@@ -183,18 +183,22 @@ def compile_source(
 ) -> LLGuidanceGrammar:
     if source.kind is GrammarKind.LARK:
         _check_no_end_token(source, info)
-    _check_no_special_text(source, info)
+    _check_no_special_text(source, info, tokenizer)
     return LLGuidanceGrammar(source, tokenizer, info.vocab_size, info.eos_token_id)
 
 
-def _check_no_special_text(source: GrammarSource, info: TokenizerInfo) -> None:
+def _check_no_special_text(source: GrammarSource, info: TokenizerInfo,
+                           tokenizer: llguidance.LLTokenizer) -> None:
     """A literal the grammar writes as text that holds a special token's text (an enum value
     ``</tool_call>``) cannot be written: the tokenizer reads that text as the special token,
     which the grammar does not take as text, and every request would fail at that point."""
     from agentflash.grammar.checks import regex_literals, written_literals
 
     added = getattr(info.tokenizer, "get_added_vocab", None)
-    specials = [t for t in (added() if added is not None else {}) if len(t) > 1]
+    # the added tokens llguidance keeps out of text (<tool_call> too); another added token
+    # ("zzqq") is text to it like any other
+    specials = [t for t, i in (added() if added is not None else {}).items()
+                if len(t) > 1 and i < tokenizer.vocab_size and tokenizer.is_special_token(i)]
     if not specials:
         return
     if source.kind is GrammarKind.REGEX:
