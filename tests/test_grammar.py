@@ -930,6 +930,7 @@ def test_a_schema_that_passed_its_checks_is_not_checked_again(monkeypatch):
         (lambda: regex("<tool_call>[a-z]{1,5}"),
          "the literal '<tool_call>' holds '<tool_call>', the text of a special token"),
         (lambda: regex("(ok|x</tool_call>)"), "the literal 'x</tool_call>' holds"),
+        (lambda: regex("(<)tool_call>[a-z]+"), "the literal '<tool_call>' holds"),  # one run
         (lambda: lark("start: /[/"), "unclosed character class"),
         (lambda: regex("a[b"), "invalid regex"),
         (lambda: regex("[a&&b]"), "no output matches"),

@@ -627,6 +627,9 @@ def regex_literals(pattern: str) -> list[str]:
             if name == "LITERAL":
                 run.append(chr(arg))
                 continue
+            if name == "SUBPATTERN" and _only_literals(arg[-1]):  # "(<)tool_call>": one run
+                run.extend(chr(a) for _, a in arg[-1])
+                continue
             if run:
                 runs.append("".join(run))
                 run = []
@@ -644,6 +647,10 @@ def regex_literals(pattern: str) -> list[str]:
 
     walk(tree)
     return runs
+
+
+def _only_literals(sequence: Any) -> bool:
+    return all(str(op) == "LITERAL" for op, _ in sequence)
 
 
 def _schema_literals(node: Any, path: list[str | int]) -> Iterator[tuple[str, str]]:
