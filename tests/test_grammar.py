@@ -913,6 +913,8 @@ def test_a_schema_that_passed_its_checks_is_not_checked_again(monkeypatch):
         # another end of a turn: the engine stopped there, "stop", the grammar unfinished
         (lambda: lark('start: "a" <|endoftext|> "b"'), "writes the end token <|endoftext|>"),
         (lambda: lark('start: "hi <tools>"'), "holds '<tools>', the text of a special token"),
+        (lambda: lark('start: "<" "tool_call>" "x"'),  # strings in a row are one text
+         "the strings \"<\" \"tool_call>\" \"x\" holds '<tool_call>'"),
         (lambda: json_schema({"enum": ["a", "</tool_call>"]}),
          "#/enum holds '</tool_call>', the text of a special token"),
         (lambda: json_schema({"type": "object", "properties": {"<tools>": {"type": "integer"}}}),

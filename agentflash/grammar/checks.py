@@ -593,7 +593,13 @@ def written_literals(lark_text: str | None, schema: Any = None) -> list[tuple[st
     except _Unparsed:
         return []
     found: list[tuple[str, str]] = []
+    run: list[str] = []  # strings one after another in a rule: written as one text
     for kind, value in tokens:
+        if kind == "ws":
+            continue
+        if kind != "string" and len(run) > 1:  # '"<" "tool_call>"' writes <tool_call>
+            found.append(_joined(run))
+        run = run + [value] if kind == "string" else []
         if kind == "string":
             found.append((f"the string {value}", value))
         elif kind == "json":
@@ -602,7 +608,15 @@ def written_literals(lark_text: str | None, schema: Any = None) -> list[tuple[st
             except ValueError:
                 continue
             found += [(f"%json {where}", lit) for where, lit in _schema_literals(body, [])]
+    if len(run) > 1:
+        found.append(_joined(run))
     return found
+
+
+def _joined(strings: list[str]) -> tuple[str, str]:
+    """(where, text) of Lark strings written one after another, as one literal."""
+    return (f"the strings {' '.join(strings)}",
+            "".join(v.removesuffix("i")[1:-1] for v in strings))
 
 
 def regex_literals(pattern: str) -> list[str]:
