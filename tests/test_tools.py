@@ -641,6 +641,10 @@ class Recorder(BaseHTTPRequestHandler):
             return self._reply(404, "text/plain", b"no such thing")
         if self.path.startswith("/slow"):
             time.sleep(1)
+        if self.path.startswith("/huge"):  # 3 MiB of text
+            return self._reply(200, "text/plain", b"x" * (3 << 20))
+        if self.path.startswith("/latin"):  # text in the charset its header names
+            return self._reply(200, "text/plain; charset=iso-8859-1", "café".encode("latin-1"))
         self._reply(200, "application/json", json.dumps({"path": self.path}).encode())
 
     def do_DELETE(self):
@@ -715,6 +719,19 @@ def test_http_tool_calls_only_its_declared_url(server_url):
     assert late.is_error and "timed out" in late.output.lower()
     paths = [p.split("?")[0] for _, p, _ in Recorder.seen]
     assert "/elsewhere" not in paths and len([p for p in paths if p == "/flights"]) == 2
+
+
+def test_http_tool_reads_a_reply_up_to_its_cap(server_url):
+    # a reply was read whole into memory, however large, then into the prompt
+    huge = HttpTool("huge", "", "GET", f"{server_url}/huge", PARAMS)
+    latin = HttpTool("latin", "", "GET", f"{server_url}/latin", PARAMS)
+
+    async def main():
+        return await run_tool(huge, {"to": "x"}), await run_tool(latin, {"to": "x"})
+
+    big, text = anyio.run(main)
+    assert big.is_error and "larger than 1 MiB" in big.output
+    assert not text.is_error and text.output == "café"
 
 
 def test_http_tool_checks_arguments_as_the_grammar_writes_them(server_url):

@@ -505,6 +505,9 @@ def no_parameters() -> dict[str, Any]:
     return {"type": "object", "properties": {}, "additionalProperties": False}
 
 
+MAX_REPLY_BYTES = 1 << 20  # an http tool's reply, at most (far more than a prompt holds)
+
+
 @dataclass(frozen=True)
 class HttpTool:
     """Calls one declared URL with the model's arguments (query string for GET and DELETE, JSON
@@ -571,16 +574,25 @@ class HttpTool:
         # the model's arguments join the query the declared URL has (httpx's params replace it)
         url = httpx.URL(self.url).copy_merge_params(_query(arguments)) if query else self.url
         async with httpx.AsyncClient(timeout=self.timeout_s, follow_redirects=False) as client:
-            response = await client.request(self.method, url, json=None if query else arguments)
+            async with client.stream(self.method, url,
+                                     json=None if query else arguments) as response:
+                body = bytearray()  # read up to the cap: a reply is read whole into memory
+                async for piece in response.aiter_bytes():
+                    body += piece
+                    if len(body) > MAX_REPLY_BYTES:
+                        raise RuntimeError(
+                            f"the reply from {self.url} is larger than "
+                            f"{MAX_REPLY_BYTES >> 20} MiB: a tool's result goes into the "
+                            "model's prompt")
+        text = body.decode(response.encoding or "utf-8", errors="replace")
         if not response.is_success:
-            raise RuntimeError(f"HTTP {response.status_code} from {self.url}: "
-                               f"{response.text[:300]}")
+            raise RuntimeError(f"HTTP {response.status_code} from {self.url}: {text[:300]}")
         if response.headers.get("content-type", "").startswith("application/json"):
             try:
-                return response.json()
+                return json.loads(text)
             except ValueError:  # empty (204 No Content) or not JSON after all: its text
                 pass
-        return response.text
+        return text
 
 
 def _query(arguments: dict[str, Any]) -> dict[str, Any]:
