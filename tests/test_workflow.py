@@ -656,6 +656,24 @@ def test_dates_are_strings_and_merge_keys_are_overridden_a_key_twice_is_refused(
             """))
 
 
+def test_an_alias_of_a_mapping_that_merges_keeps_the_merged_keys(tmp_path):
+    # the alias shared the anchor's list of pairs, which reading the anchor's <<: emptied
+    wf = load_workflow(write(tmp_path, """\
+        version: 1
+        name: t
+        agents:
+          base: &base {instructions: You plan., max_turns: 3}
+          planner: &planner {<<: *base, instructions: You plan carefully.}
+          checker: *planner
+        steps:
+          - &first {<<: {agent: planner, input: hi}, id: first}
+          - {<<: *first, id: again}
+        """))
+    assert wf.agents["checker"].max_turns == 3 == wf.agents["planner"].max_turns
+    assert wf.agents["checker"].instructions == "You plan carefully."
+    assert [(s.id, s.agent) for s in wf.steps] == [("first", "planner"), ("again", "planner")]
+
+
 def test_validate_names_each_problem_once_at_its_key_as_run_would_meet_it(tmp_path):
     # a bad top-level decoding was named again at every agent, an agent's max_turns at the
     # agent, a step's use of its own output was told to wait for itself (a cycle), and the

@@ -59,6 +59,8 @@ def _compose_alias(self: _Loader, parent: Any, index: Any) -> yaml.Node:
         return yaml.SafeLoader.compose_node(self, parent, index)
     line = self.peek_event().start_mark.line + 1
     here = copy.copy(yaml.SafeLoader.compose_node(self, parent, index))
+    if isinstance(here, yaml.CollectionNode):  # its own list: flattening the anchor's merge
+        here.value = list(here.value)          # keys (<<) in place must not empty this one's
     here.alias_line = line
     return here
 
