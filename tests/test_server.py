@@ -363,7 +363,13 @@ def test_a_reply_keeps_the_blank_it_ends_with_after_text_not_after_a_call():
     """Whitespace alone in a delta is held back (beside a call it is no content); at the reply's
     end after text it is content, whether a step committed it alone (plain) or with the text
     before it (dflash): the modes' replies differed."""
-    from agentflash.backends.base import TextDelta, ToolCall, ToolCallDelta, ToolCallReady
+    from agentflash.backends.base import (
+        MalformedToolCall,
+        TextDelta,
+        ToolCall,
+        ToolCallDelta,
+        ToolCallReady,
+    )
     from agentflash.server.chat import ReplyWriter
 
     def reply(*events):
@@ -383,6 +389,9 @@ def test_a_reply_keeps_the_blank_it_ends_with_after_text_not_after_a_call():
     assert reply(TextDelta("Hi.\n\n"), ToolCallDelta(0, "f", "{}"),
                  ToolCallReady(0, ToolCall("c1", "f", {})))[0] == text
     assert reply(TextDelta("Hi. "), TextDelta("there.")) == ("Hi. there.", [])
+    # a call that names no tool stays text, after the blank before it
+    assert reply(TextDelta("Hi.\n"), ToolCallReady(0, MalformedToolCall("c1", "not json", "x"))
+                 ) == ("Hi.\nnot json", [])
 
 
 def test_a_streamed_reply_adds_up_to_the_whole_one_without_text_too(client):

@@ -322,8 +322,10 @@ class ReplyWriter:
             deltas = self.deltas(ToolCallDelta(index, *begun))
             self.cut.append(index)
             return deltas
-        self.content.append(call.body)
-        return [{"content": call.body}]
+        # text, after the blank held before it (it was sent after the body, at the end)
+        text, self._blank, self._after_call = self._blank + call.body, "", False
+        self.content.append(text)
+        return [{"content": text}]
 
     def tool_calls(self) -> list[dict[str, Any]]:
         return [{"id": self.calls[i].id, "type": "function",
