@@ -116,6 +116,24 @@ def test_inputs_are_converted_defaulted_and_checked(tmp_path):
         parse_input_pairs(["days=3", "days=4"])
 
 
+def test_an_input_schema_may_refer_inside_itself(tmp_path):
+    # a pointer's percent-encoded key ("a b" as a%20b) was refused as pointing nowhere
+    wf = load_workflow(write(tmp_path, """\
+        version: 1
+        name: r
+        inputs:
+          days: {type: object, properties: {n: {$ref: "#/$defs/a%20b"}},
+                 $defs: {"a b": {type: integer, minimum: 1}}}
+        agents:
+          a: {instructions: You help.}
+        steps:
+          - {id: one, agent: a, input: "{{ inputs.days }}"}
+        """))
+    assert wf.resolve_inputs({"days": '{"n": 2}'}) == {"days": {"n": 2}}
+    with pytest.raises(UserError, match="input 'days': 0 is less than the minimum of 1"):
+        wf.resolve_inputs({"days": '{"n": 0}'})
+
+
 def test_a_number_input_is_a_json_number(tmp_path):
     wf = load_workflow(write(tmp_path, """\
         version: 1

@@ -16,6 +16,7 @@ import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
+from urllib.parse import unquote
 
 from agentflash.grammar.constraint import GrammarError
 
@@ -222,8 +223,8 @@ def _resolve(root: Any, ref: str) -> Any:
     if ref != "#" and not ref.startswith("#/"):  # "#num": the subschema whose $anchor is num
         return _anchored(root, ref[1:])
     node = root
-    for raw in ref[1:].split("/")[1:]:
-        part = raw.replace("~1", "/").replace("~0", "~")
+    for raw in ref[1:].split("/")[1:]:  # a URI fragment: percent-encoded ("a%20b"), then ~
+        part = unquote(raw).replace("~1", "/").replace("~0", "~")
         if isinstance(node, dict) and part in node:
             node = node[part]
         elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
@@ -234,18 +235,22 @@ def _resolve(root: Any, ref: str) -> Any:
 
 
 def unresolved_ref(schema: Any) -> tuple[str, str] | None:
-    """(pointer, ref) of the first ``$ref`` that does not point inside ``schema`` (a URL, which
-    validating it would fetch; a pointer or anchor to nothing), or None."""
+    """(pointer, ref) of the first ``$ref`` or ``$dynamicRef`` that does not point inside
+    ``schema`` (a URL, which validating it would fetch; a pointer or anchor to nothing), or
+    None."""
     for path, node in subschemas(schema, []):
-        ref = node.get("$ref") if isinstance(node, dict) else None
-        if ref is not None and (not isinstance(ref, str) or _resolve(schema, ref) is None):
-            return pointer(path + ["$ref"]), ref
+        for keyword in ("$ref", "$dynamicRef"):
+            ref = node.get(keyword) if isinstance(node, dict) else None
+            if ref is not None and (not isinstance(ref, str) or _resolve(schema, ref) is None):
+                return pointer(path + [keyword]), ref
     return None
 
 
 def _anchored(root: Any, name: str) -> Any:
+    # a $dynamicAnchor names its subschema for a plain "#name" too
     return next((node for _, node in subschemas(root, [])
-                 if isinstance(node, dict) and node.get("$anchor") == name), None)
+                 if isinstance(node, dict) and name in (node.get("$anchor"),
+                                                         node.get("$dynamicAnchor"))), None)
 
 
 class _Productivity:

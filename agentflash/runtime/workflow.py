@@ -599,7 +599,8 @@ class _Builder:
             unresolved = unresolved_ref(schema)
             if unresolved is not None:  # jsonschema would fetch a URL, or fail with a traceback
                 where, ref = unresolved
-                self.problems.add(("inputs", name), f"$ref {ref!r} (at {where}) does not "
+                keyword = where.rsplit("/", 1)[-1]  # $ref or $dynamicRef
+                self.problems.add(("inputs", name), f"{keyword} {ref!r} (at {where}) does not "
                                   "point inside the input's schema (only local refs are read)")
                 continue
             if "default" in schema:
