@@ -403,3 +403,26 @@ def test_a_lookup_that_agrees_with_a_constrained_block_is_cut_to_the_grammar_and
     lookups = [(n, accepted) for verified_lookup, n, accepted in seen if verified_lookup]
     assert lookups and max(accepted for _, accepted in lookups) > 2
     assert all(n <= len(free) for n, _ in lookups)  # cut where the grammar ends the answer
+
+
+def test_greedy_constrained_tokens_are_each_allowed_by_the_mask_where_they_stand(demo):
+    """Where the grammar forces text ('"]' closing a full array), llguidance's mask allows its
+    canonical token only, and its token check any tokenization: the engine took the target's
+    '"' (then ']'), which plain constrained decoding (mask, then argmax) never writes."""
+    grammar = json_schema({"type": "array", "items": {"enum": ["a", "b", "c"]},
+                           "minItems": 2, "maxItems": 12})
+    prompt = demo.chat_prompt([{"role": "user", "content": "Repeat after me: a b c a b c a b c"}])
+    out = demo.generate(prompt, SamplingParams(max_tokens=60, grammar=grammar)).token_ids
+    constraint = demo.compile(grammar).new_constraint()
+    for token in out:
+        assert constraint.allowed_mask()[token], (token, demo.tokenizer.decode([token]))
+        constraint.advance([token])
+    assert constraint.is_finished()
+    # the token check agrees with the mask there, and a lookup's draft is cut where it would not
+    closing = demo.tokenizer.encode('"]', add_special_tokens=False)
+    quote, bracket = (demo.tokenizer.encode(t, add_special_tokens=False)[0] for t in ('"', "]"))
+    before = demo.compile(grammar).new_constraint()
+    before.advance(out[: len(out) - 2])
+    assert before.forced_tokens() == [*closing, demo.tokenizer.eos_token_id]
+    assert not before.allows(quote) and before.allows(closing[0])
+    assert before.validate_draft([quote, bracket]) == 2 and before.mask_prefix([quote]) == 0

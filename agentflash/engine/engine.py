@@ -776,7 +776,7 @@ class Engine:
             return tokens
         try:
             with grammar_clock([req]):
-                return tokens[: req.constraint.validate_draft(tokens)]
+                return tokens[: req.constraint.mask_prefix(tokens)]
         except Exception as err:
             self._fail_alone(req, err)
             return None

@@ -248,6 +248,18 @@ class Constraint(abc.ABC):
             return legal
         return end + 1 if self._accepts_after(body) else end
 
+    def mask_prefix(self, tokens: Sequence[int]) -> int:
+        """How many leading ``tokens`` plain constrained decoding could write: each allowed by
+        the mask where it stands (``validate_draft`` takes any tokenization of forced text,
+        the mask its canonical tokens only). No change; for drafts the grammar did not walk
+        (a lookup in the request's text)."""
+        with self._walk() as ahead:
+            for n, token in enumerate(tokens):
+                if not ahead.allows(token):
+                    return n
+                ahead._commit([token])
+        return len(tokens)
+
     def allows(self, token: int) -> bool:
         """Whether ``token`` may come next: ``validate_draft([token]) == 1``, without its list
         work (the walks ask this once a drafted slot)."""
@@ -255,6 +267,11 @@ class Constraint(abc.ABC):
             return False
         if token == self.eos_token_id:
             return self._is_accepting()
+        return self._allows_one(token)
+
+    def _allows_one(self, token: int) -> bool:
+        """Whether the mask allows ``token`` (not the end token); a backend whose mask is
+        narrower than its token check in some states overrides this."""
         return self._validate([token]) == 1
 
     def _accepts_after(self, body: list[int]) -> bool:
@@ -419,7 +436,7 @@ def greedy_verify(
         if token == drafted:
             continue
         if masks is not None:
-            row = masks[j] if not _allows(masks[j], token, constraint.vocab_size) else None
+            row = masks[j] if not bit_is_set(masks[j], token, constraint.vocab_size) else None
         elif commit:  # the drafts up to here are legal and, matched so far, accepted
             _commit_to_end(constraint, draft[done:j])
             done = j
@@ -531,7 +548,7 @@ def constrained_draft(
             row = masks[slot if with_masks else 0]
             if with_masks:
                 ahead.fill_bitmask(row)
-                legal = _allows(row, token, ahead.vocab_size)
+                legal = bit_is_set(row, token, ahead.vocab_size)
             else:  # one token checked costs a fraction of a mask
                 legal = ahead.allows(token)
                 if not legal:
@@ -553,7 +570,8 @@ def _grow(masks: torch.Tensor, rows: int) -> torch.Tensor:
     return grown
 
 
-def _allows(row: torch.Tensor, token: int, vocab_size: int) -> bool:
+def bit_is_set(row: torch.Tensor, token: int, vocab_size: int) -> bool:
+    """Whether the mask row [W] allows ``token``."""
     return 0 <= token < vocab_size and (int(row[token // 32]) >> (token % 32)) & 1 == 1
 
 

@@ -16,6 +16,7 @@ from agentflash.grammar.constraint import (
     Constraint,
     GrammarError,
     GrammarFailed,
+    bit_is_set,
 )
 from agentflash.grammar.sources import GrammarKind, GrammarSource, JsonStyle
 from agentflash.grammar.tokenizers import TokenizerInfo, chat_end_ids
@@ -168,6 +169,17 @@ class LLGuidanceConstraint(Constraint):
         copy = LLGuidanceConstraint(self._m.deep_copy(), self.vocab_size, self.eos_token_id)
         copy._num_fed, copy._ended = self._num_fed, self._ended
         return copy
+
+    def _allows_one(self, token: int) -> bool:
+        # where the grammar forces bytes, the mask keeps them to their canonical tokens ('"]')
+        # and validate_tokens takes any tokenization ('"' then ']'): the mask decides, as in
+        # plain constrained decoding
+        if self._m.compute_ff_bytes():
+            row = self._scratch_row()
+            row.zero_()
+            self._fill(row)
+            return bit_is_set(row, token, self.vocab_size)
+        return self._m.validate_tokens([token]) == 1
 
     def _forced(self) -> list[int]:
         if not self._m.compute_ff_bytes():  # no forced byte, no forced token (~100x cheaper)
