@@ -1017,7 +1017,8 @@ def test_outlines_refuses_what_it_cannot_do(tok):
                    {"properties": {"at": {"type": "string", "format": "date-time"}}}):
         compile_grammar(json_schema(schema), tok, backend=Backend.OUTLINES)
     for source in (json_schema({"type": "integer"}), json_schema({"enum": ["a", "ab"]}),
-                   regex("[a-z]+"), regex("(yes|no)!")):  # a match that goes on is kept
+                   regex("[a-z]+"), regex("(yes|no)!"),  # a match that goes on is kept
+                   regex("[^\n]+")):  # (a token ending inside a character is not checked)
         compile_grammar(source, tok, backend=Backend.OUTLINES)
 
 

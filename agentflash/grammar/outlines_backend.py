@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -45,6 +46,7 @@ WHITESPACE_PATTERNS: dict[JsonStyle, str | None] = {
 }
 MAX_ROLLBACK = 1024  # committed tokens a constraint can undo
 MAX_FORCED = 64  # forced tokens returned at once
+MAX_CONTINUATION_CHECKS = 64  # complete matches check_continuations compares, shallowest first
 
 
 def _outlines() -> Any:
@@ -58,8 +60,19 @@ def _outlines() -> Any:
     return outlines_core
 
 
-def build_tokenizer(info: TokenizerInfo) -> Any:
-    """outlines-core's ``Vocabulary``: every ordinary token's bytes (special and added tokens are
+@dataclass(frozen=True)
+class Vocabularies:
+    """outlines-core's ``Vocabulary`` of the tokenizer, and of its one-character ASCII tokens
+    alone (``probe``): an index over those has the regex's states with few tokens each, cheap
+    to walk (``check_continuations``)."""
+
+    full: Any
+    probe: Any
+    probe_ids: frozenset[int]
+
+
+def build_tokenizer(info: TokenizerInfo) -> Vocabularies:
+    """outlines-core's vocabularies: every ordinary token's bytes (special and added tokens are
     left out: they never occur inside JSON or regex output), plus the end token."""
     import llguidance.hf
 
@@ -71,7 +84,11 @@ def build_tokenizer(info: TokenizerInfo) -> Any:
         text = lltok.decode_bytes([token])
         if text:
             by_bytes.setdefault(text, []).append(token)
-    return _outlines().Vocabulary(info.eos_token_id, by_bytes)
+    ascii_ = {text: ids[:1] for text, ids in by_bytes.items() if len(text) == 1 and text[0] < 128}
+    vocabulary = _outlines().Vocabulary
+    return Vocabularies(vocabulary(info.eos_token_id, by_bytes),
+                        vocabulary(info.eos_token_id, ascii_),
+                        frozenset(ids[0] for ids in ascii_.values()))
 
 
 def _schema_regex(source: GrammarSource, schema: Any) -> str:
@@ -199,9 +216,11 @@ def _regex_syntax_error(pattern: str) -> str | None:
 class OutlinesGrammar(CompiledGrammar):
     """An outlines-core ``Index`` plus per-state facts shared by all requests."""
 
-    def __init__(self, source: GrammarSource, vocabulary: Any, vocab_size: int, eos_token_id: int):
+    def __init__(self, source: GrammarSource, vocabularies: Vocabularies, vocab_size: int,
+                 eos_token_id: int):
         self.source, self.vocab_size, self.eos_token_id = source, vocab_size, eos_token_id
-        pattern = source_regex(source)
+        self.pattern, self.vocabularies = source_regex(source), vocabularies
+        pattern, vocabulary = self.pattern, vocabularies.full
         try:
             self.index = _outlines().Index(pattern, vocabulary)
         except ValueError as err:
@@ -280,29 +299,40 @@ def check_continuations(grammar: OutlinesGrammar, reference: CompiledGrammar,
     """Refuse ``grammar`` where outlines-core's index lost a way on: outlines-core (0.2.14)
     drops a match's continuations that pass through text that is no match (``12`` then
     ``.5`` for a number, ``ab`` then ``cd`` for ``ab|abcd``), so that it ends the output early.
-    At each complete match (reached by its shortest token path), the tokens ``reference``
-    (llguidance on the same source) allows must be the index's too. Only a language in which a
-    match can go on has such states: a JSON object or array ends at its bracket, so only
-    regexes and top-level scalars are walked."""
-    source, index = grammar.source, grammar.index
+    The check walks an index of the same regex over one-character ASCII tokens (its states are
+    the regex's, with few tokens each): at each complete match, reached by its shortest path,
+    the characters ``reference`` (llguidance on the same source) allows must be the index's
+    too. Only a language in which a match can go on has such states: a JSON object or array
+    ends at its bracket, so only regexes and top-level scalars are walked. A continuation that
+    begins with a non-ASCII character is not checked."""
+    source = grammar.source
     if source.kind is GrammarKind.JSON_SCHEMA and _bracketed(source.schema):
         return
-    finals, paths = set(index.get_final_states()), {index.get_initial_state(): []}
-    transitions = index.get_transitions()
-    queue = [index.get_initial_state()]
+    vocabularies = grammar.vocabularies
+    try:
+        probe = _outlines().Index(grammar.pattern, vocabularies.probe)
+    except ValueError:  # a regex that cannot start with ASCII: nothing to walk here
+        return
+    start = probe.get_initial_state()
+    finals, paths, queue = set(probe.get_final_states()), {start: []}, [start]
+    transitions = probe.get_transitions()
     for state in queue:  # breadth first: the shortest path to every state
         for token, target in transitions.get(state, {}).items():
             if target not in paths:
                 paths[target] = paths[state] + [token]
                 queue.append(target)
-    for state in sorted(finals & set(paths)):
+    checked = 0
+    for state in (s for s in queue if s in finals):  # the shallowest first
+        if checked == MAX_CONTINUATION_CHECKS:
+            return
         path, follow = paths[state], reference.new_constraint()
         if follow.validate_draft(path) < len(path):
             continue  # the two read the source differently here: nothing to compare
         follow.advance(path)
-        kept = set(index.get_allowed_tokens(state))
-        lost = [t for t in allowed_token_ids(follow.bitmask(), grammar.vocab_size)
-                if t not in kept and t != grammar.eos_token_id]
+        checked += 1
+        kept = set(probe.get_allowed_tokens(state))
+        allowed = allowed_token_ids(follow.bitmask(), grammar.vocab_size)
+        lost = [t for t in allowed if t in vocabularies.probe_ids and t not in kept]
         if lost:
             raise GrammarError(
                 f"{source.origin}: outlines-core ends the output after {decode(path)!r}, where "
@@ -319,5 +349,6 @@ def _bracketed(schema: Any) -> bool:
     return isinstance(kinds, list) and bool(kinds) and set(kinds) <= {"object", "array"}
 
 
-def compile_source(source: GrammarSource, vocabulary: Any, info: TokenizerInfo) -> OutlinesGrammar:
-    return OutlinesGrammar(source, vocabulary, info.vocab_size, info.eos_token_id)
+def compile_source(source: GrammarSource, vocabularies: Vocabularies, info: TokenizerInfo
+                   ) -> OutlinesGrammar:
+    return OutlinesGrammar(source, vocabularies, info.vocab_size, info.eos_token_id)
