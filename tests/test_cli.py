@@ -444,13 +444,18 @@ def test_training_refuses_an_out_it_would_spoil_before_any_work(tmp_path, tiny_m
     assert sorted((p.name, p.stat().st_mtime_ns) for p in out.rglob("*")) == before
 
 
-def test_the_demo_target_is_one_target_however_it_is_given():
+def test_the_demo_target_is_one_target_however_it_is_given(tmp_path):
     # a drafter run of --target demo was refused on a rerun naming the demo's directory
     from agentflash.models.loading import DEMO_DIR
-    from agentflash.train.runs import target_name
+    from agentflash.train.runs import check_out_dir, target_name
 
     assert target_name("demo") == target_name(DEMO_DIR / "target") == "demo"
     assert target_name(DEMO_DIR / "target" / "..") == str(DEMO_DIR.resolve())
+    # a checkpoint that kept the directory (written before) resumes as --target demo, and the
+    # system's hidden files beside a run are no user's work
+    _checkpoint(tmp_path, step=2, drafter={}, target=str(DEMO_DIR / "target"))
+    (tmp_path / ".DS_Store").write_bytes(b"")
+    check_out_dir(tmp_path, "drafter", 10, "demo")
 
 
 def test_a_resumed_run_keeps_one_log_line_a_step(tmp_path):

@@ -59,13 +59,17 @@ def check_out_dir(out: Path, kind: str, steps: int, target: str | None = None) -
         raise UserError(f"{path}: the run is at step {done}, past --steps {steps}: give --steps "
                         f"{done} or more to go on, or another --out")
     trained_for = state.get("target")
+    if trained_for is not None:  # a run of an earlier version kept the demo's directory
+        trained_for = target_name(trained_for)
     if target is not None and trained_for is not None and trained_for != target_name(target):
         raise UserError(f"{path}: the drafter was trained for the target {trained_for}, not "
                         f"{target_name(target)}: give that target, or another --out")
 
 
 def _run_file(name: str, kind: str) -> bool:
-    return name in _RUN_FILES[kind] or (kind == "target" and name.startswith("tokenizer"))
+    # a hidden file (.DS_Store) is the system's, not the user's work a run would write among
+    return (name in _RUN_FILES[kind] or name.startswith(".")
+            or (kind == "target" and name.startswith("tokenizer")))
 
 
 def read_checkpoint(path: Path) -> dict[str, Any]:
