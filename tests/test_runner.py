@@ -518,10 +518,18 @@ def test_a_streamed_run_cancelled_from_outside_is_finished_and_cancelled():
                     pass
         return streamed
 
-    streamed = anyio.run(main)
-    assert streamed.is_finished and streamed._send._closed
-    with pytest.raises(RunCancelled):
-        _ = streamed.result
+    import gc
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ResourceWarning)
+        streamed = anyio.run(main)
+        assert streamed.is_finished
+        with pytest.raises(RunCancelled):
+            _ = streamed.result
+        del streamed
+        gc.collect()
+    assert not [w for w in caught if "MemoryObjectSendStream" in str(w.message)]
 
 
 def test_a_tool_whose_own_awaited_task_is_cancelled_fails_like_any_tool():
