@@ -681,7 +681,8 @@ def test_an_alias_of_a_mapping_that_merges_keeps_the_merged_keys(tmp_path):
         name: t
         agents:
           base: &base {instructions: You plan., max_turns: 3}
-          planner: &planner {<<: *base, instructions: You plan carefully.}
+          planner: &planner {<<: *base, instructions: You plan carefully.,
+                             decoding: {<<: {temperature: 0.5, max_tokens: 100}, temperature: 0}}
           checker: *planner
         steps:
           - &first {<<: {agent: planner, input: hi}, id: first}
@@ -689,6 +690,10 @@ def test_an_alias_of_a_mapping_that_merges_keeps_the_merged_keys(tmp_path):
         """))
     assert wf.agents["checker"].max_turns == 3 == wf.agents["planner"].max_turns
     assert wf.agents["checker"].instructions == "You plan carefully."
+    # a mapping inside the alias that merges and overrides: its own key was taken for twice
+    assert wf.agents["checker"].decoding == wf.agents["planner"].decoding
+    assert (wf.agents["checker"].decoding.temperature, wf.agents["checker"].decoding.max_tokens
+            ) == (0.0, 100)
     assert [(s.id, s.agent) for s in wf.steps] == [("first", "planner"), ("again", "planner")]
 
 

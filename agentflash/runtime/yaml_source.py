@@ -136,7 +136,11 @@ def _build(loader: _Loader, node: yaml.Node, keys: Keys, doc: YamlDoc,
     inside an alias (the alias's line)."""
     at = getattr(node, "alias_line", at)
     if isinstance(node, yaml.MappingNode):
-        own = {id(k) for k, _ in node.value if k.tag != "tag:yaml.org,2002:merge"}
+        # its own keys, as written: kept on the node, which flattening changes in place and an
+        # alias (of a mapping holding it) reaches again
+        if not hasattr(node, "own_keys"):
+            node.own_keys = {id(k) for k, _ in node.value if k.tag != "tag:yaml.org,2002:merge"}
+        own = node.own_keys
         loader.flatten_mapping(node)  # YAML merge keys (<<): the merged pairs come first
         out: dict[str, Any] = {}
         written: set[str] = set()  # the keys this mapping writes itself
