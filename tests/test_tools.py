@@ -645,6 +645,8 @@ class Recorder(BaseHTTPRequestHandler):
             return self._reply(200, "text/plain", b"x" * (3 << 20))
         if self.path.startswith("/latin"):  # text in the charset its header names
             return self._reply(200, "text/plain; charset=iso-8859-1", "café".encode("latin-1"))
+        if self.path.startswith("/bom"):  # JSON after a byte-order mark
+            return self._reply(200, "application/json", b'\xef\xbb\xbf{"ok": 1}')
         self._reply(200, "application/json", json.dumps({"path": self.path}).encode())
 
     def do_DELETE(self):
@@ -725,13 +727,15 @@ def test_http_tool_reads_a_reply_up_to_its_cap(server_url):
     # a reply was read whole into memory, however large, then into the prompt
     huge = HttpTool("huge", "", "GET", f"{server_url}/huge", PARAMS)
     latin = HttpTool("latin", "", "GET", f"{server_url}/latin", PARAMS)
+    bom = HttpTool("bom", "", "GET", f"{server_url}/bom", PARAMS)
 
     async def main():
-        return await run_tool(huge, {"to": "x"}), await run_tool(latin, {"to": "x"})
+        return [await run_tool(t, {"to": "x"}) for t in (huge, latin, bom)]
 
-    big, text = anyio.run(main)
-    assert big.is_error and "larger than 1 MiB" in big.output
+    big, text, marked = anyio.run(main)
+    assert big.is_error and "HTTP 200 from" in big.output and "larger than 1 MiB" in big.output
     assert not text.is_error and text.output == "café"
+    assert json.loads(marked.output) == {"ok": 1}
 
 
 def test_http_tool_checks_arguments_as_the_grammar_writes_them(server_url):

@@ -581,15 +581,15 @@ class HttpTool:
                     body += piece
                     if len(body) > MAX_REPLY_BYTES:
                         raise RuntimeError(
-                            f"the reply from {self.url} is larger than "
-                            f"{MAX_REPLY_BYTES >> 20} MiB: a tool's result goes into the "
-                            "model's prompt")
+                            f"HTTP {response.status_code} from {self.url}: the reply is larger "
+                            f"than {MAX_REPLY_BYTES >> 20} MiB (a tool's result goes into the "
+                            "model's prompt)")
         text = body.decode(response.encoding or "utf-8", errors="replace")
         if not response.is_success:
             raise RuntimeError(f"HTTP {response.status_code} from {self.url}: {text[:300]}")
         if response.headers.get("content-type", "").startswith("application/json"):
-            try:
-                return json.loads(text)
+            try:  # the bytes: json finds their encoding (a BOM, UTF-16) as response.json() did
+                return json.loads(bytes(body))
             except ValueError:  # empty (204 No Content) or not JSON after all: its text
                 pass
         return text
