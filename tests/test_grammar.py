@@ -1004,6 +1004,7 @@ def test_outlines_refuses_what_it_cannot_do(tok):
         (json_schema({"type": "number"}), "outlines-core ends the output after"),
         (regex(r"[0-9]+(\.[0-9]+)?"), "outlines-core ends the output after"),
         (regex("ab|abcd"), "outlines-core ends the output after"),
+        (regex(r"€[0-9]+(\.[0-9]{2})?"), "ends the output after '€"),  # no ASCII match
         # its error quoted the whole schema's regex and named no field
         (json_schema({"properties": {"code": {"type": "string", "pattern": "(?=a)b"}}}),
          "#/properties/code: outlines-core cannot compile this schema"),
@@ -1018,7 +1019,8 @@ def test_outlines_refuses_what_it_cannot_do(tok):
         compile_grammar(json_schema(schema), tok, backend=Backend.OUTLINES)
     for source in (json_schema({"type": "integer"}), json_schema({"enum": ["a", "ab"]}),
                    regex("[a-z]+"), regex("(yes|no)!"),  # a match that goes on is kept
-                   regex("[^\n]+")):  # (a token ending inside a character is not checked)
+                   regex("[^\n]+"),  # (a token ending inside a character is not checked)
+                   regex("€[0-9]+")):
         compile_grammar(source, tok, backend=Backend.OUTLINES)
 
 

@@ -62,9 +62,9 @@ def _outlines() -> Any:
 
 @dataclass(frozen=True)
 class Vocabularies:
-    """outlines-core's ``Vocabulary`` of the tokenizer, and of its one-character ASCII tokens
-    alone (``probe``): an index over those has the regex's states with few tokens each, cheap
-    to walk (``check_continuations``)."""
+    """outlines-core's ``Vocabulary`` of the tokenizer, and of its one-character tokens alone
+    (``probe``): an index over those has the regex's states with few tokens each, cheap to
+    walk (``check_continuations``)."""
 
     full: Any
     probe: Any
@@ -84,11 +84,18 @@ def build_tokenizer(info: TokenizerInfo) -> Vocabularies:
         text = lltok.decode_bytes([token])
         if text:
             by_bytes.setdefault(text, []).append(token)
-    ascii_ = {text: ids[:1] for text, ids in by_bytes.items() if len(text) == 1 and text[0] < 128}
+    chars = {text: ids[:1] for text, ids in by_bytes.items() if _one_character(text)}
     vocabulary = _outlines().Vocabulary
     return Vocabularies(vocabulary(info.eos_token_id, by_bytes),
-                        vocabulary(info.eos_token_id, ascii_),
-                        frozenset(ids[0] for ids in ascii_.values()))
+                        vocabulary(info.eos_token_id, chars),
+                        frozenset(ids[0] for ids in chars.values()))
+
+
+def _one_character(text: bytes) -> bool:
+    try:
+        return len(text.decode("utf-8")) == 1
+    except UnicodeDecodeError:  # a byte of a character
+        return False
 
 
 def _schema_regex(source: GrammarSource, schema: Any) -> str:
@@ -299,20 +306,21 @@ def check_continuations(grammar: OutlinesGrammar, reference: CompiledGrammar,
     """Refuse ``grammar`` where outlines-core's index lost a way on: outlines-core (0.2.14)
     drops a match's continuations that pass through text that is no match (``12`` then
     ``.5`` for a number, ``ab`` then ``cd`` for ``ab|abcd``), so that it ends the output early.
-    The check walks an index of the same regex over one-character ASCII tokens (its states are
-    the regex's, with few tokens each): at each complete match, reached by its shortest path,
-    the characters ``reference`` (llguidance on the same source) allows must be the index's
-    too. Only a language in which a match can go on has such states: a JSON object or array
-    ends at its bracket, so only regexes and top-level scalars are walked. A continuation that
-    begins with a non-ASCII character is not checked."""
+    The check walks an index of the same regex over the tokenizer's one-character tokens (its
+    states are the regex's, with few tokens each): at each complete match, reached by its
+    shortest path, the characters ``reference`` (llguidance on the same source) allows must be
+    the index's too. Where those tokens cannot spell a match (a character the tokenizer splits
+    into bytes), the whole index is walked. Only a language in which a match can go on has
+    such states: a JSON object or array ends at its bracket, so only regexes and top-level
+    scalars are walked. A token that ends inside a character is not checked."""
     source = grammar.source
     if source.kind is GrammarKind.JSON_SCHEMA and _bracketed(source.schema):
         return
     vocabularies = grammar.vocabularies
     try:
-        probe = _outlines().Index(grammar.pattern, vocabularies.probe)
-    except ValueError:  # a regex that cannot start with ASCII: nothing to walk here
-        return
+        probe, probe_ids = _outlines().Index(grammar.pattern, vocabularies.probe), None
+    except ValueError:  # no match of one-character tokens: the whole index (slower)
+        probe, probe_ids = grammar.index, _whole_characters(grammar, decode)
     start = probe.get_initial_state()
     finals, paths, queue = set(probe.get_final_states()), {start: []}, [start]
     transitions = probe.get_transitions()
@@ -332,12 +340,19 @@ def check_continuations(grammar: OutlinesGrammar, reference: CompiledGrammar,
         checked += 1
         kept = set(probe.get_allowed_tokens(state))
         allowed = allowed_token_ids(follow.bitmask(), grammar.vocab_size)
-        lost = [t for t in allowed if t in vocabularies.probe_ids and t not in kept]
+        ids = vocabularies.probe_ids if probe_ids is None else probe_ids
+        lost = [t for t in allowed if t in ids and t not in kept]
         if lost:
             raise GrammarError(
                 f"{source.origin}: outlines-core ends the output after {decode(path)!r}, where "
                 f"it may go on ({decode(path + lost[:1])!r}): its index drops what follows a "
                 "complete match through text that is none; use the llguidance backend")
+
+
+def _whole_characters(grammar: OutlinesGrammar, decode: Any) -> frozenset[int]:
+    """The tokens of whole characters (not ending inside one), end token left out."""
+    return frozenset(t for t in range(grammar.vocab_size)
+                     if t != grammar.eos_token_id and not decode([t]).endswith("\ufffd"))
 
 
 def _bracketed(schema: Any) -> bool:
