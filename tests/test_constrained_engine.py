@@ -426,3 +426,13 @@ def test_greedy_constrained_tokens_are_each_allowed_by_the_mask_where_they_stand
     assert before.forced_tokens() == [*closing, demo.tokenizer.eos_token_id]
     assert not before.allows(quote) and before.allows(closing[0])
     assert before.validate_draft([quote, bracket]) == 2 and before.mask_prefix([quote]) == 0
+    # a lookup's draft (the request's own text) is cut where the mask is: '"' ']' there was
+    # kept, and accepted wherever the target chose the same
+    req = demo.submit(prompt, SamplingParams(max_tokens=60, grammar=grammar))
+    try:
+        req.constraint.advance(out[: len(out) - 2])
+        assert demo._legal_head(req, [quote, bracket]) == []
+        assert demo._legal_head(req, [*closing, demo.tokenizer.eos_token_id]) == [
+            *closing, demo.tokenizer.eos_token_id]
+    finally:
+        demo.cancel(req)

@@ -5,7 +5,8 @@
     constraint = grammar.new_constraint()   # one per request
 
 The engine then masks logits with ``constraint.fill_bitmask`` / ``masks_along_draft`` and
-``apply_bitmask_``, cuts drafts with ``validate_draft``, drafts with ``constrained_draft``, and
+``apply_bitmask_``, drafts with ``constrained_draft``, cuts other drafts with ``mask_prefix``
+(where the mask allows them; ``validate_draft`` takes any tokenization of forced text), and
 commits with ``advance``. See ``constraint.py``.
 """
 

@@ -599,9 +599,7 @@ def written_literals(lark_text: str | None, schema: Any = None) -> list[tuple[st
         return []
     found: list[tuple[str, str]] = []
     run: list[str] = []  # strings one after another in a rule: written as one text
-    for kind, value in tokens:
-        if kind == "ws":
-            continue
+    for kind, value in tokens:  # (whitespace is not among them)
         if kind != "string" and len(run) > 1:  # '"<" "tool_call>"' writes <tool_call>
             found.append(_joined(run))
         run = run + [value] if kind == "string" else []

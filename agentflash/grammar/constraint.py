@@ -261,8 +261,9 @@ class Constraint(abc.ABC):
         return len(tokens)
 
     def allows(self, token: int) -> bool:
-        """Whether ``token`` may come next: ``validate_draft([token]) == 1``, without its list
-        work (the walks ask this once a drafted slot)."""
+        """Whether the mask allows ``token`` next (the walks ask this once a drafted slot, and
+        verification where the target's choice is not the draft's): ``validate_draft([token])
+        == 1`` except where a backend's mask is narrower (``_allows_one``)."""
         if self._ended or not 0 <= token < self.vocab_size:
             return False
         if token == self.eos_token_id:
@@ -345,7 +346,7 @@ class Constraint(abc.ABC):
 
     def _scratch_row(self) -> torch.Tensor:
         """A mask row [W] that a walk or a verify of this request fills and reads at once, never
-        keeps (one allocation per request, not one per walk)."""
+        keeps (one allocation per request, and per walk's copy where it asks ``allows``)."""
         if self._row is None:
             self._row = allocate_bitmask(1, self.vocab_size)[0]
         return self._row
