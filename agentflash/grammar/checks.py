@@ -215,7 +215,7 @@ def _no_value_of_type(node: dict) -> str | None:
     return None
 
 
-def _resolve(root: Any, ref: str) -> Any:
+def resolve_ref(root: Any, ref: str) -> Any:
     """The subschema a local ``$ref`` points at (a JSON pointer, or a ``$anchor``'s name), or
     None if it is not a local one."""
     if not ref.startswith("#"):
@@ -241,7 +241,7 @@ def unresolved_ref(schema: Any) -> tuple[str, str] | None:
     for path, node in subschemas(schema, []):
         for keyword in ("$ref", "$dynamicRef"):
             ref = node.get(keyword) if isinstance(node, dict) else None
-            if ref is not None and (not isinstance(ref, str) or _resolve(schema, ref) is None):
+            if ref is not None and (not isinstance(ref, str) or resolve_ref(schema, ref) is None):
                 return pointer(path + [keyword]), ref
     return None
 
@@ -264,7 +264,7 @@ class _Productivity:
         while changed:
             changed = False
             for ref in refs:
-                target = _resolve(root, ref)
+                target = resolve_ref(root, ref)
                 if ref not in self.known and (target is None or self.finite(target)):
                     self.known.add(ref)
                     changed = True
@@ -281,7 +281,8 @@ class _Productivity:
         if not isinstance(node, dict) or "enum" in node or "const" in node:
             return
         ref = node.get("$ref")
-        if isinstance(ref, str) and ref not in self.known and _resolve(self.root, ref) is not None:
+        if (isinstance(ref, str) and ref not in self.known
+                and resolve_ref(self.root, ref) is not None):
             yield ["$ref"], ref
         for i, sub in enumerate(node.get("allOf", [])):
             if not self.finite(sub):
@@ -411,7 +412,7 @@ def _unfinishable(schema: Any) -> tuple[str, str] | None:
                     "an alternative that ends the recursion"
                 )
             seen.add(sub)
-            node = _resolve(schema, sub)
+            node = resolve_ref(schema, sub)
             path = _ref_path(sub)
             continue
         if path_part == []:
@@ -929,7 +930,7 @@ def recursive_ref(schema: Any) -> str | None:
         elif isinstance(node, dict):
             ref = node.get("$ref")
             if isinstance(ref, str) and ref.startswith("#") and ref not in clean:
-                target = _resolve(schema, ref)
+                target = resolve_ref(schema, ref)
                 if target is not None:
                     if any(within(loc, ref) for loc in (*chain, location)):
                         return ref

@@ -27,6 +27,7 @@ from agentflash.grammar.checks import (
     locate_schema_error,
     pointer,
     recursive_ref,
+    resolve_ref,
     subschemas,
 )
 from agentflash.grammar.constraint import (
@@ -202,10 +203,7 @@ def _index_error(source: GrammarSource, schema: Any, vocabulary: Any) -> str | N
 
 def _subpattern(schema: Any, where: str) -> str:
     """The ``pattern`` of the subschema at pointer ``where``, if it has one (else "")."""
-    node = schema
-    for part in where.removeprefix("#").split("/")[1:]:
-        key = part.replace("~1", "/").replace("~0", "~")
-        node = node[int(key)] if isinstance(node, list) else node.get(key, {})
+    node = resolve_ref(schema, where)
     pattern = node.get("pattern") if isinstance(node, dict) else None
     return pattern if isinstance(pattern, str) else ""
 
@@ -317,10 +315,11 @@ def check_continuations(grammar: OutlinesGrammar, reference: CompiledGrammar,
     if source.kind is GrammarKind.JSON_SCHEMA and _bracketed(source.schema):
         return
     vocabularies = grammar.vocabularies
-    try:
-        probe, probe_ids = _outlines().Index(grammar.pattern, vocabularies.probe), None
+    try:  # the characters compared: the probe's tokens
+        probe = _outlines().Index(grammar.pattern, vocabularies.probe)
+        compared = vocabularies.probe_ids
     except ValueError:  # no match of one-character tokens: the whole index (slower)
-        probe, probe_ids = grammar.index, _whole_characters(grammar, decode)
+        probe, compared = grammar.index, _whole_characters(grammar, decode)
     start = probe.get_initial_state()
     finals, paths, queue = set(probe.get_final_states()), {start: []}, [start]
     transitions = probe.get_transitions()
@@ -340,8 +339,7 @@ def check_continuations(grammar: OutlinesGrammar, reference: CompiledGrammar,
         checked += 1
         kept = set(probe.get_allowed_tokens(state))
         allowed = allowed_token_ids(follow.bitmask(), grammar.vocab_size)
-        ids = vocabularies.probe_ids if probe_ids is None else probe_ids
-        lost = [t for t in allowed if t in ids and t not in kept]
+        lost = [t for t in allowed if t in compared and t not in kept]
         if lost:
             raise GrammarError(
                 f"{source.origin}: outlines-core ends the output after {decode(path)!r}, where "
