@@ -201,7 +201,7 @@ class Server:
         name, writer = self.config.name, ReplyWriter()
         opened = False
 
-        def delta_chunk(delta: dict[str, Any]) -> str:
+        def delta_chunk(delta: dict[str, Any]) -> bytes:
             # the first delta carries the role, and content "" or, where a call comes first,
             # null: what the whole reply's content is then, once the client has added it up
             nonlocal opened
