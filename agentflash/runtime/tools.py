@@ -576,7 +576,7 @@ class HttpTool:
         async with httpx.AsyncClient(timeout=self.timeout_s, follow_redirects=False) as client:
             async with client.stream(self.method, url,
                                      json=None if query else arguments) as response:
-                body = bytearray()  # read up to the cap: a reply is read whole into memory
+                body = bytearray()  # read up to the cap (held in memory, then in the prompt)
                 async for piece in response.aiter_bytes():
                     body += piece
                     if len(body) > MAX_REPLY_BYTES:
