@@ -71,6 +71,20 @@ def test_a_call_that_runs_no_tool_has_its_span_too():
     assert all(s.parent.kind is SpanKind.TURN for s in tools)
 
 
+def test_a_run_the_backend_refuses_keeps_its_trace_on_the_error():
+    # only a RunError carried it: a turn the backend refused (a UserError) had none
+    from agentflash.errors import UserError
+
+    def refused(request):
+        raise UserError("HTTP 401: refused")
+
+    with pytest.raises(UserError, match="turn 1: HTTP 401: refused") as err:
+        Runner.run_sync(Agent("a"), "hi", backend=ScriptedBackend(refused))
+    lines = err.value.tracer.timeline().splitlines()
+    assert lines[0].endswith("run a  FAILED UserError: agent 'a', turn 1: HTTP 401: refused")
+    assert "chat scripted  FAILED" in lines[-1]
+
+
 def test_opentelemetry_export_follows_the_genai_conventions():
     pytest.importorskip("opentelemetry.sdk")
     from opentelemetry.sdk.trace import TracerProvider

@@ -690,8 +690,9 @@ async def _run_streamed(agent: Agent, input: str | list[dict[str, Any]], *,
             async def work(emit: Callable[[ev.RunEvent], None]) -> RunResult:
                 try:
                     return await _Loop(agent, input, chosen, trace, trace_parent, emit).run()
-                except RunError as err:  # its trace, as a result's: what ran, and where it broke
-                    err.tracer = err.tracer or trace
+                except (RunError, UserError) as err:  # its trace, as a result's: what ran,
+                    # and where it broke (a turn the backend refused is a UserError)
+                    err.tracer = getattr(err, "tracer", None) or trace
                     raise
 
             async with streaming(work) as run:
