@@ -140,3 +140,42 @@ def test_serve_refuses_an_api_key_variable_set_and_empty(tiny_model_dir, monkeyp
     monkeypatch.setenv("AGENTFLASH_API_KEY", "")
     result = CliRunner().invoke(app, ["serve", "--model", str(tiny_model_dir), "--port", "0"])
     assert result.exit_code == 2 and "AGENTFLASH_API_KEY is set and empty" in result.stderr
+
+
+def test_a_signal_ends_the_replies_in_flight_with_the_engine_stopped_error(tiny_model_dir):
+    """On SIGTERM uvicorn waited out its 5 s grace with the replies going on, then cancelled
+    them: a stream cut mid-chunk, a plain-text 500, a CancelledError traceback each."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "agentflash.cli", "serve", "--model",
+                             str(tiny_model_dir), "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    root = f"http://127.0.0.1:{port}"
+    body = {"model": tiny_model_dir.name, "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 1024, "stream": True, "temperature": 1.0, "seed": 1}
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            assert proc.poll() is None, proc.communicate()[1]
+            try:
+                if httpx.get(f"{root}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the server did not come up"
+            time.sleep(0.2)
+        lines = []
+        with httpx.stream("POST", f"{root}/v1/chat/completions", json=body, timeout=60) as reply:
+            for line in reply.iter_lines():
+                if line and not lines:  # the first chunk: the reply is under way
+                    proc.send_signal(signal.SIGTERM)
+                lines.append(line)
+        signalled = time.monotonic()
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    assert events[-1]["error"]["code"] == "engine_stopped", lines[-3:]
+    assert time.monotonic() - signalled < 5  # not uvicorn's grace period and then some
+    assert "Traceback" not in err and "CancelledError" not in err, err

@@ -14,6 +14,7 @@ goes away cancels its request in the engine at the next step.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import socket
@@ -122,8 +123,17 @@ class Server:
         self.config, self.engine = config, engine
         self.aengine: AsyncEngine | None = None
         self.engine_down: anyio.Event | None = None  # set once the engine stopped (or crashed)
+        self._loop: asyncio.AbstractEventLoop | None = None  # the lifespan's, where it is set
         self.in_flight = 0
         self.created = protocol.now()
+
+    def stopping(self) -> None:
+        """The server is shutting down: end the replies in flight now, with the engine_stopped
+        error (a stream's error event, a 503), not once uvicorn's grace period has passed and
+        it cancels them (a cut stream, a plain-text 500, a traceback each). Safe to call from a
+        signal handler or another thread."""
+        if self._loop is not None and self.engine_down is not None:
+            self._loop.call_soon_threadsafe(self.engine_down.set)
 
     # --- routes --------------------------------------------------------------------------------
 
@@ -275,6 +285,7 @@ class Server:
         if self.engine is None:
             self.engine = await run_in_own_thread(load_engine, self.config)
         self.engine_down = anyio.Event()
+        self._loop = asyncio.get_running_loop()
         async with AsyncEngine(self.engine) as aengine:
             self.aengine = aengine
             try:
@@ -413,10 +424,21 @@ def _uvicorn_config(app: Starlette, log_level: str) -> Any:
                           h11_max_incomplete_event_size=64 * 1024)
 
 
-def serve(config: ServerConfig, engine: Engine | None = None, log_level: str = "info") -> None:
-    """Run the server in the foreground until interrupted."""
+def _uvicorn_server(app: Starlette, log_level: str) -> Any:
+    """uvicorn's server, which on Ctrl-C or SIGTERM also tells the app it is stopping
+    (``Server.stopping``) before it waits for the connections to close."""
     import uvicorn
 
+    class Stopping(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            app.state.server.stopping()
+            super().handle_exit(sig, frame)
+
+    return Stopping(_uvicorn_config(app, log_level))
+
+
+def serve(config: ServerConfig, engine: Engine | None = None, log_level: str = "info") -> None:
+    """Run the server in the foreground until interrupted."""
     sock = _bind(config.host, config.port)
     if engine is None:  # loaded here, so that a bad model or budget is a clear error, not a
         try:  # failed startup inside uvicorn; in a thread of its own (see ``run_in_own_thread``)
@@ -424,7 +446,7 @@ def serve(config: ServerConfig, engine: Engine | None = None, log_level: str = "
         except BaseException:
             sock.close()
             raise
-    server = uvicorn.Server(_uvicorn_config(create_app(config, engine), log_level))
+    server = _uvicorn_server(create_app(config, engine), log_level)
     log.info("serving %s on http://%s:%d/v1", config.name, config.host, sock.getsockname()[1])
     server.run(sockets=[sock])
 
