@@ -21,6 +21,20 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def wait_until_up(proc: subprocess.Popen, root: str) -> None:
+    """Until the served process answers /health (it loads its model first)."""
+    deadline = time.monotonic() + 240
+    while True:
+        assert proc.poll() is None, proc.communicate()[1]
+        try:
+            if httpx.get(f"{root}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "the server did not come up"
+        time.sleep(0.2)
+
+
 def test_serve_runs_on_loopback_with_the_key_from_the_environment(tiny_model_dir):
     port = free_port()
     env = {**os.environ, "AGENTFLASH_API_KEY": "from-env"}
@@ -29,16 +43,7 @@ def test_serve_runs_on_loopback_with_the_key_from_the_environment(tiny_model_dir
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     root = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 240
-        while True:
-            assert proc.poll() is None, proc.communicate()[1]
-            try:
-                if httpx.get(f"{root}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the server did not come up"
-            time.sleep(0.2)
+        wait_until_up(proc, root)
         assert httpx.get(f"{root}/v1/models").status_code == 401
         models = httpx.get(f"{root}/v1/models", headers={"authorization": "Bearer from-env"})
         assert [m["id"] for m in models.json()["data"]] == [tiny_model_dir.name]
@@ -153,16 +158,7 @@ def test_a_signal_ends_the_replies_in_flight_with_the_engine_stopped_error(tiny_
     body = {"model": tiny_model_dir.name, "messages": [{"role": "user", "content": "hi"}],
             "max_tokens": 1024, "stream": True, "temperature": 1.0, "seed": 1}
     try:
-        deadline = time.monotonic() + 240
-        while True:
-            assert proc.poll() is None, proc.communicate()[1]
-            try:
-                if httpx.get(f"{root}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the server did not come up"
-            time.sleep(0.2)
+        wait_until_up(proc, root)
         lines = []
         with httpx.stream("POST", f"{root}/v1/chat/completions", json=body, timeout=60) as reply:
             for line in reply.iter_lines():
