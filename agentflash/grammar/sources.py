@@ -24,6 +24,7 @@ from agentflash.grammar.checks import (
 )
 from agentflash.grammar.constraint import GrammarError
 from agentflash.json_formats import DATE_PATTERNS
+from agentflash.tool_format import loads_strict
 
 
 class GrammarKind(enum.Enum):
@@ -196,10 +197,6 @@ def json_schema(
     return GrammarSource(GrammarKind.JSON_SCHEMA, text, json_style, origin)
 
 
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON number")  # Python's json reads NaN and Infinity
-
-
 def json_schema_file(
     path: str | Path, *, json_style: JsonStyle = JsonStyle.DUMPS, strict: bool = True
 ) -> GrammarSource:
@@ -212,7 +209,7 @@ def json_schema_file(
     except UnicodeDecodeError as err:
         raise GrammarError(f"{path}: not UTF-8 text (byte {err.start})") from None
     try:
-        schema = json.loads(text, parse_constant=_no_constant)
+        schema = loads_strict(text)
     except json.JSONDecodeError as err:
         raise GrammarError(f"{path}:{err.lineno}:{err.colno}: invalid JSON: {err.msg}") from None
     except ValueError as err:
