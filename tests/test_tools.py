@@ -808,6 +808,29 @@ def test_a_tool_failing_in_a_task_group_names_its_own_error():
     assert outcome.error_type == "OSError" and "port must be 0-65535" in outcome.output
 
 
+def test_a_tools_error_reaches_the_model_even_when_it_cannot_be_printed():
+    class Unprintable(Exception):
+        def __str__(self):
+            raise RuntimeError("no text")
+
+    def broken(x: int) -> int:
+        raise Unprintable()
+
+    def empty(x: int) -> int:  # next() on an empty iterator, in a thread, then in a coroutine
+        return next(iter([]))
+
+    async def empty_async(x: int) -> int:
+        return next(iter([]))
+
+    outcome = anyio.run(run_tool, tool(broken), {"x": 1})
+    assert outcome.is_error and outcome.error_type == "Unprintable"
+    assert json.loads(outcome.output)["error"] == "Unprintable"
+    for fn in (empty, empty_async):
+        outcome = anyio.run(run_tool, tool(fn), {"x": 1})
+        assert outcome.error_type == "StopIteration", outcome
+        assert json.loads(outcome.output)["error"] == "StopIteration"
+
+
 def test_http_tool_definition_errors():
     for url in ("http://[::1/x", "http://127.0.0.1:99999/x", "http://127.0.0.1:abc/x"):
         with pytest.raises(UserError, match=r"url '.*' is not a valid URL"):
