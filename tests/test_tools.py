@@ -11,6 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Literal
 
 import anyio
+import pydantic
 import pytest
 from jsonschema import Draft202012Validator
 from pydantic import BaseModel
@@ -319,6 +320,12 @@ def test_bad_tool_definitions_are_user_errors():
         tool(pick)
     with pytest.raises(UserError, match="has no __name__; give the tool one"):
         tool(functools.partial(pick))
+
+    def parsed(count: int, ids: list[pydantic.Json[int]]) -> str:  # strings pydantic parses:
+        return "x"  # the schema says string, so the grammar would write "hello"
+
+    with pytest.raises(UserError, match=r"parsed: parameter 'ids': a pydantic.Json\[...\]"):
+        tool(parsed)
     with pytest.raises(UserError, match="timeout_s must be a positive number, got True"):
         tool(timeout_s=True)(star)
 

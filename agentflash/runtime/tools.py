@@ -154,6 +154,11 @@ class GrammarJsonSchema(pydantic.json_schema.GenerateJsonSchema):
             out["pattern"] = url_pattern(schemes)
         return out
 
+    def json_schema(self, schema):
+        raise NotBindable("a pydantic.Json[...] value is a string of JSON that pydantic parses, "
+                          "and the grammar cannot bind what the string holds: take the value "
+                          "itself (Json[int] -> int)")
+
     def _common_dict_schema(self, schema):
         out = super()._common_dict_schema(schema)
         keys = schema.get("keys_schema", {})
@@ -162,6 +167,10 @@ class GrammarJsonSchema(pydantic.json_schema.GenerateJsonSchema):
             out["patternProperties"] = {pattern: out.pop("additionalProperties")}
             out["additionalProperties"] = False
         return out
+
+
+class NotBindable(ValueError):
+    """A type whose values pydantic checks beyond any schema the grammar can write to."""
 
 
 def _temporal(schema: dict[str, Any], tz_constraint: str | int | None = None) -> dict[str, Any]:
@@ -464,6 +473,9 @@ def function_tool(fn: Callable[..., Any], *, name: str | None = None,
                                           __config__=pydantic.ConfigDict(extra="forbid"),
                                           **fields)
         schema = strict_schema(model.model_json_schema(schema_generator=GrammarJsonSchema))
+    except NotBindable as err:
+        name = next(n for n, (hint, _) in fields.items() if not _bindable(hint))
+        raise UserError(f"{where}: parameter {name!r}: {err}") from None
     except SCHEMA_ERRORS as err:
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]  # then advice
         raise UserError(f"{where}: pydantic cannot describe the parameters: {first}") from None
@@ -472,6 +484,17 @@ def function_tool(fn: Callable[..., Any], *, name: str | None = None,
     check_parameters(schema, where)  # one the grammar can bind a call to (set[int]: it cannot)
     return FunctionTool(name, description if description is not None else summary, model, schema,
                         fn, timeout_s, tuple(positional))
+
+
+def _bindable(hint: Any) -> bool:
+    """Whether the grammar can bind a value of type ``hint`` (``NotBindable``)."""
+    try:
+        pydantic.TypeAdapter(hint).json_schema(schema_generator=GrammarJsonSchema)
+    except NotBindable:
+        return False
+    except SCHEMA_ERRORS:
+        pass
+    return True
 
 
 @overload
