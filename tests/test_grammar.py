@@ -807,6 +807,16 @@ def test_apply_bitmask_masks_exactly_the_disallowed_tokens():
             "#/additionalProperties",
             "no finite JSON value",
         ),
+        (  # JSON's escape of half a surrogate pair: a TypeError out of outlines-core
+            {"type": "object", "properties": {"a": {"enum": ["x", "\udc00"]}}},
+            "#/properties/a/enum/1",
+            "half of a surrogate pair",
+        ),
+        (
+            {"type": "object", "properties": {"a\ud800": {"type": "string"}}},
+            "#/properties, the key 'a\\ud800'",
+            "half of a surrogate pair",
+        ),
     ],
 )
 def test_bad_schemas_name_the_field(tok, schema, where, what):
@@ -1005,6 +1015,10 @@ def test_outlines_refuses_what_it_cannot_do(tok):
         (regex(r"[0-9]+(\.[0-9]+)?"), "outlines-core ends the output after"),
         (regex("ab|abcd"), "outlines-core ends the output after"),
         (regex(r"€[0-9]+(\.[0-9]{2})?"), "ends the output after '€"),  # no ASCII match
+        # going on with a character the tokenizer splits into bytes
+        (regex("中|中文字"), "after '中', where it may go on ('中' and a character the"),
+        (regex("x|x中y"), "after 'x', where it may go on ('x' and a character the"),
+        (regex("[^\n]+"), "where it may go on ('u' and a character the"),  # ué: u alone
         # its error quoted the whole schema's regex and named no field
         (json_schema({"properties": {"code": {"type": "string", "pattern": "(?=a)b"}}}),
          "#/properties/code: outlines-core cannot compile this schema"),
@@ -1019,7 +1033,6 @@ def test_outlines_refuses_what_it_cannot_do(tok):
         compile_grammar(json_schema(schema), tok, backend=Backend.OUTLINES)
     for source in (json_schema({"type": "integer"}), json_schema({"enum": ["a", "ab"]}),
                    regex("[a-z]+"), regex("(yes|no)!"),  # a match that goes on is kept
-                   regex("[^\n]+"),  # (a token ending inside a character is not checked)
                    regex("€[0-9]+")):
         compile_grammar(source, tok, backend=Backend.OUTLINES)
 

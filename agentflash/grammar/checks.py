@@ -61,6 +61,12 @@ _PASSED_LOCK = threading.Lock()
 def _check_schema(schema: Any, origin: str) -> None:
     import jsonschema
 
+    broken = _lone_surrogate(schema, [])
+    if broken is not None:
+        where, char = broken
+        raise GrammarError(f"{origin}: {where}: holds {char!r}, half of a surrogate pair, no "
+                           f"character (JSON's escape of one, or a byte that is not UTF-8)")
+
     if isinstance(schema, dict):
         cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
         meta = cls(cls.META_SCHEMA)
@@ -77,6 +83,27 @@ def _check_schema(schema: Any, origin: str) -> None:
         raise GrammarError(
             f"{origin}: {where}: no finite JSON value satisfies this schema: {reason}"
         )
+
+
+def _lone_surrogate(node: Any, path: list[str | int]) -> tuple[str, str] | None:
+    """Where a string of ``node`` (a key or a value) holds a lone surrogate, and that character;
+    None if none does."""
+    if isinstance(node, str):
+        try:
+            node.encode("utf-8")
+        except UnicodeEncodeError as err:
+            return pointer(path), node[err.start]
+        return None
+    items = (node.items() if isinstance(node, dict) else enumerate(node)
+             if isinstance(node, list) else ())
+    for key, value in items:
+        found = _lone_surrogate(key, path) if isinstance(key, str) else None
+        if found is not None:
+            return f"{found[0]}, the key {key!r}", found[1]
+        found = _lone_surrogate(value, [*path, key])
+        if found is not None:
+            return found
+    return None
 
 
 _BOUNDS = (

@@ -63,9 +63,10 @@ def _outlines() -> Any:
 
 @dataclass(frozen=True)
 class Vocabularies:
-    """outlines-core's ``Vocabulary`` of the tokenizer, and of its one-character tokens alone
-    (``probe``): an index over those has the regex's states with few tokens each, cheap to
-    walk (``check_continuations``)."""
+    """outlines-core's ``Vocabulary`` of the tokenizer, and of its tokens of one character or
+    one byte alone (``probe``; the bytes spell the characters a tokenizer splits): an index
+    over those has the regex's states with few tokens each, cheap to walk
+    (``check_continuations``)."""
 
     full: Any
     probe: Any
@@ -85,7 +86,8 @@ def build_tokenizer(info: TokenizerInfo) -> Vocabularies:
         text = lltok.decode_bytes([token])
         if text:
             by_bytes.setdefault(text, []).append(token)
-    chars = {text: ids[:1] for text, ids in by_bytes.items() if _one_character(text)}
+    chars = {text: ids[:1] for text, ids in by_bytes.items()
+             if len(text) == 1 or _one_character(text)}
     vocabulary = _outlines().Vocabulary
     return Vocabularies(vocabulary(info.eos_token_id, by_bytes),
                         vocabulary(info.eos_token_id, chars),
@@ -109,7 +111,7 @@ def _schema_regex(source: GrammarSource, schema: Any) -> str:
 def _schema_error(source: GrammarSource, schema: Any) -> str | None:
     try:
         _schema_regex(source, schema)
-    except ValueError as err:
+    except (ValueError, TypeError) as err:  # TypeError: a lone surrogate
         return str(err)
     return None
 
@@ -137,7 +139,7 @@ def source_regex(source: GrammarSource) -> str:
         )
     try:
         pattern = _schema_regex(source, schema)
-    except ValueError as err:
+    except (ValueError, TypeError) as err:
         where = locate_schema_error(schema, lambda s: _schema_error(source, s))
         message = " ".join(str(err).split())
         raise GrammarError(f"{source.origin}: {where}: {message}") from None
@@ -304,13 +306,14 @@ def check_continuations(grammar: OutlinesGrammar, reference: CompiledGrammar,
     """Refuse ``grammar`` where outlines-core's index lost a way on: outlines-core (0.2.14)
     drops a match's continuations that pass through text that is no match (``12`` then
     ``.5`` for a number, ``ab`` then ``cd`` for ``ab|abcd``), so that it ends the output early.
-    The check walks an index of the same regex over the tokenizer's one-character tokens (its
-    states are the regex's, with few tokens each): at each complete match, reached by its
-    shortest path, the characters ``reference`` (llguidance on the same source) allows must be
-    the index's too. Where those tokens cannot spell a match (a character the tokenizer splits
-    into bytes), the whole index is walked. Only a language in which a match can go on has
-    such states: a JSON object or array ends at its bracket, so only regexes and top-level
-    scalars are walked. A token that ends inside a character is not checked."""
+    The check walks an index of the same regex over the tokenizer's tokens of one character
+    or one byte (its states are the regex's, with few tokens each): at each complete match,
+    reached by its shortest path, the characters and bytes ``reference`` (llguidance on the
+    same source) allows must be the index's too. Where those tokens cannot spell a match (a
+    tokenizer without byte tokens), the whole index is walked. Only a language in which a
+    match can go on has such states: a JSON object or array ends at its bracket, so only
+    regexes and top-level scalars are walked. A longer token that ends inside a character is
+    not checked."""
     source = grammar.source
     if source.kind is GrammarKind.JSON_SCHEMA and _bracketed(source.schema):
         return
@@ -341,10 +344,13 @@ def check_continuations(grammar: OutlinesGrammar, reference: CompiledGrammar,
         allowed = allowed_token_ids(follow.bitmask(), grammar.vocab_size)
         lost = [t for t in allowed if t in compared and t not in kept]
         if lost:
+            on = decode(path + lost[:1])
+            on = (f"{on!r}" if not on.endswith("\ufffd") else  # a byte of a character
+                  f"{decode(path)!r} and a character the tokenizer splits into bytes")
             raise GrammarError(
                 f"{source.origin}: outlines-core ends the output after {decode(path)!r}, where "
-                f"it may go on ({decode(path + lost[:1])!r}): its index drops what follows a "
-                "complete match through text that is none; use the llguidance backend")
+                f"it may go on ({on}): its index drops what follows a complete match through "
+                "text that is none; use the llguidance backend")
 
 
 def _whole_characters(grammar: OutlinesGrammar, decode: Any) -> frozenset[int]:
