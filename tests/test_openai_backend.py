@@ -16,6 +16,7 @@ from agentflash.backends import create_backend
 from agentflash.backends.base import (
     Decoding,
     ForceTool,
+    MalformedToolCall,
     ModelFinish,
     ModelRequest,
     TextDelta,
@@ -281,6 +282,31 @@ def test_streamed_events_carry_calls_as_they_close_and_the_engine_stats(server):
     body = request_body("demo", ModelRequest([], [WEATHER], ToolChoice.NONE))
     assert body["tools"] == [WEATHER] and body["tool_choice"] == "none"
     assert all(isinstance(e, (TextDelta, ModelFinish)) for e in plain)
+
+
+def test_a_call_cut_by_max_tokens_runs_no_tool_as_on_the_embedded_engine(server):
+    """The embedded engine runs a call once its </tool_call> is written; through the server,
+    a call cut by max_tokens before it was no call either, though its arguments were already a
+    whole object (the tool ran), or not begun at all (the tool ran on {})."""
+    url, _ = server
+
+    def ready(max_tokens):
+        request = ModelRequest([{"role": "user", "content": "Use get_weather with city Oslo, "
+                                 "days 3."}], [WEATHER], ForceTool("get_weather"),
+                               decoding=Decoding(max_tokens=max_tokens))
+        events = stream(OpenAIBackend(url, "demo"), request)
+        return [e.call for e in events if isinstance(e, ToolCallReady)], events[-1]
+
+    (whole,), finish = ready(96)
+    new = finish.stats["new_tokens"]  # up to its </tool_call>, and the end token
+    assert isinstance(whole, ToolCall) and finish.finish_reason == "stop"
+    checked = 0
+    for max_tokens in range(8, new - 1):  # cut before the </tool_call>
+        calls, finish = ready(max_tokens)
+        assert finish.finish_reason == "length"
+        assert not any(isinstance(c, ToolCall) for c in calls), (max_tokens, calls)
+        checked += any("cut by max_tokens" in c.error for c in calls)
+    assert checked >= 2
 
 
 def test_calls_given_in_the_forms_the_runtime_takes_go_to_the_server_in_openais(server):
@@ -582,12 +608,27 @@ def test_chunk_reader_closes_calls_as_their_arguments_complete():
                  "usage": {"prompt_tokens": 5, "completion_tokens": 9,
                            "prompt_tokens_details": {"cached_tokens": 4}}})
     (last,) = reader.close()  # call 2, cut by max tokens
-    assert last.index == 2 and last.call.id == "c" and "not valid JSON" in last.call.error
+    assert last.index == 2 and last.call.id == "c" and "cut by max_tokens" in last.call.error
     stats = reader.stats(1.0)
     assert reader.finish_reason == "length" and stats["new_tokens"] == 9
     assert stats["prompt_tokens"] == 5 and stats["cached_prompt_tokens"] == 4
     assert stats["mode"] == "remote"
 
+
+
+def test_a_reply_cut_by_length_leaves_its_open_calls_malformed():
+    def reply(arguments, finish):
+        reader = _ChunkReader()
+        entry = {"index": 0, "id": "a", "function": {"name": "f", "arguments": arguments}}
+        events = reader.read({"choices": [{"delta": {"tool_calls": [entry]},
+                                           "finish_reason": finish}]})
+        return [e.call for e in events + reader.close() if isinstance(e, ToolCallReady)]
+
+    assert reply("", "tool_calls") == [ToolCall("a", "f", {})]  # a call without arguments
+    assert reply('{"x": 1}', "tool_calls") == [ToolCall("a", "f", {"x": 1})]
+    for arguments in ("", '{"x": 1}', '{"x": '):  # cut before its arguments, or after them
+        (call,) = reply(arguments, "length")
+        assert isinstance(call, MalformedToolCall) and "cut by max_tokens" in call.error
 
 
 def test_server_sent_events_end_lines_at_cr_and_lf_only():

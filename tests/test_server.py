@@ -394,6 +394,32 @@ def test_a_reply_keeps_the_blank_it_ends_with_after_text_not_after_a_call():
                  ) == ("Hi.\nnot json", [])
 
 
+def test_a_calls_arguments_are_whole_in_the_stream_only_once_the_call_closes():
+    """The runtime's backend runs a call once its arguments are a whole object: a call that
+    max_tokens then cuts before its </tool_call> ran remotely, never on the embedded engine.
+    The arguments' last "}" goes out with the call's close, or, cut, with the finish chunk."""
+    from agentflash.backends.base import (
+        MalformedToolCall,
+        ToolCall,
+        ToolCallDelta,
+        ToolCallReady,
+    )
+    from agentflash.server.chat import ReplyWriter
+
+    def sent(deltas):
+        return "".join(t["function"]["arguments"] for d in deltas for t in d.get("tool_calls", []))
+
+    writer = ReplyWriter()
+    assert sent(writer.deltas(ToolCallDelta(0, "f", '{"a": {"b": 1}'))) == '{"a": {"b": 1'
+    assert sent(writer.deltas(ToolCallDelta(0, "f", "}"))) == "}"
+    assert sent(writer.deltas(ToolCallReady(0, ToolCall("c", "f", {"a": {"b": 1}})))) == "}"
+    assert sent(writer.deltas(ToolCallDelta(1, "f", '{"a": 2}'))) == '{"a": 2'
+    assert writer.deltas(ToolCallReady(1, MalformedToolCall("d", "...", "cut"))) == []
+    assert writer.last_delta() == {"tool_calls": [{"index": 1, "function": {"arguments": "}"}}]}
+    assert [c["function"]["arguments"] for c in writer.tool_calls()] == ['{"a": {"b": 1}}',
+                                                                         '{"a": 2}']
+
+
 def test_a_streamed_reply_adds_up_to_the_whole_one_without_text_too(client):
     """A reply of calls alone under tool_choice auto, and an empty one: the stream opened with
     content "" where the whole reply said null, and the whole empty reply said null."""

@@ -5,8 +5,8 @@ The runtime's request becomes one streamed ``/chat/completions`` call: tools, ``
 and the output schema (as ``response_format``) go to the server, whose grammar backend
 constrains decoding. The streamed ``delta.tool_calls`` become the same model events as the
 embedded engine's: argument deltas as they arrive, and each call ready the moment its arguments
-form a complete JSON object (one left unfinished, at the end of the reply), so the runner
-dispatches it while the server keeps writing. Connection errors, timeouts before the reply
+form a complete JSON object (one left unfinished, at the end of the reply; malformed if the
+reply was cut by ``length``), so the runner dispatches it while the server keeps writing. Connection errors, timeouts before the reply
 starts and HTTP 408, 409, 429, 500, 502, 503 and 504 are retried with exponential backoff
 (honouring ``Retry-After`` up to the backoff's cap); other errors name the server, the status
 and the server's message.
@@ -477,6 +477,10 @@ class _ChunkReader:
             self.engine_stats = chunk["agentflash"]
         events: list[ModelEvent] = []
         for choice in chunk.get("choices") or []:
+            finish = choice.get("finish_reason")
+            if finish:  # those of a reply cut short are refused by ``_chunk``; read first: a
+                # call whose arguments come whole with "length" is not run (``_tool_call_delta``)
+                self.finish_reason = "length" if str(finish).lower() in LENGTH else "stop"
             delta = choice.get("delta") or {}
             content = delta.get("content")
             if content is not None and not isinstance(content, str):
@@ -486,9 +490,6 @@ class _ChunkReader:
                 events.append(TextDelta(content))
             for entry in delta.get("tool_calls") or []:
                 events += self._tool_call_delta(entry)
-            finish = choice.get("finish_reason")
-            if finish:  # those of a reply cut short are refused by ``_chunk``
-                self.finish_reason = "length" if str(finish).lower() in LENGTH else "stop"
         return events
 
     def _characters(self, text: str) -> str:
@@ -547,7 +548,7 @@ class _ChunkReader:
         if call.tentative and not call.arguments.strip():
             return events  # nothing to show until its arguments come
         events.append(ToolCallDelta(index, call.name, piece))
-        if piece.rstrip().endswith("}") and self._is_whole(call):
+        if piece.rstrip().endswith("}") and self._is_whole(call) and self.finish_reason != "length":
             events += self._ready(lambda i: i == index)
         return events
 
@@ -585,7 +586,10 @@ class _ChunkReader:
             return empty_is
         return isinstance(load_body(call.arguments)[0], dict)
 
-    def _ready(self, which: Any) -> list[ModelEvent]:
+    def _ready(self, which: Any, cut: bool = False) -> list[ModelEvent]:
+        """The calls ``which`` takes that are not ready yet, ready now; ``cut``: the reply
+        ended with ``length``, which cut them (a tool runs on no call it left unclosed, even
+        one whose arguments are a whole object, or none yet)."""
         events: list[ModelEvent] = []
         for index, call in sorted(self.calls.items()):
             if call.is_ready or not which(index) or (call.tentative
@@ -593,11 +597,13 @@ class _ChunkReader:
                 continue  # (a trailing piece that repeated a name is no call)
             call.is_ready = True
             args, _ = load_body(call.arguments or "{}")  # NaN refused, as the grammar's
-            if isinstance(args, dict) and call.name:
+            if isinstance(args, dict) and call.name and not cut:
                 events.append(ToolCallReady(index, ToolCall(call.id, call.name, args)))
             else:
                 body = json.dumps({"name": call.name, "arguments": call.arguments})
                 error = ("the call names no tool" if not call.name
+                         else "the reply was cut by max_tokens (finish_reason length) before "
+                              "the call was closed" if cut
                          else "the arguments are not a JSON object" if args is not None
                          else "the arguments are not valid JSON")
                 events.append(ToolCallReady(index, MalformedToolCall(call.id, body, error)))
@@ -605,7 +611,8 @@ class _ChunkReader:
 
     def close(self) -> list[ModelEvent]:
         held, self._held = self._held, ""  # a half that never got its pair
-        return ([TextDelta("\ufffd")] if held else []) + self._ready(lambda i: True)
+        return ([TextDelta("\ufffd")] if held else []) + self._ready(
+            lambda i: True, cut=self.finish_reason == "length")
 
     def stats(self, wall_s: float) -> dict[str, Any]:
         """The engine's stats when the server is ``agentflash serve``; otherwise what the usage

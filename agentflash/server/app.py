@@ -237,7 +237,7 @@ class Server:
                 if not opened:  # an empty reply
                     yield delta_chunk({})
                 yield protocol.sse(protocol.chunk(
-                    ident, name, created, {}, writer.finish_reason(result),
+                    ident, name, created, writer.last_delta(), writer.finish_reason(result),
                     agentflash=speculation_stats(result)))
                 if chat.wants_usage_chunk:
                     yield protocol.sse(protocol.usage_chunk(ident, name, created, usage(result)))

@@ -245,6 +245,19 @@ class _Call:
     name: str
     arguments: str = ""
     sent: bool = False  # whether a delta of this call went out
+    # the arguments sent so far: up to their last "}" until the call closes, so that a client
+    # that runs a call once its arguments are a whole object (the runtime's own backend) does
+    # not run one the reply then leaves unclosed (cut by max_tokens)
+    out: int = 0
+
+    def unsent(self, whole: bool) -> str:
+        """The arguments not sent yet: all of them if ``whole``, else up to a last "}"."""
+        end = len(self.arguments)
+        if not whole and self.arguments.rstrip().endswith("}"):
+            end = self.arguments.rstrip().rfind("}")
+        piece = self.arguments[self.out : max(end, self.out)]
+        self.out += len(piece)
+        return piece
 
 
 @dataclass
@@ -279,18 +292,24 @@ class ReplyWriter:
             if call is None:
                 call = self.calls[event.index] = _Call(f"call_{uuid.uuid4().hex[:24]}", event.name)
             call.arguments += event.arguments_delta
-            if call.sent and not event.arguments_delta:
-                return []
-            entry: dict[str, Any] = {"index": event.index,
-                                     "function": {"arguments": event.arguments_delta}}
-            if not call.sent:
-                entry.update(id=call.id, type="function")
-                entry["function"] = {"name": call.name, "arguments": event.arguments_delta}
-                call.sent = True
-            return [{"tool_calls": [entry]}]
+            return self._send(event.index, whole=False)
         if isinstance(event, ToolCallReady):
             return self._ready(event.index, event.call)
         raise AssertionError(f"unknown reply event {event!r}")
+
+    def _send(self, index: int, whole: bool) -> list[dict[str, Any]]:
+        """The delta of call ``index``'s arguments not sent yet (``ReplyWriter.unsent``), with
+        its id and name if it is its first; none if there is nothing to send."""
+        call = self.calls[index]
+        piece = call.unsent(whole)
+        if call.sent and not piece:
+            return []
+        entry: dict[str, Any] = {"index": index, "function": {"arguments": piece}}
+        if not call.sent:
+            entry.update(id=call.id, type="function")
+            entry["function"] = {"name": call.name, "arguments": piece}
+            call.sent = True
+        return [{"tool_calls": [entry]}]
 
     def close(self) -> list[dict[str, Any]]:
         """The deltas the reply's end lets out: the whitespace it ended with, after text."""
@@ -300,14 +319,21 @@ class ReplyWriter:
         self.content.append(blank)
         return [{"content": blank}]
 
+    def last_delta(self) -> dict[str, Any]:
+        """The finish chunk's delta: the ends of the cut calls' arguments, held back until the
+        finish reason (length) goes with them (``_Call.out``)."""
+        pieces = [{"index": i, "function": {"arguments": self.calls[i].unsent(True)}}
+                  for i in self.cut]
+        pieces = [p for p in pieces if p["function"]["arguments"]]
+        return {"tool_calls": pieces} if pieces else {}
+
     def _ready(self, index: int, call: ToolCall | MalformedToolCall) -> list[dict[str, Any]]:
         if isinstance(call, ToolCall):
+            deltas = []
             if index not in self.calls:  # no delta came first: the call is sent whole now
                 deltas = self.deltas(ToolCallDelta(index, call.name, json.dumps(call.arguments)))
-            else:
-                deltas = []
             self.complete.append(index)
-            return deltas
+            return deltas + self._send(index, whole=True)
         # A call that does not parse (cut by max_tokens, or written without a grammar): where its
         # deltas went out as a call's, the whole reply holds it as the stream did, its arguments
         # as written (cut by max_tokens: finish reason length, as OpenAI's API gives a call cut
