@@ -152,6 +152,28 @@ def test_requests_sharing_a_system_prompt_in_one_batch_match_their_runs_alone(en
     assert engine.prefix_cache.num_bytes <= engine.prefix_cache.budget_bytes
 
 
+def test_an_entry_is_a_copy_that_a_slots_next_request_cannot_change(engine):
+    """A prompt of one chunk of exact attention's values (64 tokens) kept a view of its slot:
+    the next request in that slot rewrote the entry, and a prompt beginning with it decoded
+    from other values than without the cache."""
+    first = engine.chat_prompt([{"role": "user", "content": "Tell me about cats. " * 20}])[:64]
+    other = engine.chat_prompt([{"role": "user", "content": "Reverse a list in Python. " * 8}])
+    params = SamplingParams(max_tokens=12, ignore_eos=True, speculation="off")
+    engine.prefix_cache.clear()
+    engine.generate(first, SamplingParams(max_tokens=1, speculation="off"))
+    (entry,) = engine.prefix_cache._entries.values()
+    kept = [t.clone() for t in entry.kv]
+    pool = {t.untyped_storage().data_ptr() for t in engine.cache.k + engine.cache.v}
+    assert not pool & {t.untyped_storage().data_ptr() for t in entry.kv}
+    engine.generate(other, SamplingParams(max_tokens=1, speculation="off"))  # the same slot
+    assert all(torch.equal(a, b) for a, b in zip(entry.kv, kept))
+    follows = first + other[:20]
+    hit = engine.generate(follows, params)
+    assert hit.stats["cached_prompt_tokens"] == 64
+    engine.prefix_cache.clear()
+    assert hit.token_ids == engine.generate(follows, params).token_ids
+
+
 def test_a_zero_budget_keeps_nothing(tiny_model_dir):
     from agentflash.engine.engine import Engine, EngineConfig
     from agentflash.models.loading import load_model, load_tokenizer

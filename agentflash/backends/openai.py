@@ -6,10 +6,10 @@ and the output schema (as ``response_format``) go to the server, whose grammar b
 constrains decoding. The streamed ``delta.tool_calls`` become the same model events as the
 embedded engine's: argument deltas as they arrive, and each call ready the moment its arguments
 form a complete JSON object (one left unfinished, at the end of the reply; malformed if the
-reply was cut by ``length``), so the runner dispatches it while the server keeps writing. Connection errors, timeouts before the reply
-starts and HTTP 408, 409, 429, 500, 502, 503 and 504 are retried with exponential backoff
-(honouring ``Retry-After`` up to the backoff's cap); other errors name the server, the status
-and the server's message.
+reply was cut by ``length``), so the runner dispatches it while the server keeps writing.
+Connection errors, timeouts before the reply starts and HTTP 408, 409, 429, 500, 502, 503
+and 504 are retried with exponential backoff (honouring ``Retry-After`` up to the backoff's
+cap); other errors name the server, the status and the server's message.
 
     async with OpenAIBackend("http://127.0.0.1:8000/v1", "demo") as backend:
         result = await Runner.run(agent, "...", backend=backend)

@@ -101,7 +101,9 @@ class KVCache:
             return keys + [v[slot, :, :length].clone() for v in self.v]
         chunks = -(-length // EXACT_CHUNK)  # [chunks, KV, C, D] -> [KV, chunks * C, D]
         values = [v[:chunks, slot].transpose(0, 1).flatten(1, 2)[:, :length] for v in self.v]
-        return keys + [v.contiguous() for v in values]
+        # a clone, not .contiguous(): within one chunk the view may be contiguous already (64
+        # positions; any length with one KV head), and an entry kept a live view of the pool
+        return keys + [v.clone(memory_format=torch.contiguous_format) for v in values]
 
     def write(self, slot: int, kv: list[torch.Tensor]) -> None:
         """Put ``kv`` (as ``cached`` returns it: every layer's keys, then values [KV, len, D]) at
