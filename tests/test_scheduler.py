@@ -97,6 +97,13 @@ def test_kv_budget_caps_slots_and_rejects_a_budget_that_holds_nothing(tiny_model
     with pytest.raises(UserError, match=need):
         Engine(drafting.model, drafting.tokenizer, config, tiny_model_dir, drafting.drafter)
     Engine(drafting.model, drafting.tokenizer, config, tiny_model_dir)  # fits without a drafter
+    # a slot holds whole chunks of 64 positions: 129 tokens take 192, 192 KiB a slot, so 0.4 MB
+    # holds two (three at 129 positions each overran the budget by half)
+    e = Engine.from_pretrained(
+        tiny_model_dir, EngineConfig(max_running=8, max_len=129, kv_budget_mb=0.4))
+    assert e.cache.num_slots == 2
+    e.cache.ensure(129)
+    assert e.kv_pool_bytes() <= 0.4 * 2**20
 
 
 def test_waiting_requests_are_prefilled_together_within_the_token_budget(engine):

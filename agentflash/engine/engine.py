@@ -17,7 +17,7 @@ import torch
 
 from agentflash.dflash.speculate import accept_choices, draft_logits, lookup_draft
 from agentflash.engine.detokenizer import Detokenizer
-from agentflash.engine.kv_cache import KVCache
+from agentflash.engine.kv_cache import KVCache, whole_chunks
 from agentflash.engine.limits import limit_problems
 from agentflash.engine.model_runner import ModelRunner, Row
 from agentflash.engine.prefix_cache import PrefixCache, PrefixHit
@@ -1006,11 +1006,13 @@ def grammar_clock(reqs: list[Request]) -> Iterator[None]:
 
 def num_slots(cfg, config: EngineConfig, max_len: int, dtype: torch.dtype, drafter=None) -> int:
     """KV-cache slots: ``max_running``, or fewer if the memory budget holds fewer requests of
-    ``max_len`` tokens (their target keys and values, and with a drafter its context too)."""
+    ``max_len`` tokens (their target keys and values, a slot's whole chunks of them as the
+    pool holds them, and with a drafter its context too)."""
     if config.kv_budget_mb is None:
         return config.max_running
     itemsize = torch.tensor([], dtype=dtype).element_size()
-    target = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * max_len * itemsize
+    positions = whole_chunks(max_len)
+    target = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * positions * itemsize
     draft = drafter.context_bytes(max_len) if drafter is not None else 0
     fits = int(config.kv_budget_mb * 2**20 // (target + draft))
     if fits < 1:

@@ -22,7 +22,7 @@ from agentflash.models.qwen3 import (
 FIRST_CAPACITY = 4 * EXACT_CHUNK  # positions per slot before any request needs more
 
 
-def _chunks(n: int) -> int:
+def whole_chunks(n: int) -> int:
     """``n`` positions rounded up to whole chunks of exact attention."""
     return -(-n // EXACT_CHUNK) * EXACT_CHUNK
 
@@ -39,8 +39,8 @@ class KVCache:
     ):
         """``capacity``: positions per slot to start with (default ``FIRST_CAPACITY``; rounded
         up to whole chunks, at most ``max_capacity``)."""
-        self.max_capacity = _chunks(max_len)  # positions a slot may come to hold
-        capacity = min(self.max_capacity, _chunks(capacity or FIRST_CAPACITY))
+        self.max_capacity = whole_chunks(max_len)  # positions a slot may come to hold
+        capacity = min(self.max_capacity, whole_chunks(capacity or FIRST_CAPACITY))
         shape = (num_slots, cfg.num_kv_heads, capacity, cfg.head_dim)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
@@ -60,7 +60,7 @@ class KVCache:
         assert length <= self.max_capacity, f"{length} positions in a slot of {self.max_len}"
         if length <= self.capacity:
             return
-        capacity = min(self.max_capacity, _chunks(max(self.capacity * 5 // 4, length)))
+        capacity = min(self.max_capacity, whole_chunks(max(self.capacity * 5 // 4, length)))
         self.k = [self._grown_keys(k, capacity) for k in self.k]
         self.v = [self._grown_values(v, capacity) for v in self.v]
 
