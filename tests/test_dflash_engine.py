@@ -289,6 +289,8 @@ def test_memory_in_use_counts_what_live_requests_hold_and_nothing_after(engine):
     done = engine.memory_in_use()
     assert (done.kv, done.draft) == (0, 0)  # finished requests hold nothing
     assert done.prefix == engine.prefix_cache.num_bytes > 0  # the cache keeps their sequences
+    # the entries kept in the requests' last steps, beside their slots: in the peak too
+    assert peak.prefix == done.prefix and engine.peak_total_bytes > done.prefix + now.kv
     weights = engine.weight_bytes()
     # the parameters, and the reordered copies oneDNN's matmul reads where it runs them
     reordered = {"target": reordered_bytes(engine.model),

@@ -517,6 +517,10 @@ class Engine:
         if len(tokens) < cache.min_tokens or cache.covers(tokens, with_hidden=hidden is not None):
             return
         cache.insert(tokens, self.cache.cached(slot, len(tokens)), hidden)
+        # the entry beside the slot it was copied from (and the step's other requests): more
+        # than the forward's note, where a request's last step keeps its answer
+        self._note_memory(list(self.scheduler.running))
+
 
     def _settle(
         self,
@@ -942,9 +946,11 @@ class Engine:
     def reset_memory_peak(self) -> None:
         self.memory_peak, self.peak_total_bytes = MemoryUse(), 0
 
-    def _note_memory(self, reqs: list[Request], rows: list[Row]) -> None:
+    def _note_memory(self, reqs: list[Request], rows: list[Row] | None = None) -> None:
         # after the forward every row's tokens, drafts included, have keys and values in its slot
-        now = self.memory_in_use(reqs, [row.start + len(row.tokens) for row in rows])
+        # (without ``rows``: those cached)
+        now = self.memory_in_use(reqs, None if rows is None else
+                                 [row.start + len(row.tokens) for row in rows])
         self.memory_peak = self.memory_peak.max(now)
         self.peak_total_bytes = max(self.peak_total_bytes, now.total)
 
