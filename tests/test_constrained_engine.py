@@ -233,6 +233,10 @@ def test_the_tokens_a_reply_is_forced_to_begin_with_go_in_with_the_prompt(tiny, 
     # within max tokens: the lead is cut to leave the model its token (forced there too)
     assert short.token_ids == lead[:3] and short.finish_reason == "length"
     assert short.stats["first_step_tokens"] == 3
+    # room for one token: the grammar's, in the call's segment, not a choice of the model's
+    one = tiny.generate(ids, SamplingParams(max_tokens=1, grammar=source, speculation=speculation))
+    assert one.token_ids == lead[:1] and one.stats["segments"] == [
+        {**one.stats["segments"][0], "kind": "tool_call", "tokens": 1, "forced": 1}]
     free = tiny.generate(ids, SamplingParams(max_tokens=4, speculation=speculation))
     assert free.stats["first_step_tokens"] == 1  # no grammar, no lead
 

@@ -416,9 +416,10 @@ class Engine:
         call's opening up to its name, a JSON answer's first key), fed to the target with its
         prompt: the prompt's forward then yields the first token the model chooses, and the
         first verify's slots are all the drafter's. Within the room left but one; none without
-        a grammar (or where it failed: the request then fails alone)."""
+        a grammar (or where it failed: the request then fails alone). A request with room for
+        one token takes the first forced one here: the grammar's, not the model's choice."""
         forced = self._forced_tokens(req)
-        return forced[: max(0, self._room(req) - 1)] if forced else []
+        return forced[: max(1, self._room(req) - 1)] if forced else []
 
     def _first_token(
         self, req: Request, i: int, row: Row, out, top: int, hit: PrefixHit | None,
