@@ -219,8 +219,10 @@ def make_grammar(values: dict[str, Any], tools: list[ToolSpec], where: str):
     """
     from agentflash import grammar
 
-    asked = [k for k in GRAMMAR_FIELDS if values.get(k) is not None]
     choice = values.get("tool_choice")
+    asked = [k for k in GRAMMAR_FIELDS if values.get(k) is not None]
+    if not tools and choice in ("auto", "none") and len(asked) > 1:
+        asked.remove("tool_choice")  # without tools it asks nothing of a schema or a regex
     answer_or_call = asked == ["tool_choice", "schema"] and tools and choice in ("auto", "none")
     if len([k for k in asked if k != "tool_choice"]) > 1 or (
         "tool_choice" in asked and len(asked) > 1 and not answer_or_call
@@ -246,7 +248,8 @@ def make_grammar(values: dict[str, Any], tools: list[ToolSpec], where: str):
     if choice is None and not tools:
         return None
     if not tools and choice not in ("none", "auto"):
-        raise UserError(f"{where}: tool_choice {choice!r} needs tools")
+        name = choice.get("function", {}).get("name") if isinstance(choice, dict) else choice
+        raise UserError(f"{where}: tool_choice {name!r} needs tools")
     return _tools_turn(tools, choice, where)
 
 
@@ -278,9 +281,10 @@ def load_requests(path: Path, defaults: dict[str, Any]) -> list[GenerateInput]:
         if isinstance(obj.get("schema"), str):  # a schema file named beside the requests
             obj["schema"] = str(path.parent / obj["schema"])
         merged = {k: v for k, v in defaults.items() if v is not None and k not in obj}
-        if "prompt" in obj or "messages" in obj:
-            merged.pop("prompt", None)
-            merged.pop("messages", None)
+        for given in (("prompt", "messages"), ("schema", "regex")):  # the line's replaces
+            if any(k in obj for k in given):  # the flags' of the other kind
+                for k in given:
+                    merged.pop(k, None)
         requests.append(make_input({**merged, **obj}, where))
     if not requests:
         raise UserError(f"{path}: no requests in the file")

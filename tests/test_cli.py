@@ -262,6 +262,22 @@ def test_a_bad_flag_is_not_blamed_on_a_requests_line(tiny_model_dir, tmp_path):
         code, _, err = run("generate", "--model", str(tiny_model_dir), "--messages",
                            str(messages), *flags)
         assert code == 2 and err.startswith("error: command line: "), (flags, err)
+    assert "tool_choice 'foo' needs tools" in err  # its name, not OpenAI's form of it
+
+
+def test_a_requests_lines_grammar_replaces_the_flags_and_a_choice_without_tools_is_none(
+    tiny_model_dir, tmp_path
+):
+    (tmp_path / "int.json").write_text('{"type": "integer"}')
+    path = tmp_path / "r.jsonl"
+    path.write_text('{"prompt": "x", "regex": "[ab]{3}"}\n{"prompt": "x"}\n')
+    code, out, err = run("generate", "--model", str(tiny_model_dir), "--requests", str(path),
+                         "--schema", str(tmp_path / "int.json"), "--max-tokens", "8",
+                         "--tool-choice", "none", "--json")
+    assert code == 0, err  # schema and regex were two grammars of the line, said its error
+    first, second = (json.loads(line) for line in out.splitlines())
+    assert len(first["text"]) == 3 and set(first["text"]) <= {"a", "b"}
+    assert second["text"].lstrip("-").isdigit() or second["finish_reason"] == "length"
 
 
 def test_boolean_schemas_and_a_huge_seed(tiny_model_dir, tmp_path):
