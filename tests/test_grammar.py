@@ -1037,6 +1037,18 @@ def test_outlines_refuses_what_it_cannot_do(tok):
         compile_grammar(source, tok, backend=Backend.OUTLINES)
 
 
+def test_a_grammar_whose_masks_llguidance_cannot_compute_is_refused_when_compiled(tok):
+    """llguidance computed the first mask of a^1000000, then failed every later one (a lexer
+    limit): compiling passed, and every request failed at its first step."""
+    with pytest.raises(GrammarError, match="regex: .*too many expressions constructed"):
+        compile_grammar(regex("a{1000}{1000}"), tok)
+    schema = {"type": "object", "properties": {"a": {"type": "string",
+                                                     "pattern": "^a{1000}{1000}$"}},
+              "required": ["a"]}
+    with pytest.raises(GrammarError, match="answer.json: #/properties/a: .*too many expressions"):
+        compile_grammar(json_schema(schema, origin="answer.json"), tok)
+
+
 def test_model_vocab_smaller_than_the_tokenizer_is_an_error(tok):
     with pytest.raises(GrammarError, match="smaller than the tokenizer"):
         compile_grammar(regex("a"), tok, vocab_size=len(tok) - 1)

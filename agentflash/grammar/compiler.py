@@ -7,8 +7,9 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
-from agentflash.grammar.constraint import CompiledGrammar, GrammarError
-from agentflash.grammar.sources import GrammarSource
+from agentflash.grammar.checks import locate_schema_error
+from agentflash.grammar.constraint import CompiledGrammar, GrammarError, GrammarFailed
+from agentflash.grammar.sources import GrammarKind, GrammarSource
 from agentflash.grammar.tokenizers import TokenizerInfo, tokenizer_info
 
 
@@ -72,7 +73,7 @@ def compile_grammar(
     grammar = _grammars.get(key) if use_cache else None
     if grammar is None:
         grammar = _build(backend, source, info)
-        _check_can_start(grammar, source)
+        _check_can_start(grammar, source, info)
         if backend is Backend.OUTLINES:
             _check_outlines_continuations(grammar, source, info)
         _grammars.put(key, grammar)
@@ -107,13 +108,44 @@ def _build(backend: Backend, source: GrammarSource, info: TokenizerInfo) -> Comp
     return impl.compile_source(source, converted, info)
 
 
-def _check_can_start(grammar: CompiledGrammar, source: GrammarSource) -> None:
-    constraint = grammar.new_constraint()
-    if not constraint.is_accepting() and not constraint.bitmask().any():
+def _check_can_start(grammar: CompiledGrammar, source: GrammarSource,
+                     info: TokenizerInfo | None = None) -> None:
+    problem, start = _first_masks(grammar)
+    if problem is not None:  # the field, where a schema's fails on its own
+        where = ""
+        if source.kind is GrammarKind.JSON_SCHEMA and info is not None:
+            where = locate_schema_error(source.schema, lambda s: _fails_alone(s, source, info))
+            where = f"{where}: "
+        raise GrammarError(f"{source.origin}: {where}{problem}")
+    if not grammar.new_constraint().is_accepting() and not start.any():
         raise GrammarError(
             f"{source.origin}: no output matches this grammar (no token can start "
             "it and the empty output is not a match)"
         )
+
+
+def _first_masks(grammar: CompiledGrammar) -> tuple[str | None, Any]:
+    """The first mask of a request, or why the first masks of two cannot be computed.
+    llguidance's lexer grows with the masks its requests compute, and a limit it reaches
+    within the first one (``^a{1000}{1000}$``: "too many expressions constructed") fails every
+    mask after it: a request's first step then failed, where compiling had passed."""
+    try:
+        start = grammar.new_constraint().bitmask()
+        grammar.new_constraint().bitmask()
+    except GrammarFailed as err:
+        return str(err), None
+    return None, start
+
+
+def _fails_alone(schema: Any, source: GrammarSource, info: TokenizerInfo) -> str | None:
+    from agentflash.grammar.sources import json_schema
+
+    try:
+        part = json_schema(schema, origin=source.origin, json_style=source.json_style,
+                           strict=False)
+        return _first_masks(_build(Backend.LLGUIDANCE, part, info))[0]
+    except GrammarError:
+        return None
 
 
 def cache_info() -> dict[str, int]:
