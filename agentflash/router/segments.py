@@ -13,7 +13,8 @@ class SegmentKind(enum.Enum):
     TOOL_CALL = "tool_call"  # from <tool_call> to </tool_call>
     CODE = "code"  # inside a fenced block
     MATH = "math"  # a line of arithmetic being worked
-    SCHEMA = "schema"  # the whole reply is bound to a JSON schema / grammar
+    SCHEMA = "schema"  # the whole reply is bound to a JSON schema (a regex's or a Lark
+    # grammar's reply is tracked by its text, as prose, code or math: a regex may bind free text)
 
 
 # A line with a number, an operator and a number: the working of a calculation.
