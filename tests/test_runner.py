@@ -354,6 +354,18 @@ def test_a_forced_tool_choice_stays_spent_when_the_conversation_comes_back():
         ToolChoice.REQUIRED, ToolChoice.AUTO, ToolChoice.AUTO, ToolChoice.AUTO]
 
 
+def test_agents_named_in_other_scripts_get_handoff_tools_of_their_own():
+    """Every letter outside A-Z became "_": two agents named in Chinese were both
+    transfer_to___, and an agent could not hand off to both."""
+    weather, translate = Agent("天气"), Agent("翻译")
+    triage = Agent("Café", handoffs=[weather, translate])
+    result, _, backend = run(triage, [
+        ScriptedTurn.calls(("transfer_to_u7ffbu8bd1", {"reason": "translate"})), "好"])
+    assert (result.final_output, result.last_agent) == ("好", "翻译")
+    names = [t["function"]["name"] for t in backend.requests[0].tools]
+    assert names == ["transfer_to_u5929u6c14", "transfer_to_u7ffbu8bd1"]
+
+
 def test_a_required_call_is_made_only_by_a_call_that_reaches_a_tool():
     agent = Agent("a", tools=[get_weather], tool_choice="required")
     script = [ScriptedTurn('<tool_call>{"name": "get_weather", "arguments": {"ci'),  # cut

@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import json
 import re
+import unicodedata
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -137,7 +138,16 @@ def _schema_spec(schema: dict[str, Any]) -> OutputSpec:
 
 
 def handoff_tool_name(agent: Agent) -> str:
-    return "transfer_to_" + re.sub(r"[^A-Za-z0-9_-]", "_", agent.name).lower()[:52]
+    """``transfer_to_<name>`` in the letters a tool name takes: an accent dropped (é: e),
+    another letter as its code point (天: u5929: two agents named in Chinese were both
+    ``transfer_to___``), punctuation and spaces as ``_``."""
+    spelled = []
+    for ch in unicodedata.normalize("NFKD", agent.name):
+        if unicodedata.combining(ch):
+            continue
+        spelled.append(ch if re.fullmatch(r"[A-Za-z0-9_-]", ch) else "_" if ch.isascii()
+                       else f"u{ord(ch):x}")
+    return "transfer_to_" + "".join(spelled).lower()[:52]
 
 
 def handoff_tool_spec(agent: Agent) -> dict[str, Any]:
