@@ -16,6 +16,7 @@ from transformers import AutoTokenizer
 from agentflash.grammar import (
     Backend,
     GrammarError,
+    GrammarFailed,
     GrammarViolation,
     JsonStyle,
     allocate_bitmask,
@@ -1047,6 +1048,29 @@ def test_a_grammar_whose_masks_llguidance_cannot_compute_is_refused_when_compile
               "required": ["a"]}
     with pytest.raises(GrammarError, match="answer.json: #/properties/a: .*too many expressions"):
         compile_grammar(json_schema(schema, origin="answer.json"), tok)
+
+
+def test_a_request_that_reaches_a_lexer_limit_fails_alone(tok):
+    """The requests of a cached grammar share its lexer: one that wrote into a field whose
+    pattern reaches llguidance's limit made every other request of that grammar fail, those
+    running and those to come, until the grammar left the cache."""
+    schema = {"type": "object", "properties": {
+        "n": {"type": "integer"}, "code": {"type": "string", "pattern": "^x(a{1000}){1000}$"}}}
+    grammar = compile_grammar(json_schema(schema), tok)
+
+    def write(constraint, text):
+        for token in tok(text, add_special_tokens=False)["input_ids"]:
+            constraint.bitmask()
+            constraint.advance([token])
+        return constraint.is_accepting()
+
+    running = grammar.new_constraint()
+    write(running, '{"n": ')
+    with pytest.raises(GrammarFailed, match="too many expressions"):
+        write(grammar.new_constraint(), '{"code": "xa')
+    assert write(running, "12}")
+    assert write(grammar.new_constraint(), '{"n": 1}')
+    assert write(compile_grammar(json_schema(schema), tok).new_constraint(), '{"n": 2}')
 
 
 def test_model_vocab_smaller_than_the_tokenizer_is_an_error(tok):

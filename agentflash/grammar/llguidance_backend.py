@@ -4,7 +4,8 @@ draft validation, rollback and fast-forward tokens)."""
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import llguidance
@@ -114,31 +115,81 @@ class LLGuidanceGrammar(CompiledGrammar):
         if is_error:
             raise GrammarError(_describe_error(source, messages[0]))
         self.warnings: list[str] = messages
-        self._matcher = llguidance.LLMatcher(tokenizer, text, log_level=0)
+        self._tokenizer, self._text = tokenizer, text
+        self._matcher = self.fresh_matcher()
         if self._matcher.is_error():
             raise GrammarError(_describe_error(source, self._matcher.get_error()))
+        # The requests' matchers are copies of ``_matcher`` and share its lazily built lexer,
+        # which a limit reached on one request's path ("too many expressions constructed")
+        # leaves failing for all of them. The generation counts the lexers replaced so.
+        self.generation = 0
+        self._lock = threading.Lock()
+
+    def fresh_matcher(self) -> llguidance.LLMatcher:
+        """A matcher at the grammar's start with a lexer of its own."""
+        return llguidance.LLMatcher(self._tokenizer, self._text, log_level=0)
 
     def new_constraint(self) -> LLGuidanceConstraint:
-        return LLGuidanceConstraint(self._matcher.deep_copy(), self.vocab_size, self.eos_token_id)
+        with self._lock:
+            return LLGuidanceConstraint(self._matcher.deep_copy(), self.vocab_size,
+                                        self.eos_token_id, self, self.generation)
+
+    def lexer_failed(self, generation: int) -> None:
+        """A request's copy of generation ``generation`` reached a lexer limit: later requests
+        copy a fresh matcher, and the earlier ones move to matchers of their own."""
+        with self._lock:
+            if generation == self.generation:
+                self._matcher = self.fresh_matcher()
+                self.generation += 1
 
 
 class LLGuidanceConstraint(Constraint):
     """A request's llguidance matcher behind the ``Constraint`` interface."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, eos_token_id: int):
+    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, eos_token_id: int,
+                 grammar: LLGuidanceGrammar | None = None, generation: int | None = None):
         super().__init__(vocab_size, eos_token_id)
-        self._m = matcher
+        self._matcher = matcher
+        # the grammar whose shared lexer the matcher uses (its generation), None once the
+        # matcher has a lexer of its own (``_run``)
+        self._grammar, self._generation = grammar, generation
+        self._fed: list[int] = []  # the tokens consumed, to replay on a matcher of its own
+
+    @property
+    def _m(self) -> llguidance.LLMatcher:
+        if self._generation is not None and self._generation != self._grammar.generation:
+            self._own_matcher()  # the shared lexer failed another request: not used again
+        return self._matcher
+
+    def _own_matcher(self) -> None:
+        fresh = self._grammar.fresh_matcher()
+        if self._fed and not fresh.consume_tokens(self._fed):
+            raise GrammarFailed(fresh.get_error().strip().split("\n", 1)[0])
+        self._matcher, self._generation = fresh, None
+
+    def _run(self, op: Callable[[llguidance.LLMatcher], Any]) -> Any:
+        """``op(matcher)``; where it reached a limit of the lexer the requests share, again on a
+        matcher of this request's own (a limit it reaches there too is its own failure)."""
+        result = op(self._m)
+        if self._generation is None or not self._matcher.is_error() or (
+                "lexer error" not in self._matcher.get_error()):
+            return result
+        self._grammar.lexer_failed(self._generation)
+        self._own_matcher()
+        return op(self._matcher)
 
     def _validate(self, tokens: Sequence[int]) -> int:
-        return self._m.validate_tokens(list(tokens))
+        return self._run(lambda m: m.validate_tokens(list(tokens)))
 
     def _consume(self, tokens: Sequence[int]) -> None:
-        if not self._m.consume_tokens(list(tokens)):
+        if not self._run(lambda m: m.consume_tokens(list(tokens))):
             raise self._failed()
+        self._fed += tokens
 
     def _rollback(self, num_tokens: int) -> None:
         if not self._m.rollback(num_tokens):
             raise self._failed()
+        del self._fed[len(self._fed) - num_tokens:]
 
     def _failed(self) -> GrammarFailed:
         """The matcher's error, its first line (the rest is llguidance's state and grammar)."""
@@ -151,7 +202,8 @@ class LLGuidanceConstraint(Constraint):
         return self._m.is_stopped() and self._m.is_accepting()
 
     def _fill(self, out: torch.Tensor) -> None:
-        self._m.unsafe_compute_mask_ptr(out.data_ptr(), out.numel() * out.element_size())
+        self._run(lambda m: m.unsafe_compute_mask_ptr(out.data_ptr(),
+                                                      out.numel() * out.element_size()))
         if self._m.is_error():
             error = self._m.get_error()
             if error.startswith("NoExtension"):
@@ -166,25 +218,26 @@ class LLGuidanceConstraint(Constraint):
         # matcher: committing and rolling back on the live one left it, after some walks,
         # computing masks that let a token through that it then refused to consume (llguidance
         # 1.9.1; a tool call's last property took '",' as if more properties followed).
-        copy = LLGuidanceConstraint(self._m.deep_copy(), self.vocab_size, self.eos_token_id)
-        copy._num_fed, copy._ended = self._num_fed, self._ended
+        copy = LLGuidanceConstraint(self._m.deep_copy(), self.vocab_size, self.eos_token_id,
+                                    self._grammar, self._generation)
+        copy._num_fed, copy._ended, copy._fed = self._num_fed, self._ended, list(self._fed)
         return copy
 
     def _allows_one(self, token: int) -> bool:
         # where the grammar forces bytes, the mask keeps them to their canonical tokens ('"]')
         # and validate_tokens takes any tokenization ('"' then ']'): the mask decides, as in
         # plain constrained decoding
-        if self._m.compute_ff_bytes():
+        if self._run(lambda m: m.compute_ff_bytes()):
             row = self._scratch_row()
             row.zero_()
             self._fill(row)
             return bit_is_set(row, token, self.vocab_size)
-        return self._m.validate_tokens([token]) == 1
+        return self._validate([token]) == 1
 
     def _forced(self) -> list[int]:
-        if not self._m.compute_ff_bytes():  # no forced byte, no forced token (~100x cheaper)
-            return []
-        forced = self._m.compute_ff_tokens()
+        if not self._run(lambda m: m.compute_ff_bytes()):  # no forced byte, no forced token
+            return []  # (~100x cheaper)
+        forced = self._run(lambda m: m.compute_ff_tokens())
         if self.eos_token_id in forced:
             forced = forced[: forced.index(self.eos_token_id)]
         return forced
