@@ -8,7 +8,12 @@ from collections import OrderedDict
 from typing import Any
 
 from agentflash.grammar.checks import locate_schema_error
-from agentflash.grammar.constraint import CompiledGrammar, GrammarError, GrammarFailed
+from agentflash.grammar.constraint import (
+    CompiledGrammar,
+    GrammarError,
+    GrammarFailed,
+    allowed_token_ids,
+)
 from agentflash.grammar.sources import GrammarKind, GrammarSource
 from agentflash.grammar.tokenizers import TokenizerInfo, tokenizer_info
 
@@ -124,14 +129,24 @@ def _check_can_start(grammar: CompiledGrammar, source: GrammarSource,
         )
 
 
+PROBE_STEPS = 1  # the steps a request's first tokens are probed for (``_first_masks``)
+
+
 def _first_masks(grammar: CompiledGrammar) -> tuple[str | None, Any]:
-    """The first mask of a request, or why the first masks of two cannot be computed.
-    llguidance's lexer grows with the masks its requests compute, and a limit it reaches
-    within the first one (``^a{1000}{1000}$``: "too many expressions constructed") fails every
-    mask after it: a request's first step then failed, where compiling had passed."""
+    """The first mask of a request, or why the masks of its first ``PROBE_STEPS`` steps (the
+    grammar's forced run, else its first allowed token) cannot be computed: llguidance builds
+    its lexer as the masks need it, and a limit it reaches there (``a{1000}{1000}``: "too many
+    expressions constructed", at the first ``a``) failed every request's first steps."""
     try:
-        start = grammar.new_constraint().bitmask()
-        grammar.new_constraint().bitmask()
+        constraint = grammar.new_constraint()
+        start = mask = constraint.bitmask()
+        for _ in range(PROBE_STEPS):
+            step = constraint.forced_tokens() or allowed_token_ids(mask, grammar.vocab_size)[:1]
+            step = [t for t in step if t != grammar.eos_token_id]
+            if not step:
+                break
+            constraint.advance(step)
+            mask = constraint.bitmask()
     except GrammarFailed as err:
         return str(err), None
     return None, start
