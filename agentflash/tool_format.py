@@ -98,22 +98,25 @@ class CallEnd:
         return self.end
 
     def fallback(self) -> int | None:
-        """Where the body's first ``</tool_call>`` starts, string or not: the end of a call whose
-        quotes do not pair (written without a grammar) that never closed otherwise."""
+        """Where the body's first ``</tool_call>`` starts, string or not, if the body ends inside
+        a string: the end of a call whose quotes do not pair (written without a grammar) that
+        never closed otherwise. A body whose strings all close was cut before its tag (one of
+        its strings may hold the tag: the tools' grammar lets it)."""
         at = self.text.find(CLOSE)
-        return at if at >= 0 else None
+        return at if at >= 0 and self._scan.in_string else None
 
 
-def _blocks(text: str) -> list[tuple[int, int, int | None]]:
+def _blocks(text: str, whole: bool = True) -> list[tuple[int, int, int | None]]:
     """Each ``<tool_call>`` block of ``text``: where its tag starts, where its body starts, and
-    where its body ends (None for a call never closed, which runs to the end)."""
+    where its body ends (None for a call never closed, which runs to the end). ``whole``: the
+    reply has ended (else a call whose quotes do not pair yet may still close them)."""
     blocks: list[tuple[int, int, int | None]] = []
     pos = 0
     while (at := text.find(OPEN, pos)) >= 0:
         start = at + len(OPEN)
         closer = CallEnd()
         end = closer.feed(text[start:])
-        if end is None:
+        if end is None and whole:
             end = closer.fallback()
         if end is None:
             blocks.append((at, start, None))
@@ -129,7 +132,8 @@ def stop_at(text: str, stops: tuple[str, ...] | list[str]) -> int | None:
     grammar's to finish, and cut there its arguments would not parse. Not at a character whose
     bytes are still coming (a trailing U+FFFD)."""
     text = text.rstrip("\ufffd")
-    calls = [(at, None if end is None else end + len(CLOSE)) for at, _, end in _blocks(text)]
+    calls = [(at, None if end is None else end + len(CLOSE))
+             for at, _, end in _blocks(text, whole=False)]
     first = None
     for stop in stops:
         at = text.find(stop)

@@ -95,6 +95,28 @@ def test_parser_reports_malformed_and_unclosed_calls():
     assert "not closed" in bad[3].error and "stop" in bad[3].error
 
 
+def test_a_call_cut_after_a_string_holding_its_closing_tag_is_one_call():
+    """The tag inside a string ended the call where its quotes did not pair: cut by max_tokens
+    after the arguments, the call's JSON ran on as text (and the server sent it twice)."""
+    from agentflash.tool_format import parse_tool_calls
+
+    body = '{"name": "f", "arguments": {"a": "</tool_call>", "b": 1}}'
+    for cut in (f"<tool_call>\n{body}\n", '<tool_call>{"name": "f", "arguments": {"a": "x'
+                '</tool_call> more'):
+        for chunk in (1, 5, len(cut)):
+            parser = HermesStreamParser("c")
+            events = [e for i in range(0, len(cut), chunk) for e in parser.feed(cut[i:i + chunk])]
+            events += parser.close("length")
+            assert not [e for e in events if isinstance(e, TextDelta)], (cut, chunk)
+            (ready,) = [e.call for e in events if isinstance(e, ToolCallReady)]
+            assert ready.body == cut.removeprefix("<tool_call>").strip()
+            assert "not closed" in ready.error
+    assert parse_tool_calls(f"<tool_call>\n{body}\n")[1][0].body == body
+    # quotes that never pair, in a reply that ended: the call ends at its first tag
+    events = parse('<tool_call>{"name": "f", "arguments": {"a": "x</tool_call> more', 3)
+    assert summary(events)[0] == " more"
+
+
 def test_model_text_python_cannot_load_is_a_malformed_call_for_both_parsers():
     from agentflash.tool_format import parse_tool_calls
 

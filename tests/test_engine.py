@@ -191,6 +191,9 @@ def test_stop_at_skips_tool_calls_and_a_character_still_coming():
     assert stop_at(f"ab{call}", ["</tool_call>", "}"]) is None
     assert stop_at(f"ab{call}", ["b<tool", "}"]) == 1
     assert stop_at('a<tool_call>\n{"name": "f}', ["}"]) is None  # a call not yet closed
+    # a string of the open call holds the closing tag (the grammar lets it): still inside
+    assert stop_at('<tool_call>\n{"name": "f", "arguments": {"a": "</tool_call>", "b": "END',
+                   ["END"]) is None
     # a trailing U+FFFD is the bytes of a character not yet whole; one before text is text
     assert stop_at("e\ufffd", ["\ufffd"]) is None
     assert stop_at("e\ufffdx", ["\ufffd"]) == 1
