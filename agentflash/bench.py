@@ -197,17 +197,18 @@ def run(
             else:
                 outlines_skipped = skipped
     for row in rows:
-        base = next(
-            r
-            for r in rows
-            if r["suite"] == row["suite"]
-            and r["mode"] == ("plain" if r["suite"] != "json" else "plain+grammar")
-        )
+        # plain decoding of the row's kind: constrained plain for the constrained rows and
+        # outlines' generator (under the same grammar), plain for the others
+        constrained = row["mode"].endswith("+grammar") or row["mode"] == "outlines"
+        row["ratio_base"] = "plain+grammar" if constrained else "plain"
+        base = next(r for r in rows if r["suite"] == row["suite"]
+                    and r["mode"] == row["ratio_base"])
         row["ratio_to_plain"] = round(row["tokens_per_s"] / base["tokens_per_s"], 3)
-        if "decode_tokens_per_s" in row:
-            row["decode_ratio_to_plain"] = round(
-                row["decode_tokens_per_s"] / base["decode_tokens_per_s"], 3
-            )
+        if "decode_tokens_per_s" in row:  # None where the base decoded nothing after its
+            # first step (max tokens 1)
+            row["decode_ratio_to_plain"] = (
+                round(row["decode_tokens_per_s"] / base["decode_tokens_per_s"], 3)
+                if base["decode_tokens_per_s"] else None)
         row.pop("outputs")
     return {
         "config": {
@@ -466,6 +467,9 @@ def _caption(table, report: dict[str, Any]) -> None:
     (``ModelRunner``), a peer left out (``outlines_masks_wrong``)."""
     cfg = report["config"]
     notes = []
+    if any(r.get("ratio_base") == "plain+grammar" for r in report["rows"]):
+        notes.append("x plain: the +grammar rows and outlines' are x plain+grammar (constrained "
+                     "plain decoding)")
     if cfg.get("exact_path_off"):
         notes.append(f"exact path off on this machine ({cfg['exact_path_off']}): an output can "
                      "differ from the reference at a near tie")
@@ -525,7 +529,8 @@ def print_table(report: dict[str, Any]) -> None:
             f"{r['tokens_per_s']:.1f}",
             f"{r['ratio_to_plain']:.2f}",
             f"{r['decode_tokens_per_s']:.1f}" if decoding else "-",
-            f"{r['decode_ratio_to_plain']:.2f}" if decoding else "-",
+            f"{r['decode_ratio_to_plain']:.2f}"
+            if decoding and r["decode_ratio_to_plain"] is not None else "-",
             f"{r['ttft_ms']:.1f}" if decoding else "-",
             "-" if r["tau"] is None else f"{r['tau']:.2f}",
             f"{r['tool_call_body_tau']:.2f}" if "tool_call_body_tau" in r else "-",
@@ -682,9 +687,12 @@ def run_concurrency(
                     measured[mode].append(row)
             for tries in measured.values():
                 # every round's tokens/s in round order: the machine's spread, beside the median
+                # (of an even count, the mean of the middle two; the row's other columns are
+                # the lower middle round's)
                 spread = [r["tokens_per_s"] for r in tries]
-                median = sorted(tries, key=lambda r: r["tokens_per_s"])[len(tries) // 2]
-                rows.append({**median, "rounds": rounds, "tokens_per_s_rounds": spread})
+                middle = sorted(tries, key=lambda r: r["tokens_per_s"])[(len(tries) - 1) // 2]
+                rows.append({**middle, "tokens_per_s": round(statistics.median(spread), 2),
+                             "rounds": rounds, "tokens_per_s_rounds": spread})
             # the router against the better fixed mode round by round: the three runs of a
             # round are minutes closer in time than the rounds' medians, so the machine's drift
             # weighs less on the ratio
@@ -693,7 +701,7 @@ def run_concurrency(
                 for p, d, a in zip(measured["plain"], measured["dflash"], measured["auto"])
             )
             rows[-1]["vs_better_rounds"] = [round(x, 3) for x in paired]
-            rows[-1]["vs_better_median"] = round(paired[len(paired) // 2], 3)
+            rows[-1]["vs_better_median"] = round(statistics.median(paired), 3)
     for row in rows:
         base = next(
             r

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import statistics
 import time
@@ -147,8 +148,8 @@ def _ms(samples: list[float]) -> dict[str, float]:
     ordered = sorted(samples)
     return {
         "mean": round(statistics.fmean(samples) * 1e3, 4),
-        "p50": round(ordered[len(ordered) // 2] * 1e3, 4),
-        "p90": round(ordered[int(len(ordered) * 0.9)] * 1e3, 4),
+        "p50": round(statistics.median(ordered) * 1e3, 4),
+        "p90": round(ordered[math.ceil(len(ordered) * 0.9) - 1] * 1e3, 4),  # nearest rank
     }
 
 

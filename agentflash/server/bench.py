@@ -11,6 +11,7 @@ mean latency over the in-process one; every path must write as many tokens for e
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import socket
@@ -219,9 +220,9 @@ async def _measure(one: Callable[[Any], Awaitable[Outcome]], items: list[Any], l
         "path": path, "concurrency": level, "requests": len(done), "wall_s": round(wall, 4),
         "requests_per_s": round(len(done) / wall, 2), "tokens_per_s": round(sum(tokens) / wall, 1),
         "latency_mean_ms": round(1000 * statistics.fmean(latencies), 2),
-        "latency_p50_ms": round(1000 * latencies[len(latencies) // 2], 2),
-        "latency_p95_ms": round(1000 * latencies[min(len(latencies) - 1,
-                                                      int(0.95 * len(latencies)))], 2),
+        "latency_p50_ms": round(1000 * statistics.median(latencies), 2),
+        "latency_p95_ms": round(1000 * latencies[math.ceil(0.95 * len(latencies)) - 1],
+                                2),  # nearest rank
         "first_token_mean_ms": round(1000 * statistics.fmean(firsts), 2) if firsts else None,
         "completion_tokens": tokens,
     })
