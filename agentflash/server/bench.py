@@ -137,21 +137,25 @@ def _median_rounds(measured: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 async def _engine_rows(engine: Any, bodies: list[dict[str, Any]], levels: tuple[int, ...],
                        rows: list[dict[str, Any]]) -> None:
-    from agentflash.engine.async_engine import AsyncEngine, FinishEvent
-    from agentflash.server.chat import prepare
+    from agentflash.engine.async_engine import AsyncEngine
+    from agentflash.server.chat import Finished, ReplyWriter, prepare, reply_events
     from agentflash.server.protocol import parse_request
 
     requests = [parse_request(json.dumps(body).encode()) for body in bodies]
     async with AsyncEngine(engine) as aengine:
         async def one(request: Any) -> Outcome:
+            # the reply's events as the server streams them: "first" is its first delta, as
+            # the http-stream path times it (the first token, a call's <tool_call>, reaches a
+            # client with the call's name, some 16 tokens later)
             t0 = time.perf_counter()
             job = await anyio.to_thread.run_sync(prepare, request, engine, request.max_tokens)
-            first, tokens = None, 0
-            async with aclosing(aengine.stream(job.prompt_ids, job.params)) as events:
+            first, tokens, writer = None, 0, ReplyWriter()
+            async with aclosing(reply_events(aengine, job)) as events:
                 async for event in events:
-                    if first is None and (isinstance(event, FinishEvent) or event.text):
+                    finished = isinstance(event, Finished)
+                    if first is None and (finished or writer.deltas(event)):
                         first = time.perf_counter() - t0
-                    if isinstance(event, FinishEvent):
+                    if finished:
                         tokens = len(event.result.token_ids)
             return Outcome(time.perf_counter() - t0, first, tokens)
 
