@@ -1073,6 +1073,32 @@ def test_a_request_that_reaches_a_lexer_limit_fails_alone(tok):
     assert write(compile_grammar(json_schema(schema), tok).new_constraint(), '{"n": 2}')
 
 
+def test_threads_compiling_one_new_grammar_at_once_compile_it_once(tok, monkeypatch):
+    """The server prepares requests in worker threads: a burst of first requests with the same
+    tools compiled them (and converted a 151k-token tokenizer) once per thread."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from agentflash.grammar import compiler
+
+    built, build = [], compiler._build
+
+    def slow_build(*args):
+        built.append(args[1])
+        time.sleep(0.2)  # the others ask meanwhile
+        return build(*args)
+
+    monkeypatch.setattr(compiler, "_build", slow_build)
+    source = regex("[0-9]{3}-once")
+    with ThreadPoolExecutor(6) as pool:
+        grammars = list(pool.map(lambda _: compile_grammar(source, tok), range(6)))
+    assert built == [source] and all(g is grammars[0] for g in grammars)
+    with ThreadPoolExecutor(3) as pool:  # a source that fails is kept by none
+        errors = list(pool.map(lambda _: pytest.raises(GrammarError, compile_grammar,
+                                                       regex("a[b"), tok), range(3)))
+    assert len(errors) == 3 and built.count(regex("a[b")) == 3
+
+
 def test_model_vocab_smaller_than_the_tokenizer_is_an_error(tok):
     with pytest.raises(GrammarError, match="smaller than the tokenizer"):
         compile_grammar(regex("a"), tok, vocab_size=len(tok) - 1)

@@ -29,6 +29,30 @@ class _LRU:
     def __init__(self, capacity: int):
         self.capacity, self._items, self._lock = capacity, OrderedDict(), threading.Lock()
         self.hits = self.misses = 0
+        self._making: dict[Any, threading.Lock] = {}  # a lock per key being made
+
+    def get_or_make(self, key: Any, make: Any) -> Any:
+        """The value of ``key``, made by ``make()`` and kept if missing: once, while other
+        threads asking for the same key wait for it (the server prepares requests in worker
+        threads: eight first requests with the same tools converted the 151k-token tokenizer
+        six times, 1.5 GB at once). A ``make`` that raises keeps nothing."""
+        value = self.get(key)
+        if value is not None:
+            return value
+        with self._lock:
+            making = self._making.setdefault(key, threading.Lock())
+        try:
+            with making:
+                with self._lock:
+                    value = self._items.get(key)
+                if value is None:
+                    value = make()
+                    self.put(key, value)
+        finally:
+            with self._lock:
+                if self._making.get(key) is making:
+                    del self._making[key]
+        return value
 
     def get(self, key: Any) -> Any:
         with self._lock:
@@ -75,14 +99,19 @@ def compile_grammar(
     grammar that can never finish."""
     info = tokenizer_info(tokenizer, vocab_size, eos_token_id)
     key = (backend, source, info)
-    grammar = _grammars.get(key) if use_cache else None
-    if grammar is None:
+
+    def compiled() -> CompiledGrammar:
         grammar = _build(backend, source, info)
         _check_can_start(grammar, source, info)
         if backend is Backend.OUTLINES:
             _check_outlines_continuations(grammar, source, info)
+        return grammar
+
+    if not use_cache:
+        grammar = compiled()
         _grammars.put(key, grammar)
-    return grammar
+        return grammar
+    return _grammars.get_or_make(key, compiled)
 
 
 def _check_outlines_continuations(grammar: CompiledGrammar, source: GrammarSource,
@@ -100,16 +129,13 @@ def _check_outlines_continuations(grammar: CompiledGrammar, source: GrammarSourc
 
 
 def _build(backend: Backend, source: GrammarSource, info: TokenizerInfo) -> CompiledGrammar:
-    converted = _tokenizers.get((backend, info))
     if backend is Backend.LLGUIDANCE:
         from agentflash.grammar import llguidance_backend as impl
     elif backend is Backend.OUTLINES:
         from agentflash.grammar import outlines_backend as impl  # type: ignore[no-redef]
     else:
         raise AssertionError(f"unknown backend {backend}")
-    if converted is None:
-        converted = impl.build_tokenizer(info)
-        _tokenizers.put((backend, info), converted)
+    converted = _tokenizers.get_or_make((backend, info), lambda: impl.build_tokenizer(info))
     return impl.compile_source(source, converted, info)
 
 
