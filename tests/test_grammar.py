@@ -901,6 +901,14 @@ def test_a_schema_that_passed_its_checks_is_not_checked_again(monkeypatch):
         with pytest.raises(GrammarError, match="not a valid JSON Schema"):
             checks.check_schema(bad, "tool")
     assert [schema for schema, _ in calls].count(bad) == 3 and len(calls) == 4
+    # look-alikes of a schema that passed are checked on their own: two halves of a surrogate
+    # pair (JSON's escape of the whole character), a tuple (JSON writes it as a list)
+    checks.check_schema({"enum": ["\U0001f600"]}, "tool")
+    with pytest.raises(GrammarError, match="half of a surrogate pair"):
+        checks.check_schema({"enum": ["\ud83d\ude00"]}, "tool")
+    checks.check_schema({"enum": ["a", "b"]}, "tool")
+    with pytest.raises(GrammarError, match="is not of type 'array'"):
+        checks.check_schema({"enum": ("a", "b")}, "tool")
 
 
 @pytest.mark.parametrize(

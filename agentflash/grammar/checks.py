@@ -34,10 +34,12 @@ def check_schema(schema: Any, origin: str) -> None:
 
     A schema that passed is remembered (by its JSON), so that the same tools sent with every
     request are checked once: the meta-schema's validation takes 5-10 ms a tool schema."""
-    try:
-        key = json.dumps(schema, sort_keys=True, allow_nan=False)
+    try:  # the schema's JSON, half a surrogate pair kept apart from a whole one's escape
+        key = json.dumps(schema, sort_keys=True, allow_nan=False, ensure_ascii=False)
     except (TypeError, ValueError, RecursionError):
         key = None  # not JSON: checked (and refused) below
+    if key is not None and _holds_tuple(schema):
+        key = None  # JSON writes a tuple as a list, which the check tells apart
     with _PASSED_LOCK:  # the server prepares its requests in worker threads
         if key is not None and key in _PASSED:
             _PASSED.move_to_end(key)
@@ -51,6 +53,14 @@ def check_schema(schema: Any, origin: str) -> None:
             _PASSED[key] = None
             if len(_PASSED) > _PASSED_SIZE:
                 _PASSED.popitem(last=False)
+
+
+def _holds_tuple(node: Any) -> bool:
+    if isinstance(node, tuple):
+        return True
+    if isinstance(node, dict):
+        return any(_holds_tuple(v) for v in node.values())
+    return isinstance(node, list) and any(_holds_tuple(v) for v in node)
 
 
 _PASSED: OrderedDict[str, None] = OrderedDict()  # the schemas ``check_schema`` passed, latest last
