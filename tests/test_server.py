@@ -392,6 +392,11 @@ def test_a_reply_keeps_the_blank_it_ends_with_after_text_not_after_a_call():
     # a call that names no tool stays text, after the blank before it
     assert reply(TextDelta("Hi.\n"), ToolCallReady(0, MalformedToolCall("c1", "not json", "x"))
                  ) == ("Hi.\nnot json", [])
+    # cut right after its <tool_call>: neither a call nor text (the stream's content was "",
+    # or the blank between the calls, where the whole reply's was null)
+    text, calls = reply(ToolCallDelta(0, "f", "{}"), ToolCallReady(0, ToolCall("c1", "f", {})),
+                        TextDelta("\n"), ToolCallReady(1, MalformedToolCall("c2", "", "cut")))
+    assert text is None and len(calls) == 1
 
 
 def test_a_calls_arguments_are_whole_in_the_stream_only_once_the_call_closes():

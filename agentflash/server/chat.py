@@ -343,6 +343,8 @@ class ReplyWriter:
         if index in self.calls:
             self.cut.append(index)
             return []
+        if not call.body.strip():  # a reply cut right after a <tool_call>: no call, no text
+            return []  # (the blank before it is beside calls, as the stream held it)
         begun = begun_call(call.body)
         if begun is not None:
             deltas = self.deltas(ToolCallDelta(index, *begun))
