@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -123,8 +124,10 @@ def check_tools(tools: Any, where: str) -> list[dict[str, Any]]:
                 f'{where}: tools[{i}] must be {{"type": "function", "function": {{...}}}}'
             )
         name = fn.get("name")
-        if not isinstance(name, str) or not name:
-            raise UserError(f"{where}: tools[{i}].function.name must be a non-empty string")
+        if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):  # OpenAI's rule: chat
+            # templates write the name into the history unescaped (say "hi" did not parse back)
+            raise UserError(f"{where}: tools[{i}].function.name must be 1-64 letters, digits, "
+                            f"'_' or '-', got {name!r}")
         if name in names:
             raise UserError(f"{where}: tools[{i}].function.name {name!r} is listed twice")
         names.add(name)
@@ -157,6 +160,7 @@ def load_tools(path: Path) -> list[dict[str, Any]]:
 
 
 PARAM_FIELDS = ("max_tokens", "temperature", "top_p", "seed", "stop", "speculation", "block_size")
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # as OpenAI's API, the runtime and serve take
 GRAMMAR_FIELDS = ("tool_choice", "schema", "regex")
 REQUEST_FIELDS = ("prompt", "messages", "tools") + PARAM_FIELDS + GRAMMAR_FIELDS
 

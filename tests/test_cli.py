@@ -136,6 +136,9 @@ def test_bad_messages_file(tiny_model_dir, tmp_path, content, message):
     [
         ('{"type": "function"}', "tools must be a JSON list"),
         ('[{"type": "function", "function": {"description": "x"}}]', "tools[0].function.name"),
+        # a chat template writes the name into the history as it is: it would not parse back
+        ('[{"type": "function", "function": {"name": "say \\"hi\\""}}]',
+         "tools[0].function.name must be 1-64 letters, digits, '_' or '-', got 'say \"hi\"'"),
         ('[{"name": "f"}]', 'tools[0] must be {"type": "function"'),
         ('[{"type": "function", "function": {"name": "f", "parameters": {"type": "object", '
          '"properties": {"a": {"type": "strin"}}}}}]', "not a valid JSON Schema"),
