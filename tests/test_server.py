@@ -397,6 +397,11 @@ def test_a_reply_keeps_the_blank_it_ends_with_after_text_not_after_a_call():
     text, calls = reply(ToolCallDelta(0, "f", "{}"), ToolCallReady(0, ToolCall("c1", "f", {})),
                         TextDelta("\n"), ToolCallReady(1, MalformedToolCall("c2", "", "cut")))
     assert text is None and len(calls) == 1
+    # a call sent as text takes no index: the next call's is 0, as its place in the whole reply
+    writer = ReplyWriter()
+    writer.deltas(ToolCallReady(0, MalformedToolCall("c1", "not json", "x")))
+    (delta,) = writer.deltas(ToolCallDelta(1, "f", "{}"))
+    assert delta["tool_calls"][0]["index"] == 0
 
 
 def test_a_calls_arguments_are_whole_in_the_stream_only_once_the_call_closes():

@@ -245,6 +245,7 @@ class _Call:
     name: str
     arguments: str = ""
     sent: bool = False  # whether a delta of this call went out
+    index: int = 0  # its index among the reply's calls (a malformed call sent as text has none)
     # the arguments sent so far: up to their last "}" until the call closes, so that a client
     # that runs a call once its arguments are a whole object (the runtime's own backend) does
     # not run one the reply then leaves unclosed (cut by max_tokens)
@@ -290,7 +291,8 @@ class ReplyWriter:
             self._blank, self._after_call = "", True
             call = self.calls.get(event.index)
             if call is None:
-                call = self.calls[event.index] = _Call(f"call_{uuid.uuid4().hex[:24]}", event.name)
+                call = self.calls[event.index] = _Call(f"call_{uuid.uuid4().hex[:24]}", event.name,
+                                                       index=len(self.calls))
             call.arguments += event.arguments_delta
             return self._send(event.index, whole=False)
         if isinstance(event, ToolCallReady):
@@ -304,7 +306,7 @@ class ReplyWriter:
         piece = call.unsent(whole)
         if call.sent and not piece:
             return []
-        entry: dict[str, Any] = {"index": index, "function": {"arguments": piece}}
+        entry: dict[str, Any] = {"index": call.index, "function": {"arguments": piece}}
         if not call.sent:
             entry.update(id=call.id, type="function")
             entry["function"] = {"name": call.name, "arguments": piece}
@@ -322,8 +324,8 @@ class ReplyWriter:
     def last_delta(self) -> dict[str, Any]:
         """The finish chunk's delta: the ends of the cut calls' arguments, held back until the
         finish reason (length) goes with them (``_Call.out``)."""
-        pieces = [{"index": i, "function": {"arguments": self.calls[i].unsent(True)}}
-                  for i in self.cut]
+        pieces = [{"index": call.index, "function": {"arguments": call.unsent(True)}}
+                  for call in (self.calls[i] for i in self.cut)]
         pieces = [p for p in pieces if p["function"]["arguments"]]
         return {"tool_calls": pieces} if pieces else {}
 
