@@ -166,6 +166,9 @@ def parse_body(body: str) -> ParsedToolCall | MalformedToolCall:
         return MalformedToolCall(body, error)
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return MalformedToolCall(body, 'expected an object with a string "name"')
+    twice = _repeated_keys(body) & {"name", "arguments"}
+    if twice:  # JSON takes the last, a stream shows the first: no call to trust
+        return MalformedToolCall(body, f'"{min(twice)}" is given twice')
     args = obj.get("arguments", {})
     if not isinstance(args, dict):
         return MalformedToolCall(body, '"arguments" must be an object')
@@ -191,6 +194,19 @@ def load_body(body: str) -> tuple[Any, str | None]:
         return None, f"invalid JSON: {err.msg}"
     except (ValueError, RecursionError) as err:
         return None, f"invalid JSON: {str(err) or type(err).__name__}"
+
+
+def _repeated_keys(body: str) -> set[str]:
+    """The keys the JSON object ``body`` (valid JSON) gives more than once at its top level."""
+    top: list[tuple[str, Any]] = []
+
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        top[:] = items  # the outermost object's pairs come last
+        return dict(items)
+
+    json.loads(body, object_pairs_hook=pairs)
+    keys = [k for k, _ in top]
+    return {k for k in keys if keys.count(k) > 1}
 
 
 def text_outside_calls(text: str) -> str:

@@ -93,6 +93,14 @@ def test_parser_reports_malformed_and_unclosed_calls():
     assert 'string "name"' in bad[1].error
     assert '"arguments" must be an object' in bad[2].error
     assert "not closed" in bad[3].error and "stop" in bad[3].error
+    # a name or arguments given twice: JSON reads the last, the stream showed the first
+    from agentflash.tool_format import parse_tool_calls
+
+    for text in ('<tool_call>{"name": "f", "arguments": {"a": 1}, "name": "g"}</tool_call>',
+                 '<tool_call>{"name": "f", "arguments": {"a": 1}, "arguments": {}}</tool_call>'):
+        (ready,) = [e.call for e in parse(text, 7) if isinstance(e, ToolCallReady)]
+        assert isinstance(ready, MalformedToolCall) and "given twice" in ready.error
+        assert parse_tool_calls(text)[1][0].error == ready.error
 
 
 def test_a_call_cut_after_a_string_holding_its_closing_tag_is_one_call():

@@ -37,7 +37,8 @@ from agentflash.backends.base import (
 )
 from agentflash.errors import UserError
 from agentflash.runtime.errors import RunError
-from agentflash.tool_format import CLOSE, OPEN, CallEnd, JsonScan, load_body
+from agentflash.tool_format import CLOSE, OPEN, CallEnd, JsonScan, parse_body
+from agentflash.tool_format import MalformedToolCall as ParsedMalformed
 
 # a conversation this long is tokenized off the event loop (``LocalBackend._prompt_ids``)
 LONG_PROMPT_CHARS = 100_000
@@ -111,23 +112,15 @@ class _OpenCall:
     def finish(self, call_id: str) -> list[ModelEvent]:
         """The call closed: its last argument delta and the parsed call (or why it is malformed)."""
         events: list[ModelEvent] = []
-        body = self.body.strip()
-        obj, error = load_body(body)
-        if error is not None:
-            return [ToolCallReady(self.index, MalformedToolCall(call_id, body, error))]
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-            error = 'expected an object with a string "name"'
-            return [ToolCallReady(self.index, MalformedToolCall(call_id, body, error))]
-        args = obj.get("arguments", {})
-        if not isinstance(args, dict):
-            error = '"arguments" must be an object'
-            return [ToolCallReady(self.index, MalformedToolCall(call_id, body, error))]
+        call = parse_body(self.body)  # as ``parse_tool_calls`` reads a whole reply
+        if isinstance(call, ParsedMalformed):
+            return [ToolCallReady(self.index, MalformedToolCall(call_id, call.body, call.error))]
         if self.name is None:  # written in another key order: nothing was streamed
-            events.append(ToolCallDelta(self.index, obj["name"], json.dumps(args)))
+            events.append(ToolCallDelta(self.index, call.name, json.dumps(call.arguments)))
         elif self.args_end is not None and self.args_start + self.sent < self.args_end:
             rest = self.body[self.args_start + self.sent : self.args_end]
             events.append(ToolCallDelta(self.index, self.name, rest))
-        events.append(ToolCallReady(self.index, ToolCall(call_id, obj["name"], args)))
+        events.append(ToolCallReady(self.index, ToolCall(call_id, call.name, call.arguments)))
         return events
 
 
