@@ -1107,6 +1107,22 @@ def test_threads_compiling_one_new_grammar_at_once_compile_it_once(tok, monkeypa
     assert len(errors) == 3 and built.count(regex("a[b")) == 3
 
 
+def test_a_token_made_special_is_a_new_tokenizer_to_the_cache(demo_tokenizer_dir):
+    """The fingerprint was remembered by the tokenizer's size, which making an existing token
+    special keeps: a grammar compiled before, that writes the token as text, was reused."""
+    from agentflash.grammar.tokenizers import tokenizer_fingerprint
+
+    mine = AutoTokenizer.from_pretrained(demo_tokenizer_dir)
+    word = next(w for w in mine.get_vocab() if w.isascii() and w.isalpha() and len(w) >= 3)
+    source = json_schema({"type": "string", "enum": [word]}, origin="enum")
+    compile_grammar(source, mine)
+    before = tokenizer_fingerprint(mine)
+    mine.add_special_tokens({"additional_special_tokens": [word]})
+    assert tokenizer_fingerprint(mine) != before
+    with pytest.raises(GrammarError, match="the text of a special token"):
+        compile_grammar(source, mine)
+
+
 def test_model_vocab_smaller_than_the_tokenizer_is_an_error(tok):
     with pytest.raises(GrammarError, match="smaller than the tokenizer"):
         compile_grammar(regex("a"), tok, vocab_size=len(tok) - 1)

@@ -11,7 +11,8 @@ from typing import Any
 
 from agentflash.grammar.constraint import GrammarError
 
-_fingerprints: weakref.WeakKeyDictionary[Any, tuple[int, str]] = weakref.WeakKeyDictionary()
+_fingerprints: weakref.WeakKeyDictionary[Any, tuple[tuple[int, int], str]] = (
+    weakref.WeakKeyDictionary())
 _lock = threading.Lock()
 
 
@@ -19,14 +20,15 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
     """A content hash of a fast Hugging Face tokenizer (vocabulary, merges, added tokens).
 
     Two tokenizer objects loaded from the same files share it; a retrained tokenizer does not.
-    Memoised per object (and re-computed if tokens were added since).
+    Memoised per object (and re-computed if tokens were added or made special since).
     """
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         raise GrammarError(
             f"{type(tokenizer).__name__}: grammars need a fast (Rust-backed) Hugging Face tokenizer"
         )
-    size = len(tokenizer)
+    # its size and its added tokens' count: an existing token made special keeps the size
+    size = (len(tokenizer), len(backend.get_added_tokens_decoder()))
     with _lock:
         memo = _fingerprints.get(tokenizer)
     if memo is not None and memo[0] == size:
