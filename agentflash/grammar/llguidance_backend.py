@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import llguidance
@@ -167,22 +167,23 @@ class LLGuidanceConstraint(Constraint):
             raise GrammarFailed(fresh.get_error().strip().split("\n", 1)[0])
         self._matcher, self._generation = fresh, None
 
-    def _run(self, op: Callable[[llguidance.LLMatcher], Any]) -> Any:
-        """``op(matcher)``; where it reached a limit of the lexer the requests share, again on a
-        matcher of this request's own (a limit it reaches there too is its own failure)."""
-        result = op(self._m)
-        if self._generation is None or not self._matcher.is_error() or (
-                "lexer error" not in self._matcher.get_error()):
+    def _run(self, method: str, *args: Any) -> Any:
+        """The matcher's ``method(*args)``; where it reached a limit of the lexer the requests
+        share, again on a matcher of this request's own (a limit it reaches there too is its
+        own failure)."""
+        m = self._m
+        result = getattr(m, method)(*args)
+        if self._generation is None or not m.is_error() or "lexer error" not in m.get_error():
             return result
         self._grammar.lexer_failed(self._generation)
         self._own_matcher()
-        return op(self._matcher)
+        return getattr(self._matcher, method)(*args)
 
     def _validate(self, tokens: Sequence[int]) -> int:
-        return self._run(lambda m: m.validate_tokens(list(tokens)))
+        return self._run("validate_tokens", list(tokens))
 
     def _consume(self, tokens: Sequence[int]) -> None:
-        if not self._run(lambda m: m.consume_tokens(list(tokens))):
+        if not self._run("consume_tokens", list(tokens)):
             raise self._failed()
         self._fed += tokens
 
@@ -202,8 +203,7 @@ class LLGuidanceConstraint(Constraint):
         return self._m.is_stopped() and self._m.is_accepting()
 
     def _fill(self, out: torch.Tensor) -> None:
-        self._run(lambda m: m.unsafe_compute_mask_ptr(out.data_ptr(),
-                                                      out.numel() * out.element_size()))
+        self._run("unsafe_compute_mask_ptr", out.data_ptr(), out.numel() * out.element_size())
         if self._m.is_error():
             error = self._m.get_error()
             if error.startswith("NoExtension"):
@@ -227,7 +227,7 @@ class LLGuidanceConstraint(Constraint):
         # where the grammar forces bytes, the mask keeps them to their canonical tokens ('"]')
         # and validate_tokens takes any tokenization ('"' then ']'): the mask decides, as in
         # plain constrained decoding
-        if self._run(lambda m: m.compute_ff_bytes()):
+        if self._run("compute_ff_bytes"):
             row = self._scratch_row()
             row.zero_()
             self._fill(row)
@@ -235,9 +235,9 @@ class LLGuidanceConstraint(Constraint):
         return self._validate([token]) == 1
 
     def _forced(self) -> list[int]:
-        if not self._run(lambda m: m.compute_ff_bytes()):  # no forced byte, no forced token
-            return []  # (~100x cheaper)
-        forced = self._run(lambda m: m.compute_ff_tokens())
+        if not self._run("compute_ff_bytes"):  # no forced byte, no forced token (~100x
+            return []  # cheaper)
+        forced = self._run("compute_ff_tokens")
         if self.eos_token_id in forced:
             forced = forced[: forced.index(self.eos_token_id)]
         return forced
