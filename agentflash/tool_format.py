@@ -98,25 +98,46 @@ class CallEnd:
         return self.end
 
     def fallback(self) -> int | None:
-        """Where the body's first ``</tool_call>`` starts, string or not, if the body ends inside
-        a string: the end of a call whose quotes do not pair (written without a grammar) that
-        never closed otherwise. A body whose strings all close was cut before its tag (one of
-        its strings may hold the tag: the tools' grammar lets it)."""
+        """Where the body's first ``</tool_call>`` starts, string or not, if the body so far is
+        no JSON nor the beginning of one: the end of a call written without a grammar whose
+        quotes do not pair (``"it"s"``), which never closed otherwise. A body that is JSON, or
+        its beginning, was cut before its tag, which one of its strings may hold (the tools'
+        grammar lets a string hold any text)."""
         at = self.text.find(CLOSE)
-        return at if at >= 0 and self._scan.in_string else None
+        return at if at >= 0 and not _json_or_its_beginning(self.text) else None
 
 
-def _blocks(text: str, whole: bool = True) -> list[tuple[int, int, int | None]]:
+# what a value cut short leaves where JSON's reader stops: a number, true, false or null begun
+_BEGUN_VALUE = re.compile(r"-?[0-9]*(\.[0-9]*)?([eE][-+]?[0-9]*)?|t(r(ue?)?)?|f(a(l(se?)?)?)?"
+                          r"|n(u(ll?)?)?")
+
+
+def _json_or_its_beginning(text: str) -> bool:
+    """Whether ``text`` is a JSON value or the beginning of one (the rest cut off)."""
+    text = text.strip()
+    try:
+        loads_strict(text)
+    except json.JSONDecodeError as err:
+        if err.msg.startswith("Unterminated string"):
+            return True  # everything before the string read, and the string to the end
+        if err.msg == "Extra data":  # a whole value, then its closing tag begun (cut there)
+            return CLOSE.startswith(text[err.pos:])
+        return _BEGUN_VALUE.fullmatch(text[err.pos:]) is not None
+    except (ValueError, RecursionError):  # NaN, digits past Python's limit, deep nesting: not
+        return True  # about where the call ends
+    return True
+
+
+def _blocks(text: str) -> list[tuple[int, int, int | None]]:
     """Each ``<tool_call>`` block of ``text``: where its tag starts, where its body starts, and
-    where its body ends (None for a call never closed, which runs to the end). ``whole``: the
-    reply has ended (else a call whose quotes do not pair yet may still close them)."""
+    where its body ends (None for a call never closed, which runs to the end)."""
     blocks: list[tuple[int, int, int | None]] = []
     pos = 0
     while (at := text.find(OPEN, pos)) >= 0:
         start = at + len(OPEN)
         closer = CallEnd()
         end = closer.feed(text[start:])
-        if end is None and whole:
+        if end is None:
             end = closer.fallback()
         if end is None:
             blocks.append((at, start, None))
@@ -132,8 +153,7 @@ def stop_at(text: str, stops: tuple[str, ...] | list[str]) -> int | None:
     grammar's to finish, and cut there its arguments would not parse. Not at a character whose
     bytes are still coming (a trailing U+FFFD)."""
     text = text.rstrip("\ufffd")
-    calls = [(at, None if end is None else end + len(CLOSE))
-             for at, _, end in _blocks(text, whole=False)]
+    calls = [(at, None if end is None else end + len(CLOSE)) for at, _, end in _blocks(text)]
     first = None
     for stop in stops:
         at = text.find(stop)

@@ -120,9 +120,12 @@ def test_a_call_cut_after_a_string_holding_its_closing_tag_is_one_call():
             assert ready.body == cut.removeprefix("<tool_call>").strip()
             assert "not closed" in ready.error
     assert parse_tool_calls(f"<tool_call>\n{body}\n")[1][0].body == body
-    # quotes that never pair, in a reply that ended: the call ends at its first tag
-    events = parse('<tool_call>{"name": "f", "arguments": {"a": "x</tool_call> more', 3)
-    assert summary(events)[0] == " more"
+    # quotes that do not pair (written without a grammar): the call ends at its first tag
+    for text, after in (('{"q": "it"s"}}</tool_call>\nOK.', "\nOK."),
+                        ('{"size": "5" screen"}}</tool_call>\nThe 5" one.', '\nThe 5" one.')):
+        text = '<tool_call>{"name": "f", "arguments": ' + text
+        assert summary(parse(text, 3))[0] == after
+        assert parse_tool_calls(text)[1][0].body.endswith('"}}')
 
 
 def test_model_text_python_cannot_load_is_a_malformed_call_for_both_parsers():

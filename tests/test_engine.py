@@ -194,6 +194,9 @@ def test_stop_at_skips_tool_calls_and_a_character_still_coming():
     # a string of the open call holds the closing tag (the grammar lets it): still inside
     assert stop_at('<tool_call>\n{"name": "f", "arguments": {"a": "</tool_call>", "b": "END',
                    ["END"]) is None
+    # a call whose quotes do not pair (no grammar) ends at its first tag: a stop after it stops
+    text = '<tool_call>{"name": "f", "arguments": {"q": "it"s"}}</tool_call>\nOK. STOP'
+    assert stop_at(text, ["STOP"]) == text.index("STOP")
     # a trailing U+FFFD is the bytes of a character not yet whole; one before text is text
     assert stop_at("e\ufffd", ["\ufffd"]) is None
     assert stop_at("e\ufffdx", ["\ufffd"]) == 1

@@ -166,8 +166,7 @@ class HermesStreamParser:
         if self._call is None:
             return events
         call, closer = self._call, self._call.closer
-        # cut by max_tokens, a call in a string was cut there: the rest is its body
-        end = closer.fallback() if finish_reason != "length" else None
+        end = closer.fallback()
         if end is not None:  # its quotes do not pair: it ends at its first tag after all
             events += self._extend(end)
             call.body = call.body[:end]
