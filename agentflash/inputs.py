@@ -252,7 +252,8 @@ def make_grammar(values: dict[str, Any], tools: list[ToolSpec], where: str):
     if choice is None and not tools:
         return None
     if not tools and choice not in ("none", "auto"):
-        name = choice.get("function", {}).get("name") if isinstance(choice, dict) else choice
+        fn = choice.get("function") if isinstance(choice, dict) else None
+        name = fn.get("name", choice) if isinstance(fn, dict) else choice
         raise UserError(f"{where}: tool_choice {name!r} needs tools")
     return _tools_turn(tools, choice, where)
 

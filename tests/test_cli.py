@@ -189,6 +189,8 @@ def test_bad_requests_line_is_named(tiny_model_dir, tmp_path):
         ('{"prompt": "x", "tool_choice": "", "tools": ' + json.dumps(TOOLS) + "}",
          "tool_choice: expected auto, none, required or a tool name"),
         ('{"prompt": "x", "regex": "([a-"}', "unclosed character class"),
+        ('{"prompt": "x", "tool_choice": {"type": "function", "function": "x"}}',
+         "tool_choice {'type': 'function', 'function': 'x'} needs tools"),
         ('{"prompt": "x", "regex": "a+", "stop": "a"}',
          "stop cannot cut a reply the grammar binds whole"),
         ('{"prompt": "x", "schema": {"type": "nonsense"}}', "schema: #/type: not a valid"),

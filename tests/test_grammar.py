@@ -1121,6 +1121,13 @@ def test_a_token_made_special_is_a_new_tokenizer_to_the_cache(demo_tokenizer_dir
     assert tokenizer_fingerprint(mine) != before
     with pytest.raises(GrammarError, match="the text of a special token"):
         compile_grammar(source, mine)
+    # an added token made special keeps the count of added tokens too
+    mine.add_tokens(["zzqq"])
+    source = json_schema({"type": "string", "enum": ["zzqq"]}, origin="enum")
+    compile_grammar(source, mine)
+    mine.add_special_tokens({"additional_special_tokens": ["zzqq"]})
+    with pytest.raises(GrammarError, match="the text of a special token"):
+        compile_grammar(source, mine)
 
 
 def test_model_vocab_smaller_than_the_tokenizer_is_an_error(tok):

@@ -11,8 +11,7 @@ from typing import Any
 
 from agentflash.grammar.constraint import GrammarError
 
-_fingerprints: weakref.WeakKeyDictionary[Any, tuple[tuple[int, int], str]] = (
-    weakref.WeakKeyDictionary())
+_fingerprints: weakref.WeakKeyDictionary[Any, tuple[Any, str]] = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 
 
@@ -27,8 +26,10 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
         raise GrammarError(
             f"{type(tokenizer).__name__}: grammars need a fast (Rust-backed) Hugging Face tokenizer"
         )
-    # its size and its added tokens' count: an existing token made special keeps the size
-    size = (len(tokenizer), len(backend.get_added_tokens_decoder()))
+    # its size and its added tokens, whether special or not: an existing token made special
+    # keeps the size, and an added one made special the count
+    size = (len(tokenizer), tuple((i, t.content, t.special)
+                                  for i, t in backend.get_added_tokens_decoder().items()))
     with _lock:
         memo = _fingerprints.get(tokenizer)
     if memo is not None and memo[0] == size:
