@@ -28,6 +28,7 @@ from agentflash.runtime import (
     ToolStarted,
     tool,
 )
+from agentflash.runtime.agent import handoff_tool_name
 
 
 @tool
@@ -364,6 +365,11 @@ def test_agents_named_in_other_scripts_get_handoff_tools_of_their_own():
     assert (result.final_output, result.last_agent) == ("好", "翻译")
     names = [t["function"]["name"] for t in backend.requests[0].tools]
     assert names == ["transfer_to_u5929u6c14", "transfer_to_u7ffbu8bd1"]
+    # long names that begin alike: cut, with a hash of the whole name
+    a, b = Agent("天气预报员北京上海广州深圳"), Agent("天气预报员北京上海广州杭州")
+    Agent("triage", handoffs=[a, b])  # no clash
+    assert len({handoff_tool_name(a), handoff_tool_name(b)}) == 2
+    assert all(len(handoff_tool_name(x)) <= 64 for x in (a, b))
 
 
 def test_a_required_call_is_made_only_by_a_call_that_reaches_a_tool():

@@ -522,7 +522,6 @@ class Engine:
         # than the forward's note, where a request's last step keeps its answer
         self._note_memory(list(self.scheduler.running))
 
-
     def _settle(
         self,
         req: Request,

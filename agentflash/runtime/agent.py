@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import json
 import re
@@ -140,14 +141,18 @@ def _schema_spec(schema: dict[str, Any]) -> OutputSpec:
 def handoff_tool_name(agent: Agent) -> str:
     """``transfer_to_<name>`` in the letters a tool name takes: an accent dropped (é: e),
     another letter as its code point (天: u5929: two agents named in Chinese were both
-    ``transfer_to___``), punctuation and spaces as ``_``."""
+    ``transfer_to___``), punctuation and spaces as ``_``; past 52 letters, the first 43 and a
+    hash of the whole name (names that begin alike stay apart)."""
     spelled = []
     for ch in unicodedata.normalize("NFKD", agent.name):
         if unicodedata.combining(ch):
             continue
         spelled.append(ch if re.fullmatch(r"[A-Za-z0-9_-]", ch) else "_" if ch.isascii()
                        else f"u{ord(ch):x}")
-    return "transfer_to_" + "".join(spelled).lower()[:52]
+    name = "".join(spelled).lower()
+    if len(name) > 52:
+        name = name[:43] + "_" + hashlib.sha256(agent.name.encode()).hexdigest()[:8]
+    return "transfer_to_" + name
 
 
 def handoff_tool_spec(agent: Agent) -> dict[str, Any]:

@@ -300,7 +300,7 @@ class ReplyWriter:
         raise AssertionError(f"unknown reply event {event!r}")
 
     def _send(self, index: int, whole: bool) -> list[dict[str, Any]]:
-        """The delta of call ``index``'s arguments not sent yet (``ReplyWriter.unsent``), with
+        """The delta of call ``index``'s arguments not sent yet (``_Call.unsent``), with
         its id and name if it is its first; none if there is nothing to send."""
         call = self.calls[index]
         piece = call.unsent(whole)
