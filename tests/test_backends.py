@@ -109,8 +109,9 @@ def test_a_call_cut_after_a_string_holding_its_closing_tag_is_one_call():
     from agentflash.tool_format import parse_tool_calls
 
     body = '{"name": "f", "arguments": {"a": "</tool_call>", "b": 1}}'
+    escapes = [body[: body.index(" 1}")] + f' "{e}' for e in ("\\u00", "\\u00e9", "\\ud83d")]
     for cut in (f"<tool_call>\n{body}\n", '<tool_call>{"name": "f", "arguments": {"a": "x'
-                '</tool_call> more'):
+                '</tool_call> more', *(f"<tool_call>{e}" for e in escapes)):
         for chunk in (1, 5, len(cut)):
             parser = HermesStreamParser("c")
             events = [e for i in range(0, len(cut), chunk) for e in parser.feed(cut[i:i + chunk])]
@@ -124,7 +125,8 @@ def test_a_call_cut_after_a_string_holding_its_closing_tag_is_one_call():
     for text, after in (('{"q": "it"s"}}</tool_call>\nOK.', "\nOK."),
                         ('{"size": "5" screen"}}</tool_call>\nThe 5" one.', '\nThe 5" one.')):
         text = '<tool_call>{"name": "f", "arguments": ' + text
-        assert summary(parse(text, 3))[0] == after
+        streamed, args, _ = summary(parse(text, 3))
+        assert streamed == after and "</tool_call>" not in args[0]  # not sent as both
         assert parse_tool_calls(text)[1][0].body.endswith('"}}')
 
 

@@ -142,8 +142,10 @@ class HermesStreamParser:
                 call, closer = self._call, self._call.closer
                 closer.feed(self._buf)
                 self._buf = ""
-                if closer.end is None:
-                    return events + self._extend(closer.pos)
+                if closer.end is None:  # (held from a tag in a string: where the quotes do
+                    # not pair, the call ends there after all, ``CallEnd.fallback``)
+                    tag = closer.text.find(CLOSE)
+                    return events + self._extend(closer.pos if tag < 0 else min(closer.pos, tag))
                 events += self._extend(closer.end) + call.finish(next(self._ids))
                 self._buf = closer.text[closer.end + len(CLOSE) :]
                 self._call = None
