@@ -90,6 +90,9 @@ class CallEnd:
             if text[self.pos] == "<" and not self._scan.in_string:
                 if text.startswith(CLOSE, self.pos):
                     self.end = self.pos
+                    first = text.find(CLOSE)  # an earlier one in a string of no JSON (quotes
+                    if first < self.end and not _json_or_its_beginning(text[: self.end]):
+                        self.end = first  # that do not pair) ended it (``fallback``)
                     break
                 if CLOSE.startswith(text[self.pos :]):  # the tag may be coming: wait
                     break

@@ -106,7 +106,7 @@ def test_parser_reports_malformed_and_unclosed_calls():
 def test_a_call_cut_after_a_string_holding_its_closing_tag_is_one_call():
     """The tag inside a string ended the call where its quotes did not pair: cut by max_tokens
     after the arguments, the call's JSON ran on as text (and the server sent it twice)."""
-    from agentflash.tool_format import parse_tool_calls
+    from agentflash.tool_format import parse_tool_calls, text_outside_calls
 
     body = '{"name": "f", "arguments": {"a": "</tool_call>", "b": 1}}'
     escapes = [body[: body.index(" 1}")] + f' "{e}' for e in ("\\u00", "\\u00e9", "\\ud83d")]
@@ -128,6 +128,11 @@ def test_a_call_cut_after_a_string_holding_its_closing_tag_is_one_call():
         streamed, args, _ = summary(parse(text, 3))
         assert streamed == after and "</tool_call>" not in args[0]  # not sent as both
         assert parse_tool_calls(text)[1][0].body.endswith('"}}')
+    # ... also where a later tag stands outside the strings the unpaired quotes made
+    text = ('<tool_call>{"name": "f", "arguments": {"a": "it"s"}}</tool_call> He said "hi'
+            '</tool_call>')
+    assert summary(parse(text, 4))[0] == ' He said "hi</tool_call>'
+    assert text_outside_calls(text) == 'He said "hi</tool_call>'
 
 
 def test_model_text_python_cannot_load_is_a_malformed_call_for_both_parsers():
