@@ -123,7 +123,7 @@ def _json_or_its_beginning(text: str) -> bool:
     except json.JSONDecodeError as err:
         if err.msg.startswith("Unterminated string"):
             return True  # everything before the string read, and the string to the end
-        if err.msg.startswith("Invalid \\uXXXX escape"):  # the string's last escape, cut
+        if err.msg.startswith("Invalid \\u"):  # json: "Invalid \\u... escape": a last escape, cut
             return re.fullmatch(r"u[0-9a-fA-F]{0,4}", text[err.pos:]) is not None
         if err.msg == "Extra data":  # a whole value, then its closing tag begun (cut there)
             return CLOSE.startswith(text[err.pos:])
