@@ -85,6 +85,48 @@ def test_a_run_the_backend_refuses_keeps_its_trace_on_the_error():
     assert "chat scripted  FAILED" in lines[-1]
 
 
+def test_every_failed_or_cancelled_run_keeps_its_trace_on_the_error():
+    """Only a RunError or a UserError carried it: a guardrail of the user's that raised, a
+    backend's own exception and a cancelled run (RunCancelled) had none."""
+    from agentflash.runtime import Guardrail, RunCancelled
+
+    def broken(text):
+        raise ValueError("guardrail bug")
+
+    with pytest.raises(ValueError, match="guardrail bug") as err:
+        Runner.run_sync(Agent("a", input_guardrails=[Guardrail(broken)]), "hi",
+                        backend=ScriptedBackend(["ok"]))
+    assert "FAILED ValueError: guardrail bug" in err.value.tracer.timeline()
+
+    def down(request):
+        raise RuntimeError("backend down")
+
+    with pytest.raises(RuntimeError) as err:
+        Runner.run_sync(Agent("a"), "hi", backend=ScriptedBackend(down))
+    assert "FAILED RuntimeError" in err.value.tracer.timeline()
+
+    async def cancelled():
+        async with Runner.run_streamed(Agent("a"), "hi", backend=ScriptedBackend(
+                [ScriptedTurn("slow", delay_s=5)])) as run:
+            run.cancel()
+        return run
+
+    run = anyio.run(cancelled)
+    with pytest.raises(RunCancelled) as err:
+        print(run.result)
+    assert err.value.tracer is not None
+    # and a run whose block was left before its events were read says so when iterated
+    async def iterate_late():
+        async with Runner.run_streamed(Agent("a"), "hi", backend=ScriptedBackend(["ok"])) as run:
+            pass
+        return [event async for event in run]
+
+    from agentflash.errors import UserError
+
+    with pytest.raises(UserError, match="block was left before its events were read"):
+        anyio.run(iterate_late)
+
+
 def test_opentelemetry_export_follows_the_genai_conventions():
     pytest.importorskip("opentelemetry.sdk")
     from opentelemetry.sdk.trace import TracerProvider

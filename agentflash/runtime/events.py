@@ -37,7 +37,9 @@ class ToolCallDelta:
 
 @dataclass(frozen=True)
 class ToolStarted:
-    """A tool call closed, validated and was dispatched (the model may still be writing)."""
+    """A tool call closed and was dispatched (the model may still be writing); its arguments
+    are validated as it runs (invalid ones, an unknown tool or a malformed call end in an error
+    ``ToolResult``, the tool never called)."""
 
     agent: str
     call_id: str

@@ -10,6 +10,7 @@ takes over), or the final output.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import math
@@ -32,7 +33,6 @@ from agentflash.runtime.errors import (
     MaxTurnsExceeded,
     ModelBehaviorError,
     RunCancelled,
-    RunError,
 )
 from agentflash.runtime.tools import Tool, ToolOutcome, error_result, run_tool, tool_spec
 from agentflash.runtime.tracing import Span, SpanKind, Tracer, generation_attributes
@@ -532,6 +532,8 @@ class Streamed(Generic[E, R]):
         self._error: BaseException | None = None
         self._finished = False
         self._iterated = False
+        self._closed = False  # its block was left with its events unread
+        self.trace: Any = None  # what a cancelled run's RunCancelled carries as its tracer
 
     def cancel(self) -> None:
         """Stop the work: generations are cancelled in the engine, running tools are cancelled."""
@@ -555,6 +557,9 @@ class Streamed(Generic[E, R]):
         a loop left early leaves the work running, its later events unread."""
         if self._iterated:
             raise UserError("the events were read already: iterate a streamed run once")
+        if self._closed:
+            raise UserError("the run's block was left before its events were read: iterate "
+                            "the run inside its `async with` (its result is there)")
         self._iterated = True
         async with self._receive:
             async for event in self._receive:
@@ -579,6 +584,7 @@ class Streamed(Generic[E, R]):
         finally:  # cancelled by this run's cancel(), or from outside it (a timeout around it)
             if not self._finished and self._error is None:
                 self._error = RunCancelled("the run was cancelled")
+                self._error.tracer = self.trace
             self._finished = True
             self._send.close()
 
@@ -599,6 +605,7 @@ async def streaming(work: Callable[[Callable[[E], None]], Awaitable[R]]
         finally:
             if not run._iterated:  # its events never read: nobody will (ResourceWarning)
                 run._receive.close()
+                run._closed = True
 
 
 StreamedRun = Streamed[ev.RunEvent, RunResult]
@@ -690,10 +697,12 @@ async def _run_streamed(agent: Agent, input: str | list[dict[str, Any]], *,
             async def work(emit: Callable[[ev.RunEvent], None]) -> RunResult:
                 try:
                     return await _Loop(agent, input, chosen, trace, trace_parent, emit).run()
-                except (RunError, UserError) as err:  # its trace, as a result's: what ran,
-                    # and where it broke (a turn the backend refused is a UserError)
-                    err.tracer = getattr(err, "tracer", None) or trace
+                except Exception as err:  # its trace, as a result's: what ran, and where it
+                    # broke (a turn the backend refused, a guardrail of the user's that raised)
+                    with contextlib.suppress(AttributeError):  # (an exception with slots)
+                        err.tracer = getattr(err, "tracer", None) or trace
                     raise
 
             async with streaming(work) as run:
+                run.trace = trace
                 yield run
