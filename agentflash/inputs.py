@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from agentflash.errors import UserError
+from agentflash.tool_format import TOOL_NAME
 
 if TYPE_CHECKING:
     from agentflash.engine.request import SamplingParams
@@ -160,7 +160,6 @@ def load_tools(path: Path) -> list[dict[str, Any]]:
 
 
 PARAM_FIELDS = ("max_tokens", "temperature", "top_p", "seed", "stop", "speculation", "block_size")
-TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # as OpenAI's API, the runtime and serve take
 GRAMMAR_FIELDS = ("tool_choice", "schema", "regex")
 REQUEST_FIELDS = ("prompt", "messages", "tools") + PARAM_FIELDS + GRAMMAR_FIELDS
 

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from typing import Any
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+# a tool's name (whole), as OpenAI's API takes it: chat templates write it unescaped
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 @dataclass(frozen=True)

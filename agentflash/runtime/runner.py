@@ -10,13 +10,12 @@ takes over), or the final output.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import json
 import math
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from contextlib import AsyncExitStack, aclosing, asynccontextmanager, contextmanager
+from contextlib import AsyncExitStack, aclosing, asynccontextmanager, contextmanager, suppress
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Generic, TypeVar
@@ -699,7 +698,7 @@ async def _run_streamed(agent: Agent, input: str | list[dict[str, Any]], *,
                     return await _Loop(agent, input, chosen, trace, trace_parent, emit).run()
                 except Exception as err:  # its trace, as a result's: what ran, and where it
                     # broke (a turn the backend refused, a guardrail of the user's that raised)
-                    with contextlib.suppress(AttributeError):  # (an exception with slots)
+                    with suppress(AttributeError):  # (an exception with slots)
                         err.tracer = getattr(err, "tracer", None) or trace
                     raise
 

@@ -33,11 +33,11 @@ from pydantic.fields import FieldInfo
 
 from agentflash.errors import UserError, is_number
 from agentflash.json_formats import decimal_pattern, temporal_pattern, url_pattern
+from agentflash.tool_format import TOOL_NAME
 
 if sys.version_info < (3, 11):  # anyio's own dependency there
     from exceptiongroup import ExceptionGroup
 
-TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
 class ToolArgumentsError(ValueError):
@@ -271,7 +271,7 @@ def _untitled(schema: Any) -> Any:
 
 
 def _check_name(name: str, where: str) -> str:
-    if not isinstance(name, str) or not TOOL_NAME.match(name):
+    if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
         raise UserError(f"{where}: tool name {name!r} must be 1-64 letters, digits, '_' or '-'")
     return name
 

@@ -20,6 +20,8 @@ from pydantic import (
     model_validator,
 )
 
+from agentflash.tool_format import TOOL_NAME
+
 
 class APIError(Exception):
     """An error the client caused (or a limit it hit), sent back as an OpenAI error body."""
@@ -39,7 +41,7 @@ class _Wire(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True, frozen=True)
 
 
-ToolName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+ToolName = Annotated[str, Field(pattern=f"^{TOOL_NAME.pattern}$")]
 
 
 class FunctionDef(_Wire):
@@ -113,7 +115,7 @@ class Message(_Wire):
 
 
 class JsonSchemaFormat(_Wire):
-    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    name: Annotated[str, Field(pattern=f"^{TOOL_NAME.pattern}$")]  # OpenAI's rule too
     description: str | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
     strict: bool | None = None
