@@ -83,6 +83,34 @@ def test_recorded_segments_merge_same_kind_and_mode():
     ]
 
 
+def test_the_prompt_steps_tokens_join_the_next_steps_segment_in_its_mode():
+    # the first token and a forced opening come with the prompt's forward, drafted by nothing
+    tracker = SegmentTracker()
+    tracker.record(SegmentKind.PROSE, "plain", 1, 0)
+    tracker.record(SegmentKind.PROSE, "dflash", 5, 1, drafted=7, accepted=4)
+    tracker.record(SegmentKind.PROSE, "plain", 1, 1)
+    assert [(s.mode, s.tokens, s.target_forwards) for s in tracker.segments] == [
+        ("dflash", 6, 1), ("plain", 1, 1)]
+    alone = SegmentTracker()  # a reply that ended at the prompt's step: plain
+    alone.record(SegmentKind.TOOL_CALL, "plain", 3, 0, forced=3, accepted=3)
+    alone.record(SegmentKind.PROSE, "dflash", 4, 1)
+    assert [(s.kind.value, s.mode) for s in alone.segments] == [
+        ("tool_call", "plain"), ("prose", "dflash")]
+
+
+def test_segments_say_dflash_only_where_the_drafter_drafted(tiny_model_dir):
+    engine = tiny_dflash_engine(tiny_model_dir, block_size=8, max_len=256)
+    ids = list(range(50, 70))
+    for speculation, mode in (("off", "plain"), ("dflash", "dflash")):
+        params = SamplingParams(max_tokens=12, ignore_eos=True, speculation=speculation)
+        segments = engine.generate(ids, params).stats["segments"]
+        assert {s["mode"] for s in segments} == {mode}, segments
+    engine.cost.prior_tau = dict.fromkeys(engine.cost.prior_tau, 1.0)  # drafts never pay
+    auto = engine.generate(ids, SamplingParams(max_tokens=12, ignore_eos=True))
+    assert auto.stats["draft_forwards"] == auto.stats["lookup_drafts"] == 0
+    assert {s["mode"] for s in auto.stats["segments"]} == {"plain"}
+
+
 def verify(cost, routing, kind, accepted, drafted):
     """One verify of ``routing``'s request, in a step of its own (as the engine counts it)."""
     cost.begin_step()

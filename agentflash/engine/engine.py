@@ -434,7 +434,8 @@ class Engine:
             req.pending_hidden.append(hidden)
         fed = len(row.tokens) - len(lead)  # the prompt's tokens the forward fed
         self._keep_prompt(req, hidden[:fed] if hidden is not None else None, hit)
-        mode = "dflash" if req.draft_context is not None else "plain"
+        mode = "plain"  # no draft: the prompt's forward chose it (a later step's segment of
+        # the same kind takes it in, in that step's mode: ``SegmentTracker.record``)
         forced: list[int] = []
         if lead:
             if req.kept_hidden is not None:

@@ -79,8 +79,12 @@ class SegmentTracker:
 
     def record(self, kind: SegmentKind, mode: str, tokens: int, forwards: int,
                drafted: int = 0, accepted: int = 0, forced: int = 0) -> None:
-        """Count a step's committed tokens in the segment the step was decided in."""
+        """Count a step's committed tokens in the segment the step was decided in. The tokens
+        of the prompt's step (no forward of their own: ``forwards`` 0) count as plain, until a
+        later step of the same kind is recorded: they join its segment, in its mode."""
         last = self.segments[-1] if self.segments else None
+        if last is not None and last.kind is kind and not last.target_forwards:
+            last.mode = mode
         if last is None or last.kind is not kind or last.mode != mode:
             last = Segment(kind, mode)
             self.segments.append(last)
