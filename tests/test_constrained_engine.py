@@ -440,3 +440,31 @@ def test_greedy_constrained_tokens_are_each_allowed_by_the_mask_where_they_stand
             *closing, demo.tokenizer.eos_token_id]
     finally:
         demo.cancel(req)
+
+
+@pytest.mark.parametrize("speculation", ["off", "dflash"])
+def test_a_sampled_request_that_ignores_the_end_writes_it_again_past_a_finished_grammar(
+        tiny, speculation):
+    # once the grammar is complete its mask allows the end token alone: sampling draws it, as
+    # greedy decoding takes it, until max_tokens
+    ids = tiny.tokenizer("Answer:", add_special_tokens=False)["input_ids"]
+    eos = tiny.compile(regex("(yes|no)")).eos_token_id
+    for temperature in (0.0, 1.0):
+        res = tiny.generate(ids, SamplingParams(
+            max_tokens=8, grammar=regex("(yes|no)"), ignore_eos=True, temperature=temperature,
+            seed=0, speculation=speculation))
+        assert res.finish_reason == "length" and res.error is None
+        first = res.token_ids.index(eos)
+        assert set(res.token_ids[first:]) == {eos} and len(res.token_ids) == 8
+        assert tiny.tokenizer.decode(res.token_ids[:first]) in ("yes", "no")
+
+
+def test_a_stop_token_that_ends_a_stop_string_cuts_the_text_there(demo):
+    ids = demo.chat_prompt([{"role": "user", "content": "Say something."}])
+    grammar = lark('start: "BEGIN " body " END"\nbody: /[a-z]+/\n')
+    free = demo.generate(ids, SamplingParams(max_tokens=10, grammar=grammar, stop=("BE",)))
+    assert free.finish_reason == "stop" and free.text == ""
+    last = free.token_ids[-1]  # the token that completed "BE"
+    both = demo.generate(ids, SamplingParams(max_tokens=10, grammar=grammar, stop=("BE",),
+                                             stop_token_ids=(last,)))
+    assert both.token_ids == free.token_ids and both.text == ""

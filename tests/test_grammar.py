@@ -507,6 +507,15 @@ def test_validate_draft_cuts_at_the_first_illegal_token(tok, closers, backend):
     assert snapshot(constraint) == before
     with pytest.raises(GrammarViolation):
         constraint.masks_along_draft(bad)
+    with pytest.raises(GrammarViolation):  # something after the end
+        constraint.advance(good + [eos, good[0]])
+    assert snapshot(constraint) == before
+    constraint.advance(good + [eos, eos])  # the end again: all the mask allows, nothing more
+    assert constraint.is_finished() and constraint.num_tokens == len(good) + 1
+    constraint.advance([eos])
+    assert constraint.num_tokens == len(good) + 1
+    with pytest.raises(GrammarViolation):
+        constraint.advance([eos, good[0]])
 
 
 def test_mask_agrees_with_validate(tok, closers):

@@ -898,16 +898,13 @@ class Engine:
 
     def _hits_stop(self, req: Request, token: int) -> bool:
         params = req.params
-        if token in params.stop_token_ids or (token in self.eos_ids and not params.ignore_eos):
-            return True
-        if not params.stop:
-            return False
-        at = stop_at(self.tokenizer.decode(req.output_ids, skip_special_tokens=True),
-                     params.stop)
-        if at is not None:
-            req.stop_text_len = at
-            return True
-        return False
+        if params.stop:  # first: a stop token that ends a stop string cuts the text there too
+            at = stop_at(self.tokenizer.decode(req.output_ids, skip_special_tokens=True),
+                         params.stop)
+            if at is not None:
+                req.stop_text_len = at
+                return True
+        return token in params.stop_token_ids or (token in self.eos_ids and not params.ignore_eos)
 
     def _finish(self, req: Request) -> None:
         req.stats.finished_at = time.perf_counter()

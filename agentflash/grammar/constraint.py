@@ -165,8 +165,14 @@ class Constraint(abc.ABC):
         return self._ended
 
     def advance(self, tokens: Sequence[int]) -> None:
-        """Commit ``tokens``; raises ``GrammarViolation`` (state unchanged) if one is illegal."""
+        """Commit ``tokens``; raises ``GrammarViolation`` (state unchanged) if one is illegal.
+        After the end token only the end token is allowed (the mask's rule), and it commits
+        nothing more: a request that ignores the end token writes it again."""
         tokens = list(tokens)
+        if self.eos_token_id in tokens:
+            end = tokens.index(self.eos_token_id) + (not self._ended)
+            if all(t == self.eos_token_id for t in tokens[end:]):
+                tokens = tokens[:end]
         legal = self.validate_draft(tokens)
         if legal < len(tokens):
             raise GrammarViolation(
