@@ -96,6 +96,9 @@ def test_a_stop_string_is_not_matched_inside_a_tool_call(demo):
 
 
 def test_schema_answers_validate_and_are_one_schema_segment(demo):
+    import json
+
+    finished = 0
     for seed in range(6):
         schema = corpus.random_object(random.Random(seed), 1)
         msgs = [{"role": "user", "content": "Answer with JSON."}]
@@ -103,11 +106,10 @@ def test_schema_answers_validate_and_are_one_schema_segment(demo):
             demo.chat_prompt(msgs), SamplingParams(max_tokens=160, grammar=json_schema(schema))
         )
         if res.finish_reason == "stop":
-            import json
-
+            finished += 1
             jsonschema.validate(json.loads(res.text), schema)
         assert {s["kind"] for s in res.stats["segments"]} == {"schema"}
-
+    assert finished >= 2  # 3 of the 6 answers end within 160 tokens on the demo model
 
 
 def test_an_agents_answer_in_a_schema_is_a_schema_segment_and_its_calls_tool_calls(demo):

@@ -641,21 +641,39 @@ def test_run_collects_the_same_events_as_the_streamed_run():
 
 
 def test_runs_share_one_backend_concurrently():
-    agents = [Agent(f"agent{i}") for i in range(4)]
-    backend = ScriptedBackend(lambda request: ScriptedTurn(
-        f"I am {request.messages[0]['content']}", delay_s=0.01))
+    all_running = anyio.Event()
+    running = []
+
+    @tool(timeout_s=3)
+    async def rendezvous(name: str) -> str:
+        running.append(name)
+        if len(running) == 4:
+            all_running.set()
+        await all_running.wait()  # returns only if the four runs are under way at once
+        return "met"
+
+    agents = [Agent(f"agent{i}", tools=[rendezvous]) for i in range(4)]
+
+    def turn(request):
+        if request.messages[-1]["role"] == "tool":
+            return ScriptedTurn(f"I am {request.messages[0]['content']}", delay_s=0.01)
+        return ScriptedTurn.calls(("rendezvous", {"name": "me"}))
+
+    backend = ScriptedBackend(turn)
     outputs = {}
 
     async def main():
         async def one(agent):
-            outputs[agent.name] = (await Runner.run(agent, "who?", backend=backend)).final_output
+            result = await Runner.run(agent, "who?", backend=backend)
+            outputs[agent.name] = (result.final_output, [c.result for c in result.tool_calls])
 
         async with anyio.create_task_group() as tg:
             for agent in agents:
                 tg.start_soon(one, agent)
 
     anyio.run(main)
-    assert outputs == {f"agent{i}": "I am You are a helpful assistant." for i in range(4)}
+    assert outputs == {f"agent{i}": ("I am You are a helpful assistant.", ["met"])
+                       for i in range(4)}
 
 
 def test_agent_definition_errors():

@@ -386,7 +386,7 @@ def test_python_tools_run_code_the_author_named_and_http_tools_their_url(tmp_pat
     assert wf.tools["search_flights"].url == "http://127.0.0.1:8765/flights"
 
 
-def test_openai_backend_is_a_clear_error_until_its_module_exists(tmp_path):
+def test_a_backend_without_its_module_is_a_clear_error(tmp_path, monkeypatch):
     path = write(tmp_path, """\
         version: 1
         name: remote
@@ -396,12 +396,14 @@ def test_openai_backend_is_a_clear_error_until_its_module_exists(tmp_path):
         steps:
           - {id: one, agent: a, input: go}
         """)
-    if is_available(BackendKind.OPENAI):
-        assert load_workflow(path).model.backend is BackendKind.OPENAI
-    else:
-        with pytest.raises(UserError, match=re.escape(
-                f"{path}:3: model.backend: backend 'openai' is not available in this version")):
-            load_workflow(path)
+    assert is_available(BackendKind.OPENAI)
+    assert load_workflow(path).model.backend is BackendKind.OPENAI
+    # a version of the package without the module (as before the openai backend was written)
+    monkeypatch.setattr("agentflash.runtime.workflow.is_available",
+                        lambda kind: kind is not BackendKind.OPENAI)
+    with pytest.raises(UserError, match=re.escape(
+            f"{path}:3: model.backend: backend 'openai' is not available in this version")):
+        load_workflow(path)
 
 
 def test_all_problems_of_a_file_are_reported_in_line_order(tmp_path):
