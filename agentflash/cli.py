@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -347,7 +348,6 @@ def serve(
                                "keys, values and drafter contexts fit")] = None,
 ) -> None:
     """Serve the engine behind the OpenAI chat-completions API (/v1/chat/completions)."""
-    import os
 
     try:
         if api_key is None and os.environ.get("AGENTFLASH_API_KEY") is not None:
@@ -371,6 +371,9 @@ def serve(
         typer.echo(f"agentflash serve: loading {config.name}, to serve on http://{host}:{port}/v1"
                    f"{' (API key required)' if api_key else ''}", err=True)
         run_server(config)
+    except KeyboardInterrupt:  # Ctrl-C while the model loads (once it serves, uvicorn stops)
+        typer.echo("error: interrupted", err=True)
+        raise typer.Exit(130) from None
     except ImportError as err:
         fail(f"the server needs its extra: pip install 'agentflash[server]' "
              f"({err.name} is missing)")
@@ -507,10 +510,28 @@ def train_drafter(
 
 def main() -> None:
     try:
-        app()
-    except UserError as err:  # raised outside a command's own handling
-        typer.echo(f"error: {one_line(str(err))}", err=True)
-        sys.exit(2)
+        try:
+            app()
+        except UserError as err:  # raised outside a command's own handling
+            typer.echo(f"error: {one_line(str(err))}", err=True)
+            sys.exit(2)
+    except SystemExit as done:
+        _exit_now_if_loading(done.code)
+        raise
+
+
+def _exit_now_if_loading(code: int | str | None) -> None:
+    """Exit at once, with ``code``, if a model is still loading in the background (Ctrl-C while
+    it loaded): the usual exit waited for the load, then torch's threads aborted it."""
+    from agentflash.engine.async_engine import loading
+
+    if not loading():
+        return
+    if isinstance(code, str):
+        print(code, file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code if isinstance(code, int) else 0 if code is None else 1)
 
 
 if __name__ == "__main__":

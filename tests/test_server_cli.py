@@ -173,3 +173,36 @@ def test_a_signal_ends_the_replies_in_flight_with_the_engine_stopped_error(tiny_
     events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
     assert events[-1]["error"]["code"] == "engine_stopped", lines[-3:]
     assert "Traceback" not in err and "CancelledError" not in err, err
+
+
+def test_ctrl_c_while_the_model_loads_ends_the_command_at_once(tmp_path):
+    """The load cannot be stopped (it runs in a thread of its own); the process waited for it
+    after saying "interrupted" (or, left to finalize beside it, torch's threads aborted it)."""
+    script = tmp_path / "serve_a_load_that_never_ends.py"
+    script.write_text(
+        "import sys, torch\n"
+        "import agentflash.server.app as app\n"
+        "def load(config):  # torch work that goes on, as a model's exactness probe does\n"
+        "    print('loading', file=sys.stderr, flush=True)\n"
+        "    x = torch.randn(256, 256)\n"
+        "    while True:\n"
+        "        x = torch.tanh(x @ x)\n"
+        "app.load_engine = load\n"
+        "from agentflash.cli import main\n"
+        f"sys.argv = ['agentflash', 'serve', '--port', '{free_port()}']\n"
+        "main()\n")
+    proc = subprocess.Popen([sys.executable, str(script)], stderr=subprocess.PIPE, text=True)
+    try:
+        lines = []
+        for line in proc.stderr:
+            lines.append(line)
+            if line == "loading\n":
+                break
+        proc.send_signal(signal.SIGINT)
+        rest = proc.communicate(timeout=60)[1]  # before: forever
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 130, lines + [rest]
+    assert rest.strip().endswith("error: interrupted"), rest

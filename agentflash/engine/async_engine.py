@@ -211,6 +211,17 @@ async def serving(engine: Engine) -> AsyncIterator[AsyncEngine]:
         yield aengine
 
 
+LOAD_THREAD = "agentflash-load"  # the name of ``run_in_own_thread``'s threads
+
+
+def loading() -> bool:
+    """Whether a ``run_in_own_thread`` call's work is still running (a wait for it that was
+    cancelled leaves it running: it cannot be stopped). A process that exits the usual way
+    meanwhile is aborted as it finalizes ("terminate called without an active exception": torch's
+    threads), so the command line exits with ``os._exit`` then."""
+    return any(t.name == LOAD_THREAD and t.is_alive() for t in threading.enumerate())
+
+
 async def run_in_own_thread(fn: Callable[..., T], *args: Any) -> T:
     """``fn(*args)`` in a new thread that ends with it: load a model this way before serving it,
     so that the OpenMP workers torch starts for the loading end too (see the module's doc)."""
@@ -222,9 +233,14 @@ async def run_in_own_thread(fn: Callable[..., T], *args: Any) -> T:
         except BaseException as err:  # re-raised in the caller
             outcome.append((False, err))
 
-    thread = threading.Thread(target=target, name="agentflash-load", daemon=True)
+    thread = threading.Thread(target=target, name=LOAD_THREAD, daemon=True)
     thread.start()
-    await anyio.to_thread.run_sync(thread.join)  # shielded: a half-done load cannot stop
+    # Polled, not joined in a worker thread: the load itself cannot be stopped, but a cancelled
+    # wait (Ctrl-C) leaves it to its daemon thread and the process exits. A worker thread
+    # blocked in join is no daemon: the process waited for the whole load (10-30 s) after
+    # printing "interrupted", and a second Ctrl-C aborted it.
+    while thread.is_alive():
+        await anyio.sleep(0.02)
     ok, value = outcome[0]
     if not ok:
         raise value
