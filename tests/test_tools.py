@@ -296,8 +296,13 @@ def test_bad_tool_definitions_are_user_errors():
 
     with pytest.raises(UserError, match="parameter 'city' has no type hint"):
         tool(untyped)
-    with pytest.raises(UserError, match=r"cannot take \*cities"):
+    def keywords(city: str, **options: str):
+        return city
+
+    with pytest.raises(UserError, match=r"cannot take \*cities \(nor"):
         tool(star)
+    with pytest.raises(UserError, match=r"cannot take \*\*options \(nor"):
+        tool(keywords)
     with pytest.raises(UserError, match="tool name 'two words'"):
         tool(name="two words")(lambda x: x)
     with pytest.raises(UserError, match="timeout_s must be a positive number"):

@@ -439,6 +439,28 @@ def test_an_unknown_tool_lists_the_declared_ones_even_those_that_failed(tmp_path
     assert lines[1].endswith("agents.a.tools[1]: unknown tool 'v' (tools: t)")
 
 
+@pytest.mark.parametrize("listed, fault", [
+    ("[t]", "tools[0].python: cannot import 'nomodule'"),
+    ("[u]", "agents.a.tools[0]: unknown tool 'u' (tools: t)"),
+])
+def test_a_tool_that_failed_is_the_one_error_not_a_required_choice_without_tools(
+        tmp_path, listed, fault):
+    path = write(tmp_path, f"""\
+        version: 1
+        name: t
+        tools:
+          - {{name: t, python: "nomodule:f"}}
+        agents:
+          a: {{instructions: You help., tools: {listed}, tool_choice: required}}
+        steps:
+          - {{id: one, agent: a, input: go}}
+        """)
+    with pytest.raises(UserError) as err:
+        load_workflow(path)
+    lines = str(err.value).splitlines()
+    assert fault in lines[-1] and "tool_choice" not in str(err.value), lines
+
+
 def test_an_agent_may_be_made_to_hand_off(tmp_path):
     """A handoff is a tool the model calls: ``tool_choice`` may require one or name it, and the
     demo model, under the grammar, then hands the conversation over."""
@@ -861,6 +883,27 @@ def test_a_run_that_fails_says_why_on_one_line(tmp_path):
     assert result.stderr.splitlines() == [
         "error: step 's' (agent 'a') failed: agent 'a' reached max_turns (1) without a final "
         "output (its last turn's call of 'fail' failed: ValueError: first line second line)"]
+
+
+def test_a_python_tool_that_names_no_function_says_what_the_name_is(tmp_path):
+    name = f"consts_{tmp_path.name.replace('-', '_')}"
+    (tmp_path / f"{name}.py").write_text("LIMIT = 3\n")
+    path = write(tmp_path, f"""\
+        version: 1
+        name: t
+        tools:
+          - {{name: a, python: "{name}:LIMIT"}}
+          - {{name: b, python: "{name}:nothing"}}
+        agents:
+          x: {{instructions: You help., tools: [a, b]}}
+        steps:
+          - {{id: one, agent: x, input: go}}
+        """)
+    with pytest.raises(UserError) as err:
+        load_workflow(path)
+    assert str(err.value).splitlines() == [
+        f"{path}:4: tools[0].python: {name}:LIMIT is not a function (a value of type int)",
+        f"{path}:5: tools[1].python: module {name!r} has no function 'nothing'"]
 
 
 def test_a_tools_module_of_another_workflows_folder_is_not_taken_for_this_ones(tmp_path):

@@ -444,8 +444,9 @@ def function_tool(fn: Callable[..., Any], *, name: str | None = None,
     positional = []
     for param in inspect.signature(fn).parameters.values():
         if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
-            raise UserError(f"{where}: a tool cannot take *{param.name} or **{param.name}; "
-                            f"list its parameters")
+            stars = "*" if param.kind is param.VAR_POSITIONAL else "**"
+            raise UserError(f"{where}: a tool cannot take {stars}{param.name} (nor any *args "
+                            f"or **kwargs): list its parameters")
         if param.name not in hints:
             raise UserError(f"{where}: parameter {param.name!r} has no type hint (the tool's "
                             f"schema is made from the hints)")

@@ -663,8 +663,12 @@ class _Builder:
                                     f"one of them another name")
             return None
         fn = getattr(module, attr, None)
-        if fn is None or not callable(fn):
+        if fn is None:
             self.problems.add(keys, f"module {module_name!r} has no function {attr!r}")
+            return None
+        if not callable(fn):
+            self.problems.add(keys, f"{module_name}:{attr} is not a function (a value of type "
+                                    f"{type(fn).__name__})")
             return None
         return fn
 
@@ -724,9 +728,10 @@ class _Builder:
                     continue
                 # checked once the handoffs are wired: a handoff is a tool the choice may name
                 choice = raw.get("tool_choice", "auto")
+                if any(t not in tools for t in raw.get("tools", [])):
+                    continue  # a tool it lists failed or is unknown (reported): no follow-on
+                    # error ("required but the agent has no tools") at another line
                 if choice not in ("auto", "required", "none"):
-                    if choice in declared and choice not in tools:
-                        continue  # a declared tool that failed is reported
                     if choice not in tools_now and choice not in handoffs:
                         known = ", ".join([*tools_now, *handoffs]) or "none"
                         self.problems.add(("agents", name, "tool_choice"),
