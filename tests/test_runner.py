@@ -180,6 +180,23 @@ def test_tool_errors_timeouts_bad_calls_go_back_to_the_model():
                                    and e.call_id == cid)) for cid in results)
 
 
+def test_a_call_whose_json_python_cannot_read_goes_back_to_the_model():
+    # valid JSON to its grammar, but past what Python converts or recurses into: malformed
+    @tool
+    def add(a: int) -> int:
+        return a
+
+    digits = '{"name": "add", "arguments": {"a": ' + "9" * 5000 + "}}"
+    deep = '{"name": "add", "arguments": {"a": ' + "[" * 5000 + "]" * 5000 + "}}"
+    script = [ScriptedTurn(f"<tool_call>{digits}</tool_call><tool_call>{deep}</tool_call>"),
+              "done"]
+    result, _, _ = run(Agent("a", tools=[add]), script)
+    assert result.final_output == "done"
+    assert [(c.name, c.is_error) for c in result.tool_calls] == [("add", True), ("add", True)]
+    assert all(json.loads(c.result)["error"].startswith("malformed tool call (invalid JSON")
+               for c in result.tool_calls)
+
+
 def test_handoff_passes_the_conversation_to_the_target():
     writer = Agent("writer", instructions="You write summaries.", handoff_description="Writes.")
     other = Agent("other")

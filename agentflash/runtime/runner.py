@@ -35,7 +35,7 @@ from agentflash.runtime.errors import (
 )
 from agentflash.runtime.tools import Tool, ToolOutcome, error_result, run_tool, tool_spec
 from agentflash.runtime.tracing import Span, SpanKind, Tracer, generation_attributes
-from agentflash.tool_format import begun_call
+from agentflash.tool_format import begun_call, load_body
 
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup
@@ -401,10 +401,11 @@ def _choice_name(choice: Any) -> str:
 def _call_name(call: model.ToolCall | model.MalformedToolCall) -> str:
     if isinstance(call, model.ToolCall):
         return call.name
-    try:
-        name = json.loads(call.body).get("name")
-    except (json.JSONDecodeError, AttributeError):  # cut short: the name it began with
-        begun = begun_call(call.body)  # (the name the stream's deltas gave it)
+    body, problem = load_body(call.body)  # whatever the model wrote: 5,000 digits, too deep
+    if problem is None and isinstance(body, dict):
+        name = body.get("name")
+    else:  # cut short: the name it began with (the name the stream's deltas gave it)
+        begun = begun_call(call.body)
         name = begun[0] if begun else None
     return name if isinstance(name, str) else "invalid"
 
