@@ -345,6 +345,27 @@ def test_a_failing_step_stops_the_workflow_and_names_itself(tmp_path):
     assert err.value.cause.tracer is err.value.tracer  # the step's run wrote into it
 
 
+def test_a_step_whose_backend_raises_its_own_error_is_a_step_failure(tmp_path):
+    wf = load_workflow(write(tmp_path, DAG))
+
+    async def reply(request):
+        if request.messages[-1]["content"] == "right":
+            raise ConnectionResetError("the backend's own exception")
+        await anyio.sleep(30)
+
+    async def main():
+        with anyio.fail_after(10):
+            await wf.run(backend=ScriptedBackend(reply))
+
+    with pytest.raises(StepFailed) as err:
+        anyio.run(main)
+    assert err.value.step_id == "right"
+    assert str(err.value) == ("step 'right' (agent 'planner') failed: ConnectionResetError: "
+                              "the backend's own exception")
+    assert isinstance(err.value.cause, ConnectionResetError)
+    assert "invoke_workflow dag  FAILED StepFailed" in err.value.tracer.timeline()
+
+
 def test_template_errors_at_run_time_name_the_key(tmp_path):
     path = write(tmp_path, """\
         version: 1

@@ -8,6 +8,8 @@ built; the errors here end a run that was set up correctly.
 
 from __future__ import annotations
 
+from agentflash.errors import UserError
+
 
 class RunError(Exception):
     """A run stopped before its final output; the message says why. ``tracer``: the failed
@@ -42,7 +44,9 @@ class StepFailed(RunError):
     """A workflow step's run failed; the other steps were cancelled."""
 
     def __init__(self, step_id: str, agent: str, cause: BaseException):
-        super().__init__(f"step {step_id!r} (agent {agent!r}) failed: {cause}")
+        said = str(cause) if isinstance(cause, RunError | UserError) else (
+            f"{type(cause).__name__}: {cause}")  # another exception: its type says what it was
+        super().__init__(f"step {step_id!r} (agent {agent!r}) failed: {said}")
         self.step_id, self.agent, self.cause = step_id, agent, cause
 
 

@@ -41,7 +41,7 @@ from agentflash.engine.limits import limit_problems
 from agentflash.errors import UserError, UserErrors
 from agentflash.runtime import events as ev
 from agentflash.runtime.agent import Agent, output_spec
-from agentflash.runtime.errors import OutputsFailed, RunError, StepFailed
+from agentflash.runtime.errors import OutputsFailed, StepFailed
 from agentflash.runtime.runner import Runner, Streamed, ToolCallRecord, single_errors, streaming
 from agentflash.runtime.templates import references, render_text, render_value
 from agentflash.runtime.tools import FunctionTool, HttpTool, Tool, function_tool, no_parameters
@@ -256,7 +256,8 @@ class _WorkflowRun:
             await done[need].wait()
         try:
             self.results[step.id] = await self.step(step, span)
-        except (RunError, UserError) as err:
+        except Exception as err:  # a run's error, or one a backend or guardrail of the user's
+            # raised: a StepFailed naming the step either way, the other steps cancelled
             if self.failure is None:
                 self.failure = StepFailed(step.id, step.agent, err)
                 group.cancel()
