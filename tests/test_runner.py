@@ -238,7 +238,8 @@ def test_structured_output_is_parsed_into_the_output_type():
 
 
 @pytest.mark.parametrize("reply, problem", [
-    ("Oslo for three days.", "Invalid JSON"),
+    ("Oslo for three days.", "reply: not JSON"),
+    ('{"city": "Oslo", "days": true}', "days: True is not of type 'integer'"),
     ('{"city": "Oslo", "days": "three"}', "days:"),
     (ScriptedTurn('{"city": "Oslo", "da', finish_reason="length"), "cut at max_tokens"),
 ])

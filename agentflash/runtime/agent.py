@@ -20,6 +20,7 @@ from agentflash.runtime.tools import (
     HttpTool,
     Tool,
     function_tool,
+    schema_problems,
     strict_schema,
 )
 from agentflash.tool_format import loads_strict
@@ -91,6 +92,10 @@ def output_spec(output_type: type | dict[str, Any] | None) -> OutputSpec | None:
     _check_supported(schema)
 
     def parse(text: str) -> Any:
+        # the schema the grammar writes first: pydantic converts what it refuses (true to 1)
+        problems = schema_problems(schema, _reply_json(text), "reply")
+        if problems:
+            raise OutputValidationError("; ".join(problems))
         try:
             return adapter.validate_json(text)
         except pydantic.ValidationError as err:
@@ -122,13 +127,7 @@ def _schema_spec(schema: dict[str, Any]) -> OutputSpec:
     validator = Draft202012Validator(schema)
 
     def parse(text: str) -> Any:
-        try:
-            value = loads_strict(text)
-        except json.JSONDecodeError as err:
-            raise OutputValidationError(f"reply: not JSON ({err.msg})") from None
-        except (ValueError, RecursionError) as err:  # NaN; past int digits or nesting limits
-            raise OutputValidationError(
-                f"reply: not JSON ({str(err) or type(err).__name__})") from None
+        value = _reply_json(text)
         errors = sorted(validator.iter_errors(value), key=str)
         if errors:
             raise OutputValidationError("; ".join(
@@ -136,6 +135,17 @@ def _schema_spec(schema: dict[str, Any]) -> OutputSpec:
         return value
 
     return OutputSpec(schema.get("title", "its output schema"), schema, parse)
+
+
+def _reply_json(text: str) -> Any:
+    """An answer's JSON, or ``OutputValidationError`` saying why it is none."""
+    try:
+        return loads_strict(text)
+    except json.JSONDecodeError as err:
+        raise OutputValidationError(f"reply: not JSON ({err.msg})") from None
+    except (ValueError, RecursionError) as err:  # NaN; past int digits or nesting limits
+        raise OutputValidationError(
+            f"reply: not JSON ({str(err) or type(err).__name__})") from None
 
 
 def handoff_tool_name(agent: Agent) -> str:
