@@ -238,9 +238,9 @@ def test_structured_output_is_parsed_into_the_output_type():
 
 
 @pytest.mark.parametrize("reply, problem", [
-    ("Oslo for three days.", "reply: not JSON"),
-    ('{"city": "Oslo", "days": true}', "days: True is not of type 'integer'"),
+    ("Oslo for three days.", "Invalid JSON"),
     ('{"city": "Oslo", "days": "three"}', "days:"),
+    ('{"city": "Oslo", "days": true}', "days: Input should be a valid integer"),
     (ScriptedTurn('{"city": "Oslo", "da', finish_reason="length"), "cut at max_tokens"),
 ])
 def test_a_reply_that_is_not_the_output_type_stops_the_run_without_retrying(reply, problem):

@@ -20,7 +20,6 @@ from agentflash.runtime.tools import (
     HttpTool,
     Tool,
     function_tool,
-    schema_problems,
     strict_schema,
 )
 from agentflash.tool_format import loads_strict
@@ -92,12 +91,8 @@ def output_spec(output_type: type | dict[str, Any] | None) -> OutputSpec | None:
     _check_supported(schema)
 
     def parse(text: str) -> Any:
-        # the schema the grammar writes first: pydantic converts what it refuses (true to 1)
-        problems = schema_problems(schema, _reply_json(text), "reply")
-        if problems:
-            raise OutputValidationError("; ".join(problems))
-        try:
-            return adapter.validate_json(text)
+        try:  # strict: what the schema refuses, lax validation converts ("2" or true to 2)
+            return adapter.validate_json(text, strict=True)
         except pydantic.ValidationError as err:
             problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'reply'}: {e['msg']}"
                                  for e in err.errors(include_url=False))
@@ -127,7 +122,13 @@ def _schema_spec(schema: dict[str, Any]) -> OutputSpec:
     validator = Draft202012Validator(schema)
 
     def parse(text: str) -> Any:
-        value = _reply_json(text)
+        try:
+            value = loads_strict(text)
+        except json.JSONDecodeError as err:
+            raise OutputValidationError(f"reply: not JSON ({err.msg})") from None
+        except (ValueError, RecursionError) as err:  # NaN; past int digits or nesting limits
+            raise OutputValidationError(
+                f"reply: not JSON ({str(err) or type(err).__name__})") from None
         errors = sorted(validator.iter_errors(value), key=str)
         if errors:
             raise OutputValidationError("; ".join(
@@ -135,17 +136,6 @@ def _schema_spec(schema: dict[str, Any]) -> OutputSpec:
         return value
 
     return OutputSpec(schema.get("title", "its output schema"), schema, parse)
-
-
-def _reply_json(text: str) -> Any:
-    """An answer's JSON, or ``OutputValidationError`` saying why it is none."""
-    try:
-        return loads_strict(text)
-    except json.JSONDecodeError as err:
-        raise OutputValidationError(f"reply: not JSON ({err.msg})") from None
-    except (ValueError, RecursionError) as err:  # NaN; past int digits or nesting limits
-        raise OutputValidationError(
-            f"reply: not JSON ({str(err) or type(err).__name__})") from None
 
 
 def handoff_tool_name(agent: Agent) -> str:

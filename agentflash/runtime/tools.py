@@ -1,9 +1,9 @@
 """Tools: ``@tool`` on a Python function, and HTTP tools that call one declared URL.
 
 A function's signature, type hints and docstring give a pydantic model of its arguments; the
-strict JSON Schema the model sees is that model's schema. The arguments of every call are
-checked against that schema first, then validated by the model (which alone would convert what
-the schema refuses: ``"2"`` or ``true`` for an integer), so the two cannot disagree.
+strict JSON Schema the model sees is that model's schema, and the model validates the arguments
+of every call in pydantic's strict mode (its lax mode converts what the schema refuses: ``"2"``
+or ``true`` for an integer), so the schema and the validation cannot disagree.
 """
 
 from __future__ import annotations
@@ -334,16 +334,13 @@ class FunctionTool:
         """Validate ``arguments`` and call the function (a sync one in a daemon thread of its
         own, ``_in_daemon_thread``: not one of anyio's workers, so ``anyio.from_thread`` needs
         a token there; a tool that needs the event loop is best written async)."""
-        # the schema the model is shown first: pydantic's validation converts what the schema
-        # refuses (true to 1 for an int, "250" to 250, 1 to True for a bool), which a model
-        # without the grammar writes
-        problems = schema_problems(self.parameters, arguments, "arguments")
-        if problems:
-            raise ToolArgumentsError(f"invalid arguments for {self.name}: {'; '.join(problems)}")
         try:
-            # as JSON, which the arguments are: a strict model takes a date or an enum from a
-            # string there, not in Python mode
-            validated = self.params_model.model_validate_json(json.dumps(arguments))
+            # as JSON, which the arguments are: strict, since the schema the model is shown
+            # allows no "2" or true for an integer, nor 1 or "yes" for a bool (lax validation
+            # converted them), and in JSON a strict model still takes a date or an enum from
+            # a string (in Python mode it does not)
+            validated = self.params_model.model_validate_json(json.dumps(arguments),
+                                                              strict=True)
         except pydantic.ValidationError as err:
             raise ToolArgumentsError(_validation_message(self.name, err)) from None
         values = {name: validated.__dict__[name] for name in type(validated).model_fields}
@@ -416,20 +413,6 @@ def _raised_by_the_tool() -> bool:
         return False
     cancelling = getattr(task, "cancelling", None)  # Python 3.11+
     return cancelling is not None and cancelling() == 0
-
-
-def schema_problems(schema: dict[str, Any], value: Any, what: str,
-                    formats: bool = False) -> list[str]:
-    """Where ``value`` breaks ``schema`` as the grammar writes it (no keys the schema does not
-    list; ``formats`` checked too), each as ``path: message`` (``what`` for the whole)."""
-    from jsonschema import Draft202012Validator, FormatChecker
-
-    from agentflash.grammar.sources import close_objects
-
-    validator = Draft202012Validator(close_objects(schema),
-                                     format_checker=FormatChecker() if formats else None)
-    return [f"{'.'.join(map(str, e.absolute_path)) or what}: {e.message}"
-            for e in sorted(validator.iter_errors(value), key=str)]
 
 
 def _validation_message(name: str, err: pydantic.ValidationError) -> str:
@@ -601,9 +584,16 @@ class HttpTool:
 
     async def call(self, arguments: dict[str, Any]) -> Any:
         import httpx
+        from jsonschema import Draft202012Validator, FormatChecker
+
+        from agentflash.grammar.sources import close_objects
 
         # what the grammar lets the model write: no keys the schema does not list, formats kept
-        problems = schema_problems(self.parameters, arguments, "arguments", formats=True)
+        schema = close_objects(self.parameters)
+        errors = sorted(Draft202012Validator(schema, format_checker=FormatChecker())
+                        .iter_errors(arguments), key=str)
+        problems = [f"{'.'.join(map(str, e.absolute_path)) or 'arguments'}: {e.message}"
+                    for e in errors]
         problems += [f"{key}: is the url's own query parameter"
                      for key in sorted(self._declared_query() & set(arguments))]
         if problems:
