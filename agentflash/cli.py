@@ -523,9 +523,8 @@ def main() -> None:
 def _exit_now_if_loading(code: int | str | None) -> None:
     """Exit at once, with ``code``, if a model is still loading in the background (Ctrl-C while
     it loaded): the usual exit waited for the load, then torch's threads aborted it."""
-    from agentflash.engine.async_engine import loading
-
-    if not loading():
+    engine = sys.modules.get("agentflash.engine.async_engine")  # not imported: none loads
+    if engine is None or not engine.loading():  # (importing it costs torch's import, 1 s)
         return
     if isinstance(code, str):
         print(code, file=sys.stderr)

@@ -3,6 +3,8 @@ cancelled and abandoned streams free their slots."""
 
 import dataclasses
 import logging
+import subprocess
+import sys
 import threading
 import time
 
@@ -278,3 +280,26 @@ def test_run_in_own_thread_returns_or_raises_and_ends_its_thread():
 
     thread = anyio.run(main)
     assert thread.name == "agentflash-load" and not thread.is_alive()
+
+
+def test_a_cancelled_load_is_waited_for_when_the_process_exits(tmp_path):
+    """A load cannot be stopped: a cancelled wait for it returns, and the process, exiting the
+    usual way, waits for it (torch's threads still at work as it finalized aborted it)."""
+    script = tmp_path / "cancel_a_load.py"
+    script.write_text(
+        "import anyio, torch\n"
+        "from agentflash.engine.async_engine import loading, run_in_own_thread\n"
+        "def load():  # torch work, as a model's exactness probe does\n"
+        "    x = torch.randn(256, 256)\n"
+        "    for _ in range(400):\n"
+        "        x = torch.tanh(x @ x)\n"
+        "async def main():\n"
+        "    with anyio.move_on_after(0.3):\n"
+        "        await run_in_own_thread(load)\n"
+        "    print('cancelled while loading:', loading(), flush=True)\n"
+        "anyio.run(main)\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "cancelled while loading: True\n"
+    assert "terminate called" not in done.stderr

@@ -217,8 +217,9 @@ LOAD_THREAD = "agentflash-load"  # the name of ``run_in_own_thread``'s threads
 def loading() -> bool:
     """Whether a ``run_in_own_thread`` call's work is still running (a wait for it that was
     cancelled leaves it running: it cannot be stopped). A process that exits the usual way
-    meanwhile is aborted as it finalizes ("terminate called without an active exception": torch's
-    threads), so the command line exits with ``os._exit`` then."""
+    waits for it first (its thread is no daemon: finalizing beside torch's threads at work
+    aborted the process, "terminate called without an active exception"); the command line,
+    interrupted, exits at once with ``os._exit``."""
     return any(t.name == LOAD_THREAD and t.is_alive() for t in threading.enumerate())
 
 
@@ -233,12 +234,11 @@ async def run_in_own_thread(fn: Callable[..., T], *args: Any) -> T:
         except BaseException as err:  # re-raised in the caller
             outcome.append((False, err))
 
-    thread = threading.Thread(target=target, name=LOAD_THREAD, daemon=True)
+    thread = threading.Thread(target=target, name=LOAD_THREAD)
     thread.start()
     # Polled, not joined in a worker thread: the load itself cannot be stopped, but a cancelled
-    # wait (Ctrl-C) leaves it to its daemon thread and the process exits. A worker thread
-    # blocked in join is no daemon: the process waited for the whole load (10-30 s) after
-    # printing "interrupted", and a second Ctrl-C aborted it.
+    # wait returns at once (``loading``). Joined in anyio's worker thread, the wait could not be
+    # cancelled: Ctrl-C printed "interrupted" and the command waited out the load (10-60 s).
     while thread.is_alive():
         await anyio.sleep(0.02)
     ok, value = outcome[0]
