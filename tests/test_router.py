@@ -160,6 +160,18 @@ def test_step_cost_is_fitted_from_measured_steps():
     assert cost.verify_cost_ratio(15) == pytest.approx(spec / one, rel=0.05)
 
 
+def test_a_slow_first_step_does_not_scale_the_prior():
+    # another process slowed the first step 40x: the drafter, not measured yet, kept its
+    # prior cost in that unit (40x), and a kind routed plain never drafted to correct it
+    slowed, cost = CostModel(), CostModel()
+    slowed.observe_step(plain(1), 40 * float(TRUE_COST @ plain(1).features()))
+    for _ in range(15):
+        for model in (slowed, cost):
+            model.observe_step(plain(1), float(TRUE_COST @ plain(1).features()))
+    cost.observe_step(plain(1), float(TRUE_COST @ plain(1).features()))
+    assert slowed.step_cost()[3] == pytest.approx(cost.step_cost()[3], rel=0.1)  # the drafter
+
+
 def fitted_tool_call_cost():
     """A cost model fitted on plain and one-draft steps of 1-8 rows (``TRUE_COST``), and a
     tool-call request whose drafts have stood about 4 tokens a verify."""

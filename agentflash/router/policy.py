@@ -79,6 +79,7 @@ LOOKUP_PRIOR_TAU = 2.0  # a draft looked up in the text, before the request has 
 # low, as a mistake on that side makes the router decode plain and so measure them.
 # fixed, one-token row, verified token past a row's first, drafter, block row, drafted slot
 PRIOR_COST = np.array([0.9, 0.05, 0.05, 0.5, 0.1, 0.02])
+UNIT_STEPS = 16  # the first decode steps whose median cost puts the prior in seconds
 COST_SCALE = np.array([1.0, 8.0, 16.0, 1.0, 4.0, 16.0])  # a feature's typical size, for the ridge
 
 
@@ -258,7 +259,12 @@ class CostModel:
     request_weight: float = 4.0  # verifies' worth of the kind's rates in a request's own
     _gram: np.ndarray = field(default_factory=lambda: np.zeros((6, 6)))
     _moment: np.ndarray = field(default_factory=lambda: np.zeros(6))
-    _unit: float | None = None  # seconds of a one-token plain step, from the first measurement
+    _unit: float | None = None  # seconds of a one-token plain step: ``_first_ratios``' median
+    # the first UNIT_STEPS steps' seconds over their prior cost in units: their median scales
+    # the prior, not the first step's alone (a first step slowed by another process scaled it
+    # 20-40x; kinds routed plain then priced the drafter at that prior, and probes never paid:
+    # at one stream of the mixed workload the router decoded 70-100% plain, 2.1x slower)
+    _first_ratios: list[float] = field(default_factory=list)
     refit_every: int = 8  # steps between refits of the step-time model (a 6x6 solve)
     _fit: np.ndarray | None = None
     _fits: int = 0
@@ -375,8 +381,9 @@ class CostModel:
     def observe_step(self, shape: StepShape, seconds: float) -> None:
         """A decode step of ``shape`` took ``seconds``."""
         x = shape.features()
-        if self._unit is None:
-            self._unit = seconds / float(PRIOR_COST @ x)
+        if len(self._first_ratios) < UNIT_STEPS:
+            self._first_ratios.append(seconds / float(PRIOR_COST @ x))
+            self._unit = float(np.median(self._first_ratios))
         self._gram = self.forget * self._gram + np.outer(x, x)
         self._moment = self.forget * self._moment + x * seconds
         self._since_fit += 1
