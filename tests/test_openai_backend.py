@@ -508,6 +508,24 @@ def _tool_chunk(*entries, finish=None):
     return {"choices": [{"delta": {"tool_calls": list(entries)}, "finish_reason": finish}]}
 
 
+def test_long_arguments_in_small_pieces_are_not_parsed_at_every_piece(monkeypatch):
+    # whether a call is whole was asked at every piece by parsing all its arguments so far:
+    # quadratic in their length (400 KB in 4-character pieces took 12 s)
+    import agentflash.backends.openai as remote
+
+    parsed = []
+    load_body = remote.load_body
+    monkeypatch.setattr(remote, "load_body", lambda text: parsed.append(text) or load_body(text))
+    arguments = json.dumps({"content": "y" * 4000})
+    pieces = [arguments[i : i + 4] for i in range(0, len(arguments), 4)]
+    calls = _calls([_tool_chunk({"index": 0, "id": "c1", "function": {"name": "write_file",
+                                                                      "arguments": ""}})]
+                   + [_tool_chunk({"index": 0, "function": {"arguments": p}}) for p in pieces])
+    assert [(c.call.name, c.call.arguments) for c in calls] == [
+        ("write_file", {"content": "y" * 4000})]
+    assert len(parsed) <= 4, len(parsed)  # once its text ends with a brace, and at its end
+
+
 def test_chunk_reader_tells_calls_apart_as_quirky_servers_send_them():
     weather = '{"city": "Oslo"}'
     # Ollama-like: no index; every call at index 0 with its own id
