@@ -165,11 +165,12 @@ def test_a_slow_first_step_does_not_scale_the_prior():
     # prior cost in that unit (40x), and a kind routed plain never drafted to correct it
     slowed, cost = CostModel(), CostModel()
     slowed.observe_step(plain(1), 40 * float(TRUE_COST @ plain(1).features()))
-    for _ in range(15):
+    slowed.step_cost()  # asked at once (a refit every 8 steps must not keep that scale)
+    for n in range(15):
         for model in (slowed, cost):
             model.observe_step(plain(1), float(TRUE_COST @ plain(1).features()))
-    cost.observe_step(plain(1), float(TRUE_COST @ plain(1).features()))
-    assert slowed.step_cost()[3] == pytest.approx(cost.step_cost()[3], rel=0.1)  # the drafter
+        if n >= 2:  # the slow step no longer the median
+            assert slowed.step_cost()[3] == pytest.approx(cost.step_cost()[3], rel=0.1), n
 
 
 def fitted_tool_call_cost():

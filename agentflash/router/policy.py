@@ -384,6 +384,7 @@ class CostModel:
         if len(self._first_ratios) < UNIT_STEPS:
             self._first_ratios.append(seconds / float(PRIOR_COST @ x))
             self._unit = float(np.median(self._first_ratios))
+            self._fit = None  # refit at the next question: the prior's scale moved
         self._gram = self.forget * self._gram + np.outer(x, x)
         self._moment = self.forget * self._moment + x * seconds
         self._since_fit += 1
