@@ -28,7 +28,7 @@ from agentflash.runtime import (
     ToolStarted,
     tool,
 )
-from agentflash.runtime.agent import handoff_tool_name
+from agentflash.runtime.agent import OutputValidationError, handoff_tool_name, output_spec
 
 
 @tool
@@ -180,6 +180,17 @@ def test_tool_errors_timeouts_bad_calls_go_back_to_the_model():
                                    and e.call_id == cid)) for cid in results)
 
 
+def test_an_answer_with_nan_is_not_json():
+    class Reading(BaseModel):
+        value: float
+
+    spec = output_spec(Reading)
+    assert spec.parse('{"value": 1.5}') == Reading(value=1.5)
+    for text in ('{"value": NaN}', '{"value": -Infinity}'):
+        with pytest.raises(OutputValidationError, match="reply: not JSON"):
+            spec.parse(text)
+
+
 def test_a_call_whose_json_python_cannot_read_goes_back_to_the_model():
     # valid JSON to its grammar, but past what Python converts or recurses into: malformed
     @tool
@@ -238,7 +249,7 @@ def test_structured_output_is_parsed_into_the_output_type():
 
 
 @pytest.mark.parametrize("reply, problem", [
-    ("Oslo for three days.", "Invalid JSON"),
+    ("Oslo for three days.", "reply: not JSON (Expecting value)"),
     ('{"city": "Oslo", "days": "three"}', "days:"),
     ('{"city": "Oslo", "days": true}', "days: Input should be a valid integer"),
     (ScriptedTurn('{"city": "Oslo", "da', finish_reason="length"), "cut at max_tokens"),

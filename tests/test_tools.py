@@ -163,8 +163,9 @@ def test_arguments_are_validated_before_the_call():
 
 
 def test_values_the_grammar_writes_pass_validation():
-    # pydantic checks a float's multiple and reads a pattern as the grammar does (Rust regex
-    # syntax; jsonschema's Python re and float division refused both)
+    # pydantic checks a float's multiple (below about 1e7: 10000000.04 is refused for 0.01,
+    # which the grammar writes) and reads a pattern as the grammar does (Rust regex syntax;
+    # jsonschema's float division and Python re refused 19.99 and \p{Lu})
     @tool
     def charge(price: Annotated[float, Field(multiple_of=0.01)],
                name: Annotated[str, Field(pattern=r"^\p{Lu}\w+$")],

@@ -91,6 +91,7 @@ def output_spec(output_type: type | dict[str, Any] | None) -> OutputSpec | None:
     _check_supported(schema)
 
     def parse(text: str) -> Any:
+        _reply_json(text)  # JSON, as the grammar writes it: no NaN, which pydantic reads
         try:  # strict: what the schema refuses, lax validation converts ("2" or true to 2)
             return adapter.validate_json(text, strict=True)
         except pydantic.ValidationError as err:
@@ -122,13 +123,7 @@ def _schema_spec(schema: dict[str, Any]) -> OutputSpec:
     validator = Draft202012Validator(schema)
 
     def parse(text: str) -> Any:
-        try:
-            value = loads_strict(text)
-        except json.JSONDecodeError as err:
-            raise OutputValidationError(f"reply: not JSON ({err.msg})") from None
-        except (ValueError, RecursionError) as err:  # NaN; past int digits or nesting limits
-            raise OutputValidationError(
-                f"reply: not JSON ({str(err) or type(err).__name__})") from None
+        value = _reply_json(text)
         errors = sorted(validator.iter_errors(value), key=str)
         if errors:
             raise OutputValidationError("; ".join(
@@ -136,6 +131,17 @@ def _schema_spec(schema: dict[str, Any]) -> OutputSpec:
         return value
 
     return OutputSpec(schema.get("title", "its output schema"), schema, parse)
+
+
+def _reply_json(text: str) -> Any:
+    """An answer's JSON, or ``OutputValidationError`` saying why it is none."""
+    try:
+        return loads_strict(text)
+    except json.JSONDecodeError as err:
+        raise OutputValidationError(f"reply: not JSON ({err.msg})") from None
+    except (ValueError, RecursionError) as err:  # NaN; past int digits or nesting limits
+        raise OutputValidationError(
+            f"reply: not JSON ({str(err) or type(err).__name__})") from None
 
 
 def handoff_tool_name(agent: Agent) -> str:
