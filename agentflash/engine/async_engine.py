@@ -234,7 +234,9 @@ async def run_in_own_thread(fn: Callable[..., T], *args: Any) -> T:
         except BaseException as err:  # re-raised in the caller
             outcome.append((False, err))
 
-    thread = threading.Thread(target=target, name=LOAD_THREAD)
+    # no daemon (not inherited from a daemon thread that calls this either): see ``loading``;
+    # a load that never ends (a stalled read of the weights) then holds up the process's exit
+    thread = threading.Thread(target=target, name=LOAD_THREAD, daemon=False)
     thread.start()
     # Polled, not joined in a worker thread: the load itself cannot be stopped, but a cancelled
     # wait returns at once (``loading``). Joined in anyio's worker thread, the wait could not be
