@@ -2,8 +2,10 @@
 
 A function's signature, type hints and docstring give a pydantic model of its arguments; the
 strict JSON Schema the model sees is that model's schema, and the model validates the arguments
-of every call in pydantic's strict mode (its lax mode converts what the schema refuses: ``"2"``
-or ``true`` for an integer), so the schema and the validation cannot disagree.
+of every call in pydantic's strict mode: a value of another type than the schema's is refused
+(lax mode converted ``"2"`` or ``true`` to an integer). What the grammar writes always passes;
+without the grammar a few values the schema refuses still do: an extra key in a nested model
+that allows them, a ``Decimal`` written as a number.
 """
 
 from __future__ import annotations
