@@ -117,19 +117,23 @@ def test_a_call_is_dispatched_while_the_model_is_still_writing():
     assert kinds.index("ToolStarted") < kinds.index("GenerationStats")
 
 
-def test_parallel_calls_run_concurrently():
-    both_running = anyio.Event()
-    running = []
+def meeting_tool(tool_name: str, calls: int):
+    """A tool whose calls return (``"<name> ok"``) only once ``calls`` of them run at once."""
+    all_running, running = anyio.Event(), []
 
-    @tool(timeout_s=3)
-    async def wait_for_partner(name: str) -> str:
+    @tool(name=tool_name, timeout_s=3)
+    async def meet(name: str) -> str:
         running.append(name)
-        if len(running) == 2:
-            both_running.set()
-        await both_running.wait()  # returns only if the other call runs at the same time
+        if len(running) == calls:
+            all_running.set()
+        await all_running.wait()
         return f"{name} ok"
 
-    agent = Agent("a", tools=[wait_for_partner])
+    return meet
+
+
+def test_parallel_calls_run_concurrently():
+    agent = Agent("a", tools=[meeting_tool("wait_for_partner", 2)])
     result, _, _ = run(agent, [ScriptedTurn.calls(("wait_for_partner", {"name": "x"}),
                                                   ("wait_for_partner", {"name": "y"})), "done"])
     assert [(c.result, c.is_error) for c in result.tool_calls] == [("x ok", False),
@@ -670,17 +674,7 @@ def test_run_collects_the_same_events_as_the_streamed_run():
 
 
 def test_runs_share_one_backend_concurrently():
-    all_running = anyio.Event()
-    running = []
-
-    @tool(timeout_s=3)
-    async def rendezvous(name: str) -> str:
-        running.append(name)
-        if len(running) == 4:
-            all_running.set()
-        await all_running.wait()  # returns only if the four runs are under way at once
-        return "met"
-
+    rendezvous = meeting_tool("rendezvous", 4)  # answers once the four runs are under way
     agents = [Agent(f"agent{i}", tools=[rendezvous]) for i in range(4)]
 
     def turn(request):
@@ -701,7 +695,7 @@ def test_runs_share_one_backend_concurrently():
                 tg.start_soon(one, agent)
 
     anyio.run(main)
-    assert outputs == {f"agent{i}": ("I am You are a helpful assistant.", ["met"])
+    assert outputs == {f"agent{i}": ("I am You are a helpful assistant.", ["me ok"])
                        for i in range(4)}
 
 

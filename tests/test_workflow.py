@@ -316,6 +316,17 @@ def test_steps_whose_needs_are_met_run_concurrently(tmp_path):
     assert spans[0] == "invoke_workflow dag" and spans.count("run a") == 2
 
 
+def failed_step(wf, reply) -> pytest.ExceptionInfo[StepFailed]:
+    """The StepFailed of ``wf`` run on a scripted backend that answers with ``reply``."""
+    async def main():
+        with anyio.fail_after(10):
+            await wf.run(backend=ScriptedBackend(reply))
+
+    with pytest.raises(StepFailed) as err:
+        anyio.run(main)
+    return err
+
+
 def test_a_failing_step_stops_the_workflow_and_names_itself(tmp_path):
     wf = load_workflow(write(tmp_path, DAG))
     cancelled = []
@@ -328,12 +339,7 @@ def test_a_failing_step_stops_the_workflow_and_names_itself(tmp_path):
                 cancelled.append("left")
         return "no JSON here"
 
-    async def main():
-        with anyio.fail_after(10):
-            await wf.run(backend=ScriptedBackend(reply))
-
-    with pytest.raises(StepFailed) as err:
-        anyio.run(main)
+    err = failed_step(wf, reply)
     assert err.value.step_id == "right"
     message = "step 'right' (agent 'planner') failed: agent 'planner' must answer with"
     assert message in str(err.value)
@@ -353,12 +359,7 @@ def test_a_step_whose_backend_raises_its_own_error_is_a_step_failure(tmp_path):
             raise ConnectionResetError("the backend's own exception")
         await anyio.sleep(30)
 
-    async def main():
-        with anyio.fail_after(10):
-            await wf.run(backend=ScriptedBackend(reply))
-
-    with pytest.raises(StepFailed) as err:
-        anyio.run(main)
+    err = failed_step(wf, reply)
     assert err.value.step_id == "right"
     assert str(err.value) == ("step 'right' (agent 'planner') failed: ConnectionResetError: "
                               "the backend's own exception")
