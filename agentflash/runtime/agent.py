@@ -22,7 +22,7 @@ from agentflash.runtime.tools import (
     function_tool,
     strict_schema,
 )
-from agentflash.tool_format import loads_strict
+from agentflash.tool_format import load_body
 
 GuardrailCheck = Callable[[Any], str | None | Awaitable[str | None]]
 
@@ -134,14 +134,12 @@ def _schema_spec(schema: dict[str, Any]) -> OutputSpec:
 
 
 def _reply_json(text: str) -> Any:
-    """An answer's JSON, or ``OutputValidationError`` saying why it is none."""
-    try:
-        return loads_strict(text)
-    except json.JSONDecodeError as err:
-        raise OutputValidationError(f"reply: not JSON ({err.msg})") from None
-    except (ValueError, RecursionError) as err:  # NaN; past int digits or nesting limits
-        raise OutputValidationError(
-            f"reply: not JSON ({str(err) or type(err).__name__})") from None
+    """An answer's JSON (as a tool call's body is read: no NaN, nor past Python's digit and
+    nesting limits), or ``OutputValidationError`` saying why it is none."""
+    value, problem = load_body(text)
+    if problem is not None:
+        raise OutputValidationError(f"reply: not JSON ({problem.removeprefix('invalid JSON: ')})")
+    return value
 
 
 def handoff_tool_name(agent: Agent) -> str:
