@@ -549,3 +549,22 @@ def test_a_kinds_counts_age_per_step_not_per_verify():
     for accepted in [14] * 32 + [0] * 4:
         verify(alone, RequestRouting(), SegmentKind.TOOL_CALL, accepted, 15)
     assert alone.acceptance_rates(RequestRouting(), SegmentKind.TOOL_CALL)[0] < 0.75
+
+
+def test_a_burst_of_slow_steps_does_not_price_the_features_it_happened_to_take():
+    # another process slowed ten steps that drafted 20x: taken at face value they priced the
+    # drafter so that a tool call alone decoded plain (and drafted again only when probed)
+    cost, routing = fitted_tool_call_cost()
+    assert choose(cost, routing, SegmentKind.TOOL_CALL)
+    for _ in range(10):
+        shape = drafting(1, 1, 15)
+        cost.observe_step(shape, 20 * float(TRUE_COST @ shape.features()))
+    assert choose(cost, routing, SegmentKind.TOOL_CALL)
+    # steps truly dearer than the fit predicts (the machine at 2.5x) still move it, as fast as
+    # taken at face value
+    dearer = 2.5 * TRUE_COST
+    for rows in (1, 2, 4, 8) * 10:
+        for shape in (plain(rows), drafting(rows, 1, 15)):
+            cost.observe_step(shape, float(dearer @ shape.features()))
+    for shape in (plain(1), plain(8), drafting(1, 1, 15)):
+        assert cost.decode_seconds(shape) == pytest.approx(dearer @ shape.features(), rel=0.1)

@@ -11,7 +11,8 @@ The choice is a cost model fed by what the engine measures while it runs:
   say nothing of the positions they did not reach, so they do not bias the estimate, and bursty
   text (a tool call that is right once its key is) gets long blocks;
 - the wall time of a decode step as a linear function of its shape, fitted online (least squares
-  with forgetting, pulled towards a prior): a fixed cost, a cost per one-token row, a cost per
+  with forgetting, pulled towards a prior; a step counts for at most ``SLOW_STEP_CAP`` times
+  its predicted time): a fixed cost, a cost per one-token row, a cost per
   verified token past a row's first, the drafter's fixed cost when any row drafts, a cost per
   block row (a row verifying more than one token) and a cost per drafted slot. One-token rows
   and block rows are priced apart because they cost differently (the one-token rows attend
@@ -80,6 +81,12 @@ LOOKUP_PRIOR_TAU = 2.0  # a draft looked up in the text, before the request has 
 # fixed, one-token row, verified token past a row's first, drafter, block row, drafted slot
 PRIOR_COST = np.array([0.9, 0.05, 0.05, 0.5, 0.1, 0.02])
 UNIT_STEPS = 16  # the first decode steps whose median cost puts the prior in seconds
+# a measured step counts for at most this many times the time the fit predicts for it: a step
+# slowed by another process (a helper saw 3.7-20.7 ms, twice over 500 ms, for steps of about
+# 5 ms) must not price the features of the steps that burst happened to take (a burst on steps
+# that draft routed a kind plain, and it drafted again only when probed). A step truly dearer
+# than predicted still moves the fit up, by up to this factor each time
+SLOW_STEP_CAP = 3.0
 COST_SCALE = np.array([1.0, 8.0, 16.0, 1.0, 4.0, 16.0])  # a feature's typical size, for the ridge
 
 
@@ -385,6 +392,7 @@ class CostModel:
             self._first_ratios.append(seconds / float(PRIOR_COST @ x))
             self._unit = float(np.median(self._first_ratios))
             self._fit = None  # refit at the next question: the prior's scale moved
+        seconds = min(seconds, SLOW_STEP_CAP * self.decode_seconds(shape))
         self._gram = self.forget * self._gram + np.outer(x, x)
         self._moment = self.forget * self._moment + x * seconds
         self._since_fit += 1
