@@ -233,6 +233,11 @@ def _edit(config: dict, changes: dict) -> dict:
         ({"rope_theta": 0}, "rope_theta must be a positive number, got 0"),
         ({"rms_norm_eps": -1.0}, "rms_norm_eps must be a positive number, got -1.0"),
         ({"rms_norm_eps": "abc"}, "rms_norm_eps must be a positive number, got 'abc'"),
+        # a TypeError from comparing them ("'<=' not supported"), or an AttributeError
+        ({"dflash.mask_token_id": "3"}, "mask_token_id must be an integer, got '3'"),
+        ({"dflash.mask_token_id": None}, "mask_token_id must be an integer, got None"),
+        ({"num_target_layers": "36"}, "num_target_layers must be an integer, got '36'"),
+        ({"rope_parameters": [1]}, r"rope_parameters must be an object, got \[1\]"),
     ],
 )
 def test_bad_config_is_a_user_error_naming_the_file(tmp_path, changes, message):

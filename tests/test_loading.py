@@ -102,6 +102,11 @@ def test_config_missing_a_field_and_unsupported_type(tiny_model_dir, tmp_path):
     (dict(rope_theta=0, rope_parameters=None), "rope_theta must be a positive number, got 0"),
     (dict(rope_parameters={"rope_type": "default", "rope_theta": -1.0}),
      r"rope_parameters.rope_theta must be a positive number, got -1.0"),
+    # an AttributeError, or blamed on the tokenizer (transformers reads config.json there)
+    (dict(rope_parameters=["x"]), r"rope_parameters must be an object, got \['x'\]"),
+    (dict(rope_scaling="linear"), "rope_scaling must be an object, got 'linear'"),
+    (dict(layer_types="full_attention"), "layer_types must be a list of strings"),
+    (dict(layer_types=["full_attention"]), "layer_types has 1 entries, num_hidden_layers is 4"),
 ])
 def test_config_sizes_are_checked_before_any_tensor_is_built(tiny_model_dir, tmp_path, change,
                                                               message):
@@ -119,7 +124,8 @@ def test_missing_weights_and_weights_that_do_not_fit(tiny_model_dir, tmp_path):
         load_model(tmp_path / "m")
     shutil.copy(tiny_model_dir / "model.safetensors", tmp_path / "m")
     cfg = json.loads((tmp_path / "m" / "config.json").read_text())
-    (tmp_path / "m" / "config.json").write_text(json.dumps(dict(cfg, num_hidden_layers=5)))
+    (tmp_path / "m" / "config.json").write_text(json.dumps(
+        dict(cfg, num_hidden_layers=5, layer_types=["full_attention"] * 5)))
     with pytest.raises(UserError, match="weights do not match"):
         load_model(tmp_path / "m")
     (tmp_path / "m" / "config.json").write_text(json.dumps(dict(cfg, vocab_size=100)))
@@ -145,6 +151,66 @@ def test_a_null_field_takes_its_default_and_a_bad_shard_index_is_named(tiny_mode
         with pytest.raises(UserError, match=r"model.safetensors.index.json: weight_map must "
                                             r"map each weight's name to its file"):
             load_model(tmp_path / "m")
+
+
+def _tiny_qwen3(tmp_path, **change):
+    """A random-weight Qwen3 saved by transformers, and its tensors to edit."""
+    from safetensors.torch import load_file
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = dict(QWEN3_0_6B, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=2048)
+    Qwen3ForCausalLM(Qwen3Config(**{**cfg, **change})).save_pretrained(tmp_path)
+    return load_file(tmp_path / "model.safetensors")
+
+
+def _same_logits_as_transformers(path):
+    from transformers import AutoModelForCausalLM
+
+    ours, _, _ = load_model(path)
+    theirs = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = torch.randint(0, 2048, (1, 12))
+    runner = ModelRunner(ours, KVCache(ours.cfg, 1, 64, torch.device("cpu"), torch.float32))
+    got = runner.forward([Row(0, 0, ids[0].tolist())]).logits
+    torch.testing.assert_close(got, theirs(ids).logits, atol=1e-4, rtol=1e-4)
+
+
+def test_checkpoints_transformers_loads_compute_what_it_computes(tmp_path):
+    from safetensors.torch import save_file
+
+    # older checkpoints keep the rotary frequencies as buffers: refused as unexpected weights
+    state = _tiny_qwen3(tmp_path / "a")
+    state.update({f"model.layers.{i}.self_attn.rotary_emb.inv_freq": torch.ones(16)
+                  for i in range(2)})
+    save_file(state, tmp_path / "a" / "model.safetensors", metadata={"format": "pt"})
+    _same_logits_as_transformers(tmp_path / "a")
+    # tie_word_embeddings true, and an lm_head with its own values: transformers 5 does not tie
+    # them (the engine used the embeddings)
+    state = _tiny_qwen3(tmp_path / "b")
+    state["lm_head.weight"] = torch.randn_like(state["model.embed_tokens.weight"])
+    save_file(state, tmp_path / "b" / "model.safetensors", metadata={"format": "pt"})
+    _same_logits_as_transformers(tmp_path / "b")
+    # Qwen3 without head_dim: Qwen3Config's 128, not hidden_size / heads (refused for shapes)
+    _tiny_qwen3(tmp_path / "c", head_dim=128)
+    cfg = json.loads((tmp_path / "c" / "config.json").read_text())
+    del cfg["head_dim"]
+    (tmp_path / "c" / "config.json").write_text(json.dumps(cfg))
+    _same_logits_as_transformers(tmp_path / "c")
+
+
+def test_bias_weights_a_config_does_not_declare_are_refused(tmp_path):
+    from safetensors.torch import save_file
+
+    # transformers ignores them; the engine added them to the projections and wrote other text
+    state = _tiny_qwen3(tmp_path)
+    for i in range(2):
+        for proj in ("q", "k", "v"):
+            rows = state[f"model.layers.{i}.self_attn.{proj}_proj.weight"].shape[0]
+            state[f"model.layers.{i}.self_attn.{proj}_proj.bias"] = torch.randn(rows)
+    save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(UserError, match=r"unexpected weights \['model.layers.0.self_attn.q_proj"):
+        load_model(tmp_path)
 
 
 def test_missing_tokenizer(tmp_path):

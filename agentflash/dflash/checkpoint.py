@@ -22,6 +22,7 @@ from agentflash.models.qwen3 import (
     ModelConfig,
     check_decoder_fields,
     check_sizes,
+    head_dim_field,
     positive_number,
     rope_theta_field,
 )
@@ -115,7 +116,7 @@ def config_from_hf(raw: dict[str, Any]) -> DrafterConfig:
             num_layers=raw["num_hidden_layers"],
             num_heads=heads,
             num_kv_heads=raw.get("num_key_value_heads") or heads,
-            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+            head_dim=head_dim_field(raw, "qwen3"),
             rope_theta=rope_theta_field(raw),
             rms_norm_eps=positive_number(raw, "rms_norm_eps", 1e-6),
             block_size=pick("block_size", 16),

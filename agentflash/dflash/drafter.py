@@ -91,6 +91,13 @@ class DrafterConfig:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
         if not isinstance(self.block_size, int) or self.block_size < 2:
             raise ValueError(f"block_size must be an integer >= 2, got {self.block_size!r}")
+        for name in ("mask_token_id", "num_target_layers"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | None) or (
+                    name == "mask_token_id" and value is None):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
+        if self.num_target_layers is not None and self.num_target_layers < 1:
+            raise ValueError(f"num_target_layers must be positive, got {self.num_target_layers}")
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(
                 f"mask_token_id {self.mask_token_id} is outside the vocabulary "

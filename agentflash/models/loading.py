@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -120,10 +121,19 @@ def load_model(
     model_dir = resolve_model_dir(name_or_path)
     cfg, raw = load_config(model_dir)
     state = load_state_dict(model_dir)
-    attn_bias = any(k.endswith("self_attn.q_proj.bias") for k in state)
-    model = Qwen3Model(cfg, attn_bias=attn_bias)
-    if cfg.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
+    # the rotary frequencies older checkpoints stored as buffers: computed from the config, as
+    # transformers does
+    state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
+    if cfg.tie_word_embeddings and "lm_head.weight" in state:
+        embed = state.get("model.embed_tokens.weight")
+        if embed is not None and not torch.equal(state["lm_head.weight"], embed):
+            # transformers 5 does not tie an lm_head the checkpoint holds with other values
+            cfg = dataclasses.replace(cfg, tie_word_embeddings=False)
+        else:
+            del state["lm_head.weight"]
+    # Qwen2 has biases on q, k and v; Llama and Qwen3 none (``check_decoder_fields`` refuses
+    # ``attention_bias``), and bias weights there are unexpected, not used
+    model = Qwen3Model(cfg, attn_bias=raw.get("model_type") == "qwen2")
     expected = model.state_dict()
     wrong = next((k for k, v in state.items() if k in expected and v.shape != expected[k].shape),
                  None)

@@ -64,7 +64,7 @@ class ModelConfig:
                 num_layers=cfg["num_hidden_layers"],
                 num_heads=heads,
                 num_kv_heads=cfg.get("num_key_value_heads") or heads,
-                head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+                head_dim=head_dim_field(cfg, model_type),
                 rope_theta=rope_theta_field(cfg),
                 rms_norm_eps=positive_number(cfg, "rms_norm_eps", 1e-6),
                 tie_word_embeddings=_flag(cfg, "tie_word_embeddings"),
@@ -95,10 +95,17 @@ def check_plain_attention(cfg: dict[str, Any]) -> None:
     4's ``rope_scaling`` or 5's ``rope_parameters``) or sliding-window layers."""
     for field in ("rope_scaling", "rope_parameters"):
         scaling = cfg.get(field) or {}
-        if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type")) not in (
-                None, "default"):
+        if not isinstance(scaling, dict):
+            raise ValueError(f"{field} must be an object, got {scaling!r}")
+        if scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
             raise ValueError(f"{field} {scaling!r} is not supported (plain rope only)")
-    kinds = set(cfg.get("layer_types") or ["full_attention"])
+    types = cfg.get("layer_types") or ["full_attention"]
+    if not isinstance(types, list) or not all(isinstance(t, str) for t in types):
+        raise ValueError(f"layer_types must be a list of strings, got {types!r}")
+    layers = cfg.get("num_hidden_layers")
+    if cfg.get("layer_types") and isinstance(layers, int) and 0 < layers != len(types):
+        raise ValueError(f"layer_types has {len(types)} entries, num_hidden_layers is {layers}")
+    kinds = set(types)
     if kinds != {"full_attention"} or cfg.get("use_sliding_window"):
         field = (f"layer_types {sorted(kinds)}" if kinds != {"full_attention"}
                  else "use_sliding_window true")
@@ -115,6 +122,15 @@ def check_sizes(cfg: dict[str, Any], names: tuple[str, ...], optional: bool = Fa
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def head_dim_field(cfg: dict[str, Any], model_type: str) -> int:
+    """``head_dim``, or where absent or null transformers' default for ``model_type``: 128 for
+    Qwen3 (``Qwen3Config``'s), the hidden size over the heads for Llama and Qwen2 (read after
+    ``check_sizes``)."""
+    if cfg.get("head_dim") is not None:
+        return cfg["head_dim"]
+    return 128 if model_type == "qwen3" else cfg["hidden_size"] // cfg["num_attention_heads"]
 
 
 def rope_theta_field(cfg: dict[str, Any]) -> float:
