@@ -827,6 +827,19 @@ def test_apply_bitmask_masks_exactly_the_disallowed_tokens():
             "#/properties, the key 'a\\ud800'",
             "half of a surrogate pair",
         ),
+        (  # the productivity check counted to minItems: it never ended
+            {"type": "object", "properties": {"x": {"type": "array", "minItems": 10**23}},
+             "required": ["x"]},
+            "#/properties/x",
+            "minItems",
+        ),
+        (  # past the first step: its lexer failed the request in mid-reply
+            {"type": "object", "properties": {"a": {"type": "integer"}, "b": {
+                "type": "array", "items": {"type": "string", "pattern": "^(a{1000}){1000}$"}}},
+             "required": ["a", "b"]},
+            "#/properties/b/items/pattern",
+            "lexer error: too many expressions constructed",
+        ),
     ],
 )
 def test_bad_schemas_name_the_field(tok, schema, where, what):
@@ -1063,7 +1076,8 @@ def test_a_grammar_whose_masks_llguidance_cannot_compute_is_refused_when_compile
     schema = {"type": "object", "properties": {"a": {"type": "string",
                                                      "pattern": "^a{1000}{1000}$"}},
               "required": ["a"]}
-    with pytest.raises(GrammarError, match="answer.json: #/properties/a: .*too many expressions"):
+    with pytest.raises(GrammarError,
+                       match="answer.json: #/properties/a/pattern: .*too many expressions"):
         compile_grammar(json_schema(schema, origin="answer.json"), tok)
 
 
@@ -1072,8 +1086,9 @@ def test_a_request_that_reaches_a_lexer_limit_fails_alone(tok):
     pattern reaches llguidance's limit made every other request of that grammar fail, those
     running and those to come, until the grammar left the cache."""
     schema = {"type": "object", "properties": {
-        "n": {"type": "integer"}, "code": {"type": "string", "pattern": "^x(a{1000}){1000}$"}}}
-    grammar = compile_grammar(json_schema(schema), tok)
+        "n": {"type": "integer"}, "code": {"type": "string",
+                                           "pattern": "^x([a-z]{1,50}){1,50}$"}}}
+    grammar = compile_grammar(json_schema(schema), tok)  # its first steps reach no limit
 
     def write(constraint, text):
         for token in tok(text, add_special_tokens=False)["input_ids"]:
@@ -1084,7 +1099,7 @@ def test_a_request_that_reaches_a_lexer_limit_fails_alone(tok):
     running = grammar.new_constraint()
     write(running, '{"n": ')
     with pytest.raises(GrammarFailed, match="too many expressions"):
-        write(grammar.new_constraint(), '{"code": "xa')
+        write(grammar.new_constraint(), '{"code": "x' + "abcdefghij" * 6)  # ~30 letters in
     assert write(running, "12}")
     assert write(grammar.new_constraint(), '{"n": 1}')
     assert write(compile_grammar(json_schema(schema), tok).new_constraint(), '{"n": 2}')

@@ -372,7 +372,9 @@ class _Productivity:
 
     def _array_blockers(self, node: dict) -> Iterator[tuple[list[str | int], Any]]:
         prefix = node.get("prefixItems", [])
-        for i in range(node.get("minItems", 0)):
+        # past the prefix every item is ``items``: one look (a loop to ``minItems`` of 1e23
+        # never ended)
+        for i in range(min(node.get("minItems", 0), len(prefix) + 1)):
             if i < len(prefix):
                 if not self.finite(prefix[i]):
                     yield ["prefixItems", i], prefix[i]
@@ -893,7 +895,7 @@ def _finite(expr: tuple, known: set[str], rules: dict[str, tuple]) -> bool:
     return any(_finite(e, known, rules) for e in expr[1])
 
 
-def _json_bodies(text: str) -> list[tuple[str, Any]]:
+def json_bodies(text: str) -> list[tuple[str, Any]]:
     """(rule, schema) of every ``%json`` schema in a rule of a Lark grammar it can read."""
     try:
         bodies = _split_definitions(_lark_tokens(text))
@@ -932,7 +934,7 @@ def check_lark_finishes(text: str, origin: str) -> None:
     """Raise ``GrammarError`` if a rule of a Lark grammar has no finite expansion (``start``: the
     grammar can never finish; another: a reply that enters it never ends), or a ``%json``
     schema in it has no finite value or bounds llguidance misreads (as ``json_schema``'s)."""
-    for rule, body in _json_bodies(text):
+    for rule, body in json_bodies(text):
         unfinished = _unfinishable(body)
         if unfinished is not None:
             where, reason = unfinished

@@ -7,7 +7,7 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
-from agentflash.grammar.checks import locate_schema_error
+from agentflash.grammar.checks import json_bodies, locate_schema_error, pointer, subschemas
 from agentflash.grammar.constraint import (
     CompiledGrammar,
     GrammarError,
@@ -102,6 +102,8 @@ def compile_grammar(
 
     def compiled() -> CompiledGrammar:
         grammar = _build(backend, source, info)
+        if backend is Backend.LLGUIDANCE:
+            _check_patterns(source, info)
         _check_can_start(grammar, source, info)
         if backend is Backend.OUTLINES:
             _check_outlines_continuations(grammar, source, info)
@@ -176,6 +178,44 @@ def _first_masks(grammar: CompiledGrammar) -> tuple[str | None, Any]:
     except GrammarFailed as err:
         return str(err), None
     return None, start
+
+
+def _check_patterns(source: GrammarSource, info: TokenizerInfo) -> None:
+    """Each ``pattern`` of a schema's strings (of a Lark grammar's ``%json`` schemas too), its
+    first masks probed alone: llguidance's lexer builds a pattern's states as the masks reach
+    it, and a limit met there failed a request in mid-reply (a server's 500) wherever the
+    pattern was not the first thing written: a later property, an array's items, a tool's
+    arguments after free text."""
+    if source.kind is GrammarKind.JSON_SCHEMA:
+        schemas = [("", source.schema)]
+    elif source.kind is GrammarKind.LARK:
+        schemas = [(f"rule {rule}: ", schema) for rule, schema in json_bodies(source.text)]
+    else:
+        return
+    for where, schema in schemas:
+        for path, node in subschemas(schema, []):
+            pattern = node.get("pattern") if isinstance(node, dict) else None
+            if isinstance(pattern, str):
+                problem = _patterns.get_or_make(
+                    (pattern, info), lambda p=pattern: _pattern_problem(p, info))
+                if problem:
+                    raise GrammarError(f"{source.origin}: {where}"
+                                       f"{pointer([*path, 'pattern'])}: {problem}")
+
+
+def _pattern_problem(pattern: str, info: TokenizerInfo) -> str:
+    """Why a string of ``pattern`` cannot be started (its first masks), or "" if it can."""
+    from agentflash.grammar.sources import json_schema
+
+    try:
+        alone = json_schema({"type": "string", "pattern": pattern}, origin="pattern",
+                            strict=False)
+        return _first_masks(_build(Backend.LLGUIDANCE, alone, info))[0] or ""
+    except GrammarError:  # the whole schema's compile names a pattern llguidance refuses
+        return ""
+
+
+_patterns = _LRU(1024)  # a pattern's problem ("" for none) per tokenizer
 
 
 def _fails_alone(schema: Any, source: GrammarSource, info: TokenizerInfo) -> str | None:
