@@ -200,8 +200,10 @@ def make_input(values: dict[str, Any], where: str) -> GenerateInput:
     if params.stop and whole_reply_bound(values):
         raise UserError(f"{where}: stop cannot cut a reply the grammar binds whole (schema, "
                         f"regex, tool_choice required or a named tool): it would not parse")
-    if grammar is not None:
-        params = dataclasses.replace(params, grammar=grammar)
+    # without tools (or with tool_choice none) a <tool_call> the model writes is text, which a
+    # stop string may cut
+    params = dataclasses.replace(params, grammar=grammar,
+                                 tool_calls=bool(tools) and values.get("tool_choice") != "none")
     return GenerateInput(messages, tools, params, where)
 
 

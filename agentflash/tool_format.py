@@ -154,13 +154,15 @@ def _blocks(text: str) -> list[tuple[int, int, int | None]]:
     return blocks
 
 
-def stop_at(text: str, stops: tuple[str, ...] | list[str]) -> int | None:
-    """Where the first of ``stops`` begins in ``text``; None where none does. Not inside a tool
-    call (after its ``<tool_call>``, to the end of its ``</tool_call>``): the call is the
-    grammar's to finish, and cut there its arguments would not parse. Not at a character whose
-    bytes are still coming (a trailing U+FFFD)."""
+def stop_at(text: str, stops: tuple[str, ...] | list[str], tool_calls: bool = True
+            ) -> int | None:
+    """Where the first of ``stops`` begins in ``text``; None where none does. Where the text may
+    hold ``tool_calls``, not inside one (after its ``<tool_call>``, to the end of its
+    ``</tool_call>``): the call is the grammar's to finish, and cut there its arguments would
+    not parse. Not at a character whose bytes are still coming (a trailing U+FFFD)."""
     text = text.rstrip("\ufffd")
-    calls = [(at, None if end is None else end + len(CLOSE)) for at, _, end in _blocks(text)]
+    calls = ([(at, None if end is None else end + len(CLOSE)) for at, _, end in _blocks(text)]
+             if tool_calls else [])
     first = None
     for stop in stops:
         at = text.find(stop)

@@ -190,6 +190,8 @@ def test_stop_at_skips_tool_calls_and_a_character_still_coming():
     assert stop_at(f"ab{call}\nx}}", ["}"]) == len(f"ab{call}\nx")
     assert stop_at(f"ab{call}", ["</tool_call>", "}"]) is None
     assert stop_at(f"ab{call}", ["b<tool", "}"]) == 1
+    # a reply that holds no calls (no tools were given): a <tool_call> is text like any
+    assert stop_at(f"ab{call}", ["}"], tool_calls=False) == f"ab{call}".index("}")
     assert stop_at('a<tool_call>\n{"name": "f}', ["}"]) is None  # a call not yet closed
     # a string of the open call holds the closing tag (the grammar lets it): still inside
     assert stop_at('<tool_call>\n{"name": "f", "arguments": {"a": "</tool_call>", "b": "END',

@@ -193,6 +193,40 @@ def test_a_schema_the_grammar_cannot_take_is_named_without_grammar_internals(cli
     assert "uniqueItems" in message and "%json" not in message and "start:" not in message
 
 
+def test_a_pattern_the_grammar_cannot_take_is_named_wherever_it_is(client, url):
+    # llguidance builds a pattern's lexer as the masks reach it: past the reply's first step
+    # (a later property, a tool's arguments after free text) the limit failed it in mid-reply,
+    # a 500
+    bad = {"type": "string", "pattern": "^(a{1000}){1000}$"}
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": bad},
+              "required": ["a", "b"]}
+    tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"b": bad}}}}
+    for extra, param in (({"response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": schema}}}, "response_format"), ({"tools": [tool]}, "tools")):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model="demo", messages=user("hi"), max_tokens=8,
+                                           **extra)
+        assert info.value.body["param"] == param
+        assert "properties/b/pattern: lexer error" in info.value.body["message"]
+    # a pattern whose lexer outgrows the limit only some letters in: the grammar's failure is
+    # the request's (a 400 naming it), not the server's
+    grows = {"type": "object", "properties": {"a": {"type": "string",
+                                                    "pattern": "^([a-z]{1,50}){1,50}$"}},
+             "required": ["a"]}
+    body = {"model": "demo", "messages": user("give json"), "max_tokens": 150, "temperature": 0,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x",
+                                                                       "schema": grows}}}
+    reply = httpx.post(f"{url}/chat/completions", json=body, timeout=60)
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["code"] == "grammar_failed" and "GrammarFailed" in error["message"], error
+    with httpx.stream("POST", f"{url}/chat/completions", json={**body, "stream": True},
+                      timeout=60) as stream:
+        events = [line for line in stream.iter_lines() if line.startswith("data: ")]
+    assert json.loads(events[-1][6:])["error"]["code"] == "grammar_failed", events[-1]
+
+
 def test_json_schema_response_format(client):
     # The demo model was not trained on this task; bounded strings keep its answer short.
     schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16},
@@ -358,6 +392,21 @@ def test_stop_strings_and_max_tokens(client):
                                          max_tokens=40, temperature=0, stop=[word])
     # the blank before the stop string too (it was held back as if a call might follow)
     assert cut.choices[0].message.content == full[: full.index(word)]
+
+
+def test_a_stop_string_cuts_a_tool_call_written_without_tools(client):
+    # given no tools, the demo model greets with a call of its own: text, which the stop string
+    # cut nowhere after its <tool_call> (the content held "name", finish reason length)
+    hi = dict(model="demo", messages=user("hi"), max_tokens=20, temperature=0)
+    full = client.chat.completions.create(**hi).choices[0].message.content
+    assert full.startswith("<tool_call>") and '"name"' in full, full
+    cut = client.chat.completions.create(**hi, stop=["name"]).choices[0]
+    assert (cut.message.content, cut.finish_reason) == (full[: full.index("name")], "stop")
+    streamed = "".join(chunk.choices[0].delta.content or ""
+                       for chunk in client.chat.completions.create(**hi, stop=["name"],
+                                                                   stream=True)
+                       if chunk.choices)
+    assert streamed == cut.message.content
 
 
 def test_a_reply_keeps_the_blank_it_ends_with_after_text_not_after_a_call():

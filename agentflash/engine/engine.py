@@ -142,6 +142,7 @@ class GenerationResult:
     finish_reason: str
     stats: dict[str, Any]
     error: str | None = None  # why the engine failed the request (finish_reason "error")
+    grammar_failed: bool = False  # ...its grammar could not go on (``GrammarFailed``)
 
     def to_dict(self) -> dict[str, Any]:
         calls, _ = parse_tool_calls(self.text)
@@ -409,6 +410,7 @@ class Engine:
             log.warning("request %d failed (%s); the other requests go on", req.id, err)
         else:
             log.exception("request %d failed; the other requests go on", req.id)
+        req.grammar_failed = isinstance(err, GrammarFailed)
         self.fail(req, f"{type(err).__name__}: {err}")
 
     def _lead(self, req: Request) -> list[int]:
@@ -900,7 +902,7 @@ class Engine:
         params = req.params
         if params.stop:  # first: a stop token that ends a stop string cuts the text there too
             at = stop_at(self.tokenizer.decode(req.output_ids, skip_special_tokens=True),
-                         params.stop)
+                         params.stop, params.tool_calls)
             if at is not None:
                 req.stop_text_len = at
                 return True
@@ -963,7 +965,8 @@ class Engine:
         if req.stop_text_len is not None:
             text = text[: req.stop_text_len]
         return GenerationResult(
-            text, list(req.output_ids), req.finish_reason.value, request_stats(req), req.error
+            text, list(req.output_ids), req.finish_reason.value, request_stats(req), req.error,
+            req.grammar_failed,
         )
 
     def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationResult:

@@ -39,6 +39,9 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()  # stop strings; the text ends before the first one written
+    # the reply may hold tool calls (the prompt gave tools): a stop string is not matched
+    # inside one (``tool_format.stop_at``); without tools a ``<tool_call>`` is text like any
+    tool_calls: bool = True
     stop_token_ids: tuple[int, ...] = ()  # in addition to the tokenizer's end-of-turn tokens
     ignore_eos: bool = False
     speculation: Speculation = Speculation.AUTO
@@ -86,8 +89,9 @@ class SamplingParams:
             raise ValueError(f"stop must be a tuple or list of strings, got {self.stop!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop must hold non-empty strings, got {self.stop!r}")
-        if not isinstance(self.ignore_eos, bool):  # "no" ignored the end token
-            raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+        for name in ("ignore_eos", "tool_calls"):  # "no" ignored the end token
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
 
     @property
     def is_greedy(self) -> bool:
@@ -141,6 +145,7 @@ class Request:
         self.num_cached = 0  # tokens whose keys/values are in the cache
         self.stop_text_len: int | None = None  # where a stop string cut the text
         self.error: str | None = None  # why the engine failed it (``FinishReason.ERROR``)
+        self.grammar_failed = False  # ...its grammar could not go on (``GrammarFailed``)
         self.stats = RequestStats()
         self.draft_context = None  # a DraftContext while the request decodes with DFlash
         self.pending_hidden: list[torch.Tensor] = []  # target hidden states not yet in it

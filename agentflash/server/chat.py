@@ -97,6 +97,7 @@ def prepare(request: ChatCompletionRequest, engine: Engine, max_tokens_limit: in
     temperature = DEFAULT_TEMPERATURE if request.temperature is None else request.temperature
     if temperature < MIN_TEMPERATURE:  # OpenAI's API takes any from 0: below it, greedy
         temperature = 0.0
+    calls = bool(tools) and choice.mode is not ToolChoiceMode.NONE  # the reply may hold calls
     try:
         params = SamplingParams(
             max_tokens=min(max_tokens or max_tokens_limit, room),
@@ -104,6 +105,7 @@ def prepare(request: ChatCompletionRequest, engine: Engine, max_tokens_limit: in
             top_p=1.0 if request.top_p is None else request.top_p,
             seed=request.seed,
             stop=request.stop_strings,
+            tool_calls=calls,
             speculation=options.speculation if options else "auto",
             block_size=options.block_size if options else None,
             grammar=grammar,
@@ -113,7 +115,7 @@ def prepare(request: ChatCompletionRequest, engine: Engine, max_tokens_limit: in
     if params.speculation is Speculation.DFLASH and engine.drafter is None:
         raise APIError(400, "speculation dflash needs a drafter, and this server has none "
                             "(agentflash serve --drafter DIR)", param="agentflash.speculation")
-    return ChatJob(prompt_ids, params, bool(tools) and choice.mode is not ToolChoiceMode.NONE)
+    return ChatJob(prompt_ids, params, calls)
 
 
 def chat_messages(messages: list[Message]) -> list[dict[str, Any]]:
@@ -375,9 +377,17 @@ class ReplyWriter:
 
 
 def engine_failure(result: GenerationResult) -> APIError | None:
-    """The 500 of a request the engine failed (finish reason ``error``); None for any other."""
+    """The error of a request the engine failed (finish reason ``error``): a 400 where its
+    grammar could not go on (a limit of llguidance's that the request's schema or tools met in
+    mid-reply, which the checks at compile time did not reach), else a 500; None for a request
+    that did not fail."""
     if result.finish_reason != FinishReason.ERROR.value:
         return None
+    if result.grammar_failed:
+        return APIError(400, f"the grammar of this request's response_format or tools could not "
+                             f"go on after {len(result.token_ids)} tokens of the reply: "
+                             f"{result.error}; simplify the schema (its patterns, its size)",
+                        code="grammar_failed")
     return APIError(500, f"the engine failed this request: {result.error} (see the server's log)",
                     type="server_error", code="engine_error")
 
