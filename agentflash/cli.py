@@ -308,6 +308,10 @@ def run_workflow(
         fail(err)
     except RunError as err:  # on one line, like every error: a tool's message may hold more
         typer.echo(f"error: {one_line(str(err))}", err=True)
+        if as_json and err.steps is not None:  # the steps that finished, as a run prints them
+            typer.echo(json.dumps({"error": one_line(str(err)),
+                                   "steps": {sid: r.to_dict() for sid, r in err.steps.items()}},
+                                  indent=2, default=str))
         raise typer.Exit(1) from None
     except KeyboardInterrupt:  # Ctrl-C: the view shows what ran; the shell's code for it
         typer.echo("error: interrupted", err=True)

@@ -372,17 +372,19 @@ def test_template_errors_at_run_time_name_the_key(tmp_path):
         version: 1
         name: late
         agents:
-          a: {instructions: You help.}
+          a: {instructions: You help., output_schema: {type: object}}
         steps:
           - {id: one, agent: a, input: go}
         outputs:
           days: "{{ steps.one.output.days }}"
         """)
-    wf = load_workflow(path)
+    wf = load_workflow(path)  # an open object may have days: only its answer tells
     # the steps ran: a failed run (exit 1), not a bad file (exit 2)
     with pytest.raises(OutputsFailed, match=re.escape(f"{path}:8: outputs.days: template "
-                                                      f"error: ")):
-        anyio.run(lambda: wf.run(backend=ScriptedBackend(["plain text"])))
+                                                      f"error: ")) as err:
+        anyio.run(lambda: wf.run(backend=ScriptedBackend(["{}"])))
+    # the steps that finished are not lost with the outputs that failed
+    assert {sid: r.output for sid, r in err.value.steps.items()} == {"one": {}}
     # the template's own arithmetic failing, not Jinja: named the same way
     path = write(tmp_path, """\
         version: 1
@@ -517,6 +519,53 @@ def test_an_agent_may_be_made_to_hand_off(tmp_path):
             steps:
               - {id: one, agent: triage, input: Hi.}
             """))
+
+
+def test_a_template_reading_a_field_no_output_can_have_fails_validation(tmp_path):
+    # validate passed them, and the run failed once the steps had done their work
+    text = """\
+        version: 1
+        name: f
+        agents:
+          writer: {instructions: You write.}
+          planner:
+            instructions: You plan.
+            output_schema:
+              type: object
+              properties:
+                city: {type: string}
+                stay: {type: object, properties: {days: {type: integer}}}
+              required: [city]
+          open: {instructions: You plan., output_schema: {type: object}}
+        steps:
+          - {id: p, agent: planner, input: plan}
+          - {id: w, agent: writer, input: write}
+          - {id: o, agent: open, input: plan}
+        outputs:
+          %s
+        """
+    bad = {
+        "a: '{{ steps.p.output.cty }}'":
+            "outputs.a: steps.p.output has no field 'cty' (the output_schema of agent 'planner' "
+            "lists city, stay)",
+        "a: '{{ steps.p.output.stay.nights }}'":
+            "outputs.a: steps.p.output.stay has no field 'nights' (the output_schema of agent "
+            "'planner' lists days)",
+        "a: '{{ steps.p.output[\"city\"].name }}'":
+            "outputs.a: steps.p.output.city is of type string (the output_schema of agent "
+            "'planner'): it has no field 'name'",
+        "a: '{{ steps.w.output.foo }}'":
+            "outputs.a: steps.w.output is text (agent 'writer' has no output_schema): it has no "
+            "field 'foo'",
+    }
+    for line, message in bad.items():
+        with pytest.raises(UserError, match=re.escape(message)):
+            load_workflow(write(tmp_path, text % line))
+    # what the outputs may hold, a method called, a key read at run time, an open object's
+    for line in ("a: '{{ steps.p.output.stay.days }}'", "a: '{{ steps.w.output.upper() }}'",
+                 "a: '{{ steps.p.output.items() | list }}'", "a: '{{ steps.o.output.any }}'",
+                 "a: '{{ steps.p.output[steps.w.output] }}'"):
+        load_workflow(write(tmp_path, text % line))
 
 
 def test_names_of_dict_methods_off_as_a_word_and_json_booleans_in_templates(tmp_path):
@@ -901,7 +950,9 @@ def test_a_run_that_fails_says_why_on_one_line(tmp_path):
           - {id: s, agent: a, input: "Use fail with x 2."}
         """)
     result = CliRunner().invoke(app, ["run", str(path), "--json"])
-    assert result.exit_code == 1 and result.stdout == ""
+    assert result.exit_code == 1
+    assert json.loads(result.stdout) == {"error": result.stderr[len("error: "):].strip(),
+                                         "steps": {}}
     assert result.stderr.splitlines() == [
         "error: step 's' (agent 'a') failed: agent 'a' reached max_turns (1) without a final "
         "output (its last turn's call of 'fail' failed: ValueError: first line second line)"]

@@ -13,9 +13,12 @@ from agentflash.errors import UserError
 
 class RunError(Exception):
     """A run stopped before its final output; the message says why. ``tracer``: the failed
-    run's trace (``tracer.timeline()``), as a finished run's result holds it."""
+    run's trace (``tracer.timeline()``), as a finished run's result holds it. ``steps``: a
+    failed workflow's steps that finished (``StepResult`` by step id), as its result would have
+    held them; None for an agent's run."""
 
     tracer = None  # set where the run (or workflow) that failed raises it
+    steps = None
 
 
 class ModelBehaviorError(RunError):

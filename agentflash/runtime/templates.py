@@ -46,6 +46,9 @@ class Reference:
     scope: str  # inputs | steps
     name: str
     field: str | None = None  # for steps: the attribute after the step (``output``)
+    # for steps.<name>.output: the keys read inside the output, as far as they are written
+    # literally (``steps.plan.output.city`` -> ("city",)); not a method called (``.items()``)
+    keys: tuple[str, ...] = ()
 
 
 def references(text: str) -> tuple[list[Reference], list[str]]:
@@ -97,6 +100,19 @@ def references(text: str) -> tuple[list[Reference], list[str]]:
         step = _static_key(inner)
         if isinstance(inner.node, nodes.Name) and inner.node.name == "steps" and step is not None:
             refs.append(Reference("steps", step, _static_key(node) or "?"))
+    methods = {id(call.node) for call in ast.find_all(nodes.Call)}
+    for node in ast.find_all((nodes.Getattr, nodes.Getitem)):
+        chain: list[str | None] = []
+        inner: nodes.Node = node
+        while isinstance(inner, (nodes.Getattr, nodes.Getitem)):
+            chain.insert(0, _static_key(inner))
+            inner = inner.node
+        if (id(node) in methods or not isinstance(inner, nodes.Name) or inner.name != "steps"
+                or len(chain) < 3 or chain[0] is None or chain[1] != "output"):
+            continue
+        keys = chain[2:]
+        if None not in keys:  # the longest literal chain (each shorter one is a node too)
+            refs.append(Reference("steps", chain[0], "output", tuple(keys)))  # type: ignore
     return refs, problems
 
 

@@ -240,13 +240,14 @@ class _WorkflowRun:
                     tg.start_soon(self.run_step, step, done, span, tg.cancel_scope)
             if self.failure is not None:
                 self.failure.tracer = self.tracer  # the workflow's, not the step's run's
+                self.failure.steps = dict(self.results)  # the work done is not lost
                 raise self.failure from self.failure.cause
             try:  # a template that fails on the steps' results (1 / 0): the run failed
                 outputs = {name: self.render(("outputs", name), text, render_value)
                            for name, text in self.wf.outputs.items()}
             except UserError as err:
                 failed = OutputsFailed(str(err))
-                failed.tracer = self.tracer
+                failed.tracer, failed.steps = self.tracer, dict(self.results)
                 raise failed from None
         return WorkflowResult(outputs, self.results, self.stats(span), self.tracer)
 
@@ -824,6 +825,46 @@ class _Builder:
                                         f"{owner!r} does not wait for it (add it to needs)")
             elif ref.scope == "steps" and ref.field is not None and ref.field != "output":
                 self.problems.add(keys, f"steps.{ref.name}.{ref.field}: a step has only .output")
+            elif ref.keys and ref.name in by_id:
+                problem = self.output_field_problem(ref.name, by_id[ref.name].agent, ref.keys)
+                if problem is not None:
+                    self.problems.add(keys, problem)
+
+    def output_field_problem(self, step: str, agent: str, keys: tuple[str, ...]) -> str | None:
+        """Why ``steps.<step>.output.<keys>`` cannot be there, by the step's agent's output
+        schema (closed as its grammar closes it), or None where it may be. An agent that may
+        hand off is not judged: another agent's answer may end the step."""
+        raw = self.data["agents"].get(agent)
+        if not isinstance(raw, dict) or raw.get("handoffs"):
+            return None
+        where = f"steps.{step}.output"
+        if raw.get("output_schema") is None:
+            return (f"{where} is text (agent {agent!r} has no output_schema): it has no field "
+                    f"{keys[0]!r}")
+        node = raw["output_schema"]
+        for key in keys:
+            if not isinstance(node, dict) or any(k in node for k in _COMBINED):
+                return None
+            kind = node.get("type")
+            if "properties" in node or kind == "object":
+                fields = node.get("properties") or {}
+                if key in fields:
+                    node, where = fields[key], f"{where}.{key}"
+                    continue
+                # closed as the grammar closes it (``close_objects``): it lists its keys and
+                # says nothing else of others
+                if node.get("additionalProperties") is False or (
+                        isinstance(fields, dict) and fields and not any(k in node for k in _OPEN)
+                        and set(node.get("required") or []) <= set(fields)):
+                    listed = ", ".join(fields) or "none"
+                    return (f"{where} has no field {key!r} (the output_schema of agent "
+                            f"{agent!r} lists {listed})")
+                return None
+            if kind in ("string", "integer", "number", "boolean", "array", "null"):
+                return (f"{where} is of type {kind} (the output_schema of agent {agent!r}): "
+                        f"it has no field {key!r}")
+            return None
+        return None
 
     def outputs(self, steps: list[Step], inputs: dict[str, Any]) -> dict[str, str]:
         outputs = self.data.get("outputs", {})
@@ -831,6 +872,10 @@ class _Builder:
         for name, text in outputs.items():
             self.check_template(("outputs", name), text, inputs, by_id, allowed=None, owner=None)
         return outputs
+
+
+_COMBINED = ("allOf", "anyOf", "oneOf", "$ref", "if", "not")  # output fields not judged
+_OPEN = ("additionalProperties", "patternProperties", "unevaluatedProperties")
 
 
 def _ancestors(step: Step, by_id: dict[str, Step]) -> set[str]:
