@@ -657,6 +657,42 @@ def test_field_defaults_partials_and_callable_objects_make_tools():
     assert (called.output, called.is_error) == ("A", False)
 
 
+def test_a_default_that_is_no_value_of_its_type_is_refused_when_the_tool_is_made():
+    from typing import Annotated, Literal
+
+    from pydantic import Field
+
+    # a call that left the parameter out handed the function the default its schema refuses
+    def bad(a: int = "x") -> int:
+        """Bad."""
+        return a
+
+    def below(a: Annotated[int, Field(ge=0)] = -1) -> int:
+        """Below its bound."""
+        return a
+
+    def unlisted(unit: Literal["c", "f"] = "k") -> str:
+        """Not a choice."""
+        return unit
+
+    for fn, message in ((bad, "its default 'x' is not a value of its type: Input should be a "
+                              "valid integer"),
+                        (below, "its default -1 is not a value of its type: Input should be "
+                                "greater than or equal to 0"),
+                        (unlisted, "its default 'k' is not a value of its type")):
+        with pytest.raises(UserError, match=f"{fn.__qualname__}: parameter ") as err:
+            tool(fn)
+        assert message in str(err.value)
+
+    # None (an optional parameter in Python's old spelling), a factory, a value pydantic reads
+    def fine(a: int = None, b: list[int] = Field(default_factory=list), c: float = 1,  # noqa: RUF013
+             d: int = "3") -> int:
+        """Fine."""
+        return 0
+
+    assert tool(fine).parameters["properties"]["c"]["default"] == 1
+
+
 # --- HTTP tools against a real server on loopback -----------------------------------------------
 
 

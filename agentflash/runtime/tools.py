@@ -486,11 +486,29 @@ def function_tool(fn: Callable[..., Any], *, name: str | None = None,
     except SCHEMA_ERRORS as err:
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]  # then advice
         raise UserError(f"{where}: pydantic cannot describe the parameters: {first}") from None
+    _check_defaults(model, where)
     from agentflash.grammar.tool_calls import check_parameters
 
     check_parameters(schema, where)  # one the grammar can bind a call to (set[int]: it cannot)
     return FunctionTool(name, description if description is not None else summary, model, schema,
                         fn, timeout_s, tuple(positional))
+
+
+def _check_defaults(model: type[pydantic.BaseModel], where: str) -> None:
+    """Each parameter's default a value of its type (``x: int = "3"`` passes as 3): a call that
+    left it out handed the function a value its schema refuses (``x: int = "x"``, or
+    ``Field(-1, ge=0)``). A default of None is Python's old spelling of an optional one."""
+    for name, info in model.model_fields.items():
+        if info.is_required() or info.default is None or info.default_factory is not None:
+            continue
+        hint = (typing.Annotated[(info.annotation, *info.metadata)] if info.metadata
+                else info.annotation)  # the field's constraints (ge=0) with its type
+        try:
+            pydantic.TypeAdapter(hint).validate_python(info.default)
+        except pydantic.ValidationError as err:
+            problem = err.errors()[0]["msg"]
+            raise UserError(f"{where}: parameter {name!r}: its default {info.default!r} is "
+                            f"not a value of its type: {problem}") from None
 
 
 def _bindable(hint: Any) -> bool:
