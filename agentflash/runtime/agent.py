@@ -275,7 +275,10 @@ class Agent:
                 or self.max_turns < 1:
             raise UserError(f"{where}: max_turns must be a positive integer, "
                             f"got {self.max_turns!r}")
-        self.output = output_spec(self.output_type)
+        try:
+            self.output = output_spec(self.output_type)
+        except UserError as err:  # which agent's output type it is
+            raise UserError(f"{where}: {err}") from None
         self.input_guardrails = [g if isinstance(g, Guardrail) else Guardrail(g)
                                  for g in self.input_guardrails]
         self.output_guardrails = [g if isinstance(g, Guardrail) else Guardrail(g)
