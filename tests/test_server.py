@@ -6,6 +6,7 @@ import concurrent.futures
 import gc
 import json
 import logging
+import math
 import socket
 import time
 
@@ -590,6 +591,10 @@ def test_malformed_requests_get_4xx(url):
         "context_length_exceeded"
     assert_error(httpx.get(f"{url}/chat/completions"), 405)
     assert_error(httpx.get(f"{url}/nowhere"), 404)
+    # JSON's NaN read by Python: "less than or equal to 2", as if it were a number too big
+    for name in ("temperature", "top_p"):
+        error = assert_error(post(url, json.dumps({**good, name: math.nan})), 400)
+        assert error["param"] == name and "finite number" in error["message"], error
 
 
 def test_oversized_bodies_get_413(url):
