@@ -307,3 +307,16 @@ def test_fail_finishes_a_request_with_its_message_and_frees_its_slot(engine):
     result = engine.result(running)
     assert (result.finish_reason, result.error, len(result.token_ids)) == ("error", "boom", 1)
     assert result.to_dict()["error"] == "boom" and engine.result(queued).token_ids == []
+
+
+def test_top_p_keeps_the_smallest_set_whose_mass_reaches_it():
+    from agentflash.engine.sampling import probabilities
+
+    # four tokens of 0.25 at top_p 0.5: the first two reach it exactly (three were kept)
+    four = probabilities(torch.zeros(4), 1.0, 0.5)
+    assert sorted(four.tolist()) == [0.0, 0.0, 0.5, 0.5]
+    two = probabilities(torch.tensor([0.0, 0.0]), 1.0, 0.5)
+    assert sorted(two.tolist()) == [0.0, 1.0]
+    # past the sum that lands on it, the token that crosses top_p stays in
+    crossing = probabilities(torch.tensor([1.0, 1.0, 0.0]).log(), 1.0, 0.6)
+    assert (crossing > 0).tolist() == [True, True, False]

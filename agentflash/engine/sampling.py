@@ -20,8 +20,15 @@ def sample(
     """One token from ``logits`` [V]."""
     if temperature == 0.0:
         return int(logits.argmax())
-    probs = probabilities(logits, temperature, top_p)
+    probs = on_generator(probabilities(logits, temperature, top_p), generator)
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def on_generator(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """``probs`` where a request's generator draws (a request's generator is the CPU's: logits
+    of a CUDA engine drawn with it raised "Expected a 'cuda' device type for generator")."""
+    return probs if generator is None or probs.device == generator.device else probs.to(
+        generator.device)
 
 
 def probabilities(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
@@ -29,7 +36,10 @@ def probabilities(logits: torch.Tensor, temperature: float, top_p: float) -> tor
     probs = torch.softmax(logits.float() / temperature, dim=-1)
     if top_p < 1.0:
         sorted_probs, order = probs.sort(descending=True)
-        outside = sorted_probs.cumsum(-1) - sorted_probs > top_p  # keeps the token that crosses
+        # the smallest set whose mass reaches top_p: the token that reaches it is kept (four
+        # tokens of 0.25 at top_p 0.5 kept three where the sum landed on it exactly, as
+        # transformers' TopPLogitsWarper keeps two)
+        outside = sorted_probs.cumsum(-1) - sorted_probs >= top_p
         sorted_probs[outside] = 0.0
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
         probs /= probs.sum()
@@ -46,4 +56,4 @@ def accept(draft: torch.Tensor, logits: torch.Tensor, params, generator) -> tupl
     if params.is_greedy:
         return greedy_accept(draft, logits)
     probs = torch.stack([probabilities(row, params.temperature, params.top_p) for row in logits])
-    return sample_accept(draft, probs, generator)
+    return sample_accept(draft, on_generator(probs, generator), generator)
