@@ -921,3 +921,15 @@ def test_http_tool_definition_errors():
         HttpTool("t", "", "GET", "http://127.0.0.1/x", {"type": "string"})
     with pytest.raises(ToolArgumentsError):
         anyio.run(HttpTool("t", "", "GET", "http://127.0.0.1:9/x").call, {"extra": 1})
+
+
+def test_numpy_values_a_tool_returns_reach_the_model_as_json_values():
+    import numpy as np
+
+    from agentflash.runtime.tools import format_result
+
+    # they were their text: "3", "True", "[0 1 2]"
+    value = {"count": np.int64(3), "ok": np.bool_(True), "hist": np.arange(3),
+             "half": np.float32(1.5), "grid": np.ones((2, 2), dtype=np.int8)}
+    assert json.loads(format_result(value)) == {"count": 3, "ok": True, "hist": [0, 1, 2],
+                                                "half": 1.5, "grid": [[1, 1], [1, 1]]}

@@ -289,8 +289,17 @@ def format_result(value: Any) -> str:
     if isinstance(value, str):
         return _characters(value)
     # json.dumps layout: the one chat-format models are trained to read
-    jsonable = pydantic_core.to_jsonable_python(value, fallback=str)
+    jsonable = pydantic_core.to_jsonable_python(value, fallback=_fallback)
     return _characters(json.dumps(_finite(jsonable), ensure_ascii=False, allow_nan=False))
+
+
+def _fallback(value: Any) -> Any:
+    """What pydantic cannot write: numpy's numbers and arrays as the Python values they hold
+    (``tolist``: np.int64(3) is 3, not "3"; an array a list, not "[0 1 2]"), else its text."""
+    tolist = getattr(type(value), "tolist", None)
+    if callable(tolist) and type(value).__module__ == "numpy":
+        return pydantic_core.to_jsonable_python(value.tolist(), fallback=str)
+    return str(value)
 
 
 def _finite(value: Any) -> Any:
