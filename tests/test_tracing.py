@@ -115,6 +115,9 @@ def test_every_failed_or_cancelled_run_keeps_its_trace_on_the_error():
     with pytest.raises(RunCancelled) as err:
         print(run.result)
     assert err.value.tracer is not None
+    # its spans say it was cancelled, not which of anyio's scopes and tasks did it
+    failed = [s.error for s in err.value.tracer.spans if s.error]
+    assert failed and all(e == "CancelledError: cancelled" for e in failed), failed
     # and a run whose block was left before its events were read says so when iterated
     async def iterate_late():
         async with Runner.run_streamed(Agent("a"), "hi", backend=ScriptedBackend(["ok"])) as run:

@@ -18,6 +18,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import anyio
+
 
 class SpanKind(str, enum.Enum):
     RUN = "run"  # a run (or a whole workflow)
@@ -74,7 +76,9 @@ class Tracer:
         try:
             yield span
         except BaseException as err:
-            span.error = span.error or f"{type(err).__name__}: {err}"
+            # a cancellation's text is anyio's scope and task (a line of internals)
+            said = "cancelled" if isinstance(err, anyio.get_cancelled_exc_class()) else str(err)
+            span.error = span.error or f"{type(err).__name__}: {said}"
             raise
         finally:
             span.end = time.perf_counter()
