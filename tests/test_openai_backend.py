@@ -108,6 +108,8 @@ QUIRKS = {
     "silent-after-finish": (SSE, [_chunk({"content": "Hi"}), _chunk(finish="stop")]
                             + [None] * 10),
     "empty": (SSE, []),  # a 200 and no body
+    # a proxy's plain text with status 200: read as a stream with no data, asked again, lost
+    "text-200": (b"text/plain", [b"upstream request timeout: model worker\noverloaded"]),
     "bad-arguments": (SSE, [_chunk({"tool_calls": [{"index": 0, "id": "c", "function": {
         "name": "f", "arguments": {"x": 1}}}]}), _chunk(finish="tool_calls")]),
 }
@@ -154,6 +156,13 @@ class Flaky:
                     await send({"type": "http.response.body", "body": b'{"error": ',
                                 "more_body": True})
                     raise RuntimeError("injected: the connection breaks")
+                if failure == "html-502":  # a proxy's error page: its title, on one line
+                    await send({"type": "http.response.start", "status": 502,
+                                "headers": [(b"content-type", b"text/html")]})
+                    await send({"type": "http.response.body", "body": (
+                        b"<html>\r\n<head><title>502 Bad Gateway</title></head>\r\n<body>\r\n"
+                        b"<center><h1>502 Bad Gateway</h1></center>\r\n</body>\r\n</html>\r\n")})
+                    return
                 if failure == "stall":
                     await anyio.sleep(2.0)
                     failure = 503
@@ -347,6 +356,10 @@ def test_429_5xx_and_stalls_are_retried_with_backoff(server):
     backend = OpenAIBackend(url, "demo", timeout_s=0.3, retry=RetryPolicy(1, 0.01, 0.05))
     with pytest.raises(ServerUnavailable, match=r"ReadTimeout.*after 2 attempts"):
         stream(backend, request)
+    app.failures, app.attempts = ["html-502", "html-502", "html-502"], 0
+    with pytest.raises(ServerUnavailable) as err:
+        stream(OpenAIBackend(url, "demo", retry=FAST_RETRY), request)
+    assert str(err.value).endswith("HTTP 502: 502 Bad Gateway (after 3 attempts)"), err.value
     app.failures = ["cut"]
     with pytest.raises(ServerUnavailable, match="the reply stream ended without a finish_reason"):
         stream(OpenAIBackend(url, "demo", retry=FAST_RETRY), request)
@@ -368,6 +381,8 @@ def test_429_5xx_and_stalls_are_retried_with_backoff(server):
     ("event-error", r"the server stopped the reply: model overloaded \(503\)"),
     ("object-error", r"the server stopped the reply: KV cache full \(500\)"),
     ("json-200", r"answered with application/json, not an event stream: quota exceeded"),
+    ("text-200", r"answered with text/plain, not an event stream: upstream request timeout: "
+                 r"model worker overloaded$"),
     ("abort", r"ended the reply with finish_reason 'ABORT'"),
     ("bad-arguments", r"a chunk this client cannot read \(TypeError: function\.arguments is "
                       r"dict, not text\)"),
@@ -718,3 +733,13 @@ def test_an_emoji_sent_as_two_surrogates_in_two_chunks_is_one_character():
              for e in reader.read({"choices": [{"delta": {"content": piece}}]})]
     texts += [e.text for e in reader.close() if isinstance(e, TextDelta)]
     assert texts == ["A ", "\U0001f600 B", "x\ufffdy", "z", "\ufffd"]
+
+
+def test_a_surrogate_pair_split_across_argument_pieces_is_one_character():
+    # the tool read the arguments whole, but the call's record (traces, events, the run's
+    # tool_calls) held two lone surrogates, which no UTF-8 encoder takes
+    calls = _calls([_tool_chunk({"index": 0, "id": "c", "function": {
+                        "name": "f", "arguments": '{"city": "Osl\ud83d'}}),
+                    _tool_chunk({"index": 0, "function": {"arguments": '\ude00"}'}}),
+                    {"choices": [{"delta": {}, "finish_reason": "tool_calls"}]}])
+    assert [c.call.arguments for c in calls] == [{"city": "Osl\U0001f600"}]

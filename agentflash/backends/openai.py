@@ -238,7 +238,7 @@ class OpenAIBackend(Backend):
         ``event: error`` raises with its message; a body that is not an event stream (a JSON
         error with status 200, a proxy's HTML page) raises with what it says."""
         kind = response.headers.get("content-type", "").split(";")[0].strip().lower()
-        if kind in ("application/json", "text/html"):
+        if kind not in ("", "text/event-stream"):  # a JSON error, a proxy's page or its text
             text = (await response.aread()).decode("utf-8", "replace")
             raise ServerUnavailable(f"{self.base_url}: the server answered with {kind}, not an "
                                     f"event stream: {_error_message(text)}")
@@ -452,9 +452,23 @@ class _RemoteCall:
     arguments: str = ""
     is_ready: bool = False
     server_id: str | None = None  # the id the server gave it
+    held: str = ""  # the first half of a surrogate pair its arguments' last piece ended with
     # begun by a piece that only repeated the call before's name (and id): a call once its
     # arguments come, nothing if none do (a trailing empty piece)
     tentative: bool = False
+
+
+def _paired(text: str) -> tuple[str, str]:
+    """``text`` whole, and the first half of a surrogate pair it ends with (or ""): a server
+    that splits text in UTF-16 units sends an emoji's two surrogates (JSON's ``\\ud83d``,
+    ``\\ude00``) in two chunks; the first waits for the second, the pair becomes its
+    character, and one left alone becomes U+FFFD."""
+    held = ""
+    if text and "\ud800" <= text[-1] <= "\udbff":  # the first half: its second may come
+        text, held = text[:-1], text[-1]
+    if any("\ud800" <= ch <= "\udfff" for ch in text):
+        text = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+    return text, held
 
 
 class _ChunkReader:
@@ -493,16 +507,9 @@ class _ChunkReader:
         return events
 
     def _characters(self, text: str) -> str:
-        """``text`` whole: a server that splits text in UTF-16 units sends an emoji's two
-        surrogates (JSON's ``\\ud83d``, ``\\ude00``) in two chunks; the first waits for the
-        second, the pair becomes its character, and one left alone becomes U+FFFD."""
-        text = self._held + text
-        self._held = ""
-        if text and "\ud800" <= text[-1] <= "\udbff":  # the first half: its second may come
-            text, self._held = text[:-1], text[-1]
-        if not any("\ud800" <= ch <= "\udfff" for ch in text):
-            return text
-        return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+        """``text`` whole (``_paired``), the half of a pair it ends with held for the next."""
+        text, self._held = _paired(self._held + text)
+        return text
 
     def _tool_call_delta(self, entry: dict[str, Any]) -> list[ModelEvent]:
         events: list[ModelEvent] = []
@@ -544,6 +551,7 @@ class _ChunkReader:
                 raise ValueError(f"arguments {piece[:80]!r} came after call {call.name!r} was "
                                  f"whole")
             return events
+        piece, call.held = _paired(call.held + piece)  # as the content's (``_characters``)
         call.arguments += piece
         if call.tentative and not call.arguments.strip():
             return events  # nothing to show until its arguments come
@@ -655,7 +663,10 @@ def _error_message(body: str | dict[str, Any]) -> str:
         code = obj.get("code") or obj.get("type")
         return f"{obj['message']} ({code})" if code else obj["message"]
     text = body if isinstance(body, str) else json.dumps(body)
-    return text[:300] or "(empty body)"
+    title = re.search(r"<title[^>]*>(.*?)</title>", text, re.IGNORECASE | re.DOTALL)
+    if title is not None and title.group(1).strip():  # a proxy's page: its title says it
+        text = title.group(1)
+    return " ".join(text.split())[:300] or "(empty body)"  # on one line
 
 
 def _describe(err: httpx.TransportError) -> str:
