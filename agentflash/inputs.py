@@ -270,11 +270,22 @@ def _tools_turn(tools: list[ToolSpec], choice: Any, where: str,
         raise UserError(f"{where}: {err}") from None
 
 
+def _check_flags(defaults: dict[str, Any]) -> None:
+    """The command line's flags on their own, as a request of a placeholder prompt: a
+    ``UserError`` naming the command line where they fail without any line's fields."""
+    flags = {k: v for k, v in defaults.items() if v is not None and k not in ("prompt",
+                                                                             "messages")}
+    make_input({**flags, "prompt": "-"}, "command line")
+
+
 def load_requests(path: Path, defaults: dict[str, Any]) -> list[GenerateInput]:
     """One request per JSON line; ``defaults`` fill the fields a line does not set."""
-    lines = read_text(path, "requests").splitlines()
+    # JSON lines end at "\n" alone: str.splitlines also broke at U+2028, U+0085 or a form
+    # feed, which JSON's strings may hold as they are
+    lines = read_text(path, "requests").split("\n")
     requests = []
     for lineno, line in enumerate(lines, start=1):
+        line = line.removesuffix("\r")
         if not line.strip():
             continue
         where = f"{path}:{lineno}"
@@ -291,7 +302,11 @@ def load_requests(path: Path, defaults: dict[str, Any]) -> list[GenerateInput]:
             if any(k in obj for k in given):  # the flags' of the other kind
                 for k in given:
                     merged.pop(k, None)
-        requests.append(make_input({**merged, **obj}, where))
+        try:
+            requests.append(make_input({**merged, **obj}, where))
+        except UserError:
+            _check_flags(defaults)  # a bad flag (or pair of flags) is not the line's fault
+            raise
     if not requests:
         raise UserError(f"{path}: no requests in the file")
     return requests

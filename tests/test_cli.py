@@ -268,6 +268,28 @@ def test_a_bad_flag_is_not_blamed_on_a_requests_line(tiny_model_dir, tmp_path):
                            str(messages), *flags)
         assert code == 2 and err.startswith("error: command line: "), (flags, err)
     assert "tool_choice 'foo' needs tools" in err  # its name, not OpenAI's form of it
+    # the grammar flags, alone or together, were blamed on the requests file's first line
+    (tmp_path / "s.json").write_text('{"type": "object"}')
+    tools = tmp_path / "t.json"
+    tools.write_text(json.dumps(TOOLS))
+    for flags, message in ((["--tools", str(tools), "--tool-choice", "nosuch"],
+                            "tool_choice: no tool is named 'nosuch'"),
+                           (["--schema", str(tmp_path / "s.json"), "--stop", "x"],
+                            "stop cannot cut a reply the grammar binds whole"),
+                           (["--tool-choice", "required"], "tool_choice 'required' needs tools")):
+        code, _, err = run("generate", "--model", str(tiny_model_dir), "--requests", str(path),
+                           *flags)
+        assert code == 2 and err.startswith(f"error: command line: {message}"), (flags, err)
+
+
+def test_requests_lines_end_at_newlines_alone(tiny_model_dir, tmp_path):
+    # a line separator JSON's strings may hold as it is split the line (malformed JSON), and
+    # a form feed numbered the lines after it one too far
+    path = tmp_path / "r.jsonl"
+    path.write_text(json.dumps({"prompt": "one\u2028two\x85three"}, ensure_ascii=False)
+                    + '\r\n{"prompt": "x", "colour": 1}\n', encoding="utf-8")
+    code, _, err = run("generate", "--model", str(tiny_model_dir), "--requests", str(path))
+    assert code == 2 and err.startswith(f"error: {path}:2: unknown field 'colour'"), err
 
 
 def test_a_requests_lines_grammar_replaces_the_flags_and_a_choice_without_tools_is_none(
