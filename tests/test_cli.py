@@ -1,6 +1,8 @@
 """The command line's JSON contract and its one-line errors."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 from typer.testing import CliRunner
@@ -240,6 +242,13 @@ def test_a_prompt_too_long_is_named_before_any_answer(tiny_model_dir, tmp_path):
     messages.write_text(json.dumps([{"role": "user", "content": "word " * 1200}]))
     code, out, err = run("generate", "--model", str(tiny_model_dir), "--messages", str(messages))
     assert code == 2 and err.startswith(f"error: {messages}: the prompt has ")
+    # past the tokenizer's own model_max_length (2048) transformers warned on stderr too,
+    # through a handler the test runner's stderr does not see: a process of its own
+    messages.write_text(json.dumps([{"role": "user", "content": "word " * 3000}]))
+    done = subprocess.run([sys.executable, "-m", "agentflash.cli", "generate", "--model",
+                           str(tiny_model_dir), "--messages", str(messages)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and len(done.stderr.splitlines()) == 1, done.stderr
 
 
 def test_unreadable_input_files_get_an_error_line(tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -166,6 +167,10 @@ def load_tokenizer(model_dir: Path):  # -> transformers.PreTrainedTokenizerBase
     ):
         raise UserError(f"{model_dir}: no tokenizer (tokenizer.json or tokenizer_config.json)")
     try:
-        return AutoTokenizer.from_pretrained(model_dir)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
     except Exception as err:  # transformers raises many kinds here; name the directory once
         raise UserError(f"{model_dir}: cannot load tokenizer: {err}") from None
+    # the engine checks a prompt's length against its own limit (max_len), with an error
+    # naming the request: the tokenizer's warning about it was a second line on stderr
+    tokenizer.model_max_length = sys.maxsize
+    return tokenizer
