@@ -256,6 +256,8 @@ def test_structured_output_is_parsed_into_the_output_type():
     ("Oslo for three days.", "reply: not JSON (Expecting value)"),
     ('{"city": "Oslo", "days": "three"}', "days:"),
     ('{"city": "Oslo", "days": true}', "days: Input should be a valid integer"),
+    # a key the schema shown refuses, which pydantic dropped (a model without the grammar)
+    ('{"city": "Oslo", "days": 3, "notes": "x"}', "notes: Extra inputs are not permitted"),
     (ScriptedTurn('{"city": "Oslo", "da', finish_reason="length"), "cut at max_tokens"),
 ])
 def test_a_reply_that_is_not_the_output_type_stops_the_run_without_retrying(reply, problem):

@@ -147,9 +147,14 @@ def test_arguments_are_validated_before_the_call():
         # what the schema refuses and lax validation would convert: "2" or true to 2
         loose = [await run_tool(book, {"city": "Oslo", "guests": guests, "stay": {"nights": 3}})
                  for guests in ("2", True)]
-        return good, bad, loose
+        # a key the nested model's schema refuses: pydantic dropped it, and the call ran
+        nested = await run_tool(book, {"city": "Oslo", "guests": 2,
+                                       "stay": {"nights": 3, "view": "sea"}})
+        return good, bad, loose, nested
 
-    good, bad, loose = anyio.run(main)
+    good, bad, loose, nested = anyio.run(main)
+    assert json.loads(nested.output)["error"] == ("invalid arguments for book: stay.view: "
+                                                  "Extra inputs are not permitted")
     assert not good.is_error and json.loads(good.output) == {"status": "ok", "city": "Oslo",
                                                              "nights": 3, "kind": "room"}
     assert bad.is_error and len(calls) == 1  # the bad calls never reached the function

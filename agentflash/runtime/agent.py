@@ -21,6 +21,7 @@ from agentflash.runtime.tools import (
     Tool,
     function_tool,
     strict_schema,
+    undeclared_key,
 )
 from agentflash.tool_format import load_body
 
@@ -91,13 +92,18 @@ def output_spec(output_type: type | dict[str, Any] | None) -> OutputSpec | None:
     _check_supported(schema)
 
     def parse(text: str) -> Any:
-        _reply_json(text)  # JSON, as the grammar writes it: no NaN, which pydantic reads
+        value = _reply_json(text)  # JSON, as the grammar writes it: no NaN, which pydantic reads
         try:  # strict: what the schema refuses, lax validation converts ("2" or true to 2)
-            return adapter.validate_json(text, strict=True)
+            parsed = adapter.validate_json(text, strict=True)
         except pydantic.ValidationError as err:
             problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'reply'}: {e['msg']}"
                                  for e in err.errors(include_url=False))
             raise OutputValidationError(problems) from None
+        extra = undeclared_key(value, schema)  # a key the schema shown refuses, pydantic drops
+        if extra is not None:
+            raise OutputValidationError(f"{'.'.join(map(str, extra))}: Extra inputs are not "
+                                        f"permitted")
+        return parsed
 
     return OutputSpec(name, schema, parse)
 

@@ -4,8 +4,8 @@ A function's signature, type hints and docstring give a pydantic model of its ar
 strict JSON Schema the model sees is that model's schema, and the model validates the arguments
 of every call in pydantic's strict mode: a value of another type than the schema's is refused
 (lax mode converted ``"2"`` or ``true`` to an integer). What the grammar writes always passes;
-without the grammar a few values the schema refuses still do: an extra key in a nested model
-that allows them, a ``Decimal`` written as a number.
+without the grammar a key the schema does not list is refused too (``undeclared_key``: pydantic
+drops it from a nested model), and a ``Decimal`` written as a number still passes.
 """
 
 from __future__ import annotations
@@ -354,6 +354,11 @@ class FunctionTool:
                                                               strict=True)
         except pydantic.ValidationError as err:
             raise ToolArgumentsError(_validation_message(self.name, err)) from None
+        extra = undeclared_key(arguments, self.parameters)
+        if extra is not None:
+            raise ToolArgumentsError(f"invalid arguments for {self.name}: "
+                                     f"{'.'.join(map(str, extra))}: Extra inputs are not "
+                                     f"permitted")
         values = {name: validated.__dict__[name] for name in type(validated).model_fields}
         args = [values.pop(name) for name in self.positional]
         if inspect.iscoroutinefunction(self.fn):
@@ -424,6 +429,67 @@ def _raised_by_the_tool() -> bool:
         return False
     cancelling = getattr(task, "cancelling", None)  # Python 3.11+
     return cancelling is not None and cancelling() == 0
+
+
+def undeclared_key(value: Any, schema: Any, root: Any = None,
+                   path: tuple[str | int, ...] = ()) -> tuple[str | int, ...] | None:
+    """Where ``value`` holds a key that an object of the closed ``schema`` (``strict_schema``:
+    what the grammar writes) does not take, or None. pydantic drops such a key of a model
+    (``extra="ignore"``, its default) where the schema the model was shown refuses it: a
+    model without the grammar (a remote server) wrote it, and it was silently lost."""
+    root = schema if root is None else root
+    if not isinstance(schema, dict):
+        return None
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#/"):
+        target: Any = root
+        for part in ref[2:].split("/"):
+            target = target.get(part) if isinstance(target, dict) else None
+        found = undeclared_key(value, target, root, path)
+        if found is not None:
+            return found
+    branches = [b for b in (schema.get("anyOf") or schema.get("oneOf") or [])
+                if _json_type(b, root) == _json_type_of(value)]
+    if len(branches) == 1:  # Optional[Model]: the one branch the value can be
+        return undeclared_key(value, branches[0], root, path)
+    if isinstance(value, dict):
+        fields = schema.get("properties") or {}
+        if schema.get("additionalProperties") is False:
+            extra = next((k for k in value if k not in fields), None)
+            if extra is not None:
+                return (*path, extra)
+        for key, item in value.items():
+            if key in fields:
+                found = undeclared_key(item, fields[key], root, (*path, key))
+                if found is not None:
+                    return found
+    elif isinstance(value, list):
+        prefix = schema.get("prefixItems") or []
+        for i, item in enumerate(value):
+            found = undeclared_key(item, prefix[i] if i < len(prefix) else schema.get("items"),
+                                   root, (*path, i))
+            if found is not None:
+                return found
+    return None
+
+
+def _json_type_of(value: Any) -> str:
+    return "object" if isinstance(value, dict) else "array" if isinstance(value, list) else ""
+
+
+def _json_type(schema: Any, root: Any) -> str:
+    """A subschema's "object" or "array" (through a local ``$ref``), else ""."""
+    if isinstance(schema, dict) and isinstance(schema.get("$ref"), str):
+        target: Any = root
+        for part in schema["$ref"].removeprefix("#/").split("/"):
+            target = target.get(part) if isinstance(target, dict) else None
+        schema = target
+    if not isinstance(schema, dict):
+        return ""
+    kind = schema.get("type")
+    if kind in ("object", "array"):
+        return kind
+    return "object" if "properties" in schema else "array" if "items" in schema else ""
 
 
 def _validation_message(name: str, err: pydantic.ValidationError) -> str:
