@@ -6,6 +6,7 @@ import importlib.util
 import json
 import socket
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import anyio
@@ -108,6 +109,11 @@ QUIRKS = {
     "silent-after-finish": (SSE, [_chunk({"content": "Hi"}), _chunk(finish="stop")]
                             + [None] * 10),
     "empty": (SSE, []),  # a 200 and no body
+    # a server without a tool-call parser: the model's Hermes call comes as text
+    "hermes-text": (SSE, [_chunk({"content": "Let me check.\n<tool_"}),
+                          _chunk({"content": 'call>\n{"name": "get_weather", "arguments": '}),
+                          _chunk({"content": '{"city": "Oslo", "days": 2}}\n</tool_call>'}),
+                          _chunk(finish="stop")]),
     # a proxy's plain text with status 200: read as a stream with no data, asked again, lost
     "text-200": (b"text/plain", [b"upstream request timeout: model worker\noverloaded"]),
     "bad-arguments": (SSE, [_chunk({"tool_calls": [{"index": 0, "id": "c", "function": {
@@ -743,3 +749,23 @@ def test_a_surrogate_pair_split_across_argument_pieces_is_one_character():
                     _tool_chunk({"index": 0, "function": {"arguments": '\ude00"}'}}),
                     {"choices": [{"delta": {}, "finish_reason": "tool_calls"}]}])
     assert [c.call.arguments for c in calls] == [{"city": "Osl\U0001f600"}]
+
+
+def test_calls_a_server_sends_as_text_are_read_as_the_embedded_engine_reads_them(server):
+    # the reply's text was the agent's answer, <tool_call> markup and all, and no tool ran
+    url, app = server
+    request = ModelRequest([{"role": "user", "content": "Weather in Oslo?"}], [WEATHER],
+                           decoding=Decoding(max_tokens=32))
+    app.failures = ["hermes-text"]
+    events = stream(OpenAIBackend(url, "demo", retry=FAST_RETRY), request)
+    assert "".join(e.text for e in events if isinstance(e, TextDelta)) == "Let me check.\n"
+    ready = [e.call for e in events if isinstance(e, ToolCallReady)]
+    assert [(c.name, c.arguments) for c in ready] == [("get_weather", {"city": "Oslo",
+                                                                      "days": 2})]
+    # under tool_choice none the server was asked for no calls: its text is text
+    app.failures = ["hermes-text"]
+    events = stream(OpenAIBackend(url, "demo", retry=FAST_RETRY),
+                    replace(request, tool_choice=ToolChoice.NONE))
+    assert not any(isinstance(e, ToolCallReady) for e in events)
+    assert "</tool_call>" in "".join(e.text for e in events if isinstance(e, TextDelta))
+    app.failures = []

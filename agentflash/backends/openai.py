@@ -26,7 +26,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Iterable
 from contextlib import aclosing, asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import anyio
@@ -49,6 +49,7 @@ from agentflash.backends.base import (
     ToolChoice,
     ToolChoiceSpec,
 )
+from agentflash.backends.local import HermesStreamParser
 from agentflash.errors import UserError, is_int
 from agentflash.runtime.errors import RunError
 from agentflash.tool_format import load_body
@@ -178,7 +179,8 @@ class OpenAIBackend(Backend):
         body = request_body(self.model_name, request)
         tries = _Tries(self.retry)  # one budget for every kind of retry of this call
         while True:
-            reader = _ChunkReader(_tool_names(request.tools))
+            reader = _ChunkReader(_tool_names(request.tools), text_calls=bool(request.tools)
+                                  and request.tool_choice is not ToolChoice.NONE)
             try:
                 async with aclosing(self._reply(body, reader, tries)) as events:
                     async for event in events:
@@ -471,11 +473,27 @@ def _paired(text: str) -> tuple[str, str]:
     return text, held
 
 
+TEXT_CALLS = 1 << 20  # the index of a reply's first call read from its text
+
+
+def _after_structured(events: list[ModelEvent]) -> list[ModelEvent]:
+    """The events of calls read from a reply's text, indexed after any the server sent as
+    ``tool_calls`` (a reply of both keeps each call's index its own)."""
+    return [replace(e, index=e.index + TEXT_CALLS)
+            if isinstance(e, ToolCallDelta | ToolCallReady) else e for e in events]
+
+
 class _ChunkReader:
     """``chat.completion.chunk`` objects in, model events out."""
 
-    def __init__(self, tool_names: Iterable[str] = ()) -> None:
+    def __init__(self, tool_names: Iterable[str] = (), text_calls: bool = False) -> None:
         self.tool_names = set(tool_names)  # the request's tools: a name streamed in pieces
+        # a server without a tool-call parser (or whose parser gave up) sends the model's
+        # Hermes calls as text: with ``text_calls`` (the request's tools may be called) they
+        # are read from it, as the embedded engine reads them (the reply's text was the
+        # agent's answer, its <tool_call> markup and all, and no tool ran)
+        self._text_calls = HermesStreamParser(f"call_{uuid.uuid4().hex[:8]}") if (
+            text_calls) else None
         self.calls: dict[int, _RemoteCall] = {}  # by index in the reply, in the order begun
         self._slots: dict[Any, int] = {}  # the server's index of a call -> its index here
         self._last_slot: Any = 0
@@ -500,7 +518,9 @@ class _ChunkReader:
             if content is not None and not isinstance(content, str):
                 raise TypeError(f"delta.content is {type(content).__name__}, not text")
             content = self._characters(content or "")
-            if content:
+            if content and self._text_calls is not None:
+                events += _after_structured(self._text_calls.feed(content))
+            elif content:
                 events.append(TextDelta(content))
             for entry in delta.get("tool_calls") or []:
                 events += self._tool_call_delta(entry)
@@ -621,9 +641,15 @@ class _ChunkReader:
         return events
 
     def close(self) -> list[ModelEvent]:
-        held, self._held = self._held, ""  # a half that never got its pair
-        return ([TextDelta("\ufffd")] if held else []) + self._ready(
-            lambda i: True, cut=self.finish_reason == "length")
+        held = "\ufffd" if self._held else ""  # a half that never got its pair
+        self._held = ""
+        if self._text_calls is not None:
+            parser = self._text_calls
+            events = _after_structured(parser.feed(held) + parser.close(self.finish_reason
+                                                                        or "stop"))
+        else:
+            events = [TextDelta(held)] if held else []
+        return events + self._ready(lambda i: True, cut=self.finish_reason == "length")
 
     def stats(self, wall_s: float) -> dict[str, Any]:
         """The engine's stats when the server is ``agentflash serve``; otherwise what the usage
