@@ -109,6 +109,9 @@ QUIRKS = {
     "silent-after-finish": (SSE, [_chunk({"content": "Hi"}), _chunk(finish="stop")]
                             + [None] * 10),
     "empty": (SSE, []),  # a 200 and no body
+    # an event stream under another name (a RAG proxy's text/plain, LitServe's ndjson)
+    "sse-as-text": (b"text/plain; charset=utf-8", [_chunk({"content": "Hi"}),
+                                                   _chunk(finish="stop")]),
     # a server without a tool-call parser: the model's Hermes call comes as text
     "hermes-text": (SSE, [_chunk({"content": "Let me check.\n<tool_"}),
                           _chunk({"content": 'call>\n{"name": "get_weather", "arguments": '}),
@@ -375,9 +378,10 @@ def test_429_5xx_and_stalls_are_retried_with_backoff(server):
                                                 r".*after 3 attempts"):
         stream(OpenAIBackend(url, "demo", retry=FAST_RETRY), request)
     assert app.attempts == 3
-    app.failures = ["error-null"]
-    events = stream(OpenAIBackend(url, "demo", retry=FAST_RETRY), request)
-    assert [e.text for e in events if isinstance(e, TextDelta)] == ["Hi"]
+    for quirk in ("error-null", "sse-as-text"):
+        app.failures = [quirk]
+        events = stream(OpenAIBackend(url, "demo", retry=FAST_RETRY), request)
+        assert [e.text for e in events if isinstance(e, TextDelta)] == ["Hi"], quirk
     app.failures = []
 
 
@@ -681,7 +685,8 @@ def test_server_sent_events_end_lines_at_cr_and_lf_only():
             for chunk in chunks:
                 yield chunk
 
-        return [event async for event in _sse_events(httpx.Response(200, content=body()))]
+        return [event async for event in _sse_events(
+            httpx.Response(200, content=body()).aiter_text())]
 
     data = 'data: {"a": "one\u2028two\u2029three\x85"}\r\n\r\nevent: error\rdata: b\n\n'.encode()
     expected = [("message", '{"a": "one\u2028two\u2029three\x85"}'), ("error", "b")]

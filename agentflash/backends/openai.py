@@ -240,12 +240,23 @@ class OpenAIBackend(Backend):
         ``event: error`` raises with its message; a body that is not an event stream (a JSON
         error with status 200, a proxy's HTML page) raises with what it says."""
         kind = response.headers.get("content-type", "").split(";")[0].strip().lower()
-        if kind not in ("", "text/event-stream"):  # a JSON error, a proxy's page or its text
-            text = (await response.aread()).decode("utf-8", "replace")
-            raise ServerUnavailable(f"{self.base_url}: the server answered with {kind}, not an "
-                                    f"event stream: {_error_message(text)}")
+        texts: AsyncIterator[str] = response.aiter_text()
+        if kind not in ("", "text/event-stream"):
+            # a JSON error, a proxy's page or its text; or an event stream under another
+            # name (text/plain, application/x-ndjson: servers that exist), which its first
+            # line tells, as OpenAI's own client reads it
+            first = ""
+            async for text in texts:
+                first += text
+                if first.strip():
+                    break
+            if not _SSE_FIELD.match(first.lstrip()):
+                text = first + "".join([t async for t in texts])
+                raise ServerUnavailable(f"{self.base_url}: the server answered with {kind}, not "
+                                        f"an event stream: {_error_message(text)}")
+            texts = _chained(first, texts)
         wait = self.timeout.read
-        async with aclosing(_sse_events(response)) as events:
+        async with aclosing(_sse_events(texts)) as events:
             # one deadline, which only a chunk moves on: named keep-alives (event: ping) do not
             deadline = anyio.current_time() + (wait if wait is not None else math.inf)
             while True:
@@ -410,11 +421,21 @@ def _tool_choice(choice: ToolChoiceSpec) -> str | dict[str, Any]:
 # --- the reply -----------------------------------------------------------------------------------
 
 
-async def _sse_events(response: httpx.Response) -> AsyncIterator[tuple[str, str]]:
-    """The ``(event, data)`` of each server-sent event (event ``message`` unless named)."""
+_SSE_FIELD = re.compile(r"(data|event|id|retry)?:")  # what an event stream's line begins with
+
+
+async def _chained(first: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:
+    yield first
+    async for text in rest:
+        yield text
+
+
+async def _sse_events(texts: AsyncIterator[str]) -> AsyncIterator[tuple[str, str]]:
+    """The ``(event, data)`` of each server-sent event (event ``message`` unless named) of a
+    stream's ``texts``."""
     lines: list[str] = []
     name = "message"
-    async for line in _sse_lines(response):
+    async for line in _sse_lines(texts):
         if line.startswith("data:"):
             lines.append(line[5:].removeprefix(" "))
         elif line.startswith("event:"):
@@ -427,11 +448,11 @@ async def _sse_events(response: httpx.Response) -> AsyncIterator[tuple[str, str]
         yield name, "\n".join(lines)
 
 
-async def _sse_lines(response: httpx.Response) -> AsyncIterator[str]:
+async def _sse_lines(texts: AsyncIterator[str]) -> AsyncIterator[str]:
     """The stream's lines, each ended by CR, LF or CR LF only, as SSE ends them: httpx's lines
     (``str.splitlines``) end also at U+2028, U+2029 and U+0085, which JSON text holds raw."""
     pending, after_cr = "", False
-    async for text in response.aiter_text():
+    async for text in texts:
         if after_cr and text.startswith("\n"):  # a CR LF split between two reads
             text, after_cr = text[1:], False
         if not text:
