@@ -130,6 +130,18 @@ def test_every_failed_or_cancelled_run_keeps_its_trace_on_the_error():
         anyio.run(iterate_late)
 
 
+def test_a_span_of_sync_code_keeps_the_error_that_left_it():
+    # asking anyio for its cancellation class outside an event loop raised NoEventLoopError
+    # in place of the user's own error
+    from agentflash.runtime import Tracer
+    from agentflash.runtime.tracing import SpanKind
+
+    tracer = Tracer()
+    with pytest.raises(KeyError, match="city"), tracer.span(SpanKind.TOOL, "lookup", None):
+        raise KeyError("city")
+    assert tracer.spans[0].error == "KeyError: 'city'"
+
+
 def test_opentelemetry_export_follows_the_genai_conventions():
     pytest.importorskip("opentelemetry.sdk")
     from opentelemetry.sdk.trace import TracerProvider

@@ -9,6 +9,7 @@ also exported live to the global OpenTelemetry tracer provider (configure its ex
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import itertools
 import json
@@ -17,8 +18,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
-
-import anyio
 
 
 class SpanKind(str, enum.Enum):
@@ -76,8 +75,9 @@ class Tracer:
         try:
             yield span
         except BaseException as err:
-            # a cancellation's text is anyio's scope and task (a line of internals)
-            said = "cancelled" if isinstance(err, anyio.get_cancelled_exc_class()) else str(err)
+            # a cancellation's text is anyio's scope and task (a line of internals); asked of
+            # asyncio's class, not anyio's, which needs a running loop (a span of sync code)
+            said = "cancelled" if isinstance(err, asyncio.CancelledError) else str(err)
             span.error = span.error or f"{type(err).__name__}: {said}"
             raise
         finally:
