@@ -697,6 +697,20 @@ def test_a_default_that_is_no_value_of_its_type_is_refused_when_the_tool_is_made
 
     assert tool(fine).parameters["properties"]["c"]["default"] == 1
 
+    # a validator of the parameter's own, for what the model writes ("L2"), is not asked of
+    # the default it is already parsed into (its AttributeError escaped)
+    from pydantic import BeforeValidator
+
+    def level_of(value: str) -> int:
+        return int(value.removeprefix("L"))
+
+    def search(level: Annotated[int, BeforeValidator(level_of, json_schema_input_type=str)] = 2
+               ) -> int:
+        """Search at a level."""
+        return level
+
+    assert tool(search).parameters["properties"]["level"]["default"] == 2
+
 
 # --- HTTP tools against a real server on loopback -----------------------------------------------
 
@@ -935,6 +949,8 @@ def test_numpy_values_a_tool_returns_reach_the_model_as_json_values():
 
     # they were their text: "3", "True", "[0 1 2]"
     value = {"count": np.int64(3), "ok": np.bool_(True), "hist": np.arange(3),
-             "half": np.float32(1.5), "grid": np.ones((2, 2), dtype=np.int8)}
+             "half": np.float32(1.5), "grid": np.ones((2, 2), dtype=np.int8),
+             "price": np.float32(0.1), "scores": np.array([[0.3, 0.7]], dtype=np.float16)}
     assert json.loads(format_result(value)) == {"count": 3, "ok": True, "hist": [0, 1, 2],
-                                                "half": 1.5, "grid": [[1, 1], [1, 1]]}
+                                                "half": 1.5, "grid": [[1, 1], [1, 1]],
+                                                "price": 0.1, "scores": [[0.3, 0.7]]}

@@ -298,6 +298,12 @@ def _fallback(value: Any) -> Any:
     (``tolist``: np.int64(3) is 3, not "3"; an array a list, not "[0 1 2]"), else its text."""
     tolist = getattr(type(value), "tolist", None)
     if callable(tolist) and type(value).__module__ == "numpy":
+        import numpy as np
+
+        if value.dtype.kind == "f" and value.dtype.itemsize < 8:
+            # each float32 by the shortest digits that are it (0.1, not 0.10000000149...)
+            digits = [float(str(x)) for x in np.asarray(value).ravel()]
+            value = np.array(digits, dtype=np.float64).reshape(np.shape(value))
         return pydantic_core.to_jsonable_python(value.tolist(), fallback=str)
     return str(value)
 
@@ -584,6 +590,8 @@ def _check_defaults(model: type[pydantic.BaseModel], where: str) -> None:
             problem = err.errors()[0]["msg"]
             raise UserError(f"{where}: parameter {name!r}: its default {info.default!r} is "
                             f"not a value of its type: {problem}") from None
+        except Exception:  # the parameter's own validator, meant for what the model writes
+            continue  # (a "L2" its default is already parsed from): it cannot tell
 
 
 def _bindable(hint: Any) -> bool:
