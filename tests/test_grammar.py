@@ -1098,8 +1098,14 @@ def test_a_request_that_reaches_a_lexer_limit_fails_alone(tok):
 
     running = grammar.new_constraint()
     write(running, '{"n": ')
-    with pytest.raises(GrammarFailed, match="too many expressions"):
+    with pytest.raises(GrammarFailed, match="too many expressions") as failed:
         write(grammar.new_constraint(), '{"code": "x' + "abcdefghij" * 6)  # ~30 letters in
+    assert failed.value.limit  # the schema's, which a server answers with a 400
+    # a token the matcher refuses is no limit: a fault (a 500), not the request's schema
+    refused = grammar.new_constraint()
+    with pytest.raises(GrammarFailed) as failed:
+        refused._consume(tok("}", add_special_tokens=False)["input_ids"])
+    assert not failed.value.limit
     assert write(running, "12}")
     assert write(grammar.new_constraint(), '{"n": 1}')
     assert write(compile_grammar(json_schema(schema), tok).new_constraint(), '{"n": 2}')

@@ -221,11 +221,11 @@ def test_a_pattern_the_grammar_cannot_take_is_named_wherever_it_is(client, url):
     reply = httpx.post(f"{url}/chat/completions", json=body, timeout=60)
     assert reply.status_code == 400, reply.text
     error = reply.json()["error"]
-    assert error["code"] == "grammar_failed" and "GrammarFailed" in error["message"], error
+    assert error["code"] == "grammar_limit" and "GrammarFailed" in error["message"], error
     with httpx.stream("POST", f"{url}/chat/completions", json={**body, "stream": True},
                       timeout=60) as stream:
         events = [line for line in stream.iter_lines() if line.startswith("data: ")]
-    assert json.loads(events[-1][6:])["error"]["code"] == "grammar_failed", events[-1]
+    assert json.loads(events[-1][6:])["error"]["code"] == "grammar_limit", events[-1]
 
 
 def test_json_schema_response_format(client):

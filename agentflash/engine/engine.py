@@ -142,7 +142,7 @@ class GenerationResult:
     finish_reason: str
     stats: dict[str, Any]
     error: str | None = None  # why the engine failed the request (finish_reason "error")
-    grammar_failed: bool = False  # ...its grammar could not go on (``GrammarFailed``)
+    grammar_limit: bool = False  # ...its grammar reached a limit (``GrammarFailed.limit``)
 
     def to_dict(self) -> dict[str, Any]:
         calls, _ = parse_tool_calls(self.text)
@@ -410,7 +410,7 @@ class Engine:
             log.warning("request %d failed (%s); the other requests go on", req.id, err)
         else:
             log.exception("request %d failed; the other requests go on", req.id)
-        req.grammar_failed = isinstance(err, GrammarFailed)
+        req.grammar_limit = isinstance(err, GrammarFailed) and err.limit
         self.fail(req, f"{type(err).__name__}: {err}")
 
     def _lead(self, req: Request) -> list[int]:
@@ -966,7 +966,7 @@ class Engine:
             text = text[: req.stop_text_len]
         return GenerationResult(
             text, list(req.output_ids), req.finish_reason.value, request_stats(req), req.error,
-            req.grammar_failed,
+            req.grammar_limit,
         )
 
     def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationResult:

@@ -145,7 +145,7 @@ class Request:
         self.num_cached = 0  # tokens whose keys/values are in the cache
         self.stop_text_len: int | None = None  # where a stop string cut the text
         self.error: str | None = None  # why the engine failed it (``FinishReason.ERROR``)
-        self.grammar_failed = False  # ...its grammar could not go on (``GrammarFailed``)
+        self.grammar_limit = False  # ...its grammar reached a limit (``GrammarFailed.limit``)
         self.stats = RequestStats()
         self.draft_context = None  # a DraftContext while the request decodes with DFlash
         self.pending_hidden: list[torch.Tensor] = []  # target hidden states not yet in it

@@ -33,7 +33,13 @@ class GrammarError(UserError):
 
 class GrammarFailed(RuntimeError):
     """The grammar cannot go on while a request decodes (a parser limit; a dead end that the
-    compile checks did not see): that request ends with an error, the others go on."""
+    compile checks did not see): that request ends with an error, the others go on. ``limit``:
+    a limit of llguidance's lexer or parser that the grammar reached (the request's schema is
+    too complex for it), not a fault of the engine's or of llguidance's."""
+
+    def __init__(self, message: str, limit: bool = False):
+        super().__init__(message)
+        self.limit = limit
 
 
 class GrammarViolation(ValueError):

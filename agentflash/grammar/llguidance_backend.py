@@ -143,6 +143,14 @@ class LLGuidanceGrammar(CompiledGrammar):
                 self.generation += 1
 
 
+def _matcher_failed(matcher: llguidance.LLMatcher) -> GrammarFailed:
+    """A matcher's error, its first line (the rest is llguidance's state and grammar); a limit
+    where its lexer's ("lexer error: too many expressions constructed"), else a token it
+    refused or a rollback it could not make (a fault, not the request's)."""
+    error = matcher.get_error().strip().split("\n", 1)[0]
+    return GrammarFailed(error, limit="lexer error" in error)
+
+
 class LLGuidanceConstraint(Constraint):
     """A request's llguidance matcher behind the ``Constraint`` interface."""
 
@@ -164,7 +172,7 @@ class LLGuidanceConstraint(Constraint):
     def _own_matcher(self) -> None:
         fresh = self._grammar.fresh_matcher()
         if self._fed and not fresh.consume_tokens(self._fed):
-            raise GrammarFailed(fresh.get_error().strip().split("\n", 1)[0])
+            raise _matcher_failed(fresh)
         self._matcher, self._generation = fresh, None
 
     def _run(self, method: str, *args: Any) -> Any:
@@ -193,8 +201,7 @@ class LLGuidanceConstraint(Constraint):
         del self._fed[len(self._fed) - num_tokens:]
 
     def _failed(self) -> GrammarFailed:
-        """The matcher's error, its first line (the rest is llguidance's state and grammar)."""
-        return GrammarFailed(self._m.get_error().strip().split("\n", 1)[0])
+        return _matcher_failed(self._m)
 
     def _is_accepting(self) -> bool:
         return self._m.is_accepting()
@@ -211,7 +218,7 @@ class LLGuidanceConstraint(Constraint):
                 return
             # a parser resource limit
             raise GrammarFailed(f"llguidance could not compute the mask: "
-                                f"{error.strip().split(chr(10), 1)[0]}")
+                                f"{error.strip().split(chr(10), 1)[0]}", limit=True)
 
     def _copy(self) -> LLGuidanceConstraint:
         # Walks ahead (drafts, masks along them, forced-token checks) run on a copy of the

@@ -378,16 +378,17 @@ class ReplyWriter:
 
 def engine_failure(result: GenerationResult) -> APIError | None:
     """The error of a request the engine failed (finish reason ``error``): a 400 where its
-    grammar could not go on (a limit of llguidance's that the request's schema or tools met in
-    mid-reply, which the checks at compile time did not reach), else a 500; None for a request
-    that did not fail."""
+    grammar reached a limit of llguidance's in mid-reply (the request's schema or tools too
+    complex for it, where the checks at compile time did not reach), else a 500 (a fault of
+    the engine's or of llguidance's: a token its mask allowed and it then refused); None for a
+    request that did not fail."""
     if result.finish_reason != FinishReason.ERROR.value:
         return None
-    if result.grammar_failed:
+    if result.grammar_limit:
         return APIError(400, f"the grammar of this request's response_format or tools could not "
                              f"go on after {len(result.token_ids)} tokens of the reply: "
                              f"{result.error}; simplify the schema (its patterns, its size)",
-                        code="grammar_failed")
+                        code="grammar_limit")
     return APIError(500, f"the engine failed this request: {result.error} (see the server's log)",
                     type="server_error", code="engine_error")
 
