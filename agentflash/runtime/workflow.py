@@ -841,7 +841,9 @@ class _Builder:
         if raw.get("output_schema") is None:
             return (f"{where} is text (agent {agent!r} has no output_schema): it has no field "
                     f"{keys[0]!r}")
-        node = raw["output_schema"]
+        from agentflash.grammar.sources import close_objects  # (output_spec imported it)
+
+        node = close_objects(raw["output_schema"])  # closed as the grammar closes it
         for key in keys:
             if not isinstance(node, dict) or any(k in node for k in _COMBINED):
                 return None
@@ -851,11 +853,7 @@ class _Builder:
                 if key in fields:
                     node, where = fields[key], f"{where}.{key}"
                     continue
-                # closed as the grammar closes it (``close_objects``): it lists its keys and
-                # says nothing else of others
-                if node.get("additionalProperties") is False or (
-                        isinstance(fields, dict) and fields and not any(k in node for k in _OPEN)
-                        and set(node.get("required") or []) <= set(fields)):
+                if node.get("additionalProperties") is False:
                     listed = ", ".join(fields) or "none"
                     return (f"{where} has no field {key!r} (the output_schema of agent "
                             f"{agent!r} lists {listed})")
@@ -875,7 +873,6 @@ class _Builder:
 
 
 _COMBINED = ("allOf", "anyOf", "oneOf", "$ref", "if", "not")  # output fields not judged
-_OPEN = ("additionalProperties", "patternProperties", "unevaluatedProperties")
 
 
 def _ancestors(step: Step, by_id: dict[str, Step]) -> set[str]:
