@@ -41,28 +41,34 @@ QWEN3_0_6B = {
 }
 
 
-def test_random_weight_model_from_a_real_qwen3_config(tmp_path):
-    from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
+def _tiny_qwen3(tmp_path, **change):
+    """A random-weight Qwen3 saved by transformers, and its tensors to edit."""
+    from safetensors.torch import load_file
+    from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    cfg = dict(
-        QWEN3_0_6B,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        vocab_size=2048,
-    )
     torch.manual_seed(0)
-    Qwen3ForCausalLM(Qwen3Config(**cfg)).save_pretrained(tmp_path)
-    ours, raw, _ = load_model(tmp_path)
-    assert ours.cfg.rope_theta == 1e6 and ours.cfg.qk_norm and ours.cfg.head_dim == 32
-    theirs = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
-    ids = torch.randint(0, 2048, (1, 20))
+    cfg = dict(QWEN3_0_6B, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=2048)
+    Qwen3ForCausalLM(Qwen3Config(**{**cfg, **change})).save_pretrained(tmp_path)
+    return load_file(tmp_path / "model.safetensors")
+
+
+def _same_logits_as_transformers(path):
+    from transformers import AutoModelForCausalLM
+
+    ours, _, _ = load_model(path)
+    theirs = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = torch.randint(0, 2048, (1, 12))
     runner = ModelRunner(ours, KVCache(ours.cfg, 1, 64, torch.device("cpu"), torch.float32))
     got = runner.forward([Row(0, 0, ids[0].tolist())]).logits
     torch.testing.assert_close(got, theirs(ids).logits, atol=1e-4, rtol=1e-4)
+    return ours
+
+
+def test_random_weight_model_from_a_real_qwen3_config(tmp_path):
+    _tiny_qwen3(tmp_path)
+    ours = _same_logits_as_transformers(tmp_path)
+    assert ours.cfg.rope_theta == 1e6 and ours.cfg.qk_norm and ours.cfg.head_dim == 32
 
 
 def test_missing_directory(tmp_path):
@@ -153,33 +159,10 @@ def test_a_null_field_takes_its_default_and_a_bad_shard_index_is_named(tiny_mode
             load_model(tmp_path / "m")
 
 
-def _tiny_qwen3(tmp_path, **change):
-    """A random-weight Qwen3 saved by transformers, and its tensors to edit."""
-    from safetensors.torch import load_file
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(0)
-    cfg = dict(QWEN3_0_6B, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-               num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=2048)
-    Qwen3ForCausalLM(Qwen3Config(**{**cfg, **change})).save_pretrained(tmp_path)
-    return load_file(tmp_path / "model.safetensors")
-
-
-def _same_logits_as_transformers(path):
-    from transformers import AutoModelForCausalLM
-
-    ours, _, _ = load_model(path)
-    theirs = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    ids = torch.randint(0, 2048, (1, 12))
-    runner = ModelRunner(ours, KVCache(ours.cfg, 1, 64, torch.device("cpu"), torch.float32))
-    got = runner.forward([Row(0, 0, ids[0].tolist())]).logits
-    torch.testing.assert_close(got, theirs(ids).logits, atol=1e-4, rtol=1e-4)
-
-
 def test_checkpoints_transformers_loads_compute_what_it_computes(tmp_path):
     from safetensors.torch import save_file
 
-    # older checkpoints keep the rotary frequencies as buffers: refused as unexpected weights
+    # older checkpoints keep the rotary frequencies as buffers (refused as unexpected weights)
     state = _tiny_qwen3(tmp_path / "a")
     state.update({f"model.layers.{i}.self_attn.rotary_emb.inv_freq": torch.ones(16)
                   for i in range(2)})
