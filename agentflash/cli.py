@@ -77,11 +77,15 @@ def generate(
                     "tool_choice": _tool_choice(tool_choice)}
         if tools is not None:
             defaults["tools"] = inputs.load_tools(tools)
+        flag_grammar = None
         if requests is not None:
             if prompt is not None or messages is not None:
                 raise UserError("--requests cannot be combined with --prompt or --messages")
             inputs.make_params(defaults, "command line")  # a bad flag is not a line's fault
             todo = inputs.load_requests(requests, defaults)
+            with contextlib.suppress(UserError):  # (flags that lines complete: a line's tools)
+                # the flags' grammar, which a line that keeps it does not answer for
+                flag_grammar = inputs.flags_input(defaults).params.grammar
         else:
             if (prompt is None) == (messages is None):
                 raise UserError("give exactly one of --prompt, --messages or --requests")
@@ -94,7 +98,8 @@ def generate(
         if speculation == "dflash" and engine.drafter is None:
             raise UserError("--mode dflash needs a drafter (--drafter demo or a directory)")
         # a prompt the engine cannot hold is the messages file's fault, a bad flag is not
-        prompts = _check_all(engine, todo, str(messages) if messages is not None else None)
+        prompts = _check_all(engine, todo, str(messages) if messages is not None else None,
+                             flag_grammar)
         failed = 0
         for item, ids in zip(todo, prompts):
             result = engine.generate(ids, item.params)
@@ -112,10 +117,13 @@ def generate(
         raise typer.Exit(1)
 
 
-def _check_all(engine, todo, prompt_source: str | None = None) -> list[list[int]]:
+def _check_all(engine, todo, prompt_source: str | None = None, flag_grammar=None
+               ) -> list[list[int]]:
     """Every request's prompt (token ids) within the engine's limits, its grammar compiled (and
     cached) and its speculation possible, before the first one runs, so that a bad last line
-    fails before the lines above it are answered. Returns the prompts."""
+    fails before the lines above it are answered; a grammar that is ``flag_grammar`` (the
+    command line's, which a requests line kept) is the command line's fault. Returns the
+    prompts."""
     from agentflash.engine.request import Speculation
     from agentflash.grammar import GrammarError
 
@@ -133,10 +141,9 @@ def _check_all(engine, todo, prompt_source: str | None = None) -> list[list[int]
             try:
                 engine.compile(item.params.grammar)
             except GrammarError as err:  # its origin names the request, or only its file
-                message = str(err)
-                if not message.startswith(item.where):
-                    message = f"{item.where}: {message}"
-                raise UserError(message) from None
+                message = str(err).removeprefix(f"{item.where}: ")
+                where = "command line" if item.params.grammar == flag_grammar else item.where
+                raise UserError(f"{where}: {message}") from None
     return prompts
 
 

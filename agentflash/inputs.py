@@ -270,12 +270,12 @@ def _tools_turn(tools: list[ToolSpec], choice: Any, where: str,
         raise UserError(f"{where}: {err}") from None
 
 
-def _check_flags(defaults: dict[str, Any]) -> None:
+def flags_input(defaults: dict[str, Any]) -> GenerateInput:
     """The command line's flags on their own, as a request of a placeholder prompt: a
     ``UserError`` naming the command line where they fail without any line's fields."""
     flags = {k: v for k, v in defaults.items() if v is not None and k not in ("prompt",
                                                                              "messages")}
-    make_input({**flags, "prompt": "-"}, "command line")
+    return make_input({**flags, "prompt": "-"}, "command line")
 
 
 def load_requests(path: Path, defaults: dict[str, Any]) -> list[GenerateInput]:
@@ -305,7 +305,7 @@ def load_requests(path: Path, defaults: dict[str, Any]) -> list[GenerateInput]:
         try:
             requests.append(make_input({**merged, **obj}, where))
         except UserError:
-            _check_flags(defaults)  # a bad flag (or pair of flags) is not the line's fault
+            flags_input(defaults)  # a bad flag (or pair of flags) is not the line's fault
             raise
     if not requests:
         raise UserError(f"{path}: no requests in the file")

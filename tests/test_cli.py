@@ -285,7 +285,8 @@ def test_a_bad_flag_is_not_blamed_on_a_requests_line(tiny_model_dir, tmp_path):
                             "tool_choice: no tool is named 'nosuch'"),
                            (["--schema", str(tmp_path / "s.json"), "--stop", "x"],
                             "stop cannot cut a reply the grammar binds whole"),
-                           (["--tool-choice", "required"], "tool_choice 'required' needs tools")):
+                           (["--tool-choice", "required"], "tool_choice 'required' needs tools"),
+                           (["--regex", "(["], "regex: invalid regex")):
         code, _, err = run("generate", "--model", str(tiny_model_dir), "--requests", str(path),
                            *flags)
         assert code == 2 and err.startswith(f"error: command line: {message}"), (flags, err)
