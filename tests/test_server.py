@@ -586,6 +586,10 @@ def test_malformed_requests_get_4xx(url):
     assert error["param"] == "messages[0].role"
     image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
     assert_error(post(url, json.dumps({**good, "messages": image})), 400)
+    # no parts at all, which OpenAI's API refuses (it was taken as empty text)
+    error = assert_error(post(url, json.dumps({**good, "messages": [{"role": "user",
+                                                                     "content": []}]})), 400)
+    assert error["param"].startswith("messages[0].content"), error
     long = [{"role": "user", "content": "word " * 3000}]
     assert assert_error(post(url, json.dumps({**good, "messages": long})), 400)["code"] == \
         "context_length_exceeded"

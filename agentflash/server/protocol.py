@@ -70,7 +70,7 @@ class TextPart(_Wire):
     text: str
 
 
-Content = str | list[TextPart] | None
+Content = str | Annotated[list[TextPart], Field(min_length=1)] | None  # [] as OpenAI: refused
 
 
 class CalledFunction(_Wire):
