@@ -446,12 +446,8 @@ def undeclared_key(value: Any, schema: Any, root: Any = None,
     root = schema if root is None else root
     if not isinstance(schema, dict):
         return None
-    ref = schema.get("$ref")
-    if isinstance(ref, str) and ref.startswith("#/"):
-        target: Any = root
-        for part in ref[2:].split("/"):
-            target = target.get(part) if isinstance(target, dict) else None
-        found = undeclared_key(value, target, root, path)
+    if isinstance(schema.get("$ref"), str):
+        found = undeclared_key(value, _referred(schema, root), root, path)
         if found is not None:
             return found
     branches = [b for b in (schema.get("anyOf") or schema.get("oneOf") or [])
@@ -483,13 +479,21 @@ def _json_type_of(value: Any) -> str:
     return "object" if isinstance(value, dict) else "array" if isinstance(value, list) else ""
 
 
+def _referred(schema: dict[str, Any], root: Any) -> Any:
+    """The subschema of ``root`` that ``schema``'s local ``$ref`` names (None for another)."""
+    ref: str = schema["$ref"]
+    if not ref.startswith("#/"):
+        return None
+    target: Any = root
+    for part in ref[2:].split("/"):
+        target = target.get(part) if isinstance(target, dict) else None
+    return target
+
+
 def _json_type(schema: Any, root: Any) -> str:
     """A subschema's "object" or "array" (through a local ``$ref``), else ""."""
     if isinstance(schema, dict) and isinstance(schema.get("$ref"), str):
-        target: Any = root
-        for part in schema["$ref"].removeprefix("#/").split("/"):
-            target = target.get(part) if isinstance(target, dict) else None
-        schema = target
+        schema = _referred(schema, root)
     if not isinstance(schema, dict):
         return ""
     kind = schema.get("type")
