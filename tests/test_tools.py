@@ -182,6 +182,26 @@ def test_values_the_grammar_writes_pass_validation():
     assert not outcome.is_error and outcome.output == "19.99 Émile 2024-05-01 a"
 
 
+def test_keys_of_a_pattern_are_declared():
+    # a dict of integer keys is an object of patternProperties: its keys are the schema's own,
+    # and a key its values' closed schema refuses is still found below them
+    class Stay(BaseModel):
+        nights: int
+
+    @tool
+    def rooms(names: dict[int, str], stays: dict[int, Stay]) -> str:
+        return f"{names} {stays}"
+
+    async def main():
+        return [await run_tool(rooms, {"names": {"1": "bob"}, "stays": stays})
+                for stays in ({"2": {"nights": 3}}, {"2": {"nights": 3, "view": "sea"}})]
+
+    good, nested = anyio.run(main)
+    assert not good.is_error and good.output == "{1: 'bob'} {2: Stay(nights=3)}"
+    assert json.loads(nested.output)["error"] == ("invalid arguments for rooms: stays.2.view: "
+                                                  "Extra inputs are not permitted")
+
+
 def test_sync_and_async_tools_errors_and_timeouts():
     @tool(timeout_s=0.2)
     async def slow(seconds: float) -> str:

@@ -456,13 +456,17 @@ def undeclared_key(value: Any, schema: Any, root: Any = None,
         return undeclared_key(value, branches[0], root, path)
     if isinstance(value, dict):
         fields = schema.get("properties") or {}
-        if schema.get("additionalProperties") is False:
-            extra = next((k for k in value if k not in fields), None)
-            if extra is not None:
-                return (*path, extra)
+        patterns = schema.get("patternProperties") or {}
+        rest = schema.get("additionalProperties")
         for key, item in value.items():
-            if key in fields:
-                found = undeclared_key(item, fields[key], root, (*path, key))
+            # JSON Schema's order: the key's property, else every pattern it matches, else
+            # additionalProperties (a pattern Python cannot read takes the key)
+            subs = ([fields[key]] if key in fields
+                    else [sub for pattern, sub in patterns.items() if _search(pattern, key)])
+            if not subs and rest is False:
+                return (*path, key)
+            for sub in subs or [rest]:
+                found = undeclared_key(item, sub, root, (*path, key))
                 if found is not None:
                     return found
     elif isinstance(value, list):
@@ -473,6 +477,13 @@ def undeclared_key(value: Any, schema: Any, root: Any = None,
             if found is not None:
                 return found
     return None
+
+
+def _search(pattern: str, key: str) -> bool:
+    try:
+        return re.search(pattern, key) is not None
+    except re.error:  # a pattern of llguidance's dialect (\p{Lu}): the key may match it
+        return True
 
 
 def _json_type_of(value: Any) -> str:
