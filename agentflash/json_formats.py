@@ -101,6 +101,20 @@ def _ipv6() -> str:
     return "(?:" + "|".join(forms) + ")"
 
 
+def uuid_pattern(version: int | None = None) -> str:
+    """A UUID in its hyphenated form; of one ``version`` (and RFC 4122's variant, without which
+    Python's ``UUID.version`` is None) where one is given."""
+    hex = "[0-9a-fA-F]"
+    if version is None:
+        return f"^{hex}{{8}}-{hex}{{4}}-{hex}{{4}}-{hex}{{4}}-{hex}{{12}}$"
+    return f"^{hex}{{8}}-{hex}{{4}}-{int(version)}{hex}{{3}}-[89abAB]{hex}{{3}}-{hex}{{12}}$"
+
+
+def ip_address_pattern() -> str:
+    """An IPv4 or an IPv6 address."""
+    return f"^(?:{_IPV4}|{_ipv6()})$"
+
+
 _PORT = "(?:[0-9]{1,4}|[1-5][0-9]{4}|6[0-4][0-9]{3}|65[0-4][0-9]{2}|655[0-2][0-9]|6553[0-5])"
 
 

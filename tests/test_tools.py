@@ -555,6 +555,67 @@ def test_decimals_urls_and_naive_or_aware_datetimes_the_grammar_writes_are_ones_
     assert {stamp.tzinfo is None for stamp in stamps} == {True, False}
 
 
+def test_keys_and_formats_the_grammar_writes_are_ones_pydantic_reads(demo_tokenizer_dir):
+    """pydantic names a dict's keys of an enum, a literal, a UUID or a date in propertyNames
+    (which llguidance lacks), leaves keys of a pattern or a bool open, and names formats
+    llguidance lacks (uuid4, path, binary, password, ipvanyaddress): the tool's grammar compiles,
+    and random outputs under it are arguments the tool takes."""
+    import dataclasses
+    import datetime
+    import enum
+    import ipaddress
+    import pathlib
+    import random
+    import uuid as uuid_module
+
+    import pydantic
+    from pydantic import constr
+    from transformers import AutoTokenizer
+
+    from agentflash.grammar import compile_grammar, json_schema
+    from agentflash.grammar.bench import closing_tokens, random_output
+
+    class Color(enum.Enum):
+        RED = "red"
+        DARK_BLUE = "dark.blue"
+
+    @dataclasses.dataclass
+    class Note:
+        text: str
+        stamp: int = dataclasses.field(init=False, default=7)  # takes no value
+
+    got: list[tuple] = []
+
+    @tool
+    def tag(colors: dict[Color, int], sizes: dict[Literal["s", "m"], int],
+            ids: dict[uuid_module.UUID, bool], days: dict[datetime.date, str],
+            flags: dict[bool, int], codes: dict[constr(pattern=r"^[a-z]$"), int],
+            key: pydantic.UUID4, path: pathlib.Path, blob: bytes, secret: pydantic.SecretStr,
+            host: pydantic.IPvAnyAddress, note: Note) -> str:
+        got.append((colors, key, path, blob, host, note))
+        return "ok"
+
+    tok = AutoTokenizer.from_pretrained(demo_tokenizer_dir)
+    grammar = compile_grammar(json_schema(tag.parameters), tok, vocab_size=len(tok))
+    rng, refused, finished = random.Random(0), [], 0
+    for _ in range(30):
+        tokens = random_output(grammar.new_constraint(), closing_tokens(tok, len(tok)), rng,
+                               max_tokens=800)
+        if tokens[-1] != tok.eos_token_id:
+            continue
+        finished += 1
+        outcome = anyio.run(run_tool, tag, json.loads(tok.decode(tokens[:-1])))
+        if outcome.is_error:
+            refused.append(outcome.output)
+    assert not refused, refused[:3]
+    assert finished >= 10 and len(got) == finished
+    colors, key, path, blob, host, note = got[0]
+    assert all(isinstance(c, Color) for c in colors) and key.version == 4
+    assert isinstance(path, pathlib.Path) and isinstance(blob, bytes)
+    assert isinstance(host, (ipaddress.IPv4Address, ipaddress.IPv6Address)) and note.stamp == 7
+    assert "stamp" not in tag.parameters["$defs"]["Note"]["properties"]
+
+
 def test_every_number_a_bounded_decimals_schema_allows_is_one_pydantic_reads():
     """Places past max_digits add no digits (0.123 has 3): the number branches of a bounded
     Decimal stay within its digits, as its string pattern does."""

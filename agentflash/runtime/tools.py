@@ -35,7 +35,13 @@ import pydantic_core
 from pydantic.fields import FieldInfo
 
 from agentflash.errors import UserError, is_number
-from agentflash.json_formats import decimal_pattern, temporal_pattern, url_pattern
+from agentflash.json_formats import (
+    decimal_pattern,
+    ip_address_pattern,
+    temporal_pattern,
+    url_pattern,
+    uuid_pattern,
+)
 from agentflash.tool_format import TOOL_NAME
 
 if sys.version_info < (3, 11):  # anyio's own dependency there
@@ -135,6 +141,9 @@ class GrammarJsonSchema(pydantic.json_schema.GenerateJsonSchema):
     pydantic reads (``temporal_pattern``: a naive datetime without an offset, an aware one with
     it), and a URL of some schemes (``HttpUrl``) begins with one of them."""
 
+    def generate(self, schema, mode="validation"):
+        return _known_formats(super().generate(schema, mode))
+
     def decimal_schema(self, schema):
         return _decimal(schema) if self.mode == "validation" else super().decimal_schema(schema)
 
@@ -164,12 +173,50 @@ class GrammarJsonSchema(pydantic.json_schema.GenerateJsonSchema):
 
     def _common_dict_schema(self, schema):
         out = super()._common_dict_schema(schema)
-        keys = schema.get("keys_schema", {})
-        if keys.get("type") in ("int", "float") and "additionalProperties" in out:
-            pattern = INTEGER_KEY if keys["type"] == "int" else NUMBER_KEY
-            out["patternProperties"] = {pattern: out.pop("additionalProperties")}
+        pattern = _key_pattern(schema.get("keys_schema", {}))
+        patterns = out.get("patternProperties", {})
+        if pattern is not None and ("additionalProperties" in out or len(patterns) == 1):
+            # keys the grammar writes as pydantic reads them; JSON Schema's propertyNames,
+            # which pydantic names for an enum, a literal, a UUID or a date, llguidance lacks
+            values = out.pop("additionalProperties", None) or next(iter(patterns.values()))
+            out.pop("propertyNames", None)
+            out["patternProperties"] = {pattern: values}
             out["additionalProperties"] = False
         return out
+
+    def dataclass_args_schema(self, schema):
+        if self.mode == "validation":  # a field of init=False takes no value: pydantic drops it
+            schema = {**schema, "fields": [f for f in schema["fields"] if f.get("init", True)]}
+        return super().dataclass_args_schema(schema)
+
+
+# formats pydantic names that llguidance lacks, where any string is one pydantic reads (a
+# ``Path``, ``bytes`` as UTF-8, a ``SecretStr``) or one it checks beyond a pattern (a
+# ``FilePath`` exists): the string's other bounds stay, and a path that is not a file is an
+# invalid argument the model reads
+_ANY_STRING_FORMATS = frozenset({"path", "binary", "password", "file-path", "directory-path",
+                                 "new-path", "socket-path"})
+_FORMAT_PATTERNS = {f"uuid{n}": uuid_pattern(n) for n in range(1, 9)}
+
+
+def _known_formats(node: Any) -> Any:
+    """``node`` with the formats above made a pattern llguidance writes, or left out."""
+    if isinstance(node, list):
+        return [_known_formats(item) for item in node]
+    if not isinstance(node, dict):
+        return node
+    out = {key: _known_formats(value) if key not in ("enum", "const", "default", "examples")
+           else value for key, value in node.items()}
+    format = out.get("format")
+    if format in _ANY_STRING_FORMATS:
+        del out["format"]
+    elif format == "ipvanyaddress":
+        out.pop("format")
+        out["pattern"] = ip_address_pattern()
+    elif format in _FORMAT_PATTERNS:
+        out.pop("format")
+        out["pattern"] = _FORMAT_PATTERNS[format]
+    return out
 
 
 class NotBindable(ValueError):
@@ -240,6 +287,36 @@ def _multiple(multiple_of: Any, places: int | None) -> float | int | None:
     lcm = math.lcm(int(given.scaleb(scale)), 10 ** (scale - places))
     out = decimal.Decimal(lcm).scaleb(-scale)
     return int(out) if out == out.to_integral_value() else float(out)
+
+
+def _key_pattern(keys: dict[str, Any]) -> str | None:
+    """The pattern of a dict's keys of type ``keys`` (pydantic's core schema), as pydantic
+    reads them from JSON's strings; None where no pattern is known."""
+    kind = keys.get("type")
+    values = ([m.value for m in keys["members"]] if kind == "enum"
+              else keys.get("expected") if kind == "literal" else None)
+    if values and all(isinstance(v, str) for v in values):
+        return "^(?:" + "|".join(_literal(v) for v in values) + ")$"
+    if kind == "str" and not {"min_length", "max_length"} & set(keys):
+        return keys.get("pattern")
+    if kind == "uuid":
+        return uuid_pattern(keys.get("version"))
+    if kind in ("date", "datetime", "time", "timedelta") and not _bounded(keys):
+        return temporal_pattern(_TEMPORAL_FORMATS[kind], keys.get("tz_constraint"))
+    return {"int": INTEGER_KEY, "float": NUMBER_KEY, "bool": "^(?:true|false)$"}.get(kind)
+
+
+_TEMPORAL_FORMATS = {"date": "date", "datetime": "date-time", "time": "time",
+                     "timedelta": "duration"}
+
+
+def _bounded(schema: dict[str, Any]) -> bool:
+    return any(schema.get(key) is not None for key in ("ge", "gt", "le", "lt", "now_op"))
+
+
+def _literal(text: str) -> str:
+    """``text`` as a regex of Rust's syntax (llguidance's), which Python's re reads too."""
+    return "".join("\\" + c if c in "\\.+*?()|[]{}^$" else c for c in text)
 
 
 INTEGER_KEY = r"^-?(0|[1-9][0-9]*)$"
