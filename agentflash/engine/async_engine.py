@@ -123,7 +123,8 @@ class AsyncEngine:
             max_buffer_size=1 << 16
         )
         req = self.engine.submit(prompt_ids, params)
-        self._streams[req.id] = _Stream(req, send, Detokenizer(self.engine.tokenizer, params.stop))
+        detok = Detokenizer(self.engine.decode_output, params.stop)
+        self._streams[req.id] = _Stream(req, send, detok)
         self._wake.set()
         try:
             async with receive:

@@ -2,6 +2,41 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+from agentflash.tool_format import CLOSE, OPEN
+
+
+class OutputDecoder:
+    """The text of a reply's tokens: what the grammar and the model wrote, without special
+    tokens but the tool-call tags (a tokenizer may make ``<tool_call>`` special; the reply's
+    calls are read from the text), and with its first token's leading space (SentencePiece
+    decoders strip it from the first token decoded, where the grammar counted it). Made once
+    per engine: a tokenizer changed after that is not seen."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        added = (tokenizer.backend_tokenizer.get_added_tokens_decoder()
+                 if hasattr(tokenizer, "backend_tokenizer") else None)
+        self.fast = added is not None
+        if not self.fast:  # not a fast Hugging Face tokenizer: its own decoding
+            return
+        special = {i for i, t in added.items() if t.special} | set(tokenizer.all_special_ids)
+        tags = {i for i in special if i in added and added[i].content in (OPEN, CLOSE)}
+        self.skipped = frozenset(special - tags)
+        # decoded before the reply, and its own text cut off the result
+        self.context = tokenizer.encode("a", add_special_tokens=False)
+        self.head = tokenizer.decode(self.context, skip_special_tokens=False)
+
+    def __call__(self, token_ids: list[int]) -> str:
+        if not self.fast:
+            return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        ids = [t for t in token_ids if t not in self.skipped]
+        text = self.tokenizer.decode(self.context + ids, skip_special_tokens=False)
+        if text.startswith(self.head):
+            return text[len(self.head):]
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
 
 class Detokenizer:
     """Decodes a request's output and hands out the text written since the last call.
@@ -10,12 +45,12 @@ class Detokenizer:
     is held back until the next tokens settle it; a stop string itself is never handed out.
     """
 
-    def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
-        self.tokenizer, self.stop = tokenizer, stop
+    def __init__(self, decode: OutputDecoder, stop: tuple[str, ...] = ()):
+        self.decode, self.stop = decode, stop
         self.emitted = 0  # characters handed out so far
 
     def text(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        return self.decode(token_ids)
 
     def delta(self, token_ids: list[int], final: bool = False, cut: int | None = None) -> str:
         """New text; ``cut`` is where a stop string begins, once the request stopped on one."""

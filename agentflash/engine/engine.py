@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from agentflash.dflash.speculate import accept_choices, draft_logits, lookup_draft
-from agentflash.engine.detokenizer import Detokenizer
+from agentflash.engine.detokenizer import OutputDecoder
 from agentflash.engine.kv_cache import KVCache, whole_chunks
 from agentflash.engine.limits import limit_problems
 from agentflash.engine.model_runner import ModelRunner, Row
@@ -175,6 +175,7 @@ class Engine:
             config,
             model_dir,
         )
+        self.decode_output = OutputDecoder(tokenizer)  # a reply's text of its tokens
         self.drafter = drafter  # a DFlashDrafter, or None for plain decoding only
         if drafter is not None:
             drafter.fuse_()
@@ -445,7 +446,7 @@ class Engine:
             forced = self._commit(req, lead)
             for token in forced:  # a token at a time, each in the segment it opens or is in:
                 # nothing chose them, so a required call's <tool_call> is the call's, not prose
-                req.segments.feed(self.tokenizer.decode([token], skip_special_tokens=True))
+                req.segments.feed(self.decode_output([token]))
                 req.segments.record(req.segments.kind, mode, 1, 0, forced=1, accepted=1)
             if req.is_finished:  # a stop among them
                 req.stats.first_step_tokens = len(forced)
@@ -675,7 +676,7 @@ class Engine:
             forced=forced,
             accepted=min(accepted, len(committed)),
         )
-        req.segments.feed(self.tokenizer.decode(committed, skip_special_tokens=True))
+        req.segments.feed(self.decode_output(committed))
 
     def _draft(
         self, reqs: list[Request], sizes: dict[int, int], kinds: dict[int, SegmentKind]
@@ -901,7 +902,7 @@ class Engine:
     def _hits_stop(self, req: Request, token: int) -> bool:
         params = req.params
         if params.stop:  # first: a stop token that ends a stop string cuts the text there too
-            at = stop_at(self.tokenizer.decode(req.output_ids, skip_special_tokens=True),
+            at = stop_at(self.decode_output(req.output_ids),
                          params.stop, params.tool_calls)
             if at is not None:
                 req.stop_text_len = at
@@ -961,7 +962,7 @@ class Engine:
         if req.status is not Status.FINISHED or req.finish_reason is None:
             raise UserError(f"request {req.id} has not finished: step the engine until "
                             f"req.is_finished (or use Engine.generate)")
-        text = Detokenizer(self.tokenizer).text(req.output_ids)
+        text = self.decode_output(req.output_ids)
         if req.stop_text_len is not None:
             text = text[: req.stop_text_len]
         return GenerationResult(

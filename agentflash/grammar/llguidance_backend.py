@@ -20,7 +20,7 @@ from agentflash.grammar.constraint import (
     bit_is_set,
 )
 from agentflash.grammar.sources import GrammarKind, GrammarSource, JsonStyle
-from agentflash.grammar.tokenizers import TokenizerInfo, chat_end_ids
+from agentflash.grammar.tokenizers import TokenizerInfo, chat_end_ids, llguidance_tokenizer
 
 # x-guidance options per layout; a schema's own "x-guidance" key overrides them.
 JSON_STYLE_OPTIONS: dict[JsonStyle, dict[str, Any]] = {
@@ -32,11 +32,7 @@ JSON_STYLE_OPTIONS: dict[JsonStyle, dict[str, Any]] = {
 
 def build_tokenizer(info: TokenizerInfo) -> llguidance.LLTokenizer:
     """llguidance's view of the tokenizer, over the model's vocabulary size (about 1 s at 150k)."""
-    import llguidance.hf
-
-    return llguidance.hf.from_tokenizer(
-        info.tokenizer, n_vocab=info.vocab_size, eos_token=info.eos_token_id
-    )
+    return llguidance_tokenizer(info, n_vocab=info.vocab_size)
 
 
 def grammar_text(source: GrammarSource) -> str:

@@ -37,7 +37,7 @@ from agentflash.grammar.constraint import (
     allowed_token_ids,
 )
 from agentflash.grammar.sources import GrammarKind, GrammarSource, JsonStyle, with_subschemas
-from agentflash.grammar.tokenizers import TokenizerInfo
+from agentflash.grammar.tokenizers import TokenizerInfo, llguidance_tokenizer
 from agentflash.json_formats import DATE_PATTERNS
 
 WHITESPACE_PATTERNS: dict[JsonStyle, str | None] = {
@@ -76,9 +76,7 @@ class Vocabularies:
 def build_tokenizer(info: TokenizerInfo) -> Vocabularies:
     """outlines-core's vocabularies: every ordinary token's bytes (special and added tokens are
     left out: they never occur inside JSON or regex output), plus the end token."""
-    import llguidance.hf
-
-    lltok = llguidance.hf.from_tokenizer(info.tokenizer, eos_token=info.eos_token_id)
+    lltok = llguidance_tokenizer(info)
     by_bytes: dict[bytes, list[int]] = {}
     for token in range(lltok.vocab_size):
         if token == info.eos_token_id or lltok.is_special_token(token):

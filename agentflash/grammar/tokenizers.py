@@ -82,3 +82,51 @@ def tokenizer_info(
     if not 0 <= eos < size:
         raise GrammarError(f"eos_token_id {eos} is outside the tokenizer's {size} tokens")
     return TokenizerInfo(tokenizer_fingerprint(tokenizer), vocab_size, eos, tokenizer)
+
+
+def llguidance_tokenizer(info: TokenizerInfo, **options: Any) -> Any:
+    """llguidance's view of the tokenizer (``llguidance.hf.from_tokenizer``), checked: a decoder
+    llguidance cannot read is a ``GrammarError`` naming the tokenizer, and so is one it reads
+    otherwise than the tokenizer decodes (a ``Metaspace`` inside a ``Sequence`` of decoders:
+    ``▁hello`` read as those bytes, not as " hello"), where every mask would be wrong."""
+    import llguidance.hf
+
+    name = type(info.tokenizer).__name__
+    try:
+        converted = llguidance.hf.from_tokenizer(info.tokenizer, eos_token=info.eos_token_id,
+                                                 **options)
+    except ValueError as err:  # "can't determine decoder type: Some(Metaspace(...))"
+        raise GrammarError(f"{name}: grammars cannot read this tokenizer: {err}") from None
+    wrong = _misread_token(info.tokenizer, converted)
+    if wrong is not None:
+        token, read, decoded = wrong
+        raise GrammarError(
+            f"{name}: grammars cannot read this tokenizer: its token {token} is the text "
+            f"{decoded!r}, which llguidance reads as {read!r} (its decoder: "
+            f"{_decoder_name(info.tokenizer)})")
+    return converted
+
+
+def _misread_token(tokenizer: Any, converted: Any, sample: int = 2048
+                   ) -> tuple[int, bytes, str] | None:
+    """A token, of about ``sample`` spread over the vocabulary, whose bytes llguidance reads
+    otherwise than the engine decodes the token as a reply (``OutputDecoder``), or None."""
+    from agentflash.engine.detokenizer import OutputDecoder
+
+    decode = OutputDecoder(tokenizer)
+    size = len(tokenizer)
+    for token in range(0, size, max(1, size // sample)):
+        if converted.is_special_token(token):
+            continue
+        text = decode([token])
+        if not text or "\ufffd" in text:  # a part of a character, or a special token
+            continue
+        read = converted.decode_bytes([token])
+        if read != text.encode():
+            return token, read, text
+    return None
+
+
+def _decoder_name(tokenizer: Any) -> str:
+    decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+    return type(decoder).__name__ if decoder is not None else "none"

@@ -1,0 +1,142 @@
+"""Tokenizers of other families than the demo's byte-level BPE, on tiny random-weight models:
+SentencePiece-style BPE with byte fallback (Llama 2, Mistral), tool-call tags made special
+tokens, and decoders llguidance cannot read."""
+
+import json
+import re
+
+import pytest
+from typer.testing import CliRunner
+
+from agentflash.cli import app
+
+CORPUS = [
+    json.dumps({"name": "get_weather", "arguments": {"city": word, "days": n}})
+    + f" the lazy dog {word} jumps over the quick brown fox {n}.\n"
+    for n, word in enumerate(["Oslo", "Paris", "hello", "world", "forecast", "value"] * 20)
+]
+CHAT = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+BYTES = [f"<0x{i:02X}>" for i in range(256)]
+# Llama 2's decoder: the first token's leading space is stripped
+STRIP = {"type": "Sequence", "decoders": [
+    {"type": "Replace", "pattern": {"String": "▁"}, "content": " "},
+    {"type": "ByteFallback"}, {"type": "Fuse"}, {"type": "Strip", "content": " ", "start": 1,
+                                                 "stop": 0}]}
+# Metaspace inside a Sequence: llguidance reads ▁ as its three bytes, not a space
+META_IN_SEQUENCE = {"type": "Sequence", "decoders": [
+    {"type": "ByteFallback"},
+    {"type": "Metaspace", "replacement": "▁", "prepend_scheme": "first", "split": False}]}
+
+
+def _save(tok, path, eos, special_tags=False, **names):
+    import torch
+    from tokenizers import AddedToken
+    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False)
+                            for s in ("<|im_start|>", "<|im_end|>")])
+    tok.add_tokens([AddedToken(s, special=special_tags, normalized=False)
+                    for s in ("<tool_call>", "</tool_call>")])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos,
+                                   clean_up_tokenization_spaces=False, **names)
+    fast.chat_template = CHAT
+    fast.save_pretrained(path)
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(Qwen3Config(
+        vocab_size=len(fast) + 8, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=512,
+        eos_token_id=fast.convert_tokens_to_ids(eos), tie_word_embeddings=True,
+    )).save_pretrained(path)
+    return path
+
+
+def _sentencepiece(path, decoder):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<unk>", "<s>", "</s>", *BYTES], limit_alphabet=60))
+    spec = json.loads(tok.to_str())
+    # byte tokens are ordinary vocabulary, as Llama's; a normalizer puts the ▁ in
+    spec["added_tokens"] = [a for a in spec["added_tokens"] if a["content"] not in BYTES]
+    spec["pre_tokenizer"] = None
+    spec["normalizer"] = {"type": "Sequence", "normalizers": [
+        {"type": "Prepend", "prepend": "▁"},
+        {"type": "Replace", "pattern": {"String": " "}, "content": "▁"}]}
+    spec["decoder"] = decoder
+    return _save(Tokenizer.from_str(json.dumps(spec)), path, "</s>", bos_token="<s>",
+                 unk_token="<unk>")
+
+
+def _byte_level(path, special_tags):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(
+        vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return _save(tok, path, "<|im_end|>", special_tags=special_tags)
+
+
+def _unigram(path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.Unigram())
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
+    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
+    tok.train_from_iterator(CORPUS, trainers.UnigramTrainer(
+        vocab_size=200, special_tokens=["<unk>", "</s>"], unk_token="<unk>"))
+    return _save(tok, path, "</s>", unk_token="<unk>")
+
+
+def generate(model, *flags):
+    result = CliRunner().invoke(app, ["generate", "--model", str(model), "--prompt", "hi",
+                                      "--drafter", "none", *flags])
+    return result.exit_code, result.stdout, result.stderr
+
+
+def test_a_sentencepiece_reply_keeps_the_space_the_grammar_wrote(tmp_path):
+    # a Llama 2 decoder strips the first token's space, which the regex counted: " lazy" was
+    # returned as "lazy", outside the regex it was bound to
+    model = _sentencepiece(tmp_path, STRIP)
+    texts = []
+    for seed in range(4):
+        code, out, err = generate(model, "--regex", " [a-z]{3,8}", "--max-tokens", "12",
+                                  "--temperature", "1", "--seed", str(seed), "--json")
+        assert code == 0, err
+        reply = json.loads(out)
+        assert reply["finish_reason"] == "stop"
+        texts.append(reply["text"])
+    assert all(re.fullmatch(" [a-z]{3,8}", text) for text in texts), texts
+
+
+def test_tool_call_tags_a_tokenizer_makes_special_are_read_as_the_call(tmp_path):
+    (tmp_path / "tools.json").write_text(json.dumps([{"type": "function", "function": {
+        "name": "get_weather", "parameters": {"type": "object", "properties": {
+            "city": {"type": "string", "maxLength": 8}}, "required": ["city"]}}}]))
+    model = _byte_level(tmp_path / "model", special_tags=True)
+    code, out, err = generate(model, "--tools", str(tmp_path / "tools.json"), "--tool-choice",
+                              "get_weather", "--max-tokens", "64", "--json")
+    assert code == 0, err
+    reply = json.loads(out)
+    assert reply["finish_reason"] == "stop", reply
+    assert [call["name"] for call in reply["tool_calls"]] == ["get_weather"]
+    assert reply["text"].startswith("<tool_call>") and reply["text"].endswith("</tool_call>")
+
+
+@pytest.mark.parametrize("make, message", [
+    (_unigram, "can't determine decoder type"),
+    (lambda path: _sentencepiece(path, META_IN_SEQUENCE), "which llguidance reads as b'\\xe2"),
+])
+def test_a_tokenizer_grammars_cannot_read_is_named(tmp_path, make, message):
+    model = make(tmp_path)
+    code, out, err = generate(model, "--regex", "[a-z]+", "--max-tokens", "4")
+    assert code == 2 and out == ""
+    assert err.startswith("error: command line: TokenizersBackend: grammars cannot read this "
+                          "tokenizer: ") and message in err
+    assert len(err.strip().splitlines()) == 1
+    code, out, err = generate(model, "--max-tokens", "4")  # without a grammar it generates
+    assert code == 0, err
