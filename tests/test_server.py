@@ -130,7 +130,7 @@ def test_tool_choice_required_returns_valid_calls(client, ask):
 def test_a_call_cut_by_max_tokens_is_the_same_call_streamed_or_not(client):
     """Cut inside its arguments, a call is a tool call with the arguments written so far
     (finish reason length, as OpenAI's API gives it), in the whole reply as in the stream; cut
-    before its name was read, it is text in both."""
+    before its name was read, it is neither call nor text (its markup is no answer)."""
     args = dict(model="demo", messages=user("Use get_weather with city Oslo, days 3."),
                 tools=TOOLS, tool_choice="required", temperature=0)
     whole = client.chat.completions.create(max_tokens=120, **args)
@@ -150,8 +150,12 @@ def test_a_call_cut_by_max_tokens_is_the_same_call_streamed_or_not(client):
                 assert piece.function.name in (None, call.function.name)
                 streamed["arguments"] += piece.function.arguments or ""
     assert streamed == {"arguments": partial.function.arguments, "content": ""}
-    early = client.chat.completions.create(max_tokens=3, **args)  # the name is not out yet
-    assert early.choices[0].message.tool_calls is None and early.choices[0].message.content
+    for n in (1, 3, 5):  # the name is not out yet
+        early = client.chat.completions.create(max_tokens=n, **args).choices[0]
+        assert early.finish_reason == "length" and early.message.tool_calls is None
+        assert early.message.content == ""
+        chunks = list(client.chat.completions.create(max_tokens=n, stream=True, **args))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ""
     # cut once its name is whole, before its arguments' first delta: a call too (its body was
     # sent as the reply's text, which the runtime then took for the answer)
     for n in range(4, 16):

@@ -338,26 +338,22 @@ class ReplyWriter:
                 deltas = self.deltas(ToolCallDelta(index, call.name, json.dumps(call.arguments)))
             self.complete.append(index)
             return deltas + self._send(index, whole=True)
-        # A call that does not parse (cut by max_tokens, or written without a grammar): where its
-        # deltas went out as a call's, the whole reply holds it as the stream did, its arguments
-        # as written (cut by max_tokens: finish reason length, as OpenAI's API gives a call cut
+        # A call that does not parse: the grammar binds every call's body, so max_tokens cut
+        # it. Where its deltas went out as a call's, the whole reply holds it as the stream did,
+        # its arguments as written (finish reason length, as OpenAI's API gives a call cut
         # there); where none did but its name is whole, it is sent as a call now (the runtime's
-        # own backend reads it as a call too, not as the answer); where its name was never read,
-        # it stays text in both.
+        # own backend reads it as a call too, not as the answer); where its name was never
+        # read, it is neither call nor text: a client would take its markup ('{"name":') for
+        # the model's answer.
         if index in self.calls:
             self.cut.append(index)
             return []
-        if not call.body.strip():  # a reply cut right after a <tool_call>: no call, no text
-            return []  # (the blank before it is beside calls, as the stream held it)
         begun = begun_call(call.body)
-        if begun is not None:
-            deltas = self.deltas(ToolCallDelta(index, *begun))
-            self.cut.append(index)
-            return deltas
-        # text, after the blank held before it (it was sent after the body, at the end)
-        text, self._blank, self._after_call = self._blank + call.body, "", False
-        self.content.append(text)
-        return [{"content": text}]
+        if begun is None:  # (the blank before it is beside a call, as the stream held it)
+            return []
+        deltas = self.deltas(ToolCallDelta(index, *begun))
+        self.cut.append(index)
+        return deltas
 
     def tool_calls(self) -> list[dict[str, Any]]:
         return [{"id": self.calls[i].id, "type": "function",
