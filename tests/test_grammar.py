@@ -840,6 +840,19 @@ def test_apply_bitmask_masks_exactly_the_disallowed_tokens():
             "#/properties/b/items/pattern",
             "lexer error: too many expressions constructed",
         ),
+        (  # the root's keyword fails; a property failing for another keyword was named
+            {"type": "object", "properties": {"a": {"type": "integer", "not": {"const": 1}}},
+             "propertyNames": {"maxLength": 3}},
+            "#",
+            'Unimplemented keys: ["propertyNames"]',
+        ),
+        (
+            {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+             "if": {"properties": {"a": {"const": 1}}}, "then": {"required": ["b"]},
+             "else": {"not": {"required": ["b"]}}},
+            "#",
+            'Unimplemented keys: ["else", "if", "then"]',
+        ),
     ],
 )
 def test_bad_schemas_name_the_field(tok, schema, where, what):

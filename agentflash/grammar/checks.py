@@ -549,9 +549,13 @@ def ignored_keyword(schema: Any, output_of: Callable[[Any], str]) -> tuple[str, 
     return None
 
 
-def locate_schema_error(schema: Any, error_of: Callable[[Any], str | None]) -> str:
+def locate_schema_error(schema: Any, error_of: Callable[[Any], str | None],
+                        same_error: bool = False) -> str:
     """The pointer of the deepest subschema that fails on its own (``error_of`` returns the
     backend's error for a standalone schema, or None); ``#`` when only the whole one fails.
+    With ``same_error``, only a subschema that fails with its parent's error: one failing for
+    a reason of its own is not where the whole one's error is (a ``propertyNames`` at the root
+    beside a property whose ``not`` fails too).
 
     Each subschema is tried with the root's ``$defs``/``definitions`` so that local refs resolve.
     """
@@ -559,6 +563,7 @@ def locate_schema_error(schema: Any, error_of: Callable[[Any], str | None]) -> s
     defs = {k: roots[k] for k in ("$defs", "definitions") if k in roots}
     path: list[str | int] = []
     node = schema
+    error = error_of(schema) if same_error else None
     while True:
         for part, sub in _children(node):
             standalone = (
@@ -566,7 +571,8 @@ def locate_schema_error(schema: Any, error_of: Callable[[Any], str | None]) -> s
                 if isinstance(sub, dict)
                 else sub
             )
-            if error_of(standalone) is not None:
+            found = error_of(standalone)
+            if found is not None and (not same_error or found == error):
                 path, node = path + part, sub
                 break
         else:

@@ -74,7 +74,8 @@ def check_schema_supported(
 def _describe_error(source: GrammarSource, message: str) -> str:
     message = _one_line(message)
     if source.kind is GrammarKind.JSON_SCHEMA:
-        where = locate_schema_error(source.schema, lambda s: _schema_error(source, s))
+        where = locate_schema_error(source.schema, lambda s: _schema_error(source, s),
+                                    same_error=True)
         return f"{source.origin}: {where}: {message}"
     if source.kind is GrammarKind.REGEX:
         return f"{source.origin}: invalid regex {source.text!r}: {message}"
