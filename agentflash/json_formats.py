@@ -15,7 +15,8 @@ DATE = (f"(?:{_YEAR}-(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])"
 _OFFSET = "(?:[Zz]|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
 # seconds to 59: RFC 3339's leap second is refused by Python's and pydantic's times
 _CLOCK = "(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\\.[0-9]{1,9})?"
-DATE_PATTERNS = {"date": f"^{DATE}$", "date-time": f"^{DATE}[Tt]{_CLOCK}{_OFFSET}$"}
+DATE_PATTERNS = {"date": f"^{DATE}$", "date-time": f"^{DATE}[Tt]{_CLOCK}{_OFFSET}$",
+                 "time": f"^{_CLOCK}{_OFFSET}$"}  # RFC 3339's full-time: with its offset
 
 # pydantic's date, time, datetime and timedelta (``GrammarJsonSchema``): what it reads, a time
 # or datetime with or without its offset (``temporal_pattern`` binds it where the type does), a

@@ -840,6 +840,11 @@ def test_apply_bitmask_masks_exactly_the_disallowed_tokens():
             "#/properties/b/items/pattern",
             "lexer error: too many expressions constructed",
         ),
+        (  # without llguidance's advice to turn on an option that writes what it refuses
+            {"oneOf": [{"type": "integer"}, {"type": "number"}]},
+            "#",
+            "oneOf constraints are not supported.",
+        ),
         (  # the root's keyword fails; a property failing for another keyword was named
             {"type": "object", "properties": {"a": {"type": "integer", "not": {"const": 1}}},
              "propertyNames": {"maxLength": 3}},
@@ -860,6 +865,7 @@ def test_bad_schemas_name_the_field(tok, schema, where, what):
         compile_grammar(json_schema(schema, origin="answer.json"), tok)
     message = str(err.value)
     assert message.startswith(f"answer.json: {where}:") and what in message, message
+    assert "coerce_one_of" not in message
 
 
 def test_recursive_schemas_that_can_end_compile(tok, closers):
@@ -963,6 +969,13 @@ def test_a_schema_that_passed_its_checks_is_not_checked_again(monkeypatch):
         (lambda: lark('start: %json {"type": "number", "exclusiveMinimum": 0, "maximum": 0.5}'),
          "%json in rule 'start': #: exclusiveMinimum (0) with the range within one unit"),
         (lambda: lark("start: " + "(" * 200 + '"a"' + ")" * 200), "too deeply nested"),
+        # llguidance's options under which it writes what the schema refuses
+        (lambda: json_schema({"type": "integer", "not": {"const": 0},
+                              "x-guidance": {"lenient": True}}),
+         "#/x-guidance/lenient: refused: llguidance then drops the keywords it cannot hold"),
+        (lambda: lark('start: %json {"oneOf": [{"type": "integer"}, {"type": "number"}], '
+                      '"x-guidance": {"coerce_one_of": true}}'),
+         "%json in rule 'start': #/x-guidance/coerce_one_of: refused"),
         (lambda: lark('start: "hi" <|im_end|>'), "writes the end token <|im_end|>: leave it out"),
         # another end of a turn: the engine stopped there, "stop", the grammar unfinished
         (lambda: lark('start: "a" <|endoftext|> "b"'), "writes the end token <|endoftext|>"),
@@ -1055,6 +1068,13 @@ def test_outlines_refuses_what_it_cannot_do(tok):
          "#/properties/n: outlines-core reads oneOf as anyOf"),
         (json_schema({"properties": {"e": {"type": "string", "format": "email"}}}),
          "#/properties/e: format 'email' is not supported by outlines-core"),
+        (json_schema({"type": "string", "format": "uri"}),
+         "#: format 'uri' is not supported by outlines-core"),
+        (json_schema({"type": "string", "enum": ["a", 1, None]}),
+         "#: outlines-core ignores 'type' beside 'enum': it would write 1"),
+        (json_schema({"type": "object", "properties": {"k": {"type": "integer"}},
+                      "required": ["k"], "anyOf": [{"required": ["a"]}, {"required": ["b"]}]}),
+         "#: outlines-core ignores anyOf beside properties"),
         (json_schema({"type": "number"}), "outlines-core ends the output after"),
         (regex(r"[0-9]+(\.[0-9]+)?"), "outlines-core ends the output after"),
         (regex("ab|abcd"), "outlines-core ends the output after"),
@@ -1072,7 +1092,7 @@ def test_outlines_refuses_what_it_cannot_do(tok):
             compile_grammar(source, tok, backend=Backend.OUTLINES)
         assert what in str(err.value), str(err.value)
     # a date's format is the whole of the pattern exact_dates puts beside it: kept, not refused
-    for schema in ({"type": "string", "format": "date"},
+    for schema in ({"type": "string", "format": "date"}, {"type": "string", "format": "time"},
                    {"properties": {"at": {"type": "string", "format": "date-time"}}}):
         compile_grammar(json_schema(schema), tok, backend=Backend.OUTLINES)
     for source in (json_schema({"type": "integer"}), json_schema({"enum": ["a", "ab"]}),
@@ -1309,6 +1329,12 @@ def test_schemas_take_no_keys_they_do_not_list_unless_they_say_so(tok):
     assert close_objects(unlisted) == unlisted
     nested = {"type": "array", "items": listed}
     assert close_objects(nested)["items"]["additionalProperties"] is False
+    # nor one whose const or enum lists the objects it may be: closed, a const with a key its
+    # properties do not list was refused ("required property 'b' is unsatisfiable")
+    const = {"type": "object", "properties": {"a": {"type": "integer"}}, "const": {"a": 1, "b": 2}}
+    assert close_objects(const) == const
+    only = compile_grammar(json_schema(const), tok).new_constraint()
+    assert only.validate_draft(extra) == len(extra)
     # nor the schemas that describe one object together: $defs an allOf names, a $ref beside
     # properties, anyOf branches beside properties of their own (each was refused: "required
     # property 'x' is unsatisfiable"); a $defs object used alone is still closed

@@ -261,8 +261,9 @@ def test_a_date_is_a_day_of_the_calendar_in_schemas_tools_and_answers(tok):
     from agentflash.grammar import json_schema
 
     day = {"type": "object", "properties": {"d": {"type": "string", "format": "date"},
-                                            "t": {"type": "string", "format": "date-time"}},
-           "required": ["d", "t"]}
+                                            "t": {"type": "string", "format": "date-time"},
+                                            "c": {"type": "string", "format": "time"}},
+           "required": ["d", "t", "c"]}
     tools = [{"name": "book", "parameters": day}]
     grammars = {
         "schema": (compile_grammar(json_schema(day), tok), "{}"),
@@ -272,16 +273,20 @@ def test_a_date_is_a_day_of_the_calendar_in_schemas_tools_and_answers(tok):
         "answer": (compile_grammar(assistant_turn(tools, "none", output_schema=day), tok), "{}"),
     }
     for where, (grammar, frame) in grammars.items():
-        for d, t, legal in [("2024-02-29", "2000-02-29T10:00:00Z", True),
-                            ("2023-02-28", "2024-12-31t23:59:59+01:00", True),
-                            ("2023-02-29", "2024-01-01T10:00:00Z", False),
-                            ("1900-02-29", "2024-01-01T10:00:00Z", False),
-                            ("0000-01-01", "2024-01-01T10:00:00Z", False),
-                            ("2024-01-01", "2023-02-29T10:00:00Z", False)]:
-            value = json.dumps({"d": d, "t": t})
+        for d, t, c, legal in [("2024-02-29", "2000-02-29T10:00:00Z", "10:00:00Z", True),
+                               ("2023-02-28", "2024-12-31t23:59:59+01:00", "23:59:59.5-02:00",
+                                True),
+                               ("2023-02-29", "2024-01-01T10:00:00Z", "10:00:00Z", False),
+                               ("1900-02-29", "2024-01-01T10:00:00Z", "10:00:00Z", False),
+                               ("0000-01-01", "2024-01-01T10:00:00Z", "10:00:00Z", False),
+                               ("2024-01-01", "2023-02-29T10:00:00Z", "10:00:00Z", False),
+                               # RFC 3339's time has an offset; no leap second at 21:34 UTC
+                               ("2024-01-01", "2024-01-01T10:00:00Z", "10:00:00", False),
+                               ("2024-01-01", "2024-01-01T10:00:00Z", "21:34:60z", False)]:
+            value = json.dumps({"d": d, "t": t, "c": c})
             text = frame.replace("{}", value) if frame == "{}" else frame % value
             ids = tok.encode(text, add_special_tokens=False)
-            assert is_legal(grammar, ids) == legal, (where, d, t)
+            assert is_legal(grammar, ids) == legal, (where, d, t, c)
     # a pattern of its own holds beside the calendar's (alone it let 2021-02-29 through)
     leap = json_schema({"type": "string", "format": "date", "pattern": "-02-29$"})
     for text, legal in (('"2021-02-29"', False), ('"2020-02-29"', True), ('"2020-03-01"', False)):

@@ -84,6 +84,9 @@ def _check_schema(schema: Any, origin: str) -> None:
         if error is not None:
             where = pointer(list(error.absolute_path))
             raise GrammarError(f"{origin}: {where}: not a valid JSON Schema: {error.message}")
+    loose = loose_option(schema)
+    if loose is not None:
+        raise GrammarError(f"{origin}: {loose}")
     contradiction = _contradictory_bounds(schema)
     if contradiction is not None:
         raise GrammarError(f"{origin}: {contradiction[0]}: {contradiction[1]}")
@@ -93,6 +96,24 @@ def _check_schema(schema: Any, origin: str) -> None:
         raise GrammarError(
             f"{origin}: {where}: no finite JSON value satisfies this schema: {reason}"
         )
+
+
+# llguidance's options (a schema's "x-guidance") that let it write what the schema refuses
+_LOOSE_OPTIONS = {
+    "lenient": "llguidance then drops the keywords it cannot hold (not, if, ...)",
+    "coerce_one_of": "llguidance then reads oneOf as anyOf, a value matching several branches",
+}
+
+
+def loose_option(schema: Any) -> str | None:
+    """Where ``schema`` turns on an llguidance option under which the grammar writes values the
+    schema refuses, and why that is refused; None if it turns on none."""
+    options = schema.get("x-guidance") if isinstance(schema, dict) else None
+    for name, why in _LOOSE_OPTIONS.items():
+        if isinstance(options, dict) and options.get(name):
+            return (f"#/x-guidance/{name}: refused: {why}, and the output would not match "
+                    f"the schema")
+    return None
 
 
 def _lone_surrogate(node: Any, path: list[str | int]) -> tuple[str, str] | None:
@@ -179,7 +200,8 @@ def _bounds_llguidance_misreads(node: dict) -> str | None:
                 return (f"{key} ({value}) is past 2^53 ({_EXACT_INTEGERS}) and no float's, "
                         f"where llguidance reads bounds as floats (and so lets integers past "
                         f"them through or refuses the bound itself): leave the bound out, or "
-                        f"give one a float holds (2^60, 10^17, 2^63 - 1)")
+                        f"give one a float holds, of at most 10^17 (llguidance builds no "
+                        f"range from a minimum of 2^60), or a maximum of 2^63 - 1")
     if "number" not in types:
         return None
     low, high = bounds.get("exclusiveMinimum"), bounds.get("exclusiveMaximum")
@@ -249,6 +271,21 @@ def _no_value_of_type(node: dict) -> str | None:
             _JSON_TYPES[t](v) for v in values for t in types
         ):
             return f"no value of {key} is of type {' or '.join(types)}"
+    return None
+
+
+def value_outside_type(node: dict) -> tuple[str, Any] | None:
+    """(``enum`` or ``const``, a value of it that is of no type of the node's ``type``), or
+    None: JSON Schema refuses that value, where a backend that reads only the values writes it."""
+    types = node.get("type")
+    types = [types] if isinstance(types, str) else types
+    if not isinstance(types, list) or not all(t in _JSON_TYPES for t in types):
+        return None
+    for key, values in (("enum", node.get("enum")), ("const", [node["const"]]
+                                                      if "const" in node else None)):
+        for value in values if isinstance(values, list) else []:
+            if not any(_JSON_TYPES[t](value) for t in types):
+                return key, value
     return None
 
 
@@ -941,6 +978,9 @@ def check_lark_finishes(text: str, origin: str) -> None:
     grammar can never finish; another: a reply that enters it never ends), or a ``%json``
     schema in it has no finite value or bounds llguidance misreads (as ``json_schema``'s)."""
     for rule, body in json_bodies(text):
+        loose = loose_option(body)
+        if loose is not None:
+            raise GrammarError(f"{origin}: %json in rule {rule!r}: {loose}")
         unfinished = _unfinishable(body)
         if unfinished is not None:
             where, reason = unfinished

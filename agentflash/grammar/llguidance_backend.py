@@ -4,6 +4,7 @@ draft validation, rollback and fast-forward tokens)."""
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -72,7 +73,7 @@ def check_schema_supported(
 
 
 def _describe_error(source: GrammarSource, message: str) -> str:
-    message = _one_line(message)
+    message = _LOOSE_ADVICE.sub("", _one_line(message))
     if source.kind is GrammarKind.JSON_SCHEMA:
         where = locate_schema_error(source.schema, lambda s: _schema_error(source, s),
                                     same_error=True)
@@ -80,6 +81,10 @@ def _describe_error(source: GrammarSource, message: str) -> str:
     if source.kind is GrammarKind.REGEX:
         return f"{source.origin}: invalid regex {source.text!r}: {message}"
     return f"{source.origin}: {message}"
+
+
+# llguidance's advice to turn on an option that makes it write what the schema refuses
+_LOOSE_ADVICE = re.compile(r"\s*Enable '\w+' option to approximate oneOf with anyOf\.?")
 
 
 def _one_line(message: str) -> str:

@@ -29,6 +29,7 @@ from agentflash.grammar.checks import (
     recursive_ref,
     resolve_ref,
     subschemas,
+    value_outside_type,
 )
 from agentflash.grammar.constraint import (
     CompiledGrammar,
@@ -161,7 +162,8 @@ _UNSUPPORTED = {
     "if": "outlines-core ignores 'if', 'then' and 'else'",
 }
 # formats whose outlines-core pattern lets text through that is not a JSON string
-_UNSOUND_FORMATS = {"email": "its email pattern writes a raw quote, which JSON refuses"}
+_UNSOUND_FORMATS = {"email": "its email pattern writes a raw quote, which JSON refuses",
+                    "uri": "its uri pattern writes a raw quote or backslash, which JSON refuses"}
 
 
 def _unsupported(schema: Any) -> tuple[str, str] | None:
@@ -172,6 +174,12 @@ def _unsupported(schema: Any) -> tuple[str, str] | None:
         for keyword, why in _UNSUPPORTED.items():
             if keyword in node:
                 return pointer(path), why
+        if "properties" in node and "anyOf" in node:
+            return pointer(path), "outlines-core ignores anyOf beside properties"
+        outside = value_outside_type(node)
+        if outside is not None:
+            return pointer(path), (f"outlines-core ignores 'type' beside '{outside[0]}': it "
+                                   f"would write {json.dumps(outside[1])}, which the type refuses")
         fmt = node.get("format")
         if isinstance(fmt, str) and fmt.lower() in _UNSOUND_FORMATS:
             return pointer(path), (f"format {fmt!r} is not supported by outlines-core "

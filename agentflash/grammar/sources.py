@@ -98,7 +98,7 @@ def close_objects(node: Any, close: bool = True) -> Any:
     schemas that describe one object together with others (closing each would forbid the
     others' keys): the branches of an ``allOf``, those of an ``anyOf`` / ``oneOf`` beside
     properties of their own, and the ``$defs`` such a branch, or a ``$ref`` beside properties,
-    names."""
+    names; and one of a ``const`` or an ``enum``, whose values are the objects it may be."""
     return _close(node, close, _composing_refs(node))
 
 
@@ -121,6 +121,8 @@ def _close(node: Any, close: bool, composing: set[str]) -> Any:
         close
         and isinstance(listed, dict)
         and not any(key in node for key in _OPEN_ENDED)
+        and "const" not in node  # its values say what the object holds: closing could
+        and "enum" not in node  # refuse every one (a const with a key it does not list)
         and isinstance(required, list)
         and all(name in listed for name in required)
     ):
@@ -148,10 +150,11 @@ def _composing_refs(root: Any) -> set[str]:
 
 
 def exact_dates(node: Any) -> Any:
-    """A copy of ``node`` where every ``date`` or ``date-time`` format has ``DATE_PATTERNS``'s
-    pattern (beside its own, in an ``allOf``, where it has one): RFC 3339's full-date is a day
-    of its month and year, and the grammar's format allows February 29 of any year (and year
-    0000, which Python's dates, and so jsonschema's format check, refuse)."""
+    """A copy of ``node`` where every ``date``, ``date-time`` or ``time`` format has
+    ``DATE_PATTERNS``'s pattern (beside its own, in an ``allOf``, where it has one): RFC 3339's
+    full-date is a day of its month and year, and the grammar's format allows February 29 of
+    any year (and year 0000, which Python's dates, and so jsonschema's format check, refuse),
+    and a time's second 60 (a leap second jsonschema's check refuses at most times)."""
     if not isinstance(node, dict):
         return node
     out = with_subschemas(node, lambda sub, key: exact_dates(sub))
