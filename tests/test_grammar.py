@@ -980,6 +980,11 @@ def test_a_schema_that_passed_its_checks_is_not_checked_again(monkeypatch):
         # another end of a turn: the engine stopped there, "stop", the grammar unfinished
         (lambda: lark('start: "a" <|endoftext|> "b"'), "writes the end token <|endoftext|>"),
         (lambda: lark('start: "hi <tools>"'), "holds '<tools>', the text of a special token"),
+        # after text of its own, where the first step's probe passed: every request failed there
+        (lambda: lark('start: ("yes" | "no") " " /<tool_call>/'),
+         "the regex /<tool_call>/: its literal '<tool_call>' holds '<tool_call>'"),
+        (lambda: regex("(yes|no) <tool_cal{1}[l]>"),
+         "the literal ' <tool_call>' holds '<tool_call>', the text of a special token"),
         (lambda: lark('start: "<" "tool_call>" "x"'),  # strings in a row are one text
          "the strings \"<\" \"tool_call>\" \"x\" holds '<tool_call>'"),
         (lambda: json_schema({"enum": ["a", "</tool_call>"]}),
@@ -1027,6 +1032,12 @@ def test_an_added_token_that_is_text_may_be_written(demo_tokenizer_dir):
     assert grammar.new_constraint().validate_draft(ids) == len(ids)
     with pytest.raises(GrammarError, match="holds '<tools>', the text of a special token"):
         compile_grammar(regex("hi <tools>"), tok, vocab_size=len(tok))
+
+
+def test_a_regex_that_keeps_a_special_tokens_text_out_is_no_writing_of_it(tok):
+    grammar = compile_grammar(lark("start: X\nX: /[a-z<>_]+/ & ~/.*<tool_call>.*/\n"), tok)
+    ids = tok.encode("a<b>_c", add_special_tokens=False) + [tok.eos_token_id]
+    assert grammar.new_constraint().validate_draft(ids) == len(ids)
 
 
 def test_productive_lark_grammars_pass_the_finish_check(tok):

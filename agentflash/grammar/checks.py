@@ -672,7 +672,8 @@ def special_tokens(text: str) -> list[str] | None:
 def written_literals(lark_text: str | None, schema: Any = None) -> list[tuple[str, str]]:
     """(where, text) of each literal a grammar writes as text: a JSON ``schema``'s property names
     and enum and const strings, or a Lark grammar's strings and its ``%json`` schemas' literals.
-    Patterns and regexes are left out (one may name a text to exclude it); so is what the
+    A Lark regex's literal runs are among them, but where ``~`` negates it (it names a text
+    to keep out); a schema's patterns are left out (``not`` may name one); so is what the
     checker cannot read."""
     if lark_text is None:
         return list(_schema_literals(schema, []))
@@ -682,12 +683,17 @@ def written_literals(lark_text: str | None, schema: Any = None) -> list[tuple[st
         return []
     found: list[tuple[str, str]] = []
     run: list[str] = []  # strings one after another in a rule: written as one text
+    before = None  # the token before this one
     for kind, value in tokens:  # (whitespace is not among them)
         if kind != "string" and len(run) > 1:  # '"<" "tool_call>"' writes <tool_call>
             found.append(_joined(run))
         run = run + [value] if kind == "string" else []
+        negated, before = before == ("op", "~"), (kind, value)
         if kind == "string":
             found.append((f"the string {value}", value))
+        elif kind == "regex" and not negated:  # ~/.../ names a text to keep out
+            found += [(f"the regex {value}: its literal {lit!r}", lit)
+                      for lit in regex_literals(value[1:value.rindex("/")])]
         elif kind == "json":
             try:
                 body = json.loads(value[value.index("{"):])
@@ -724,11 +730,9 @@ def regex_literals(pattern: str) -> list[str]:
         run: list[str] = []
         for op, arg in sequence:
             name = str(op)
-            if name == "LITERAL":
-                run.append(chr(arg))
-                continue
-            if name == "SUBPATTERN" and _only_literals(arg[-1]):  # "(<)tool_call>": one run
-                run.extend(chr(a) for _, a in arg[-1])
+            text = _literal_text([(op, arg)])  # "(<)tool_cal{1}[l]>": one run
+            if text is not None:
+                run.append(text)
                 continue
             if run:
                 runs.append("".join(run))
@@ -749,8 +753,25 @@ def regex_literals(pattern: str) -> list[str]:
     return runs
 
 
-def _only_literals(sequence: Any) -> bool:
-    return all(str(op) == "LITERAL" for op, _ in sequence)
+def _literal_text(sequence: Any) -> str | None:
+    """The one text a parsed regex ``sequence`` matches where it is literal characters alone:
+    a character, a class of one (``[l]``), a group of such and a repeat of such an exact number
+    of times (``l{1}``); else None."""
+    out = []
+    for op, arg in sequence:
+        name = str(op)
+        if name == "LITERAL":
+            out.append(chr(arg))
+        elif name == "IN" and len(arg) == 1 and str(arg[0][0]) == "LITERAL":
+            out.append(chr(arg[0][1]))
+        elif name == "SUBPATTERN" and (inner := _literal_text(arg[-1])) is not None:
+            out.append(inner)
+        elif (name in ("MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT") and arg[0] == arg[1]
+              and arg[0] <= 64 and (inner := _literal_text(arg[2])) is not None):
+            out.append(inner * arg[0])
+        else:
+            return None
+    return "".join(out)
 
 
 def _schema_literals(node: Any, path: list[str | int]) -> Iterator[tuple[str, str]]:
