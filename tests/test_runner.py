@@ -820,7 +820,8 @@ def test_a_turn_the_engine_refuses_names_the_agent_and_an_empty_guardrail_reason
     async def main():
         async with LocalBackend(str(tiny_model_dir), drafter="none", max_len=512) as backend:
             with pytest.raises(UserError, match=r"agent 'reader', turn 2: the prompt has \d+ "
-                                                r"tokens; this engine holds 512"):
+                                                r"tokens; this engine holds 512 per request "
+                                                r"\(max_len\), a prompt of at most 511"):
                 await Runner.run(agent, "read it", backend=backend)
 
     anyio.run(main)

@@ -304,7 +304,8 @@ class Engine:
         limit = self.scheduler.cfg.max_len
         if len(prompt_ids) + 1 > limit:
             raise UserError(
-                f"the prompt has {len(prompt_ids)} tokens; this engine holds {limit} per request"
+                f"the prompt has {len(prompt_ids)} tokens; this engine holds {limit} per request "
+                f"(max_len), a prompt of at most {limit - 1} and a token of reply"
             )
 
     def compile(self, source):  # -> agentflash.grammar.CompiledGrammar

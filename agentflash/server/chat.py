@@ -85,7 +85,8 @@ def prepare(request: ChatCompletionRequest, engine: Engine, max_tokens_limit: in
     max_len = engine.scheduler.cfg.max_len
     if len(prompt_ids) + 1 > max_len:
         raise APIError(400, f"the prompt has {len(prompt_ids)} tokens; this model holds {max_len} "
-                            f"tokens per request (prompt and reply)", param="messages",
+                            f"tokens per request (prompt and reply): a prompt of at most "
+                            f"{max_len - 1}", param="messages",
                        code="context_length_exceeded")
     field = "max_completion_tokens" if request.max_completion_tokens else "max_tokens"
     max_tokens = request.max_completion_tokens or request.max_tokens
