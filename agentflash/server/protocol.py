@@ -164,6 +164,10 @@ class ChatCompletionRequest(_Wire):
     logit_bias: dict[str, float] | None = None
     functions: list[Any] | None = None  # the API's calls before tools
     function_call: Any = None
+    # outputs this server does not give: asked for, the reply would not be what the client reads
+    modalities: list[str] | None = None
+    audio: Any = None
+    web_search_options: Any = None
     agentflash: AgentflashOptions | None = None
 
     def check_supported(self) -> None:
@@ -190,6 +194,11 @@ class ChatCompletionRequest(_Wire):
             if getattr(self, name) is not None:
                 raise APIError(400, f"{name}: not supported; use tools and tool_choice",
                                param=name)
+        if self.modalities is not None and set(self.modalities) - {"text"}:
+            raise APIError(400, "modalities: only text is supported", param="modalities")
+        for name in ("audio", "web_search_options"):
+            if getattr(self, name) is not None:
+                raise APIError(400, f"{name}: not supported", param=name)
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options: only with stream true", param="stream_options")
         called: set[str] = set()
