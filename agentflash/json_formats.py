@@ -4,6 +4,7 @@ year, year 0000), and a backend that reads a string's pattern and not its format
 (outlines-core) writes what the pattern allows, so each pattern is whole on its own.
 Torch-free, so that a tool's schema is made without loading the grammar layer."""
 
+import datetime
 import re
 
 _YEAR = "(?:[0-9]{3}[1-9]|[0-9]{2}[1-9]0|[0-9][1-9]00|[1-9]000)"  # 0001 to 9999
@@ -50,6 +51,27 @@ def temporal_pattern(format: str, tz_constraint: str | int | None = None) -> str
         hours, minutes = divmod(abs(int(tz_constraint)) // 60, 60)
         offset = f"{'-' if tz_constraint < 0 else '[+]'}{hours:02d}:{minutes:02d}"
     return pattern.replace(f"{_OFFSET}?$", f"{offset}$")
+
+
+def date_bounds(low: datetime.date | None, high: datetime.date | None) -> list[str]:
+    """Patterns of the ``YYYY-MM-DD`` strings from ``low`` to ``high`` (inclusive; None: no
+    bound), one a bound: such strings order as their days do, so each is the strings at or
+    after (before) its bound's, letter by letter. Beside ``DATE``, in an ``allOf``."""
+    patterns = []
+    for bound, later in ((low, True), (high, False)):
+        if bound is None:
+            continue
+        text = f"{bound.year:04d}-{bound.month:02d}-{bound.day:02d}"
+        branches = [text]  # digits and hyphens: no character to escape
+        for i, char in enumerate(text):
+            beyond = (range(int(char) + 1, 10) if later else range(int(char))
+                      ) if char.isdigit() else ()
+            if beyond:
+                rest = len(text) - i - 1
+                branches.append(f"{text[:i]}[{beyond[0]}-{beyond[-1]}]"
+                                + (f"[0-9-]{{{rest}}}" if rest else ""))
+        patterns.append("^(?:" + "|".join(branches) + ")$")
+    return patterns
 
 
 def decimal_pattern(max_digits: int | None, decimal_places: int | None) -> str:

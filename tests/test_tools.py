@@ -616,6 +616,48 @@ def test_keys_and_formats_the_grammar_writes_are_ones_pydantic_reads(demo_tokeni
     assert "stamp" not in tag.parameters["$defs"]["Note"]["properties"]
 
 
+def test_a_bounded_date_the_grammar_writes_is_within_its_bounds(demo_tokenizer_dir):
+    """pydantic checks a date's bounds and names them in no schema: the grammar wrote any day,
+    and a call the model could only write again was refused."""
+    import datetime
+    import random
+    from typing import Annotated
+
+    from transformers import AutoTokenizer
+
+    from agentflash.grammar import compile_grammar, json_schema
+    from agentflash.grammar.bench import closing_tokens, random_output
+
+    got: list[tuple[datetime.date, datetime.date]] = []
+
+    @tool
+    def book(start: Annotated[datetime.date, Field(ge=datetime.date(2025, 1, 30),
+                                                   le=datetime.date(2025, 3, 1))],
+             end: Annotated[datetime.date, Field(gt=datetime.date(2024, 12, 31),
+                                                 lt=datetime.date(2025, 1, 3))]) -> str:
+        got.append((start, end))
+        return "ok"
+
+    tok = AutoTokenizer.from_pretrained(demo_tokenizer_dir)
+    grammar = compile_grammar(json_schema(book.parameters), tok, vocab_size=len(tok))
+    rng, refused = random.Random(0), []
+    for _ in range(40):
+        tokens = random_output(grammar.new_constraint(), closing_tokens(tok, len(tok)), rng)
+        outcome = anyio.run(run_tool, book, json.loads(tok.decode(tokens[:-1])))
+        if outcome.is_error:
+            refused.append(outcome.output)
+    assert not refused, refused[:3]
+    assert {end for _, end in got} == {datetime.date(2025, 1, d) for d in (1, 2)}
+    assert len({start.month for start, _ in got}) == 3  # January 30 to March 1
+
+    def never(day: Annotated[datetime.date, Field(gt=datetime.date(2025, 1, 1),
+                                                  lt=datetime.date(2025, 1, 2))]) -> str:
+        return "no"
+
+    with pytest.raises(UserError, match=r"no date lies within its bounds"):
+        tool(never)
+
+
 def test_every_number_a_bounded_decimals_schema_allows_is_one_pydantic_reads():
     """Places past max_digits add no digits (0.123 has 3): the number branches of a bounded
     Decimal stay within its digits, as its string pattern does."""

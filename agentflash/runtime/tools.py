@@ -11,6 +11,7 @@ drops it from a nested model), and a ``Decimal`` written as a number still passe
 from __future__ import annotations
 
 import contextvars
+import datetime
 import decimal
 import functools
 import inspect
@@ -36,6 +37,7 @@ from pydantic.fields import FieldInfo
 
 from agentflash.errors import UserError, is_number
 from agentflash.json_formats import (
+    date_bounds,
     decimal_pattern,
     ip_address_pattern,
     temporal_pattern,
@@ -148,7 +150,16 @@ class GrammarJsonSchema(pydantic.json_schema.GenerateJsonSchema):
         return _decimal(schema) if self.mode == "validation" else super().decimal_schema(schema)
 
     def date_schema(self, schema):
-        return _temporal(super().date_schema(schema))
+        out = _temporal(super().date_schema(schema))
+        low, high = schema.get("ge"), schema.get("le")
+        if schema.get("gt") is not None:
+            low = max(low or datetime.date.min, _next_day(schema["gt"], 1))
+        if schema.get("lt") is not None:
+            high = min(high or datetime.date.max, _next_day(schema["lt"], -1))
+        if low is not None and high is not None and low > high:
+            raise NotBindable(f"no date lies within its bounds ({low} to {high})")
+        bounds = date_bounds(low, high)  # which pydantic checks and names no pattern of
+        return {**out, "allOf": [{"pattern": p} for p in bounds]} if bounds else out
 
     def time_schema(self, schema):
         return _temporal(super().time_schema(schema), schema.get("tz_constraint"))
@@ -217,6 +228,13 @@ def _known_formats(node: Any) -> Any:
         out.pop("format")
         out["pattern"] = _FORMAT_PATTERNS[format]
     return out
+
+
+def _next_day(day: datetime.date, step: int) -> datetime.date:
+    try:
+        return day + datetime.timedelta(days=step)
+    except OverflowError:  # past 9999-12-31 (0001-01-01): no day there
+        raise NotBindable(f"no date lies beyond {day}") from None
 
 
 class NotBindable(ValueError):
