@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -206,12 +207,20 @@ def parse_body(body: str) -> ParsedToolCall | MalformedToolCall:
 
 def loads_strict(text: str) -> Any:
     """``json.loads`` refusing NaN and Infinity (``ValueError``), which Python reads and JSON
-    has not: a model decoding without the grammar may write them."""
-    return json.loads(text, parse_constant=_no_constant)
+    has not: a model decoding without the grammar may write them; and a number past a float's
+    range (``1e999``, which JSON's grammar allows), which Python reads as infinity."""
+    return json.loads(text, parse_constant=_no_constant, parse_float=_finite)
 
 
 def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if math.isinf(value):
+        raise ValueError(f"{text[:40]} is past the range of a float")
+    return value
 
 
 def load_body(body: str) -> tuple[Any, str | None]:

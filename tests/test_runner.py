@@ -294,6 +294,9 @@ def test_json_schema_output_type():
     bounded = {"type": "object", "properties": {"x": {"type": "number", "minimum": 0}}}
     with pytest.raises(ModelBehaviorError, match="not JSON \\(NaN is not a JSON number\\)"):
         run(Agent("a", output_type=bounded), ['{"x": NaN}'])
+    # a number JSON's grammar allows past a float's range: Python read it as infinity
+    with pytest.raises(ModelBehaviorError, match="not JSON \\(1e999 is past the range of a "):
+        run(Agent("a", output_type=bounded), ['{"x": 1e999}'])
 
 
 def test_input_guardrail_stops_the_run_before_any_model_turn():
