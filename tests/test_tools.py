@@ -5,6 +5,7 @@ import functools
 import itertools
 import json
 import math
+import re
 import sys
 import threading
 import time
@@ -331,6 +332,52 @@ def test_a_sync_tool_past_its_timeout_holds_neither_the_run_nor_the_exit():
     release.set()
     thread.join(5)
     assert anyio.run(run_tool, stuck, {"x": 2}).output == "late"  # a prompt call still returns
+
+
+def test_types_whose_schema_names_what_pydantic_refuses_are_refused_or_written_as_read():
+    """An AliasPath field is shown by its name, which pydantic does not read; a Literal of a
+    plain Enum's member is shown as its value, which pydantic refuses; a complex number was any
+    string: every grammar-written value of them was refused."""
+    import enum
+
+    from pydantic import AliasChoices, AliasPath, ConfigDict
+
+    class Plain(enum.Enum):
+        RED = "red"
+
+    class Text(str, enum.Enum):
+        RED = "red"
+
+    class Pathed(BaseModel):
+        name: str = Field(validation_alias=AliasPath("names", 0))
+
+    class ByName(Pathed):
+        model_config = ConfigDict(validate_by_name=True)
+
+    class Chosen(BaseModel):
+        name: str = Field(validation_alias=AliasChoices("n", AliasPath("names", 0)))
+
+    def pathed(who: Pathed) -> str:
+        return who.name
+
+    def plain(color: Literal[Plain.RED]) -> str:
+        return "red"
+
+    with pytest.raises(UserError, match=r"field 'name' is read from a path \(AliasPath"):
+        tool(pathed)
+    with pytest.raises(UserError, match="a Literal of enum members"):
+        tool(plain)
+
+    @tool
+    def fine(a: ByName, b: Chosen, color: Literal[Text.RED], z: complex) -> str:
+        return f"{a.name} {b.name} {color.value} {z}"
+
+    arguments = {"a": {"name": "x"}, "b": {"n": "y"}, "color": "red", "z": "1.5-2j"}
+    assert re.fullmatch(fine.parameters["properties"]["z"]["pattern"], arguments["z"])
+    outcome = anyio.run(run_tool, fine, arguments)
+    assert not outcome.is_error and outcome.output == "x y red (1.5-2j)"
+    for bad in ("j", "1+j", "abc"):
+        assert not re.fullmatch(fine.parameters["properties"]["z"]["pattern"], bad)
 
 
 def test_bad_tool_definitions_are_user_errors():

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextvars
 import datetime
 import decimal
+import enum
 import functools
 import inspect
 import json
@@ -177,6 +178,32 @@ class GrammarJsonSchema(pydantic.json_schema.GenerateJsonSchema):
             out["pattern"] = url_pattern(schemes)
         return out
 
+    def _get_alias_name(self, field, name):
+        alias = field.get("validation_alias") if self.mode == "validation" else None
+        config = getattr(self, "_config", None)
+        if (isinstance(alias, list) and not getattr(config, "validate_by_name", False)
+                and not any(isinstance(p, list) and len(p) == 1 and isinstance(p[0], str)
+                            for p in alias)):
+            raise NotBindable(f"field {name!r} is read from a path (AliasPath {alias}), and "
+                              f"the schema can only name a key: give it a key of its own "
+                              f"(AliasChoices with a name first, or validate_by_name)")
+        return super()._get_alias_name(field, name)
+
+    def literal_schema(self, schema):
+        # a member of an Enum that is not of its value's type (no str or int mixin) is no
+        # JSON value to pydantic: it refuses the value the schema names
+        if self.mode == "validation" and any(
+                isinstance(v, enum.Enum) and not isinstance(v, type(v.value))
+                for v in schema["expected"]):
+            raise NotBindable(f"a Literal of enum members ({schema['expected']}) reads no JSON "
+                              f"value: take the Enum, a Literal of its values, or make it a "
+                              f"str (or int) Enum")
+        return super().literal_schema(schema)
+
+    def complex_schema(self, schema):
+        # pydantic reads a number, or a string of one with an imaginary part ("1+2j")
+        return {"type": "string", "pattern": COMPLEX_PATTERN}
+
     def json_schema(self, schema):
         raise NotBindable("a pydantic.Json[...] value is a string of JSON that pydantic parses, "
                           "and the grammar cannot bind what the string holds: take the value "
@@ -337,6 +364,8 @@ def _literal(text: str) -> str:
     return "".join("\\" + c if c in "\\.+*?()|[]{}^$" else c for c in text)
 
 
+_REAL = "[0-9]+(?:\\.[0-9]+)?"
+COMPLEX_PATTERN = f"^-?(?:{_REAL}(?:[+-]{_REAL}j)?|{_REAL}j)$"
 INTEGER_KEY = r"^-?(0|[1-9][0-9]*)$"
 NUMBER_KEY = r"^-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?$"
 # what pydantic raises where it cannot make a schema of a type: the tool or agent names it
