@@ -807,3 +807,23 @@ def test_a_client_gone_while_sending_its_body_is_no_internal_error(url, caplog):
     time.sleep(0.5)  # the server reads on, finds the client gone
     assert not [r for r in caplog.records if "internal error" in r.getMessage()]
     assert httpx.get(url.removesuffix("/v1") + "/health").json()["status"] == "ok"
+
+
+def test_a_participants_name_reaches_the_chat_template(demo_tokenizer_dir):
+    # OpenAI's API takes a name per message, for the model to tell participants apart: it was
+    # dropped before the template could show it
+    from transformers import AutoTokenizer
+
+    from agentflash.server.chat import chat_messages
+    from agentflash.server.protocol import ChatCompletionRequest
+
+    request = ChatCompletionRequest.model_validate({"model": "demo", "messages": [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "hi", "name": "alice"},
+        {"role": "assistant", "content": "hello", "name": "bot"},
+        {"role": "user", "content": "and me?"}]})
+    tok = AutoTokenizer.from_pretrained(demo_tokenizer_dir)
+    tok.chat_template = ("{% for m in messages %}{{ m.get('name', m['role']) }}: {{ m['content'] }}"
+                         "\n{% endfor %}")
+    text = tok.apply_chat_template(chat_messages(request.messages), tokenize=False)
+    assert text == "system: Be brief.\nalice: hi\nbot: hello\nuser: and me?\n"

@@ -126,15 +126,18 @@ def prepare(request: ChatCompletionRequest, engine: Engine, max_tokens_limit: in
 
 def chat_messages(messages: list[Message]) -> list[dict[str, Any]]:
     """The messages as the chat template reads them: system and developer messages become the one
-    leading system message; content parts are joined into text."""
+    leading system message; content parts are joined into text; a user's or assistant's
+    ``name`` is passed on (Qwen's template shows none, another may)."""
     system = [m.text for m in messages if m.role in ("system", "developer")]
     out: list[dict[str, Any]] = [{"role": "system", "content": "\n\n".join(system)}] if system \
         else []
     for m in messages:
+        # a participant's name goes to the template, which shows it where it has a place
+        named = {"name": m.name} if m.name is not None else {}
         if m.role == "user":
-            out.append({"role": "user", "content": m.text})
+            out.append({"role": "user", "content": m.text, **named})
         elif m.role == "assistant":
-            msg: dict[str, Any] = {"role": "assistant", "content": m.text}
+            msg: dict[str, Any] = {"role": "assistant", "content": m.text, **named}
             if m.tool_calls:
                 msg["tool_calls"] = [c.model_dump() for c in m.tool_calls]
             out.append(msg)
