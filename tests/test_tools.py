@@ -400,6 +400,20 @@ def test_bad_tool_definitions_are_user_errors():
         tool(name="two words")(lambda x: x)
     with pytest.raises(UserError, match="timeout_s must be a positive number"):
         tool(timeout_s=0)(star)
+    # a builtin of C has no signature: a ValueError's traceback out of validate and run
+    with pytest.raises(UserError, match=r"max: its signature cannot be read \(no signature"):
+        tool(max)
+
+    class Booking:  # a class: its __init__'s hints (the class's own named none of them)
+        """Book a room."""
+
+        def __init__(self, city: str, nights: int = 1):
+            self.city, self.nights = city, nights
+
+    made = tool(Booking)
+    assert made.parameters["properties"] == {"city": {"type": "string"},
+                                             "nights": {"type": "integer", "default": 1}}
+    assert made.description == "Book a room."
 
     class Thing:  # not a type pydantic can describe
         pass
@@ -637,9 +651,10 @@ def test_keys_and_formats_the_grammar_writes_are_ones_pydantic_reads(demo_tokeni
     def tag(colors: dict[Color, int], sizes: dict[Literal["s", "m"], int],
             ids: dict[uuid_module.UUID, bool], days: dict[datetime.date, str],
             flags: dict[bool, int], codes: dict[constr(pattern=r"^[a-z]$"), int],
-            key: pydantic.UUID4, path: pathlib.Path, blob: bytes, secret: pydantic.SecretStr,
-            host: pydantic.IPvAnyAddress, note: Note) -> str:
-        got.append((colors, key, path, blob, host, note))
+            key: pydantic.UUID4, default: pathlib.Path, blob: bytes, secret: pydantic.SecretStr,
+            host: pydantic.IPvAnyAddress, note: Note, format: str) -> str:
+        # (parameters named as schema keywords: the walk over formats took "format" for one)
+        got.append((colors, key, default, blob, host, note))
         return "ok"
 
     tok = AutoTokenizer.from_pretrained(demo_tokenizer_dir)
@@ -680,7 +695,7 @@ def test_a_bounded_date_the_grammar_writes_is_within_its_bounds(demo_tokenizer_d
     @tool
     def book(start: Annotated[datetime.date, Field(ge=datetime.date(2025, 1, 30),
                                                    le=datetime.date(2025, 3, 1))],
-             end: Annotated[datetime.date, Field(gt=datetime.date(2024, 12, 31),
+             end: Annotated[datetime.date, Field(gt="2024-12-31",  # as pydantic reads it
                                                  lt=datetime.date(2025, 1, 3))]) -> str:
         got.append((start, end))
         return "ok"
@@ -955,19 +970,32 @@ def test_http_tool_calls_only_its_declared_url(server_url):
     missing = HttpTool("gone", "", "GET", f"{server_url}/missing", PARAMS)
     slow = HttpTool("slow", "", "GET", f"{server_url}/slow", PARAMS, timeout_s=0.3)
     versioned = HttpTool("v2", "", "GET", f"{server_url}/flights?api_version=2", PARAMS)
+    # a query of its own, sent as written (httpx's params re-encoded it: ?acl=, sig=a+b)
+    signed = HttpTool("signed", "", "GET", f"{server_url}/flights?acl&sig=a%20b;c", PARAMS)
+    bare = HttpTool("bare", "", "GET", f"{server_url}/flights?acl&sig=a%20b;c")  # no arguments
+    secret = HttpTool("secret", "", "GET",
+                      server_url.replace("://", "://user:hunter2@") + "/missing?key=SECRET")
 
     async def main():
         tricky = {"to": "Oslo/../admin?x=1", "tags": ["a", "b"], "direct": True}
         return [await run_tool(versioned, {"to": "Rome"}), await run_tool(get, tricky),
+                await run_tool(signed, {"to": "Rome"}), await run_tool(bare, {}),
+                await run_tool(secret, {}),
                 await run_tool(post, {"to": "Rome", "direct": False}),
                 await run_tool(get, {"to": 3}),
                 await run_tool(redirect, {"to": "x"}),
                 await run_tool(missing, {"to": "x"}),
                 await run_tool(slow, {"to": "x"})]
 
-    kept, ok, posted, invalid, hopped, gone, late = anyio.run(main)
+    kept, ok, signed_to, signed_alone, hidden, posted, invalid, hopped, gone, late = \
+        anyio.run(main)
     # the declared URL's own query stays; the arguments join it
     assert json.loads(kept.output)["path"] == "/flights?api_version=2&to=Rome"
+    assert json.loads(signed_to.output)["path"] == "/flights?acl&sig=a%20b;c&to=Rome"
+    assert json.loads(signed_alone.output)["path"] == "/flights?acl&sig=a%20b;c"
+    # the model, or a remote server, reads the error: no password or query key in it
+    assert hidden.is_error and "HTTP 404 from http://127.0.0.1:" in hidden.output
+    assert "hunter2" not in hidden.output and "SECRET" not in hidden.output
     assert not ok.is_error
     path = json.loads(ok.output)["path"]
     assert path.startswith("/flights?") and "to=Oslo%2F..%2Fadmin%3Fx%3D1" in path
@@ -978,7 +1006,7 @@ def test_http_tool_calls_only_its_declared_url(server_url):
     assert gone.is_error and "HTTP 404" in gone.output and "no such thing" in gone.output
     assert late.is_error and "timed out" in late.output.lower()
     paths = [p.split("?")[0] for _, p, _ in Recorder.seen]
-    assert "/elsewhere" not in paths and len([p for p in paths if p == "/flights"]) == 2
+    assert "/elsewhere" not in paths and len([p for p in paths if p == "/flights"]) == 4
 
 
 def test_http_tool_reads_a_reply_up_to_its_cap(server_url):
@@ -1100,6 +1128,10 @@ def test_http_tool_definition_errors():
              {"type": "object", "properties": {"v": {"type": "integer"}}})
     with pytest.raises(UserError, match="url must be an absolute http"):
         HttpTool("t", "", "GET", "file:///etc/passwd")
+    # httpx sent the host "exa%20mple.com", which failed at the call naming no host
+    for url in ("http://exa mple.com/x", "http://127.0.0.1 :8080/x", "http://h/x y"):
+        with pytest.raises(UserError, match="holds a blank or a control character"):
+            HttpTool("t", "", "GET", url)
     with pytest.raises(UserError, match="method must be one of"):
         HttpTool("t", "", "FETCH", "http://127.0.0.1/x")
     with pytest.raises(UserError, match="timeout_s must be a positive number, got -1"):

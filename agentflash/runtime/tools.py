@@ -26,7 +26,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, overload
-from urllib.parse import parse_qsl, urlsplit
+from urllib.parse import parse_qsl, quote, urlencode, urlsplit
 
 import anyio
 import anyio.from_thread
@@ -152,11 +152,13 @@ class GrammarJsonSchema(pydantic.json_schema.GenerateJsonSchema):
 
     def date_schema(self, schema):
         out = _temporal(super().date_schema(schema))
-        low, high = schema.get("ge"), schema.get("le")
-        if schema.get("gt") is not None:
-            low = max(low or datetime.date.min, _next_day(schema["gt"], 1))
-        if schema.get("lt") is not None:
-            high = min(high or datetime.date.max, _next_day(schema["lt"], -1))
+        bound = {key: _a_date(schema[key]) for key in ("ge", "gt", "le", "lt")
+                 if schema.get(key) is not None}  # pydantic keeps "2020-01-01" as given
+        low, high = bound.get("ge"), bound.get("le")
+        if "gt" in bound:
+            low = max(low or datetime.date.min, _next_day(bound["gt"], 1))
+        if "lt" in bound:
+            high = min(high or datetime.date.max, _next_day(bound["lt"], -1))
         if low is not None and high is not None and low > high:
             raise NotBindable(f"no date lies within its bounds ({low} to {high})")
         bounds = date_bounds(low, high)  # which pydantic checks and names no pattern of
@@ -238,14 +240,16 @@ _FORMAT_PATTERNS = {f"uuid{n}": uuid_pattern(n) for n in range(1, 9)}
 
 
 def _known_formats(node: Any) -> Any:
-    """``node`` with the formats above made a pattern llguidance writes, or left out."""
-    if isinstance(node, list):
-        return [_known_formats(item) for item in node]
+    """The schema ``node`` with the formats above made a pattern llguidance writes, or left
+    out, in it and its subschemas (a property named ``format`` is none)."""
+    from agentflash.grammar.sources import with_subschemas
+
     if not isinstance(node, dict):
         return node
-    out = {key: _known_formats(value) if key not in ("enum", "const", "default", "examples")
-           else value for key, value in node.items()}
+    out = with_subschemas(node, lambda sub, key: _known_formats(sub))
     format = out.get("format")
+    if not isinstance(format, str):
+        return out
     if format in _ANY_STRING_FORMATS:
         del out["format"]
     elif format == "ipvanyaddress":
@@ -257,11 +261,19 @@ def _known_formats(node: Any) -> Any:
     return out
 
 
+def _a_date(value: Any) -> datetime.date:
+    """A date bound as pydantic reads it (a date, or its ISO text)."""
+    try:
+        return pydantic.TypeAdapter(datetime.date).validate_python(value)
+    except pydantic.ValidationError:
+        raise NotBindable(f"the bound {value!r} is no date") from None
+
+
 def _next_day(day: datetime.date, step: int) -> datetime.date:
     try:
         return day + datetime.timedelta(days=step)
-    except OverflowError:  # past 9999-12-31 (0001-01-01): no day there
-        raise NotBindable(f"no date lies beyond {day}") from None
+    except OverflowError:  # past 9999-12-31 (before 0001-01-01): no day there
+        raise NotBindable(f"no date lies {'after' if step > 0 else 'before'} {day}") from None
 
 
 class NotBindable(ValueError):
@@ -664,11 +676,19 @@ def function_tool(fn: Callable[..., Any], *, name: str | None = None,
     summary, param_docs = parse_docstring(inspect.getdoc(source))
     try:
         hints = typing.get_type_hints(source, include_extras=True)
+        init = getattr(source, "__init__", None)
+        if isinstance(source, type) and inspect.isfunction(init):  # a class: its __init__'s
+            hints = {**typing.get_type_hints(init, include_extras=True), **hints}
     except Exception as err:  # unresolvable forward references and the like
         raise UserError(f"{where}: cannot read the type hints: {err}") from None
+    try:
+        signature = inspect.signature(fn)
+    except (ValueError, TypeError) as err:  # a builtin of C (max): no signature to read
+        raise UserError(f"{where}: its signature cannot be read ({err}): wrap it in a "
+                        f"function with typed parameters") from None
     fields: dict[str, Any] = {}
     positional = []
-    for param in inspect.signature(fn).parameters.values():
+    for param in signature.parameters.values():
         if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
             stars = "*" if param.kind is param.VAR_POSITIONAL else "**"
             raise UserError(f"{where}: a tool cannot take {stars}{param.name} (nor any *args "
@@ -807,6 +827,10 @@ class HttpTool:
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise UserError(f"http tool {self.name!r}: url must be an absolute http(s) URL, "
                             f"got {self.url!r}")
+        if any(ch.isspace() or not ch.isprintable() for ch in self.url):
+            # httpx sends "exa mple.com" as the host exa%20mple.com, which no name resolves
+            raise UserError(f"http tool {self.name!r}: url {self.url!r} holds a blank or a "
+                            f"control character: percent-encode it")
         _check_timeout(self.timeout_s, f"http tool {self.name!r}")
 
         from agentflash.grammar.tool_calls import check_parameters
@@ -817,6 +841,14 @@ class HttpTool:
         if clash:
             raise UserError(f"http tool {self.name!r}: parameter {clash[0]!r} is also in the "
                             f"url's query, which arguments never change")
+
+    @property
+    def shown_url(self) -> str:
+        """The URL as errors show it, to the model too: without a user, password or query,
+        where a key may be."""
+        parts = urlsplit(self.url)
+        host = parts.netloc.rpartition("@")[2]
+        return f"{parts.scheme}://{host}{parts.path}"
 
     def _declared_query(self) -> set[str]:
         """The query keys of the declared URL where arguments go in the query (else none)."""
@@ -841,8 +873,13 @@ class HttpTool:
         if problems:
             raise ToolArgumentsError(f"invalid arguments for {self.name}: {'; '.join(problems)}")
         query = self.method in ("GET", "DELETE")
-        # the model's arguments join the query the declared URL has (httpx's params replace it)
-        url = httpx.URL(self.url).copy_merge_params(_query(arguments)) if query else self.url
+        url = self.url
+        if query and (pairs := _query(arguments)):
+            # the model's arguments after the query the declared URL has, which is sent as
+            # written (httpx's params re-encode it: ?acl as ?acl=, a signature's %20 as +)
+            base, hash_, fragment = url.partition("#")
+            joiner = "&" if urlsplit(base).query else "" if base.endswith("?") else "?"
+            url = base + joiner + urlencode(pairs, doseq=True, quote_via=quote) + hash_ + fragment
         async with httpx.AsyncClient(timeout=self.timeout_s, follow_redirects=False) as client:
             async with client.stream(self.method, url,
                                      json=None if query else arguments) as response:
@@ -851,12 +888,12 @@ class HttpTool:
                     body += piece
                     if len(body) > MAX_REPLY_BYTES:
                         raise RuntimeError(
-                            f"HTTP {response.status_code} from {self.url}: the reply is larger "
-                            f"than {MAX_REPLY_BYTES >> 20} MiB (a tool's result goes into the "
-                            "model's prompt)")
+                            f"HTTP {response.status_code} from {self.shown_url}: the reply is "
+                            f"larger than {MAX_REPLY_BYTES >> 20} MiB (a tool's result goes into "
+                            "the model's prompt)")
         text = body.decode(response.encoding or "utf-8", errors="replace")
         if not response.is_success:
-            raise RuntimeError(f"HTTP {response.status_code} from {self.url}: {text[:300]}")
+            raise RuntimeError(f"HTTP {response.status_code} from {self.shown_url}: {text[:300]}")
         if response.headers.get("content-type", "").startswith("application/json"):
             try:  # the bytes: json finds their encoding (a BOM, UTF-16) as response.json() did
                 return json.loads(bytes(body))
