@@ -156,7 +156,7 @@ def test_a_signal_ends_the_replies_in_flight_with_the_engine_stopped_error(tiny_
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     root = f"http://127.0.0.1:{port}"
     body = {"model": tiny_model_dir.name, "messages": [{"role": "user", "content": "hi"}],
-            "max_tokens": 900, "stream": True, "temperature": 1.0, "seed": 1}
+            "max_tokens": 1024, "stream": True, "temperature": 1.0, "seed": 1}
     try:
         wait_until_up(proc, root)
         lines = []

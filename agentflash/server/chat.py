@@ -94,11 +94,6 @@ def prepare(request: ChatCompletionRequest, engine: Engine, max_tokens_limit: in
         raise APIError(400, f"{field} is {max_tokens}; this server allows at most "
                             f"{max_tokens_limit}", param=field)
     room = max_len - len(prompt_ids)
-    if max_tokens is not None and max_tokens > room:  # as OpenAI's API: refused, not cut down
-        raise APIError(400, f"the prompt has {len(prompt_ids)} tokens and {field} is "
-                            f"{max_tokens}; this model holds {max_len} tokens per request "
-                            f"(prompt and reply): ask for at most {room}", param=field,
-                       code="context_length_exceeded")
     options = request.agentflash
     temperature = DEFAULT_TEMPERATURE if request.temperature is None else request.temperature
     if temperature < MIN_TEMPERATURE:  # OpenAI's API takes any from 0: below it, greedy
@@ -106,7 +101,7 @@ def prepare(request: ChatCompletionRequest, engine: Engine, max_tokens_limit: in
     calls = bool(tools) and choice.mode is not ToolChoiceMode.NONE  # the reply may hold calls
     try:
         params = SamplingParams(
-            max_tokens=max_tokens or min(max_tokens_limit, room),
+            max_tokens=min(max_tokens or max_tokens_limit, room),
             temperature=temperature,
             top_p=1.0 if request.top_p is None else request.top_p,
             seed=request.seed,
