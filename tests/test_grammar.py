@@ -1034,8 +1034,14 @@ def test_an_added_token_that_is_text_may_be_written(demo_tokenizer_dir):
         compile_grammar(regex("hi <tools>"), tok, vocab_size=len(tok))
 
 
-def test_a_regex_that_keeps_a_special_tokens_text_out_is_no_writing_of_it(tok):
-    grammar = compile_grammar(lark("start: X\nX: /[a-z<>_]+/ & ~/.*<tool_call>.*/\n"), tok)
+@pytest.mark.parametrize("text", [
+    "start: X\nX: /[a-z<>_]+/ & ~/.*<tool_call>.*/\n",
+    # negated through a terminal or a group: refused as a writing of it
+    "start: X\nX: /[a-z<>_]+/ & ~CALLISH\nCALLISH: /(?s:.*)<tool_call>(?s:.*)/\n",
+    "start: X\nX: /[a-z<>_]+/ & ~(/(?s:.*)<tool_call>(?s:.*)/)\n",
+])
+def test_a_regex_that_keeps_a_special_tokens_text_out_is_no_writing_of_it(tok, text):
+    grammar = compile_grammar(lark(text), tok)
     ids = tok.encode("a<b>_c", add_special_tokens=False) + [tok.eos_token_id]
     assert grammar.new_constraint().validate_draft(ids) == len(ids)
 

@@ -672,9 +672,9 @@ def special_tokens(text: str) -> list[str] | None:
 def written_literals(lark_text: str | None, schema: Any = None) -> list[tuple[str, str]]:
     """(where, text) of each literal a grammar writes as text: a JSON ``schema``'s property names
     and enum and const strings, or a Lark grammar's strings and its ``%json`` schemas' literals.
-    A Lark regex's literal runs are among them, but where ``~`` negates it (it names a text
-    to keep out); a schema's patterns are left out (``not`` may name one); so is what the
-    checker cannot read."""
+    A Lark regex's literal runs are among them, but in a grammar that negates (``~``: a
+    regex may name a text to keep out); a schema's patterns are left out (``not`` may name
+    one); so is what the checker cannot read."""
     if lark_text is None:
         return list(_schema_literals(schema, []))
     try:
@@ -683,15 +683,16 @@ def written_literals(lark_text: str | None, schema: Any = None) -> list[tuple[st
         return []
     found: list[tuple[str, str]] = []
     run: list[str] = []  # strings one after another in a rule: written as one text
-    before = None  # the token before this one
+    # a grammar that negates (~) may name a text in a regex to keep it out, through a
+    # terminal or a group: its regexes are left to llguidance
+    negates = ("op", "~") in tokens
     for kind, value in tokens:  # (whitespace is not among them)
         if kind != "string" and len(run) > 1:  # '"<" "tool_call>"' writes <tool_call>
             found.append(_joined(run))
         run = run + [value] if kind == "string" else []
-        negated, before = before == ("op", "~"), (kind, value)
         if kind == "string":
             found.append((f"the string {value}", value))
-        elif kind == "regex" and not negated:  # ~/.../ names a text to keep out
+        elif kind == "regex" and not negates:
             found += [(f"the regex {value}: its literal {lit!r}", lit)
                       for lit in regex_literals(value[1:value.rindex("/")])]
         elif kind == "json":
