@@ -323,7 +323,7 @@ def test_a_call_cut_by_max_tokens_runs_no_tool_as_on_the_embedded_engine(server)
         calls, finish = ready(max_tokens)
         assert finish.finish_reason == "length"
         assert not any(isinstance(c, ToolCall) for c in calls), (max_tokens, calls)
-        checked += any("cut by max_tokens" in c.error for c in calls)
+        checked += any("generation ended: length" in c.error for c in calls)
     assert checked >= 2
 
 
@@ -651,7 +651,7 @@ def test_chunk_reader_closes_calls_as_their_arguments_complete():
                  "usage": {"prompt_tokens": 5, "completion_tokens": 9,
                            "prompt_tokens_details": {"cached_tokens": 4}}})
     (last,) = reader.close()  # call 2, cut by max tokens
-    assert last.index == 2 and last.call.id == "c" and "cut by max_tokens" in last.call.error
+    assert last.index == 2 and last.call.id == "c" and "generation ended: length" in last.call.error
     stats = reader.stats(1.0)
     assert reader.finish_reason == "length" and stats["new_tokens"] == 9
     assert stats["prompt_tokens"] == 5 and stats["cached_prompt_tokens"] == 4
@@ -671,7 +671,7 @@ def test_a_reply_cut_by_length_leaves_its_open_calls_malformed():
     assert reply('{"x": 1}', "tool_calls") == [ToolCall("a", "f", {"x": 1})]
     for arguments in ("", '{"x": 1}', '{"x": '):  # cut before its arguments, or after them
         (call,) = reply(arguments, "length")
-        assert isinstance(call, MalformedToolCall) and "cut by max_tokens" in call.error
+        assert isinstance(call, MalformedToolCall) and "generation ended: length" in call.error
 
 
 def test_server_sent_events_end_lines_at_cr_and_lf_only():
@@ -774,3 +774,47 @@ def test_calls_a_server_sends_as_text_are_read_as_the_embedded_engine_reads_them
     assert not any(isinstance(e, ToolCallReady) for e in events)
     assert "</tool_call>" in "".join(e.text for e in events if isinstance(e, TextDelta))
     app.failures = []
+
+
+def test_a_cut_call_and_a_call_without_tools_read_alike_embedded_and_through_the_server(server):
+    """A call cut by max_tokens went back to the model in other words through the server (its
+    arguments as a JSON string inside its body), and the next turn went another way; a call's
+    markup in a turn without tools was a call embedded and the answer through the server."""
+    url, _ = server
+
+    def cut(max_tokens):
+        return ModelRequest([{"role": "user", "content": "Use get_weather with city Oslo, "
+                              "days 3."}], [WEATHER], ForceTool("get_weather"),
+                            decoding=Decoding(max_tokens=max_tokens, speculation="off"))
+
+    untooled = ModelRequest([{"role": "system", "content": "You are a helpful assistant with "
+                              "access to tools."},
+                             {"role": "user", "content": "Call search_files with query report."}],
+                            decoding=Decoding(max_tokens=64, speculation="off"))
+
+    async def both(request):
+        out = []
+        for backend in (local, remote):
+            events = [e async for e in backend.stream(request)]
+            calls = [e.call for e in events if isinstance(e, ToolCallReady)]
+            out.append(("".join(e.text for e in events if isinstance(e, TextDelta)),
+                        [(c.body, c.error) if isinstance(c, MalformedToolCall) else c.name
+                         for c in calls]))  # (ids are each backend's own)
+        return out
+
+    async def go():
+        nonlocal local, remote
+        async with LocalBackend("demo") as local, OpenAIBackend(url, "demo") as remote:
+            # cut inside its arguments (cut before they begin, the server has no call to send;
+            # after them, its body's closing brace is not sent: neither is compared)
+            return [await both(cut(n)) for n in (16, 18, 20)], await both(untooled)
+
+    local = remote = None
+    cuts, (embedded_text, served_text) = anyio.run(go)
+    for embedded, served in cuts:
+        assert embedded == served
+        ((body, error),) = embedded[1]
+        assert body.startswith('{"name": "get_weather", "arguments": {')
+        assert error == "the tool call was not closed with </tool_call> (generation ended: length)"
+    assert embedded_text == served_text
+    assert "<tool_call>" in embedded_text[0] and embedded_text[1] == []

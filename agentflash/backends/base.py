@@ -98,6 +98,14 @@ class ModelRequest:
 # --- events -------------------------------------------------------------------------------------
 
 
+def unclosed_call_error(finish_reason: str) -> str:
+    """Why a call the reply left open is malformed: the same words on every backend, so that a
+    conversation goes on alike embedded and through a server."""
+    from agentflash.tool_format import CLOSE
+
+    return f"the tool call was not closed with {CLOSE} (generation ended: {finish_reason})"
+
+
 @dataclass(frozen=True)
 class TextDelta:
     """Prose the model wrote outside tool calls."""

@@ -34,6 +34,7 @@ from agentflash.backends.base import (
     ToolCallDelta,
     ToolCallReady,
     ToolChoice,
+    unclosed_call_error,
 )
 from agentflash.errors import UserError
 from agentflash.runtime.errors import RunError
@@ -183,7 +184,7 @@ class HermesStreamParser:
             return events + self.feed(closer.text[end + len(CLOSE) :]) + self.close(finish_reason)
         events += self._extend(len(closer.text))
         self._call = None
-        error = f"the tool call was not closed with {CLOSE} (generation ended: {finish_reason})"
+        error = unclosed_call_error(finish_reason)
         return events + [ToolCallReady(call.index, MalformedToolCall(next(self._ids),
                                                                      call.body.strip(), error))]
 
@@ -310,7 +311,10 @@ class LocalBackend(Backend):
         if self._aengine is None:
             raise UserError("open the LocalBackend first: "
                             "`async with LocalBackend(...) as backend:`")
-        parser = HermesStreamParser(f"call_{uuid.uuid4().hex[:8]}")
+        # calls are read from the text where the turn has tools (as the server reads them, for
+        # the remote backend); without, a call's markup is the model's text
+        parser = (HermesStreamParser(f"call_{uuid.uuid4().hex[:8]}") if request.tools
+                  else _TextOnly())
         prompt_ids = await self._prompt_ids(request)
         async with aclosing(self._engine_stream(request, prompt_ids)) as tokens:
             async for event in tokens:
@@ -353,6 +357,16 @@ class LocalBackend(Backend):
                             "drafter='demo' or a drafter directory), model.drafter in a "
                             "workflow (or use speculation auto or off)")
         return self._aengine.stream(prompt_ids, sampling_params(request))
+
+
+class _TextOnly:
+    """A turn's text as it is (``HermesStreamParser``'s interface): a turn without tools."""
+
+    def feed(self, text: str) -> list[ModelEvent]:
+        return [TextDelta(text)] if text else []
+
+    def close(self, finish_reason: str) -> list[ModelEvent]:
+        return []
 
 
 def sampling_params(request: ModelRequest) -> Any:

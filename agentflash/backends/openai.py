@@ -48,6 +48,7 @@ from agentflash.backends.base import (
     ToolCallReady,
     ToolChoice,
     ToolChoiceSpec,
+    unclosed_call_error,
 )
 from agentflash.backends.local import HermesStreamParser
 from agentflash.errors import UserError, is_int
@@ -651,14 +652,19 @@ class _ChunkReader:
             args, _ = load_body(call.arguments or "{}")  # NaN refused, as the grammar's
             if isinstance(args, dict) and call.name and not cut:
                 events.append(ToolCallReady(index, ToolCall(call.id, call.name, args)))
+                continue
+            if cut and call.name:  # its body as the model wrote it, as the embedded engine's
+                # reader gives it (its arguments as a JSON string in the body, and other words,
+                # were another result to the model, and the next turn went another way)
+                body = (f'{{"name": {json.dumps(call.name)}, "arguments": '
+                        f'{call.arguments}').rstrip()
+                error = unclosed_call_error("length")
             else:
                 body = json.dumps({"name": call.name, "arguments": call.arguments})
                 error = ("the call names no tool" if not call.name
-                         else "the reply was cut by max_tokens (finish_reason length) before "
-                              "the call was closed" if cut
                          else "the arguments are not a JSON object" if args is not None
                          else "the arguments are not valid JSON")
-                events.append(ToolCallReady(index, MalformedToolCall(call.id, body, error)))
+            events.append(ToolCallReady(index, MalformedToolCall(call.id, body, error)))
         return events
 
     def close(self) -> list[ModelEvent]:
