@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import re
@@ -281,6 +282,26 @@ def validate(
                f"tools, {len(wf.steps)} steps)")
 
 
+@contextlib.contextmanager
+def _stdout_to_stderr():
+    """What is written to stdout in the block goes to stderr: Python's prints, and where stdout
+    is the process's file descriptor 1, what a subprocess or C code writes to it too."""
+    sys.stdout.flush()
+    try:
+        saved = os.dup(1) if sys.stdout.fileno() == 1 else None
+    except (OSError, ValueError, AttributeError, io.UnsupportedOperation):  # a test's capture
+        saved = None
+    if saved is not None:
+        os.dup2(sys.stderr.fileno(), 1)
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        if saved is not None:
+            os.dup2(saved, 1)
+            os.close(saved)
+
+
 @app.command("run")
 def run_workflow(
     file: Annotated[Path, typer.Argument(help="workflow YAML file")],
@@ -302,7 +323,7 @@ def run_workflow(
     from agentflash.runtime.workflow import load_workflow, parse_input_pairs
 
     # with --json, stdout is the JSON alone: what python tools print goes to stderr
-    quiet = contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext()
+    quiet = _stdout_to_stderr() if as_json else contextlib.nullcontext()
     try:
         with quiet:
             wf = load_workflow(file, model)

@@ -2,6 +2,7 @@
 
 import json
 import re
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -928,6 +929,40 @@ def test_python_tools_print_to_stderr_under_json_import_their_neighbours_and_may
     result = CliRunner().invoke(app, ["validate", str(bad)])
     assert result.exit_code == 2
     assert "tools[0].python: cannot import 'exits': SystemExit: 3" in result.stderr
+
+
+def test_what_a_tools_subprocess_writes_under_json_goes_to_stderr(tmp_path):
+    # a child process, or os.write(1, ...), wrote to the process's stdout itself: the JSON
+    # that followed it there no longer parsed
+    (tmp_path / "stools.py").write_text(textwrap.dedent('''
+        import os
+        import subprocess
+        import sys
+
+        def add(a: int, b: int) -> int:
+            """Add two numbers."""
+            subprocess.run([sys.executable, "-c", "print('from a child')"], check=True)
+            os.write(1, b"straight to fd 1\\n")
+            return a + b
+        '''))
+    path = write(tmp_path, """\
+        version: 1
+        name: p
+        model: {path: demo, drafter: none}
+        decoding: {max_tokens: 40}
+        tools:
+          - {name: add, python: "stools:add"}
+        agents:
+          a: {instructions: You add., tools: [add], tool_choice: add}
+        steps:
+          - {id: s, agent: a, input: "Use add with a 2, b 3."}
+        """)
+    done = subprocess.run([sys.executable, "-m", "agentflash.cli", "run", str(path), "--json"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)  # the JSON alone
+    assert report["steps"]["s"]["tool_calls"][0]["result"] == "5"
+    assert "from a child" in done.stderr and "straight to fd 1" in done.stderr
 
 
 def test_a_run_that_fails_says_why_on_one_line(tmp_path):
