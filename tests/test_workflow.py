@@ -1044,6 +1044,35 @@ def test_a_tools_module_of_another_workflows_folder_is_not_taken_for_this_ones(t
         sys.modules.pop(name, None)
 
 
+def test_a_module_of_a_namespace_package_of_another_workflows_folder_is_not_taken(tmp_path):
+    # a folder without __init__.py is a package of no file: the second workflow's tool was
+    # silently the first one's function
+    name = f"wfns_{tmp_path.name.replace('-', '_')}"
+    workflows = []
+    for folder in ("one", "two"):
+        (tmp_path / folder / name).mkdir(parents=True)
+        (tmp_path / folder / name / "mod.py").write_text(
+            f"def f(x: int) -> str:\n    return {folder!r}\n")
+        workflows.append(write(tmp_path / folder, f"""\
+            version: 1
+            name: t
+            tools:
+              - {{name: f, python: "{name}.mod:f"}}
+            agents:
+              a: {{instructions: You help., tools: [f]}}
+            steps:
+              - {{id: s, agent: a, input: hi}}
+            """))
+    try:
+        assert load_workflow(workflows[0]).tools["f"].fn(1) == "one"
+        with pytest.raises(UserError, match=rf"two/wf.yaml:4: tools\[0\].python: module "
+                                            rf"'{name}.mod' was imported from .*one/{name}/mod.py"):
+            load_workflow(workflows[1])
+    finally:
+        sys.modules.pop(name, None)
+        sys.modules.pop(f"{name}.mod", None)
+
+
 def test_dflash_without_a_drafter_is_named_when_the_workflow_loads(tmp_path):
     with pytest.raises(UserError, match=r"wf.yaml:4: decoding.speculation: dflash needs a "
                                         r"drafter, and model.drafter is none"):

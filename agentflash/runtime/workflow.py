@@ -654,16 +654,18 @@ class _Builder:
             return None
         # a module of that name imported before (another workflow's, loaded in this process)
         # is what Python gives: not this folder's, whose function would silently be another
-        # (the same file copied is the same code)
+        # (the same file copied is the same code); the package, and the module itself (a
+        # folder without __init__.py is a namespace package of no file of its own)
         top = module_name.partition(".")[0]
-        here = [p for p in (self.base_dir / f"{top}.py", self.base_dir / top / "__init__.py")
-                if p.is_file()]
-        loaded = getattr(sys.modules.get(top), "__file__", None)
-        if here and loaded is not None and not _same_file(Path(loaded), here[0]):
-            self.problems.add(keys, f"module {top!r} was imported from {loaded} before this "
-                                    f"workflow was loaded, so its {here[0]} cannot be: give "
-                                    f"one of them another name")
-            return None
+        for name, imported in ((top, sys.modules.get(top)), (module_name, module)):
+            spot = self.base_dir.joinpath(*name.split("."))
+            here = [p for p in (Path(f"{spot}.py"), spot / "__init__.py") if p.is_file()]
+            loaded = getattr(imported, "__file__", None)
+            if here and loaded is not None and not _same_file(Path(loaded), here[0]):
+                self.problems.add(keys, f"module {name!r} was imported from {loaded} before "
+                                        f"this workflow was loaded, so its {here[0]} cannot "
+                                        f"be: give one of them another name")
+                return None
         fn = getattr(module, attr, None)
         if fn is None:
             self.problems.add(keys, f"module {module_name!r} has no function {attr!r}")
