@@ -197,6 +197,36 @@ def test_agents_tools_and_decoding_are_built_from_the_file(tmp_path):
     assert b.handoff_description == "Writes things."
 
 
+def test_a_bad_http_tool_is_named_at_the_line_of_its_field(tmp_path):
+    # every error named the tool's first line and "tools[0]", not the field
+    path = write(tmp_path, """\
+        version: 1
+        name: h
+        tools:
+          - name: t
+            description: A tool.
+            http:
+              method: GET
+              url: "http://127.0.0.1:99999/x"
+          - name: u
+            http: {url: "http://127.0.0.1/x?q=1"}
+            timeout_s: 1
+            parameters:
+              type: object
+              properties: {q: {type: string}}
+        agents:
+          a: {instructions: You help., tools: [t, u]}
+        steps:
+          - {id: s, agent: a, input: go}
+        """)
+    with pytest.raises(UserError) as err:
+        load_workflow(path)
+    lines = str(err.value).splitlines()
+    assert lines[0].startswith(f"{path}:8: tools[0].http.url: http tool 't': url ")
+    assert lines[1].startswith(f"{path}:12: tools[1].parameters: http tool 'u': parameter 'q' "
+                               f"is also in the url's query")
+
+
 def test_the_model_section_sizes_the_local_engines_prefix_cache(tmp_path, tiny_model_dir):
     wf = load_workflow(write(tmp_path, f"""\
         version: 1

@@ -811,10 +811,27 @@ class HttpTool:
     timeout_s: float | None = 10.0
 
     def __post_init__(self) -> None:
+        """Checks the definition; a ``UserError``'s ``key`` is the field it names (a
+        workflow's error names that key's line)."""
+        checks = ((("name",), self._check_name), (("http", "method"), self._check_method),
+                  (("http", "url"), self._check_url), (("timeout_s",), self._check_timeout),
+                  (("parameters",), self._check_parameters))
+        for key, check in checks:
+            try:
+                check()
+            except UserError as err:
+                err.key = key  # type: ignore[attr-defined]
+                raise
+
+    def _check_name(self) -> None:
         _check_name(self.name, f"http tool {self.name!r}")
+
+    def _check_method(self) -> None:
         if self.method not in HTTP_METHODS:
             raise UserError(f"http tool {self.name!r}: method must be one of "
                             f"{', '.join(HTTP_METHODS)}, got {self.method!r}")
+
+    def _check_url(self) -> None:
         import httpx  # imported now, so that the first call does not stall the loop
 
         try:
@@ -831,8 +848,11 @@ class HttpTool:
             # httpx sends "exa mple.com" as the host exa%20mple.com, which no name resolves
             raise UserError(f"http tool {self.name!r}: url {self.url!r} holds a blank or a "
                             f"control character: percent-encode it")
+
+    def _check_timeout(self) -> None:
         _check_timeout(self.timeout_s, f"http tool {self.name!r}")
 
+    def _check_parameters(self) -> None:
         from agentflash.grammar.tool_calls import check_parameters
 
         # what a call's arguments are constrained to: checked now, not at the first call

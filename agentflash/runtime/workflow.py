@@ -682,8 +682,8 @@ class _Builder:
             return HttpTool(raw["name"], raw.get("description", ""), http.get("method", "GET"),
                             http["url"], raw.get("parameters", no_parameters()),
                             raw.get("timeout_s", 10.0))
-        except UserError as err:
-            self.problems.add(("tools", i), str(err))
+        except UserError as err:  # named at its field's line (HttpTool's key)
+            self.problems.add(("tools", i, *getattr(err, "key", ())), str(err))
             return None
 
     def agents(self, tools: dict[str, Tool], defaults: dict[str, Any]) -> dict[str, Agent]:
