@@ -251,7 +251,7 @@ class _Call:
     name: str
     arguments: str = ""
     sent: bool = False  # whether a delta of this call went out
-    index: int = 0  # its index among the reply's calls (a malformed call sent as text has none)
+    index: int = 0  # its index among the reply's calls
     # the arguments sent so far: up to their last "}" until the call closes, so that a client
     # that runs a call once its arguments are a whole object (the runtime's own backend) does
     # not run one the reply then leaves unclosed (cut by max_tokens)
