@@ -983,6 +983,11 @@ def test_a_schema_that_passed_its_checks_is_not_checked_again(monkeypatch):
         # after text of its own, where the first step's probe passed: every request failed there
         (lambda: lark('start: ("yes" | "no") " " /<tool_call>/'),
          "the regex /<tool_call>/: its literal '<tool_call>' holds '<tool_call>'"),
+        # beside a repetition (item ~ 2) or a negation of another terminal: no negation of it
+        (lambda: lark('start: ("yes" | "no") " " /<tool_call>/ D ~ 2\nD: /[0-9]/'),
+         "the regex /<tool_call>/: its literal '<tool_call>'"),
+        (lambda: lark('start: X " " Y\nX: /[a-z]+/ & ~/.*q.*/\nY: /<tool_call>/'),
+         "the regex /<tool_call>/: its literal '<tool_call>'"),
         (lambda: regex("(yes|no) <tool_cal{1}[l]>"),
          "the literal ' <tool_call>' holds '<tool_call>', the text of a special token"),
         (lambda: lark('start: "<" "tool_call>" "x"'),  # strings in a row are one text

@@ -672,8 +672,8 @@ def special_tokens(text: str) -> list[str] | None:
 def written_literals(lark_text: str | None, schema: Any = None) -> list[tuple[str, str]]:
     """(where, text) of each literal a grammar writes as text: a JSON ``schema``'s property names
     and enum and const strings, or a Lark grammar's strings and its ``%json`` schemas' literals.
-    A Lark regex's literal runs are among them, but in a grammar that negates (``~``: a
-    regex may name a text to keep out); a schema's patterns are left out (``not`` may name
+    A Lark regex's literal runs are among them, but under a negation (``~``: it names a text
+    to keep out; ``_negated_regexes``); a schema's patterns are left out (``not`` may name
     one); so is what the checker cannot read."""
     if lark_text is None:
         return list(_schema_literals(schema, []))
@@ -683,16 +683,14 @@ def written_literals(lark_text: str | None, schema: Any = None) -> list[tuple[st
         return []
     found: list[tuple[str, str]] = []
     run: list[str] = []  # strings one after another in a rule: written as one text
-    # a grammar that negates (~) may name a text in a regex to keep it out, through a
-    # terminal or a group: its regexes are left to llguidance
-    negates = ("op", "~") in tokens
-    for kind, value in tokens:  # (whitespace is not among them)
+    negated = _negated_regexes(tokens)  # (one names a text to keep it out)
+    for i, (kind, value) in enumerate(tokens):  # (whitespace is not among them)
         if kind != "string" and len(run) > 1:  # '"<" "tool_call>"' writes <tool_call>
             found.append(_joined(run))
         run = run + [value] if kind == "string" else []
         if kind == "string":
             found.append((f"the string {value}", value))
-        elif kind == "regex" and not negates:
+        elif kind == "regex" and i not in negated:
             found += [(f"the regex {value}: its literal {lit!r}", lit)
                       for lit in regex_literals(value[1:value.rindex("/")])]
         elif kind == "json":
@@ -704,6 +702,51 @@ def written_literals(lark_text: str | None, schema: Any = None) -> list[tuple[st
     if len(run) > 1:
         found.append(_joined(run))
     return found
+
+
+def _negated_regexes(tokens: list[tuple[str, str]]) -> set[int]:
+    """The indices of a Lark grammar's regexes under a negation (a ``~`` before an operand, not
+    the repetition ``item ~ 3``): the one after it, those of a group after it, and those of the
+    rules and terminals it names, and of what these name in turn."""
+    bodies: dict[str, list[int]] = {}  # a rule's name: its tokens' indices
+    current: str | None = None
+    for i, (kind, value) in enumerate(tokens):
+        if (kind, value) == ("op", ":"):  # NAME: or NAME.2: begins a definition
+            current = next((v for k, v in reversed(tokens[:i]) if k == "name"), None)
+            bodies.setdefault(current or "", [])
+        elif current is not None:
+            bodies[current].append(i)
+    operands = ("name", "string", "regex", "special")
+    regexes: set[int] = set()
+    names: list[str] = []
+    for i, token in enumerate(tokens):
+        before = tokens[i - 1] if i else ("nl", "")
+        if token != ("op", "~") or before[0] in operands or before == ("op", ")"):
+            continue
+        depth, j = 0, i + 1
+        while j < len(tokens):  # the operand: a regex, a name or a group
+            kind, value = tokens[j]
+            depth += (value == "(") - (value == ")") if kind == "op" else 0
+            if kind == "regex":
+                regexes.add(j)
+            elif kind == "name":
+                names.append(value)
+            if depth <= 0:
+                break
+            j += 1
+    seen: set[str] = set()
+    while names:
+        name = names.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        for j in bodies.get(name, []):
+            kind, value = tokens[j]
+            if kind == "regex":
+                regexes.add(j)
+            elif kind == "name":
+                names.append(value)
+    return regexes
 
 
 def _joined(strings: list[str]) -> tuple[str, str]:
