@@ -673,6 +673,21 @@ def test_a_reply_cut_by_length_leaves_its_open_calls_malformed():
         (call,) = reply(arguments, "length")
         assert isinstance(call, MalformedToolCall) and "generation ended: length" in call.error
 
+    def said(content, finish, text_calls=True):
+        reader = _ChunkReader(text_calls=text_calls)
+        events = reader.read({"choices": [{"delta": {"content": content},
+                                           "finish_reason": finish}]}) + reader.close()
+        return [e.call for e in events if isinstance(e, ToolCallReady)]
+
+    # nothing but a blank, cut, where the request's tools may be called: a call cut before
+    # its name, which a server cannot send (the run's output was "")
+    for content in ("", "\n"):
+        (call,) = said(content, "length")
+        assert isinstance(call, MalformedToolCall) and call.body == ""
+        assert call.error.endswith("(generation ended: length)")
+    assert said("", "stop") == [] and said("Hi", "length") == []
+    assert said("", "length", text_calls=False) == []  # no tools: no call
+
 
 def test_server_sent_events_end_lines_at_cr_and_lf_only():
     """JSON text holds U+2028, U+2029 and U+0085 raw (this server and vLLM write them so):
@@ -807,10 +822,14 @@ def test_a_cut_call_and_a_call_without_tools_read_alike_embedded_and_through_the
         async with LocalBackend("demo") as local, OpenAIBackend(url, "demo") as remote:
             # cut inside its arguments (cut before they begin, the server has no call to send;
             # after them, its body's closing brace is not sent: neither is compared)
-            return [await both(cut(n)) for n in (16, 18, 20)], await both(untooled)
+            return ([await both(cut(n)) for n in (16, 18, 20)], await both(cut(5)),
+                    await both(untooled))
 
     local = remote = None
-    cuts, (embedded_text, served_text) = anyio.run(go)
+    cuts, early, (embedded_text, served_text) = anyio.run(go)
+    # cut before its name: a malformed call on both (the server sends none of its body)
+    ((body, error),), ((served_body, served_error),) = early[0][1], early[1][1]
+    assert body.startswith('{"') and served_body == "" and error == served_error
     for embedded, served in cuts:
         assert embedded == served
         ((body, error),) = embedded[1]

@@ -444,9 +444,9 @@ def test_a_reply_keeps_the_blank_it_ends_with_after_text_not_after_a_call():
     assert reply(TextDelta("Hi.\n\n"), ToolCallDelta(0, "f", "{}"),
                  ToolCallReady(0, ToolCall("c1", "f", {})))[0] == text
     assert reply(TextDelta("Hi. "), TextDelta("there.")) == ("Hi. there.", [])
-    # a call that names no tool stays text, after the blank before it
-    assert reply(TextDelta("Hi.\n"), ToolCallReady(0, MalformedToolCall("c1", "not json", "x"))
-                 ) == ("Hi.\nnot json", [])
+    # a call cut before its name is whole: no text of it (its markup is no answer)
+    assert reply(TextDelta("Hi.\n"), ToolCallReady(0, MalformedToolCall("c1", '{"na', "x"))
+                 ) == ("Hi.\n", [])
     # cut right after its <tool_call>: neither a call nor text (the stream's content was "",
     # or the blank between the calls, where the whole reply's was null)
     text, calls = reply(ToolCallDelta(0, "f", "{}"), ToolCallReady(0, ToolCall("c1", "f", {})),

@@ -523,6 +523,7 @@ class _ChunkReader:
         self.usage: dict[str, Any] = {}
         self.engine_stats: dict[str, Any] = {}
         self._held = ""  # the first half of a surrogate pair, until its second comes
+        self._said = False  # whether the reply has sent text (not blank) or a call
 
     def read(self, chunk: dict[str, Any]) -> list[ModelEvent]:
         if isinstance(chunk.get("usage"), dict):
@@ -540,6 +541,7 @@ class _ChunkReader:
             if content is not None and not isinstance(content, str):
                 raise TypeError(f"delta.content is {type(content).__name__}, not text")
             content = self._characters(content or "")
+            self._said = self._said or bool(content.strip()) or bool(delta.get("tool_calls"))
             if content and self._text_calls is not None:
                 events += _after_structured(self._text_calls.feed(content))
             elif content:
@@ -676,7 +678,15 @@ class _ChunkReader:
                                                                         or "stop"))
         else:
             events = [TextDelta(held)] if held else []
-        return events + self._ready(lambda i: True, cut=self.finish_reason == "length")
+        events += self._ready(lambda i: True, cut=self.finish_reason == "length")
+        if self.finish_reason == "length" and self._text_calls is not None and not (
+                self._said or self.calls):
+            # nothing said, cut, where calls may be: a call cut before its name was whole,
+            # which a server (agentflash serve, vLLM's parsers) cannot send: malformed, as the
+            # embedded engine gives it (its text was the run's output "")
+            events.append(ToolCallReady(0, MalformedToolCall(f"call_{uuid.uuid4().hex[:8]}", "",
+                                                             unclosed_call_error("length"))))
+        return events
 
     def stats(self, wall_s: float) -> dict[str, Any]:
         """The engine's stats when the server is ``agentflash serve``; otherwise what the usage

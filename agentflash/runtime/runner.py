@@ -362,11 +362,6 @@ class _Loop:
 
     def parse_output(self, text: str, cut: bool = False) -> Any:
         """The agent's final output from its reply (``cut``: the reply ended at max_tokens)."""
-        if cut and not text:  # max_tokens ended it in a call's first tokens (a server sends
-            # no call it cannot name): no answer, where an empty one passed for the run's output
-            raise ModelBehaviorError(f"agent {self.agent.name!r}: its reply was cut at "
-                                     f"max_tokens before any text or call was whole (raise "
-                                     f"decoding.max_tokens)")
         spec = self.agent.output
         if spec is None:
             return text
