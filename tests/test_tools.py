@@ -7,8 +7,10 @@ import json
 import math
 import re
 import sys
+import textwrap
 import threading
 import time
+import typing
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Annotated, Literal
 
@@ -334,6 +336,30 @@ def test_a_sync_tool_past_its_timeout_holds_neither_the_run_nor_the_exit():
     assert anyio.run(run_tool, stuck, {"x": 2}).output == "late"  # a prompt call still returns
 
 
+def test_a_dataclass_tool_reads_the_names_of_its_own_body(tmp_path, monkeypatch):
+    # its __init__'s hints, read with the module's names alone, did not find a nested Enum
+    (tmp_path / "order_tool.py").write_text(textwrap.dedent("""\
+        from __future__ import annotations
+        import dataclasses, enum
+
+        @dataclasses.dataclass
+        class Order:
+            \"\"\"Place an order.\"\"\"
+            class Size(enum.Enum):
+                S = "s"
+                L = "l"
+            size: Size
+            qty: int = 1
+        """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import order_tool
+
+    made = tool(order_tool.Order)
+    assert made.parameters["properties"]["size"] == {"$ref": "#/$defs/Size"}
+    outcome = anyio.run(run_tool, made, {"size": "l"})
+    assert not outcome.is_error and json.loads(outcome.output) == {"size": "l", "qty": 1}
+
+
 def test_types_whose_schema_names_what_pydantic_refuses_are_refused_or_written_as_read():
     """An AliasPath field is shown by its name, which pydantic does not read; a Literal of a
     plain Enum's member is shown as its value, which pydantic refuses; a complex number was any
@@ -414,6 +440,17 @@ def test_bad_tool_definitions_are_user_errors():
     assert made.parameters["properties"] == {"city": {"type": "string"},
                                              "nights": {"type": "integer", "default": 1}}
     assert made.description == "Book a room."
+
+    class Limit:  # __init__'s hint, not the class's own of that name
+        """Set a limit."""
+        limit: typing.ClassVar[int] = 10
+        query: list[str] = []
+
+        def __init__(self, limit: int, query: str):
+            self.value = limit
+
+    assert tool(Limit).parameters["properties"] == {"limit": {"type": "integer"},
+                                                    "query": {"type": "string"}}
 
     class Thing:  # not a type pydantic can describe
         pass
@@ -973,6 +1010,7 @@ def test_http_tool_calls_only_its_declared_url(server_url):
     # a query of its own, sent as written (httpx's params re-encoded it: ?acl=, sig=a+b)
     signed = HttpTool("signed", "", "GET", f"{server_url}/flights?acl&sig=a%20b;c", PARAMS)
     bare = HttpTool("bare", "", "GET", f"{server_url}/flights?acl&sig=a%20b;c")  # no arguments
+    ends = HttpTool("ends", "", "GET", f"{server_url}/flights?v=1&", PARAMS)  # its own joiner
     secret = HttpTool("secret", "", "GET",
                       server_url.replace("://", "://user:hunter2@") + "/missing?key=SECRET")
 
@@ -980,6 +1018,7 @@ def test_http_tool_calls_only_its_declared_url(server_url):
         tricky = {"to": "Oslo/../admin?x=1", "tags": ["a", "b"], "direct": True}
         return [await run_tool(versioned, {"to": "Rome"}), await run_tool(get, tricky),
                 await run_tool(signed, {"to": "Rome"}), await run_tool(bare, {}),
+                await run_tool(ends, {"to": "Rome", "tags": []}),
                 await run_tool(secret, {}),
                 await run_tool(post, {"to": "Rome", "direct": False}),
                 await run_tool(get, {"to": 3}),
@@ -987,8 +1026,9 @@ def test_http_tool_calls_only_its_declared_url(server_url):
                 await run_tool(missing, {"to": "x"}),
                 await run_tool(slow, {"to": "x"})]
 
-    kept, ok, signed_to, signed_alone, hidden, posted, invalid, hopped, gone, late = \
+    kept, ok, signed_to, signed_alone, ended, hidden, posted, invalid, hopped, gone, late = \
         anyio.run(main)
+    assert json.loads(ended.output)["path"] == "/flights?v=1&to=Rome"  # no "&&", no "tags="
     # the declared URL's own query stays; the arguments join it
     assert json.loads(kept.output)["path"] == "/flights?api_version=2&to=Rome"
     assert json.loads(signed_to.output)["path"] == "/flights?acl&sig=a%20b;c&to=Rome"
@@ -1006,7 +1046,7 @@ def test_http_tool_calls_only_its_declared_url(server_url):
     assert gone.is_error and "HTTP 404" in gone.output and "no such thing" in gone.output
     assert late.is_error and "timed out" in late.output.lower()
     paths = [p.split("?")[0] for _, p, _ in Recorder.seen]
-    assert "/elsewhere" not in paths and len([p for p in paths if p == "/flights"]) == 4
+    assert "/elsewhere" not in paths and len([p for p in paths if p == "/flights"]) == 5
 
 
 def test_http_tool_reads_a_reply_up_to_its_cap(server_url):

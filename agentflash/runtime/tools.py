@@ -676,11 +676,17 @@ def function_tool(fn: Callable[..., Any], *, name: str | None = None,
     summary, param_docs = parse_docstring(inspect.getdoc(source))
     try:
         hints = typing.get_type_hints(source, include_extras=True)
-        init = getattr(source, "__init__", None)
-        if isinstance(source, type) and inspect.isfunction(init):  # a class: its __init__'s
-            hints = {**typing.get_type_hints(init, include_extras=True), **hints}
     except Exception as err:  # unresolvable forward references and the like
         raise UserError(f"{where}: cannot read the type hints: {err}") from None
+    init = getattr(source, "__init__", None)
+    if isinstance(source, type) and inspect.isfunction(init):
+        # a class: its parameters are its __init__'s, and so are their hints (a ClassVar of
+        # the same name is none), read with the class's names (a nested Enum)
+        try:
+            hints |= typing.get_type_hints(init, localns=dict(vars(source)),
+                                           include_extras=True)
+        except Exception:  # noqa: BLE001  (the class's own hints, as before)
+            pass
     try:
         signature = inspect.signature(fn)
     except (ValueError, TypeError) as err:  # a builtin of C (max): no signature to read
@@ -894,12 +900,13 @@ class HttpTool:
             raise ToolArgumentsError(f"invalid arguments for {self.name}: {'; '.join(problems)}")
         query = self.method in ("GET", "DELETE")
         url = self.url
-        if query and (pairs := _query(arguments)):
+        encoded = urlencode(_query(arguments), doseq=True, quote_via=quote) if query else ""
+        if encoded:  # (an empty list is no pair)
             # the model's arguments after the query the declared URL has, which is sent as
             # written (httpx's params re-encode it: ?acl as ?acl=, a signature's %20 as +)
             base, hash_, fragment = url.partition("#")
-            joiner = "&" if urlsplit(base).query else "" if base.endswith("?") else "?"
-            url = base + joiner + urlencode(pairs, doseq=True, quote_via=quote) + hash_ + fragment
+            joiner = "" if base.endswith(("?", "&")) else "&" if urlsplit(base).query else "?"
+            url = base + joiner + encoded + hash_ + fragment
         async with httpx.AsyncClient(timeout=self.timeout_s, follow_redirects=False) as client:
             async with client.stream(self.method, url,
                                      json=None if query else arguments) as response:
