@@ -311,10 +311,9 @@ class LocalBackend(Backend):
         if self._aengine is None:
             raise UserError("open the LocalBackend first: "
                             "`async with LocalBackend(...) as backend:`")
-        # calls are read from the text where the turn has tools (as the server reads them, for
-        # the remote backend); without, a call's markup is the model's text
-        parser = (HermesStreamParser(f"call_{uuid.uuid4().hex[:8]}") if request.tools
-                  else _TextOnly())
+        # calls are read from the text, in a turn without tools too (a model trained on tool
+        # use writes them anyway: a call of a tool the agent lacks goes back as an error)
+        parser = HermesStreamParser(f"call_{uuid.uuid4().hex[:8]}")
         prompt_ids = await self._prompt_ids(request)
         async with aclosing(self._engine_stream(request, prompt_ids)) as tokens:
             async for event in tokens:
@@ -357,16 +356,6 @@ class LocalBackend(Backend):
                             "drafter='demo' or a drafter directory), model.drafter in a "
                             "workflow (or use speculation auto or off)")
         return self._aengine.stream(prompt_ids, sampling_params(request))
-
-
-class _TextOnly:
-    """A turn's text as it is (``HermesStreamParser``'s interface): a turn without tools."""
-
-    def feed(self, text: str) -> list[ModelEvent]:
-        return [TextDelta(text)] if text else []
-
-    def close(self, finish_reason: str) -> list[ModelEvent]:
-        return []
 
 
 def sampling_params(request: ModelRequest) -> Any:

@@ -180,8 +180,10 @@ class OpenAIBackend(Backend):
         body = request_body(self.model_name, request)
         tries = _Tries(self.retry)  # one budget for every kind of retry of this call
         while True:
-            reader = _ChunkReader(_tool_names(request.tools), text_calls=bool(request.tools)
-                                  and request.tool_choice is not ToolChoice.NONE)
+            # calls the server passes on as text are read, as the embedded engine reads them:
+            # in a turn without tools too (there it sends no tools, and the server parses none)
+            reader = _ChunkReader(_tool_names(request.tools),
+                                  text_calls=request.tool_choice is not ToolChoice.NONE)
             try:
                 async with aclosing(self._reply(body, reader, tries)) as events:
                     async for event in events:
