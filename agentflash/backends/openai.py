@@ -183,7 +183,9 @@ class OpenAIBackend(Backend):
             # calls the server passes on as text are read, as the embedded engine reads them:
             # in a turn without tools too (there it sends no tools, and the server parses none)
             reader = _ChunkReader(_tool_names(request.tools),
-                                  text_calls=request.tool_choice is not ToolChoice.NONE)
+                                  text_calls=request.tool_choice is not ToolChoice.NONE,
+                                  parsed_calls=bool(request.tools)
+                                  and request.tool_choice is not ToolChoice.NONE)
             try:
                 async with aclosing(self._reply(body, reader, tries)) as events:
                     async for event in events:
@@ -510,7 +512,8 @@ def _after_structured(events: list[ModelEvent]) -> list[ModelEvent]:
 class _ChunkReader:
     """``chat.completion.chunk`` objects in, model events out."""
 
-    def __init__(self, tool_names: Iterable[str] = (), text_calls: bool = False) -> None:
+    def __init__(self, tool_names: Iterable[str] = (), text_calls: bool = False,
+                 parsed_calls: bool = False) -> None:
         self.tool_names = set(tool_names)  # the request's tools: a name streamed in pieces
         # a server without a tool-call parser (or whose parser gave up) sends the model's
         # Hermes calls as text: with ``text_calls`` (the request's tools may be called) they
@@ -526,6 +529,8 @@ class _ChunkReader:
         self.engine_stats: dict[str, Any] = {}
         self._held = ""  # the first half of a surrogate pair, until its second comes
         self._said = False  # whether the reply has sent text (not blank) or a call
+        # the server parses calls (the request has tools): one it could not name is not sent
+        self._parsed_calls = parsed_calls
 
     def read(self, chunk: dict[str, Any]) -> list[ModelEvent]:
         if isinstance(chunk.get("usage"), dict):
@@ -681,11 +686,12 @@ class _ChunkReader:
         else:
             events = [TextDelta(held)] if held else []
         events += self._ready(lambda i: True, cut=self.finish_reason == "length")
-        if self.finish_reason == "length" and self._text_calls is not None and not (
+        if self.finish_reason == "length" and self._parsed_calls and not (
                 self._said or self.calls):
-            # nothing said, cut, where calls may be: a call cut before its name was whole,
-            # which a server (agentflash serve, vLLM's parsers) cannot send: malformed, as the
-            # embedded engine gives it (its text was the run's output "")
+            # nothing said, cut, where the server parses calls: a call cut before its name was
+            # whole, which it cannot send (agentflash serve, vLLM's parsers): malformed, as
+            # the embedded engine gives it (its text was the run's output ""); without tools
+            # the server sends a call's markup as text, and an empty reply is one
             events.append(ToolCallReady(0, MalformedToolCall(f"call_{uuid.uuid4().hex[:8]}", "",
                                                              unclosed_call_error("length"))))
         return events
