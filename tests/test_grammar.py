@@ -988,6 +988,9 @@ def test_a_schema_that_passed_its_checks_is_not_checked_again(monkeypatch):
          "the regex /<tool_call>/: its literal '<tool_call>'"),
         (lambda: lark('start: X " " Y\nX: /[a-z]+/ & ~/.*q.*/\nY: /<tool_call>/'),
          "the regex /<tool_call>/: its literal '<tool_call>'"),
+        # defined after a negated terminal: no part of its definition
+        (lambda: lark('start: W " " B\nW: /[a-z]+/ & ~Q\nQ: /.*q.*/\nB: /<tool_call>/'),
+         "the regex /<tool_call>/: its literal '<tool_call>'"),
         (lambda: regex("(yes|no) <tool_cal{1}[l]>"),
          "the literal ' <tool_call>' holds '<tool_call>', the text of a special token"),
         (lambda: lark('start: "<" "tool_call>" "x"'),  # strings in a row are one text

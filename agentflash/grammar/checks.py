@@ -710,9 +710,14 @@ def _negated_regexes(tokens: list[tuple[str, str]]) -> set[int]:
     rules and terminals it names, and of what these name in turn."""
     bodies: dict[str, list[int]] = {}  # a rule's name: its tokens' indices
     current: str | None = None
+    line = 0  # where the line begins
     for i, (kind, value) in enumerate(tokens):
-        if (kind, value) == ("op", ":"):  # NAME: or NAME.2: begins a definition
-            current = next((v for k, v in reversed(tokens[:i]) if k == "name"), None)
+        if kind == "nl":
+            line = i + 1
+        if (kind, value) == ("op", ":"):  # NAME:, ?name: or NAME.2: begins a definition
+            if current is not None:  # its header on this line is none of the one before
+                bodies[current] = [j for j in bodies[current] if j < line]
+            current = next((v for k, v in reversed(tokens[line:i]) if k == "name"), None)
             bodies.setdefault(current or "", [])
         elif current is not None:
             bodies[current].append(i)
