@@ -452,6 +452,14 @@ def test_bad_tool_definitions_are_user_errors():
     assert tool(Limit).parameters["properties"] == {"limit": {"type": "integer"},
                                                     "query": {"type": "string"}}
 
+    class Place(BaseModel):  # pydantic's own __init__(**data: Any) names no field "data"
+        """Place it."""
+        data: int
+        city: str
+
+    assert tool(Place).parameters["properties"] == {"data": {"type": "integer"},
+                                                    "city": {"type": "string"}}
+
     class Thing:  # not a type pydantic can describe
         pass
 
@@ -1011,6 +1019,7 @@ def test_http_tool_calls_only_its_declared_url(server_url):
     signed = HttpTool("signed", "", "GET", f"{server_url}/flights?acl&sig=a%20b;c", PARAMS)
     bare = HttpTool("bare", "", "GET", f"{server_url}/flights?acl&sig=a%20b;c")  # no arguments
     ends = HttpTool("ends", "", "GET", f"{server_url}/flights?v=1&", PARAMS)  # its own joiner
+    amp = HttpTool("amp", "", "GET", f"{server_url}/r&d&", PARAMS)  # an & of the path, no query
     secret = HttpTool("secret", "", "GET",
                       server_url.replace("://", "://user:hunter2@") + "/missing?key=SECRET")
 
@@ -1019,6 +1028,7 @@ def test_http_tool_calls_only_its_declared_url(server_url):
         return [await run_tool(versioned, {"to": "Rome"}), await run_tool(get, tricky),
                 await run_tool(signed, {"to": "Rome"}), await run_tool(bare, {}),
                 await run_tool(ends, {"to": "Rome", "tags": []}),
+                await run_tool(amp, {"to": "Rome"}),
                 await run_tool(secret, {}),
                 await run_tool(post, {"to": "Rome", "direct": False}),
                 await run_tool(get, {"to": 3}),
@@ -1026,9 +1036,10 @@ def test_http_tool_calls_only_its_declared_url(server_url):
                 await run_tool(missing, {"to": "x"}),
                 await run_tool(slow, {"to": "x"})]
 
-    kept, ok, signed_to, signed_alone, ended, hidden, posted, invalid, hopped, gone, late = \
-        anyio.run(main)
+    kept, ok, signed_to, signed_alone, ended, amped, hidden, posted, invalid, hopped, gone, \
+        late = anyio.run(main)
     assert json.loads(ended.output)["path"] == "/flights?v=1&to=Rome"  # no "&&", no "tags="
+    assert json.loads(amped.output)["path"] == "/r&d&?to=Rome"
     # the declared URL's own query stays; the arguments join it
     assert json.loads(kept.output)["path"] == "/flights?api_version=2&to=Rome"
     assert json.loads(signed_to.output)["path"] == "/flights?acl&sig=a%20b;c&to=Rome"

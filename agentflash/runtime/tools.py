@@ -681,12 +681,16 @@ def function_tool(fn: Callable[..., Any], *, name: str | None = None,
     init = getattr(source, "__init__", None)
     if isinstance(source, type) and inspect.isfunction(init):
         # a class: its parameters are its __init__'s, and so are their hints (a ClassVar of
-        # the same name is none), read with the class's names (a nested Enum)
+        # the same name is none), read with the names of the class that defines it (a nested
+        # Enum); but **data of pydantic's own __init__, whose fields are the signature's
+        owner = next(c for c in source.__mro__ if "__init__" in vars(c))
+        named = [p.name for p in inspect.signature(init).parameters.values()
+                 if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
         try:
-            hints |= typing.get_type_hints(init, localns=dict(vars(source)),
-                                           include_extras=True)
+            own = typing.get_type_hints(init, localns=dict(vars(owner)), include_extras=True)
         except Exception:  # noqa: BLE001  (the class's own hints, as before)
-            pass
+            own = {}
+        hints |= {name: hint for name, hint in own.items() if name in named}
     try:
         signature = inspect.signature(fn)
     except (ValueError, TypeError) as err:  # a builtin of C (max): no signature to read
@@ -905,7 +909,9 @@ class HttpTool:
             # the model's arguments after the query the declared URL has, which is sent as
             # written (httpx's params re-encode it: ?acl as ?acl=, a signature's %20 as +)
             base, hash_, fragment = url.partition("#")
-            joiner = "" if base.endswith(("?", "&")) else "&" if urlsplit(base).query else "?"
+            query_of = urlsplit(base).query
+            joiner = ("" if base.endswith("?") or (query_of and base.endswith("&"))
+                      else "&" if query_of else "?")
             url = base + joiner + encoded + hash_ + fragment
         async with httpx.AsyncClient(timeout=self.timeout_s, follow_redirects=False) as client:
             async with client.stream(self.method, url,
