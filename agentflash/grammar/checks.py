@@ -261,15 +261,8 @@ _JSON_TYPES: dict[str, Callable[[Any], bool]] = {
 
 def _no_value_of_type(node: dict) -> str | None:
     """Why an ``enum`` or ``const`` holds no value of the node's ``type``."""
-    types = node.get("type")
-    types = [types] if isinstance(types, str) else types
-    if not isinstance(types, list) or not all(t in _JSON_TYPES for t in types):
-        return None
-    for key, values in (("enum", node.get("enum")), ("const", [node["const"]]
-                                                      if "const" in node else None)):
-        if isinstance(values, list) and values and not any(
-            _JSON_TYPES[t](v) for v in values for t in types
-        ):
+    for key, types, values in _typed_values(node):
+        if values and not any(_JSON_TYPES[t](v) for v in values for t in types):
             return f"no value of {key} is of type {' or '.join(types)}"
     return None
 
@@ -277,16 +270,24 @@ def _no_value_of_type(node: dict) -> str | None:
 def value_outside_type(node: dict) -> tuple[str, Any] | None:
     """(``enum`` or ``const``, a value of it that is of no type of the node's ``type``), or
     None: JSON Schema refuses that value, where a backend that reads only the values writes it."""
-    types = node.get("type")
-    types = [types] if isinstance(types, str) else types
-    if not isinstance(types, list) or not all(t in _JSON_TYPES for t in types):
-        return None
-    for key, values in (("enum", node.get("enum")), ("const", [node["const"]]
-                                                      if "const" in node else None)):
-        for value in values if isinstance(values, list) else []:
+    for key, types, values in _typed_values(node):
+        for value in values:
             if not any(_JSON_TYPES[t](value) for t in types):
                 return key, value
     return None
+
+
+def _typed_values(node: dict) -> Iterator[tuple[str, list[str], list[Any]]]:
+    """(``enum`` or ``const``, the node's types, its values) of each the node has, where its
+    ``type`` names JSON types."""
+    types = node.get("type")
+    types = [types] if isinstance(types, str) else types
+    if not isinstance(types, list) or not all(t in _JSON_TYPES for t in types):
+        return
+    if isinstance(node.get("enum"), list):
+        yield "enum", types, node["enum"]
+    if "const" in node:
+        yield "const", types, [node["const"]]
 
 
 def resolve_ref(root: Any, ref: str) -> Any:
