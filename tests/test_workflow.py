@@ -916,6 +916,22 @@ def test_inputs_typed_as_a_list_of_types_or_an_enum_are_read_from_the_command_li
     assert wf.resolve_inputs({"days": "null", "mode": "2"}) == {"days": None, "mode": 2}
 
 
+def _adding_workflow(tmp_path, module):
+    """A workflow on the demo model whose one agent must call ``module``'s add."""
+    return write(tmp_path, f"""\
+        version: 1
+        name: p
+        model: {{path: demo, drafter: none}}
+        decoding: {{max_tokens: 40}}
+        tools:
+          - {{name: add, python: "{module}:add"}}
+        agents:
+          a: {{instructions: You add., tools: [add], tool_choice: add}}
+        steps:
+          - {{id: s, agent: a, input: "Use add with a 2, b 3."}}
+        """)
+
+
 def test_python_tools_print_to_stderr_under_json_import_their_neighbours_and_may_not_exit(
         tmp_path):
     (tmp_path / "ptools.py").write_text(textwrap.dedent('''
@@ -929,18 +945,7 @@ def test_python_tools_print_to_stderr_under_json_import_their_neighbours_and_may
         '''))
     (tmp_path / "helper.py").write_text("def plus(a, b):\n    return a + b\n")
     (tmp_path / "exits.py").write_text("raise SystemExit(3)\n")
-    path = write(tmp_path, """\
-        version: 1
-        name: p
-        model: {path: demo, drafter: none}
-        decoding: {max_tokens: 40}
-        tools:
-          - {name: add, python: "ptools:add"}
-        agents:
-          a: {instructions: You add., tools: [add], tool_choice: add}
-        steps:
-          - {id: s, agent: a, input: "Use add with a 2, b 3."}
-        """)
+    path = _adding_workflow(tmp_path, "ptools")
     result = CliRunner().invoke(app, ["run", str(path), "--json"])
     assert result.exit_code == 0, result.stderr
     report = json.loads(result.stdout)  # the JSON alone
@@ -975,18 +980,7 @@ def test_what_a_tools_subprocess_writes_under_json_goes_to_stderr(tmp_path):
             os.write(1, b"straight to fd 1\\n")
             return a + b
         '''))
-    path = write(tmp_path, """\
-        version: 1
-        name: p
-        model: {path: demo, drafter: none}
-        decoding: {max_tokens: 40}
-        tools:
-          - {name: add, python: "stools:add"}
-        agents:
-          a: {instructions: You add., tools: [add], tool_choice: add}
-        steps:
-          - {id: s, agent: a, input: "Use add with a 2, b 3."}
-        """)
+    path = _adding_workflow(tmp_path, "stools")
     done = subprocess.run([sys.executable, "-m", "agentflash.cli", "run", str(path), "--json"],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
@@ -1044,50 +1038,22 @@ def test_a_python_tool_that_names_no_function_says_what_the_name_is(tmp_path):
         f"{path}:5: tools[1].python: module {name!r} has no function 'nothing'"]
 
 
-def test_a_tools_module_of_another_workflows_folder_is_not_taken_for_this_ones(tmp_path):
-    # two workflows in one process, each beside its own tools.py of the same name: Python
-    # gives the second the module the first imported, whose function is another one
-    name = f"wftools_{tmp_path.name.replace('-', '_')}"
-    workflows = []
-    for folder, fn in (("one", "first"), ("two", "second")):
-        (tmp_path / folder).mkdir()
-        (tmp_path / folder / f"{name}.py").write_text(f"def {fn}(x: int) -> int:\n"
-                                                     f"    return x\n")
-        workflows.append(write(tmp_path / folder, f"""\
-            version: 1
-            name: t
-            tools:
-              - {{name: f, python: "{name}:{fn}"}}
-            agents:
-              a: {{instructions: You help., tools: [f]}}
-            steps:
-              - {{id: s, agent: a, input: hi}}
-            """))
-    try:
-        assert load_workflow(workflows[0]).agents["a"].tools[0].name == "f"
-        with pytest.raises(UserError, match=rf"two/wf.yaml:4: tools\[0\].python: module "
-                                            rf"'{name}' was imported from .*one/{name}.py "
-                                            rf"before this workflow was loaded, so its "
-                                            rf".*two/{name}.py cannot be"):
-            load_workflow(workflows[1])
-    finally:
-        sys.modules.pop(name, None)
-
-
-def test_a_module_of_a_namespace_package_of_another_workflows_folder_is_not_taken(tmp_path):
-    # a folder without __init__.py is a package of no file: the second workflow's tool was
-    # silently the first one's function
-    name = f"wfns_{tmp_path.name.replace('-', '_')}"
+@pytest.mark.parametrize("package", [False, True])
+def test_a_tools_module_of_another_workflows_folder_is_not_taken_for_this_ones(tmp_path, package):
+    # two workflows in one process, each beside its own module of the same name: Python gives
+    # the second the module the first imported, whose function is another one; a module in a
+    # folder without __init__.py (a namespace package, of no file of its own) was taken
+    name = f"wf{'ns' if package else 'tools'}_{tmp_path.name.replace('-', '_')}"
+    module, file = (f"{name}.mod", f"{name}/mod.py") if package else (name, f"{name}.py")
     workflows = []
     for folder in ("one", "two"):
-        (tmp_path / folder / name).mkdir(parents=True)
-        (tmp_path / folder / name / "mod.py").write_text(
-            f"def f(x: int) -> str:\n    return {folder!r}\n")
+        (tmp_path / folder / file).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / folder / file).write_text(f"def f(x: int) -> str:\n    return {folder!r}\n")
         workflows.append(write(tmp_path / folder, f"""\
             version: 1
             name: t
             tools:
-              - {{name: f, python: "{name}.mod:f"}}
+              - {{name: f, python: "{module}:f"}}
             agents:
               a: {{instructions: You help., tools: [f]}}
             steps:
@@ -1096,7 +1062,9 @@ def test_a_module_of_a_namespace_package_of_another_workflows_folder_is_not_take
     try:
         assert load_workflow(workflows[0]).tools["f"].fn(1) == "one"
         with pytest.raises(UserError, match=rf"two/wf.yaml:4: tools\[0\].python: module "
-                                            rf"'{name}.mod' was imported from .*one/{name}/mod.py"):
+                                            rf"'{module}' was imported from .*one/{file} "
+                                            rf"before this workflow was loaded, so its "
+                                            rf".*two/{file} cannot be"):
             load_workflow(workflows[1])
     finally:
         sys.modules.pop(name, None)
