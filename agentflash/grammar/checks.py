@@ -440,7 +440,7 @@ def _property_schemas(parts: list[tuple[list[str | int], dict]], name: str
             yield path + ["properties", name], props[name]
             continue
         patterns = part.get("patternProperties", {})
-        matches = {k: _matches(k, name) for k in patterns}
+        matches = {k: matches_pattern(k, name) for k in patterns}
         if None in matches.values():
             continue  # a pattern Python cannot read: what the name must match is not known
         matched = [(path + ["patternProperties", k], v) for k, v in patterns.items()
@@ -451,7 +451,7 @@ def _property_schemas(parts: list[tuple[list[str | int], dict]], name: str
             yield path + ["additionalProperties"], part["additionalProperties"]
 
 
-def _matches(pattern: str, name: str) -> bool | None:
+def matches_pattern(pattern: str, name: str) -> bool | None:
     """Whether a ``patternProperties`` pattern matches ``name``; None for a pattern Python's
     ``re`` cannot read (``\\p{Lu}``), whose part then refuses nothing: these checks must never
     refuse a schema that can finish."""

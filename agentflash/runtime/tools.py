@@ -579,6 +579,9 @@ def undeclared_key(value: Any, schema: Any, root: Any = None,
     what the grammar writes) does not take, or None. pydantic drops such a key of a model
     (``extra="ignore"``, its default) where the schema the model was shown refuses it: a
     model without the grammar (a remote server) wrote it, and it was silently lost."""
+    from agentflash.grammar.checks import matches_pattern  # (None: a pattern of llguidance's
+    # dialect, \p{Lu}, which Python cannot read: the key may match it)
+
     root = schema if root is None else root
     if not isinstance(schema, dict):
         return None
@@ -598,7 +601,8 @@ def undeclared_key(value: Any, schema: Any, root: Any = None,
             # JSON Schema's order: the key's property, else every pattern it matches, else
             # additionalProperties (a pattern Python cannot read takes the key)
             subs = ([fields[key]] if key in fields
-                    else [sub for pattern, sub in patterns.items() if _search(pattern, key)])
+                    else [sub for pattern, sub in patterns.items()
+                          if matches_pattern(pattern, key) is not False])
             if not subs and rest is False:
                 return (*path, key)
             for sub in subs or [rest]:
@@ -613,13 +617,6 @@ def undeclared_key(value: Any, schema: Any, root: Any = None,
             if found is not None:
                 return found
     return None
-
-
-def _search(pattern: str, key: str) -> bool:
-    try:
-        return re.search(pattern, key) is not None
-    except re.error:  # a pattern of llguidance's dialect (\p{Lu}): the key may match it
-        return True
 
 
 def _json_type_of(value: Any) -> str:
