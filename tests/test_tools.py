@@ -205,6 +205,37 @@ def test_keys_of_a_pattern_are_declared():
                                                   "Extra inputs are not permitted")
 
 
+def test_a_key_no_branch_of_a_union_of_models_takes_is_refused():
+    """pydantic dropped it (a union of two models: neither branch alone was checked), and the
+    call ran; a key the tagged branch refuses is refused where the other branch takes it."""
+    class Cat(BaseModel):
+        kind: Literal["cat"]
+        meow: int
+
+    class Dog(BaseModel):
+        kind: Literal["dog"]
+        meow: int
+        bark: int
+
+    @tool
+    def adopt(pet: Annotated[Cat | Dog, Field(discriminator="kind")], other: Cat | Dog) -> str:
+        return f"{pet!r} {other!r}"
+
+    cat, dog = {"kind": "cat", "meow": 1}, {"kind": "dog", "meow": 1, "bark": 2}
+
+    async def main():
+        return [await run_tool(adopt, {"pet": pet, "other": other}) for pet, other in (
+            (cat, dog), ({**cat, "price": 9}, cat), (cat, {**dog, "price": 9}),
+            ({**cat, "bark": 2}, cat), (cat, {**cat, "bark": 2}))]
+
+    good, *bad = anyio.run(main)
+    assert not good.is_error
+    assert good.output == "Cat(kind='cat', meow=1) Dog(kind='dog', meow=1, bark=2)"
+    assert [json.loads(o.output)["error"].removeprefix("invalid arguments for adopt: ")
+            for o in bad] == [f"{key}: Extra inputs are not permitted" for key in (
+                "pet.price", "other.price", "pet.bark", "other.bark")]
+
+
 def test_sync_and_async_tools_errors_and_timeouts():
     @tool(timeout_s=0.2)
     async def slow(seconds: float) -> str:

@@ -593,6 +593,11 @@ def undeclared_key(value: Any, schema: Any, root: Any = None,
                 if _json_type(b, root) == _json_type_of(value)]
     if len(branches) == 1:  # Optional[Model]: the one branch the value can be
         return undeclared_key(value, branches[0], root, path)
+    if branches:  # a union of models: the branches the value is meant for (its tag's, where
+        # its constant fields tell), where none of them takes the key
+        meant = [b for b in branches if _may_be(value, b, root)] or branches
+        found = [undeclared_key(value, b, root, path) for b in meant]
+        return None if None in found else found[0]
     if isinstance(value, dict):
         fields = schema.get("properties") or {}
         patterns = schema.get("patternProperties") or {}
@@ -617,6 +622,26 @@ def undeclared_key(value: Any, schema: Any, root: Any = None,
             if found is not None:
                 return found
     return None
+
+
+def _may_be(value: Any, schema: Any, root: Any) -> bool:
+    """Whether an object ``value`` has every key the object ``schema`` requires, and the value
+    its ``const`` or ``enum`` properties allow (a tagged union's tag): the branches of a union
+    that pydantic may validate it as."""
+    if isinstance(schema, dict) and isinstance(schema.get("$ref"), str):
+        schema = _referred(schema, root)
+    if not isinstance(schema, dict) or not isinstance(value, dict):
+        return True
+    if any(key not in value for key in schema.get("required") or []):
+        return False
+    for key, sub in (schema.get("properties") or {}).items():
+        if isinstance(sub, dict) and isinstance(sub.get("$ref"), str):
+            sub = _referred(sub, root)
+        if key in value and isinstance(sub, dict) and (
+                ("const" in sub and value[key] != sub["const"])
+                or (isinstance(sub.get("enum"), list) and value[key] not in sub["enum"])):
+            return False
+    return True
 
 
 def _json_type_of(value: Any) -> str:
