@@ -393,6 +393,19 @@ def test_a_forced_tool_choice_stays_spent_when_the_conversation_comes_back():
         ToolChoice.REQUIRED, ToolChoice.AUTO, ToolChoice.AUTO, ToolChoice.AUTO]
 
 
+def test_a_spent_tool_choice_is_the_agent_s_own_not_its_name_s():
+    """Two agents of one name: the one that handed off spent the other's ``required`` too,
+    whose first turn was not forced and whose text answer ended the run."""
+    worker = Agent("support", tools=[get_weather], tool_choice="required")
+    front = Agent("support", handoffs=[worker])
+    result, _, backend = run(front, [
+        ScriptedTurn.calls(("transfer_to_support", {"reason": "go"})),
+        ScriptedTurn.calls(("get_weather", {"city": "Oslo"})), "Sunny."])
+    assert [r.tool_choice for r in backend.requests] == [
+        ToolChoice.AUTO, ToolChoice.REQUIRED, ToolChoice.AUTO]
+    assert [c.name for c in result.tool_calls] == ["transfer_to_support", "get_weather"]
+
+
 def test_agents_named_in_other_scripts_get_handoff_tools_of_their_own():
     """Every letter outside A-Z became "_": two agents named in Chinese were both
     transfer_to___, and an agent could not hand off to both."""

@@ -159,9 +159,9 @@ class _Loop:
         self.messages = _input_messages(input)
         self.tool_calls: list[ToolCallRecord] = []
         self.generations: list[ev.GenerationStats] = []
-        # the agents (by name) that called a tool or handed off in this run: their tool_choice
-        # is spent, also when the conversation comes back to them
-        self.called: set[str] = set()
+        # the agents (by identity: two may share a name) that called a tool or handed off in
+        # this run: their tool_choice is spent, also when the conversation comes back to them
+        self.called: set[int] = set()
 
     async def run(self) -> RunResult:
         attrs = {"gen_ai.operation.name": "invoke_workflow", "gen_ai.agent.name": self.agent.name}
@@ -185,10 +185,10 @@ class _Loop:
                 failed = calls if calls and all(c.is_error for c in calls) else []
                 if isinstance(end, ToolsRan):
                     if end.called:
-                        self.called.add(self.agent.name)
+                        self.called.add(id(self.agent))
                 elif isinstance(end, HandoffTo):
                     self.emit(ev.HandoffOccurred(self.agent.name, end.target.name, end.reason))
-                    self.called.add(self.agent.name)
+                    self.called.add(id(self.agent))
                     self.agent = end.target
                 elif isinstance(end, Final):
                     await _guard("output", self.agent.output_guardrails, end.output)
@@ -202,7 +202,7 @@ class _Loop:
     def request(self, tools: dict[str, Tool], handoffs: dict[str, Agent]) -> ModelRequest:
         agent = self.agent
         choice = agent.tool_choice
-        if agent.name in self.called and choice is not ToolChoice.AUTO:
+        if id(agent) in self.called and choice is not ToolChoice.AUTO:
             # a forced or required call was made: now answer (in the output schema, if any)
             choice = ToolChoice.NONE if agent.output else ToolChoice.AUTO
         specs = [tool_spec(t) for t in tools.values()]
