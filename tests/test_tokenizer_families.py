@@ -29,7 +29,7 @@ META_IN_SEQUENCE = {"type": "Sequence", "decoders": [
     {"type": "Metaspace", "replacement": "▁", "prepend_scheme": "first", "split": False}]}
 
 
-def _save(tok, path, eos, special_tags=False, **names):
+def _save(tok, path, eos, special_tags=False, added=(), **names):
     import torch
     from tokenizers import AddedToken
     from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
@@ -37,7 +37,7 @@ def _save(tok, path, eos, special_tags=False, **names):
     tok.add_special_tokens([AddedToken(s, special=True, normalized=False)
                             for s in ("<|im_start|>", "<|im_end|>")])
     tok.add_tokens([AddedToken(s, special=special_tags, normalized=False)
-                    for s in ("<tool_call>", "</tool_call>")])
+                    for s in ("<tool_call>", "</tool_call>", *added)])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos,
                                    clean_up_tokenization_spaces=False, **names)
     fast.chat_template = CHAT
@@ -70,7 +70,7 @@ def _sentencepiece(path, decoder):
                  unk_token="<unk>")
 
 
-def _byte_level(path, special_tags):
+def _byte_level(path, special_tags, added=()):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -78,7 +78,7 @@ def _byte_level(path, special_tags):
     tok.decoder = decoders.ByteLevel()
     tok.train_from_iterator(CORPUS, trainers.BpeTrainer(
         vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    return _save(tok, path, "<|im_end|>", special_tags=special_tags)
+    return _save(tok, path, "<|im_end|>", special_tags=special_tags, added=added)
 
 
 def _unigram(path):
@@ -125,6 +125,37 @@ def test_tool_call_tags_a_tokenizer_makes_special_are_read_as_the_call(tmp_path)
     assert reply["finish_reason"] == "stop", reply
     assert [call["name"] for call in reply["tool_calls"]] == ["get_weather"]
     assert reply["text"].startswith("<tool_call>") and reply["text"].endswith("</tool_call>")
+
+
+def test_a_reasoning_model_s_think_tokens_are_free_text(tmp_path):
+    """Qwen3's ``<think>`` and ``</think>`` are added tokens it decodes as text; llguidance
+    keeps added tokens out of a text terminal, and every turn with free text (tools under
+    auto or none) masked them: the model's first token was taken from it."""
+    from transformers import AutoTokenizer
+
+    from agentflash.grammar import assistant_turn
+    from agentflash.grammar.compiler import compile_grammar
+
+    tools = [{"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    think = "<think>\nthe weather\n</think>\n\n"
+    turns = [("auto", think + call), ("auto", think + "Sunny."), ("auto", "So " + think + call),
+             ("none", think + "Sunny."), ("none", "Sunny.</think>"), ("auto", ""),
+             ("auto", call)]
+    for added in ((), ("<think>", "</think>")):
+        tok = AutoTokenizer.from_pretrained(_byte_level(tmp_path / f"m{len(added)}", False,
+                                                        added))
+        ids = {t: tok.convert_tokens_to_ids(t) for t in ("<think>", "</think>")}
+        for choice, text in turns:
+            tokens = tok(text, add_special_tokens=False)["input_ids"]
+            assert (ids["<think>"] in tokens) == bool(added and "<think>" in text)
+            constraint = compile_grammar(assistant_turn(tools, choice), tok).new_constraint()
+            taken = [constraint.allows(t) and constraint.advance([t]) is None for t in tokens]
+            assert all(taken) and constraint.is_accepting(), (added, choice, text)
+    # a turn without free text takes none: the call (or the answer) is the whole reply
+    constraint = compile_grammar(assistant_turn(tools, "required"), tok).new_constraint()
+    assert not constraint.allows(ids["<think>"])
 
 
 @pytest.mark.parametrize("make, message", [

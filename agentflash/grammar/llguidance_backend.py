@@ -258,6 +258,11 @@ def compile_source(
     if source.kind is GrammarKind.LARK:
         _check_no_end_token(source, info)
     _check_no_special_text(source, info, tokenizer)
+    if source.free_text:
+        from agentflash.grammar.tool_calls import with_reasoning_tokens
+
+        added = getattr(info.tokenizer, "get_added_vocab", None)
+        source = with_reasoning_tokens(source, added() if added is not None else {})
     return LLGuidanceGrammar(source, tokenizer, info.vocab_size, info.eos_token_id)
 
 

@@ -52,6 +52,8 @@ class GrammarSource:
     # an assistant turn whose text outside tool calls is a JSON schema's answer (the router
     # counts that text as a schema segment, as it does a JSON schema's whole reply)
     answers_in_schema: bool = field(default=False, compare=False)
+    # an assistant turn's grammar with free text (``tool_calls.with_reasoning_tokens``)
+    free_text: bool = False
 
     @property
     def schema(self) -> Any:

@@ -170,6 +170,14 @@ class ToolChoice:
 # calls from text, so a spelled tag would be a call that escaped the grammar.
 _TEXT = f"/(?s:.*)/ & ~/(?s:.*){OPEN}(?s:.*)/"
 _TEXT_BEFORE_CALLS = f"/(?s:.+)\\n/ & ~/(?s:.*){OPEN}(?s:.*)/"
+# A turn's free text, as rules of its own that ``with_reasoning_tokens`` rewrites
+_TEXT_RULES = ["text: TEXT", "text_before: TEXT_BEFORE_CALLS",
+               f"TEXT: {_TEXT}", f"TEXT_BEFORE_CALLS: {_TEXT_BEFORE_CALLS}"]
+_FREE_TEXT = f"start: text\n{_TEXT_RULES[0]}\n{_TEXT_RULES[2]}\n"
+# A reasoning model (Qwen3, QwQ, DeepSeek-R1) thinks between these tokens, single added tokens
+# of its vocabulary that it decodes as text; llguidance keeps every added token out of a
+# terminal's text, so free text takes them as tokens of their own where the tokenizer has them.
+REASONING_TOKENS = ("<think>", "</think>")
 
 
 def assistant_turn(
@@ -198,10 +206,10 @@ def assistant_turn(
         closed = strict if output_strict is None else output_strict
         return _answer_turn(specs, choice, parallel_tool_calls, strict, output_schema, closed)
     if choice.mode is ToolChoiceMode.NONE:
-        return lark(f"start: TEXT\nTEXT: {_TEXT}\n", origin="tool_choice=none")
+        return _free_text(lark(_FREE_TEXT, origin="tool_choice=none"))
     if not specs:
         if choice.mode is ToolChoiceMode.AUTO:
-            return lark(f"start: TEXT\nTEXT: {_TEXT}\n", origin="tool_choice=auto")
+            return _free_text(lark(_FREE_TEXT, origin="tool_choice=auto"))
         raise GrammarError(f"tool_choice={choice.mode.value}: no tools were given")
     if choice.mode is ToolChoiceMode.NAMED:
         chosen = [s for s in specs if s.name == choice.name]
@@ -216,17 +224,32 @@ def assistant_turn(
         f'call: {OPEN} "\\n" body "\\n" {CLOSE}',
         f"body: %json {json.dumps(body, ensure_ascii=False)}",
     ]
-    if choice.mode is ToolChoiceMode.AUTO:
-        rules = [
-            "start: TEXT | TEXT_BEFORE_CALLS? calls",
-            *rules,
-            f"TEXT: {_TEXT}",
-            f"TEXT_BEFORE_CALLS: {_TEXT_BEFORE_CALLS}",
-        ]
-    else:
-        rules = ["start: calls", *rules]
     origin = f"tool_choice={choice.name if choice.name else choice.mode.value}"
-    return lark("\n".join(rules) + "\n", origin=origin)
+    if choice.mode is ToolChoiceMode.AUTO:
+        rules = ["start: text | text_before? calls", *rules, *_TEXT_RULES]
+        return _free_text(lark("\n".join(rules) + "\n", origin=origin))
+    return lark("\n".join(["start: calls", *rules]) + "\n", origin=origin)
+
+
+def _free_text(source: GrammarSource) -> GrammarSource:
+    return replace(source, free_text=True)
+
+
+def with_reasoning_tokens(source: GrammarSource, added: dict[str, int]) -> GrammarSource:
+    """``source`` (a turn's grammar with free text: ``free_text``) whose free text also takes
+    ``REASONING_TOKENS`` where ``added`` (a tokenizer's added tokens: text to id) has them all:
+    before, a reasoning model's first token was masked and the argmax wrote another one."""
+    if not source.free_text or not all(t in added for t in REASONING_TOKENS):
+        return source
+    tokens = " | ".join(f"<[{added[t]}]>" for t in REASONING_TOKENS)
+    # TEXT matches the empty text: beside the tokens, text runs between them are non-empty
+    rules = {
+        "text: TEXT": "text: (TEXT_RUN | reasoning)*",
+        "text_before: TEXT_BEFORE_CALLS": "text_before: (TEXT_RUN? reasoning)* TEXT_BEFORE_CALLS",
+    }
+    lines = [rules.get(line, line) for line in source.text.split("\n")]
+    lines[-1:-1] = [f"reasoning: {tokens}", f"TEXT_RUN: /(?s:.+)/ & ~/(?s:.*){OPEN}(?s:.*)/"]
+    return replace(source, text="\n".join(lines), free_text=False)
 
 
 def _answer_turn(specs: list[ToolSpec], choice: ToolChoice, parallel: bool, strict: bool,
