@@ -161,3 +161,26 @@ def url_pattern(schemes: list[str]) -> str:
     if "file" in schemes:  # a host or none, without user or port
         starts.append(f"file://{host}?")
     return f"^(?:{'|'.join(starts)})(?:[/?#][!-~]*)?$"
+
+
+def format_checker() -> "jsonschema.FormatChecker":  # type: ignore[name-defined]  # noqa: F821
+    """jsonschema's format checks of a value written without the grammar (a remote server's,
+    a scripted one's), but its date, date-time and time: those are ``DATE_PATTERNS``'s, held
+    beside the format (``exact_dates``), as the grammar writes them; jsonschema's time check
+    refused the offset RFC 3339's full-time has ("12:30:00Z"), which the grammar writes."""
+    from jsonschema import FormatChecker
+
+    checker = FormatChecker()
+    for fmt in DATE_PATTERNS:
+        checker.checkers.pop(fmt, None)
+    return checker
+
+
+_DATE_FORMATS = {pattern: fmt for fmt, pattern in DATE_PATTERNS.items()}
+
+
+def error_message(error: "jsonschema.ValidationError") -> str:  # type: ignore[name-defined]  # noqa: F821
+    """jsonschema's message for ``error``; a ``DATE_PATTERNS`` pattern that ``exact_dates`` put
+    beside a format is named as the format, not spelled out."""
+    fmt = _DATE_FORMATS.get(error.validator_value) if error.validator == "pattern" else None
+    return error.message if fmt is None else f"{error.instance!r} is not a {fmt!r}"

@@ -268,6 +268,19 @@ def test_a_reply_that_is_not_the_output_type_stops_the_run_without_retrying(repl
     assert ("cut at max_tokens" in str(err.value)) == isinstance(reply, ScriptedTurn)
 
 
+def test_a_dict_schema_s_date_and_time_are_checked_as_the_grammar_writes_them():
+    """A reply without the grammar (a remote server's) that was no date passed a dict schema,
+    where a pydantic model refused it; a time is RFC 3339's, with its offset."""
+    schema = {"type": "object", "properties": {"d": {"type": "string", "format": "date"},
+                                               "t": {"type": "string", "format": "time"}}}
+    agent = Agent("a", output_type=schema)
+    for reply in ('{"d": "2024-02-30"}', '{"d": "soon"}', '{"t": "12:30:00"}'):
+        with pytest.raises(ModelBehaviorError, match="is not a '(date|time)'"):
+            run(agent, [reply])
+    reply = '{"d": "2024-02-29", "t": "12:30:00Z"}'
+    assert run(agent, [reply])[0].final_output == json.loads(reply)
+
+
 def test_a_number_cut_at_max_tokens_is_no_answer_a_whole_value_is():
     """A number cut short still parses (848 of 8481): not an answer. An object the grammar
     closed on the last token is whole, cut or not."""

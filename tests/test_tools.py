@@ -1112,7 +1112,8 @@ def test_http_tool_checks_arguments_as_the_grammar_writes_them(server_url):
     JSON reply is a result, not a failure."""
     Recorder.seen.clear()
     params = {"type": "object", "properties": {"q": {"type": "string"},
-                                               "when": {"type": "string", "format": "date"}}}
+                                               "when": {"type": "string", "format": "date"},
+                                               "at": {"type": "string", "format": "time"}}}
     search = HttpTool("search", "", "GET", f"{server_url}/find?api_key=SECRET", params)
     anything = HttpTool("any", "", "GET", f"{server_url}/find?api_key=SECRET",
                         {"type": "object", "properties": {}, "additionalProperties": True})
@@ -1125,9 +1126,14 @@ def test_http_tool_checks_arguments_as_the_grammar_writes_them(server_url):
                 await run_tool(anything, {"api_key": "EVIL", "q": "x"}),
                 await run_tool(search, {"q": "x", "when": "2024-02-29"}),
                 await run_tool(remove, {"q": "x"}),
-                await run_tool(broken, {})]
+                await run_tool(broken, {}),
+                # RFC 3339's full-time, as the grammar writes it: jsonschema's check refused it
+                await run_tool(search, {"at": "12:30:00Z"}),
+                await run_tool(search, {"when": "2023-02-29"})]
 
-    extra, undated, replaced, ok, removed, said = anyio.run(main)
+    extra, undated, replaced, ok, removed, said, timed, no_day = anyio.run(main)
+    assert not timed.is_error and json.loads(timed.output)["path"].endswith("at=12%3A30%3A00Z")
+    assert no_day.output.endswith("when: '2023-02-29' is not a 'date'\"}"), no_day.output
     assert extra.error_type == "invalid_arguments" and "'api_key' was unexpected" in extra.output
     assert undated.error_type == "invalid_arguments" and "is not a 'date'" in undated.output
     assert replaced.error_type == "invalid_arguments"
@@ -1136,7 +1142,8 @@ def test_http_tool_checks_arguments_as_the_grammar_writes_them(server_url):
     assert (removed.output, removed.is_error) == ("", False)
     assert (said.output, said.is_error) == ("<html>oops</html>", False)
     assert [p for _, p, _ in Recorder.seen] == ["/find?api_key=SECRET&q=x&when=2024-02-29",
-                                                "/items?q=x", "/broken"]
+                                                "/items?q=x", "/broken",
+                                                "/find?api_key=SECRET&at=12%3A30%3A00Z"]
 
 
 def test_a_sync_tool_may_run_an_event_loop_of_its_own():

@@ -125,15 +125,21 @@ def _schema_spec(schema: dict[str, Any]) -> OutputSpec:
         Draft202012Validator.check_schema(schema)
     except SchemaError as err:
         raise UserError(f"output schema is not a valid JSON Schema: {err.message}") from None
+    from agentflash.grammar.sources import exact_dates
+    from agentflash.json_formats import error_message, format_checker
+
     _check_supported(schema)
-    validator = Draft202012Validator(schema)
+    # formats checked as the grammar writes them (a date a day of the calendar): a reply
+    # written without it (a remote server's) that is no date is refused
+    validator = Draft202012Validator(exact_dates(schema), format_checker=format_checker())
 
     def parse(text: str) -> Any:
         value = _reply_json(text)
         errors = sorted(validator.iter_errors(value), key=str)
         if errors:
             raise OutputValidationError("; ".join(
-                f"{'.'.join(map(str, e.absolute_path)) or 'reply'}: {e.message}" for e in errors))
+                f"{'.'.join(map(str, e.absolute_path)) or 'reply'}: {error_message(e)}"
+                for e in errors))
         return value
 
     return OutputSpec(schema.get("title", "its output schema"), schema, parse)

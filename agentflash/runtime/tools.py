@@ -910,16 +910,17 @@ class HttpTool:
 
     async def call(self, arguments: dict[str, Any]) -> Any:
         import httpx
-        from jsonschema import Draft202012Validator, FormatChecker
+        from jsonschema import Draft202012Validator
 
-        from agentflash.grammar.sources import close_objects
+        from agentflash.grammar.sources import close_objects, exact_dates
+        from agentflash.json_formats import error_message, format_checker
 
         # what the grammar lets the model write: no keys the schema does not list, formats kept
-        schema = close_objects(self.parameters)
-        errors = sorted(Draft202012Validator(schema, format_checker=FormatChecker())
+        schema = exact_dates(close_objects(self.parameters))
+        errors = sorted(Draft202012Validator(schema, format_checker=format_checker())
                         .iter_errors(arguments), key=str)
-        problems = [f"{'.'.join(map(str, e.absolute_path)) or 'arguments'}: {e.message}"
-                    for e in errors]
+        problems = [f"{'.'.join(map(str, e.absolute_path)) or 'arguments'}: "
+                    f"{error_message(e)}" for e in errors]
         problems += [f"{key}: is the url's own query parameter"
                      for key in sorted(self._declared_query() & set(arguments))]
         if problems:
