@@ -222,6 +222,10 @@ def test_decoding_checks_each_field():
 
     warm = Decoding(temperature=np.float32(0.5))  # a number; JSON (a server's request) takes it
     assert type(warm.temperature) is float and warm.temperature == 0.5
+    sized = Decoding(block_size=np.int64(8), max_tokens=np.int32(64), seed=np.uint64(2**63))
+    assert json.dumps(vars(sized) | {"speculation": "auto"}) == (
+        '{"speculation": "auto", "block_size": 8, "temperature": 0.0, "max_tokens": 64, '
+        '"seed": 9223372036854775808}')
 
 
 def test_a_long_conversation_is_tokenized_off_the_event_loop(tiny_model_dir, monkeypatch):

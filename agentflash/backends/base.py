@@ -62,6 +62,10 @@ class Decoding:
                             f"got {self.max_tokens!r}")
         if self.seed is not None and not is_seed(self.seed):
             raise UserError(f"decoding.seed must be {SEED_TEXT}, got {self.seed!r}")
+        for name in ("block_size", "max_tokens", "seed"):  # a numpy integer as Python's: JSON
+            value = getattr(self, name)  # of a remote request, a span's attributes
+            if value is not None:
+                object.__setattr__(self, name, int(value))
 
 
 
