@@ -505,6 +505,43 @@ def test_an_agent_changed_after_it_was_built_is_checked_as_when_built():
     swap.tools = [lookup]
     swap.tool_choice = ForceTool("lookup")
     assert swap.turn_tools()[0].keys() == {"lookup"}
+    # a handoff target changed, and one changed by a tool in the run: checked before its
+    # max_turns was compared (a TypeError, or MaxTurnsExceeded blaming the model)
+    for bad in (0, "3"):
+        target.name, target.max_turns = "b", bad
+        with pytest.raises(UserError, match=f"agent 'b': max_turns must .* got {bad!r}"):
+            run(source, [ScriptedTurn.calls(("transfer_to_b", {"reason": "go"})), "x"])
+
+    @tool
+    def shrink() -> str:
+        """Shrink."""
+        me.max_turns = "5"
+        return "ok"
+
+    me = Agent("me", tools=[shrink])
+    with pytest.raises(UserError, match="agent 'me': max_turns must .* got '5'"):
+        run(me, [ScriptedTurn.calls(("shrink", {})), "x"])
+
+
+@pytest.mark.parametrize("fields, error", [
+    ({"tools": [5]}, "agent 'a': tools[0]: @tool needs a function, got int"),
+    ({"input_guardrails": [print, 5]}, "agent 'a': input_guardrails[1]: a guardrail needs a "
+                                       "function, got int"),
+    ({"output_guardrails": ["x"]}, "agent 'a': output_guardrails[0]: a guardrail needs a "
+                                   "function, got str"),
+    ({"handoff_description": 5}, "agent 'a': handoff_description must be a string, got int"),
+])
+def test_a_bad_tool_or_guardrail_names_its_agent_and_field(fields, error):
+    with pytest.raises(UserError) as err:
+        Agent("a", **fields)
+    assert str(err.value) == error
+
+
+def test_a_guardrail_s_bad_verdict_names_its_agent_and_kind():
+    agent = Agent("a", output_guardrails=[lambda output: False])
+    with pytest.raises(UserError, match=r"^agent 'a': output guardrail '<lambda>' must return "
+                                        r"None or a reason \(str\), got bool$"):
+        run(agent, ["hi"])
 
 
 def test_a_handoff_with_arguments_a_handoff_has_not_is_refused():

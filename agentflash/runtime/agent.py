@@ -45,16 +45,18 @@ class Guardrail:
         if not self.name:
             object.__setattr__(self, "name", getattr(self.check, "__name__", "guardrail"))
 
-    async def __call__(self, value: Any) -> str | None:
+    async def __call__(self, value: Any, where: str = "") -> str | None:
+        """The check's verdict on ``value``; ``where`` (whose guardrail it is) begins the
+        error a verdict of another type gets."""
         verdict = self.check(value)
         if inspect.isawaitable(verdict):
             verdict = await verdict
         if verdict is not None and not isinstance(verdict, str):
-            raise UserError(f"guardrail {self.name!r} must return None or a reason (str), "
-                            f"got {type(verdict).__name__}")
+            raise UserError(f"{where}guardrail {self.name!r} must return None or a reason "
+                            f"(str), got {type(verdict).__name__}")
         if verdict is not None and not verdict.strip():
-            raise UserError(f"guardrail {self.name!r} returned an empty reason: return None to "
-                            f"let the run go on, or the reason it stops")
+            raise UserError(f"{where}guardrail {self.name!r} returned an empty reason: return "
+                            f"None to let the run go on, or the reason it stops")
         return verdict
 
 
@@ -152,6 +154,14 @@ def _reply_json(text: str) -> Any:
     if problem is not None:
         raise OutputValidationError(f"reply: not JSON ({problem.removeprefix('invalid JSON: ')})")
     return value
+
+
+def _named(where: str, field_name: str, make: Callable[[Any], Any], value: Any) -> Any:
+    """``make(value)``, its ``UserError`` naming the agent and the field it was given in."""
+    try:
+        return make(value)
+    except UserError as err:
+        raise UserError(f"{where}: {field_name}: {err}") from None
 
 
 def handoff_tool_name(agent: Agent) -> str:
@@ -267,14 +277,18 @@ class Agent:
         where = f"agent {self.name!r}"
         if not isinstance(self.instructions, str):
             raise UserError(f"{where}: instructions must be a string")
+        if not isinstance(self.handoff_description, str):
+            raise UserError(f"{where}: handoff_description must be a string, got "
+                            f"{type(self.handoff_description).__name__}")
         for field_name in ("tools", "handoffs", "input_guardrails", "output_guardrails"):
             value = getattr(self, field_name)
             if not isinstance(value, (list, tuple)):
                 raise UserError(f"{where}: {field_name} must be a list, got "
                                 f"{type(value).__name__}")
             setattr(self, field_name, list(value))
-        self.tools = [t if isinstance(t, (FunctionTool, HttpTool)) else function_tool(t)
-                      for t in self.tools]
+        self.tools = [t if isinstance(t, (FunctionTool, HttpTool))
+                      else _named(where, f"tools[{i}]", function_tool, t)
+                      for i, t in enumerate(self.tools)]
         names = [t.name for t in self.tools]
         twice = sorted({n for n in names if names.count(n) > 1})
         if twice:
@@ -291,10 +305,10 @@ class Agent:
             self.output = output_spec(self.output_type)
         except UserError as err:  # which agent's output type it is
             raise UserError(f"{where}: {err}") from None
-        self.input_guardrails = [g if isinstance(g, Guardrail) else Guardrail(g)
-                                 for g in self.input_guardrails]
-        self.output_guardrails = [g if isinstance(g, Guardrail) else Guardrail(g)
-                                  for g in self.output_guardrails]
+        for kind in ("input_guardrails", "output_guardrails"):
+            setattr(self, kind, [g if isinstance(g, Guardrail)
+                                 else _named(where, f"{kind}[{i}]", Guardrail, g)
+                                 for i, g in enumerate(getattr(self, kind))])
         self.turn_tools()  # handoffs given now are Agents whose tools clash with nothing
 
     def check_tool_choice(self, choice: Any) -> ToolChoiceSpec:

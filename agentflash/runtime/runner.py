@@ -168,12 +168,13 @@ class _Loop:
         with self.tracer.span(SpanKind.RUN, f"run {self.agent.name}", self.trace_parent,
                               attrs) as span:
             self.agent.turn_tools()  # an agent changed since it was built is checked first
-            await _guard("input", self.agent.input_guardrails, self.input)
+            await _guard(self.agent, "input", self.agent.input_guardrails, self.input)
             # each agent's turns in this run, whenever it held the conversation: its max_turns
             # bounds them, so handoffs that go round in a cycle end too
             held: dict[int, int] = {}
             failed: list[ToolCallRecord] = []  # the last turn's calls, where every one failed
             for turn in itertools.count(1):
+                self.agent.turn_tools()  # one handed to, or changed since: checked first
                 held[id(self.agent)] = held.get(id(self.agent), 0) + 1
                 if held[id(self.agent)] > self.agent.max_turns:
                     raise MaxTurnsExceeded(f"agent {self.agent.name!r} reached max_turns "
@@ -191,7 +192,8 @@ class _Loop:
                     self.called.add(id(self.agent))
                     self.agent = end.target
                 elif isinstance(end, Final):
-                    await _guard("output", self.agent.output_guardrails, end.output)
+                    await _guard(self.agent, "output", self.agent.output_guardrails,
+                                 end.output)
                     self.emit(ev.FinalOutput(self.agent.name, end.output))
                     return RunResult(end.output, self.agent.name, self.messages, self.tool_calls,
                                      self.generations, self.tracer)
@@ -475,9 +477,9 @@ def _naming_the_turn(agent: str, number: int) -> Iterator[None]:
         raise named from None
 
 
-async def _guard(kind: str, guardrails: list[Guardrail], value: Any) -> None:
+async def _guard(agent: Agent, kind: str, guardrails: list[Guardrail], value: Any) -> None:
     for guardrail in guardrails:
-        reason = await guardrail(value)
+        reason = await guardrail(value, f"agent {agent.name!r}: {kind} ")
         if reason is not None:
             raise GuardrailTripped(kind, guardrail.name, reason)
 
