@@ -419,6 +419,22 @@ def test_a_spent_tool_choice_is_the_agent_s_own_not_its_name_s():
     assert [c.name for c in result.tool_calls] == ["transfer_to_support", "get_weather"]
 
 
+def test_a_call_is_given_back_to_the_model_as_it_wrote_it():
+    """json.dumps re-wrote it (Z\\u00fcrich for Zürich, 2.0 for 2.00), and the next turn's
+    prompt was another than a server's, which replays a call as written."""
+    written = '{"city":"Zürich", "days": 2}'
+    result, _, backend = run(Agent("a", tools=[get_weather]), [
+        ScriptedTurn(f'<tool_call>\n{{"name": "get_weather", "arguments": {written}}}\n'
+                     f'</tool_call>'),
+        ScriptedTurn('<tool_call>\n{"arguments": {"city": "Zürich"}, "name": "get_weather"}'
+                     '\n</tool_call>'), "Sunny."])
+    calls = [m["tool_calls"][0]["function"]["arguments"]
+             for m in backend.requests[2].messages if m.get("tool_calls")]
+    assert calls == [written, '{"city": "Zürich"}']  # (another key order: re-written)
+    assert [c.arguments for c in result.tool_calls] == [{"city": "Zürich", "days": 2},
+                                                        {"city": "Zürich"}]
+
+
 def test_agents_named_in_other_scripts_get_handoff_tools_of_their_own():
     """Every letter outside A-Z became "_": two agents named in Chinese were both
     transfer_to___, and an agent could not hand off to both."""

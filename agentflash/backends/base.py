@@ -134,6 +134,10 @@ class ToolCall:
     id: str
     name: str
     arguments: dict[str, Any]
+    # the arguments' JSON as the model wrote it ("": not known), which the conversation gives
+    # back to it: re-written (json.dumps's \u00fc for ü, 2.5 for 2.50), the next turn's prompt
+    # was another than a server's, which replays a call as written
+    arguments_text: str = field(default="", compare=False)
 
 
 @dataclass(frozen=True)

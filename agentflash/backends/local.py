@@ -117,12 +117,17 @@ class _OpenCall:
         call = parse_body(self.body)  # as ``parse_tool_calls`` reads a whole reply
         if isinstance(call, ParsedMalformed):
             return [ToolCallReady(self.index, MalformedToolCall(call_id, call.body, call.error))]
+        written = ""
         if self.name is None:  # written in another key order: nothing was streamed
-            events.append(ToolCallDelta(self.index, call.name, json.dumps(call.arguments)))
-        elif self.args_end is not None and self.args_start + self.sent < self.args_end:
-            rest = self.body[self.args_start + self.sent : self.args_end]
-            events.append(ToolCallDelta(self.index, self.name, rest))
-        events.append(ToolCallReady(self.index, ToolCall(call_id, call.name, call.arguments)))
+            events.append(ToolCallDelta(self.index, call.name,
+                                        json.dumps(call.arguments, ensure_ascii=False)))
+        elif self.args_end is not None:
+            written = self.body[self.args_start : self.args_end]
+            if self.args_start + self.sent < self.args_end:
+                rest = self.body[self.args_start + self.sent : self.args_end]
+                events.append(ToolCallDelta(self.index, self.name, rest))
+        events.append(ToolCallReady(self.index, ToolCall(call_id, call.name, call.arguments,
+                                                         written)))
         return events
 
 

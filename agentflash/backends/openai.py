@@ -660,7 +660,8 @@ class _ChunkReader:
             call.is_ready = True
             args, _ = load_body(call.arguments or "{}")  # NaN refused, as the grammar's
             if isinstance(args, dict) and call.name and not cut:
-                events.append(ToolCallReady(index, ToolCall(call.id, call.name, args)))
+                events.append(ToolCallReady(index, ToolCall(call.id, call.name, args,
+                                                            call.arguments.strip())))
                 continue
             if cut and call.name:  # its body as the model wrote it, as the embedded engine's
                 # reader gives it (its arguments as a JSON string in the body, and other words,

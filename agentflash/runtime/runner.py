@@ -431,7 +431,9 @@ def _message_call(call: model.ToolCall | model.MalformedToolCall) -> dict[str, A
     """A call as an OpenAI assistant message lists it, arguments as JSON text: a malformed call
     has none (the text it was is in its error result), so that the conversation is one that a
     next run, a server or a chat template takes."""
-    arguments = json.dumps(call.arguments if isinstance(call, model.ToolCall) else {})
+    arguments = "{}"
+    if isinstance(call, model.ToolCall):  # as the model wrote them, as a server replays them
+        arguments = call.arguments_text or json.dumps(call.arguments, ensure_ascii=False)
     return {"id": call.id, "type": "function",
             "function": {"name": _call_name(call), "arguments": arguments}}
 
