@@ -228,6 +228,40 @@ def test_decoding_checks_each_field():
         '"seed": 9223372036854775808}')
 
 
+def test_chat_template_kwargs_are_the_template_s_variables(tiny_model_dir):
+    """Qwen3's enable_thinking had no way in: a turn's prompt is the template's with them."""
+    backend = LocalBackend(tiny_model_dir, chat_template_kwargs={"enable_thinking": False})
+    plain = LocalBackend(tiny_model_dir)
+
+    async def prompts():
+        out = []
+        for each in (backend, plain):
+            async with each:
+                engine = each._engine
+                template = engine.tokenizer.chat_template
+                engine.tokenizer.chat_template = (
+                    "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                    "{% if enable_thinking is defined and not enable_thinking %} no think"
+                    "{% endif %}")
+                out.append(await each._prompt_ids(ModelRequest([{"role": "user",
+                                                                  "content": "hi"}])))
+                engine.tokenizer.chat_template = template
+        return out
+
+    thinking_off, default = anyio.run(prompts)
+    tok = backend._engine.tokenizer
+    assert (tok.decode(thinking_off), tok.decode(default)) == ("hi no think", "hi")
+    bad = LocalBackend(tiny_model_dir, chat_template_kwargs={"tokenize": True})
+
+    async def open_bad():
+        async with bad:
+            pass
+
+    with pytest.raises(UserError, match="chat_template_kwargs.tokenize: a parameter of "
+                                        "apply_chat_template"):
+        anyio.run(open_bad)
+
+
 def test_a_long_conversation_is_tokenized_off_the_event_loop(tiny_model_dir, monkeypatch):
     """A tool's huge result held every other run on the loop while it was tokenized."""
     import threading
@@ -326,7 +360,7 @@ def test_local_backend_shows_tools_under_every_tool_choice(tiny_model_dir):
             engine = backend._engine
             seen = []
             original = engine.chat_prompt
-            engine.chat_prompt = lambda m, t: seen.append(t) or original(m, t)
+            engine.chat_prompt = lambda m, t, k: seen.append(t) or original(m, t, k)
             for choice in (ToolChoice.AUTO, ToolChoice.NONE):
                 await collect(backend, ModelRequest(messages, tools, choice,
                                                     decoding=Decoding(max_tokens=2)))

@@ -109,6 +109,27 @@ def test_a_repeated_prompt_reports_its_cached_tokens_and_the_same_reply(client):
     assert again.choices[0].message.content == first.choices[0].message.content
 
 
+def test_chat_template_kwargs_reach_the_template_and_bad_ones_are_named(client, engine):
+    """vLLM's field (Qwen3's enable_thinking) was ignored; one that is apply_chat_template's
+    own parameter is refused, naming it."""
+    template = engine.tokenizer.chat_template
+    engine.tokenizer.chat_template = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                                      "{{ suffix | default('') }}")
+    try:
+        usage = [client.chat.completions.create(
+            model="demo", messages=user("hi"), max_tokens=1, temperature=0,
+            extra_body={"chat_template_kwargs": kwargs}).usage.prompt_tokens
+            for kwargs in ({}, {"suffix": " and more words"})]
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model="demo", messages=user("hi"), max_tokens=1,
+                                           extra_body={"chat_template_kwargs": {"tools": []}})
+    finally:
+        engine.tokenizer.chat_template = template
+    assert usage[1] > usage[0]
+    assert err.value.body["param"] == "chat_template_kwargs"
+    assert "chat_template_kwargs.tools: a parameter of apply_chat_template" in str(err.value)
+
+
 def test_models_and_health(client, url):
     assert [m.id for m in client.models.list().data] == ["demo"]
     assert client.models.retrieve("demo").id == "demo"

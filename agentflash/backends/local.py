@@ -259,12 +259,14 @@ class LocalBackend(Backend):
     drafter with the demo model when it is shipped), ``demo``, ``none`` or a DFlash drafter
     directory. ``prefix_cache_mb`` sizes the engine's prefix cache (0: off); ``max_running``,
     ``max_len`` and ``kv_budget_mb`` are its limits (``EngineConfig``). ``engine`` serves an
-    already built ``Engine`` instead.
+    already built ``Engine`` instead. ``chat_template_kwargs`` are variables of the model's
+    chat template for every turn (Qwen3's ``{"enable_thinking": False}``).
     """
 
     def __init__(self, model: str | Path = "demo", *, drafter: str = "auto",
                  prefix_cache_mb: float = 64.0, max_running: int = 8, max_len: int = 2048,
-                 kv_budget_mb: float | None = None, engine: Any = None):
+                 kv_budget_mb: float | None = None, engine: Any = None,
+                 chat_template_kwargs: dict[str, Any] | None = None):
         from agentflash.engine.engine import EngineConfig
 
         try:
@@ -275,6 +277,10 @@ class LocalBackend(Backend):
         self.model = str(model)
         self.drafter = check_drafter(drafter)
         self.model_name = "demo" if self.model == "demo" else Path(self.model).name
+        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+            raise UserError(f"chat_template_kwargs must be a dict, got "
+                            f"{type(chat_template_kwargs).__name__}")
+        self.chat_template_kwargs = chat_template_kwargs
         self._engine = engine
         self._aengine: Any = None
 
@@ -298,6 +304,7 @@ class LocalBackend(Backend):
                 return Engine(net, tokenizer, self.config, model_dir=model_dir, drafter=draft)
 
             self._engine = await run_in_own_thread(build)
+        self._engine.check_template_kwargs(self.chat_template_kwargs)
         aengine = AsyncEngine(self._engine)
         await aengine.__aenter__()  # a refusal leaves this backend closed, as it was
         self._aengine = aengine
@@ -341,10 +348,11 @@ class LocalBackend(Backend):
         other run still (2 s for 2M characters); the tokenizer runs no torch, so the worker
         starts no OpenMP team (the engine module's concern)."""
         size = sum(len(str(m.get("content") or "")) for m in request.messages)
+        kwargs = self.chat_template_kwargs
         if size < LONG_PROMPT_CHARS:
-            return self._engine.chat_prompt(request.messages, request.tools)
+            return self._engine.chat_prompt(request.messages, request.tools, kwargs)
         return await anyio.to_thread.run_sync(self._engine.chat_prompt, request.messages,
-                                              request.tools)
+                                              request.tools, kwargs)
 
     def _engine_stream(self, request: ModelRequest, prompt_ids: list[int]
                        ) -> AsyncIterator[Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import threading
@@ -245,18 +246,41 @@ class Engine:
     # --- prompts ---------------------------------------------------------------------------
 
     def chat_prompt(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
-        """Token ids of ``messages`` under the model's chat template, ready for the reply."""
+        """Token ids of ``messages`` under the model's chat template, ready for the reply.
+        ``template_kwargs`` are variables of the template (Qwen3's ``enable_thinking``)."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise UserError(f"{self.model_dir}: the tokenizer has no chat template")
+        self.check_template_kwargs(template_kwargs)
         text = self.tokenizer.apply_chat_template(
-            messages, tools=tools or None, tokenize=False, add_generation_prompt=True
+            messages, tools=tools or None, tokenize=False, add_generation_prompt=True,
+            **(template_kwargs or {}),
         )
         from agentflash.inputs import check_unicode  # callers name the field; this, the rest
 
         check_unicode(text, "the chat prompt (messages, tools or instructions)")
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def check_template_kwargs(self, template_kwargs: dict[str, Any] | None) -> None:
+        """A ``UserError`` naming the key, unless ``template_kwargs`` is None or a dict of the
+        template's own variables: not one of ``apply_chat_template``'s parameters (``tools``,
+        ``tokenize``), which the engine sets."""
+        if template_kwargs is None:
+            return
+        if not isinstance(template_kwargs, dict):
+            raise UserError(f"chat_template_kwargs must be an object, got "
+                            f"{type(template_kwargs).__name__}")
+        own = inspect.signature(self.tokenizer.apply_chat_template).parameters
+        for key in template_kwargs:
+            if not isinstance(key, str) or not key.isidentifier():
+                raise UserError(f"chat_template_kwargs: {key!r} is not a template variable's "
+                                f"name")
+            if key in own and own[key].kind is not inspect.Parameter.VAR_KEYWORD:
+                raise UserError(f"chat_template_kwargs.{key}: a parameter of "
+                                f"apply_chat_template, which the engine sets, not a variable "
+                                f"of the template")
 
     # --- requests --------------------------------------------------------------------------
 

@@ -76,7 +76,12 @@ def prepare(request: ChatCompletionRequest, engine: Engine, max_tokens_limit: in
             raise APIError(400, f"cannot constrain the reply: {err}",
                            param="response_format" if not tools else "tools") from None
     try:
-        prompt_ids = engine.chat_prompt(chat_messages(request.messages), tools)
+        engine.check_template_kwargs(request.chat_template_kwargs)
+    except UserError as err:
+        raise APIError(400, str(err), param="chat_template_kwargs") from None
+    try:
+        prompt_ids = engine.chat_prompt(chat_messages(request.messages), tools,
+                                        request.chat_template_kwargs)
     except UserError as err:
         raise APIError(400, str(err), param="messages") from None
     except Exception as err:  # jinja2 errors of the model's own chat template

@@ -168,6 +168,9 @@ class ChatCompletionRequest(_Wire):
     modalities: list[str] | None = None
     audio: Any = None
     web_search_options: Any = None
+    # variables of the model's chat template (vLLM's and SGLang's field: Qwen3's
+    # {"enable_thinking": false})
+    chat_template_kwargs: dict[str, Any] | None = None
     agentflash: AgentflashOptions | None = None
 
     def check_supported(self) -> None:
