@@ -503,6 +503,20 @@ def test_client_errors_are_reported_without_retries(server):
     assert app.attempts == 2
 
 
+def test_chat_template_kwargs_go_with_every_request(server):
+    url, _ = server
+    ask = ModelRequest([{"role": "user", "content": "Hello"}],
+                       decoding=Decoding(max_tokens=8, speculation="off"))
+    with pytest.raises(UserError, match="chat_template_kwargs.tokenize: a parameter of "
+                                        "apply_chat_template"):  # the server read them
+        stream(OpenAIBackend(url, "demo", retry=FAST_RETRY,
+                             chat_template_kwargs={"tokenize": True}), ask)
+    texts = ["".join(e.text for e in stream(OpenAIBackend(url, "demo", **kwargs), ask)
+                     if isinstance(e, TextDelta)) for kwargs in (
+        {}, {"chat_template_kwargs": {"enable_thinking": False}})]  # (the demo's has none)
+    assert texts[0] and texts[0] == texts[1]
+
+
 def test_connection_errors_are_retried_then_reported():
     with socket.socket() as sock:  # a port nobody listens on
         sock.bind(("127.0.0.1", 0))

@@ -124,13 +124,17 @@ class OpenAIBackend(Backend):
     ``base_url`` ends where ``/chat/completions`` is appended (``http://host:8000/v1``).
     ``api_key`` (or the environment variable ``api_key_env``) is sent as a bearer token.
     ``timeout_s`` bounds each wait for data (the reply's start, then every chunk).
+    ``chat_template_kwargs`` go with every request, in the field of that name (vLLM's, SGLang's
+    and ``agentflash serve``'s: the served model's template variables, Qwen3's
+    ``{"enable_thinking": False}``).
     """
 
     provider_name = "openai"  # the API it speaks, whichever server answers
 
     def __init__(self, base_url: str, model: str, *, api_key: str | None = None,
                  api_key_env: str | None = None, timeout_s: float = 120.0,
-                 connect_timeout_s: float = 10.0, retry: RetryPolicy = RetryPolicy()):
+                 connect_timeout_s: float = 10.0, retry: RetryPolicy = RetryPolicy(),
+                 chat_template_kwargs: dict[str, Any] | None = None):
         problem = base_url_problem(base_url)
         if problem:
             raise UserError(f"model.base_url {problem}")
@@ -150,6 +154,10 @@ class OpenAIBackend(Backend):
                             f"(a space or a line end copied with it?)")
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._client: httpx.AsyncClient | None = None
+        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+            raise UserError(f"chat_template_kwargs must be a dict, got "
+                            f"{type(chat_template_kwargs).__name__}")
+        self.chat_template_kwargs = chat_template_kwargs
 
     @classmethod
     def from_spec(cls, spec: ModelSpec) -> OpenAIBackend:
@@ -178,6 +186,8 @@ class OpenAIBackend(Backend):
             raise UserError("open the OpenAIBackend first: `async with OpenAIBackend(...) as b:`")
         started = time.perf_counter()
         body = request_body(self.model_name, request)
+        if self.chat_template_kwargs is not None:
+            body["chat_template_kwargs"] = self.chat_template_kwargs
         tries = _Tries(self.retry)  # one budget for every kind of retry of this call
         while True:
             # calls the server passes on as text are read, as the embedded engine reads them:
