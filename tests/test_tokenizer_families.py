@@ -29,7 +29,7 @@ META_IN_SEQUENCE = {"type": "Sequence", "decoders": [
     {"type": "Metaspace", "replacement": "▁", "prepend_scheme": "first", "split": False}]}
 
 
-def _save(tok, path, eos, special_tags=False, added=(), **names):
+def _save(tok, path, eos, special_tags=False, added=(), added_special=False, **names):
     import torch
     from tokenizers import AddedToken
     from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
@@ -37,7 +37,8 @@ def _save(tok, path, eos, special_tags=False, added=(), **names):
     tok.add_special_tokens([AddedToken(s, special=True, normalized=False)
                             for s in ("<|im_start|>", "<|im_end|>")])
     tok.add_tokens([AddedToken(s, special=special_tags, normalized=False)
-                    for s in ("<tool_call>", "</tool_call>", *added)])
+                    for s in ("<tool_call>", "</tool_call>")])
+    tok.add_tokens([AddedToken(s, special=added_special, normalized=False) for s in added])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos,
                                    clean_up_tokenization_spaces=False, **names)
     fast.chat_template = CHAT
@@ -70,7 +71,7 @@ def _sentencepiece(path, decoder):
                  unk_token="<unk>")
 
 
-def _byte_level(path, special_tags, added=()):
+def _byte_level(path, special_tags, added=(), added_special=False):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -78,7 +79,8 @@ def _byte_level(path, special_tags, added=()):
     tok.decoder = decoders.ByteLevel()
     tok.train_from_iterator(CORPUS, trainers.BpeTrainer(
         vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    return _save(tok, path, "<|im_end|>", special_tags=special_tags, added=added)
+    return _save(tok, path, "<|im_end|>", special_tags=special_tags, added=added,
+                 added_special=added_special)
 
 
 def _unigram(path):
@@ -143,19 +145,25 @@ def test_a_reasoning_model_s_think_tokens_are_free_text(tmp_path):
     turns = [("auto", think + call), ("auto", think + "Sunny."), ("auto", "So " + think + call),
              ("none", think + "Sunny."), ("none", "Sunny.</think>"), ("auto", ""),
              ("auto", call)]
-    for added in ((), ("<think>", "</think>")):
-        tok = AutoTokenizer.from_pretrained(_byte_level(tmp_path / f"m{len(added)}", False,
-                                                        added))
-        ids = {t: tok.convert_tokens_to_ids(t) for t in ("<think>", "</think>")}
+    for n, added in enumerate(((), ("<think>", "</think>"), ("</think>",))):
+        tok = AutoTokenizer.from_pretrained(_byte_level(tmp_path / f"m{n}", False, added))
         for choice, text in turns:
             tokens = tok(text, add_special_tokens=False)["input_ids"]
-            assert (ids["<think>"] in tokens) == bool(added and "<think>" in text)
+            assert all(tok.convert_tokens_to_ids(t) in tokens for t in added if t in text)
             constraint = compile_grammar(assistant_turn(tools, choice), tok).new_constraint()
             taken = [constraint.allows(t) and constraint.advance([t]) is None for t in tokens]
             assert all(taken) and constraint.is_accepting(), (added, choice, text)
     # a turn without free text takes none: the call (or the answer) is the whole reply
+    think = tok.convert_tokens_to_ids("</think>")
     constraint = compile_grammar(assistant_turn(tools, "required"), tok).new_constraint()
-    assert not constraint.allows(ids["<think>"])
+    assert not constraint.allows(think)
+    # a special one is decoded as nothing: between "<tool_" and "call>" it would make a call
+    # the grammar never saw
+    tok = AutoTokenizer.from_pretrained(_byte_level(tmp_path / "special", False,
+                                                    ("<think>", "</think>"), True))
+    constraint = compile_grammar(assistant_turn(tools, "none"), tok).new_constraint()
+    constraint.advance(tok("Hi <tool_", add_special_tokens=False)["input_ids"])
+    assert not constraint.allows(tok.convert_tokens_to_ids("<think>"))
 
 
 @pytest.mark.parametrize("make, message", [

@@ -261,8 +261,9 @@ def compile_source(
     if source.free_text:
         from agentflash.grammar.tool_calls import with_reasoning_tokens
 
-        added = getattr(info.tokenizer, "get_added_vocab", None)
-        source = with_reasoning_tokens(source, added() if added is not None else {})
+        added = getattr(info.tokenizer, "added_tokens_decoder", None) or {}
+        source = with_reasoning_tokens(source, {t.content: i for i, t in added.items()
+                                                if not t.special})
     return LLGuidanceGrammar(source, tokenizer, info.vocab_size, info.eos_token_id)
 
 

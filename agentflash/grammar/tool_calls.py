@@ -235,13 +235,16 @@ def _free_text(source: GrammarSource) -> GrammarSource:
     return replace(source, free_text=True)
 
 
-def with_reasoning_tokens(source: GrammarSource, added: dict[str, int]) -> GrammarSource:
+def with_reasoning_tokens(source: GrammarSource, text_tokens: dict[str, int]) -> GrammarSource:
     """``source`` (a turn's grammar with free text: ``free_text``) whose free text also takes
-    ``REASONING_TOKENS`` where ``added`` (a tokenizer's added tokens: text to id) has them all:
-    before, a reasoning model's first token was masked and the argmax wrote another one."""
-    if not source.free_text or not all(t in added for t in REASONING_TOKENS):
+    those of ``REASONING_TOKENS`` that ``text_tokens`` has (a tokenizer's added tokens that it
+    decodes as text, not special: text to id): before, a reasoning model's first token was
+    masked and the argmax wrote another one. A special one is left out: decoded as nothing,
+    it would join the text around it (``<tool_``, ``call>``) into a call the grammar never saw."""
+    present = [t for t in REASONING_TOKENS if t in text_tokens]
+    if not source.free_text or not present:
         return source
-    tokens = " | ".join(f"<[{added[t]}]>" for t in REASONING_TOKENS)
+    tokens = " | ".join(f"<[{text_tokens[t]}]>" for t in present)
     # TEXT matches the empty text: beside the tokens, text runs between them are non-empty
     rules = {
         "text: TEXT": "text: (TEXT_RUN | reasoning)*",
