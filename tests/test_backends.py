@@ -251,15 +251,15 @@ def test_chat_template_kwargs_are_the_template_s_variables(tiny_model_dir):
     thinking_off, default = anyio.run(prompts)
     tok = backend._engine.tokenizer
     assert (tok.decode(thinking_off), tok.decode(default)) == ("hi no think", "hi")
-    bad = LocalBackend(tiny_model_dir, chat_template_kwargs={"tokenize": True})
-
-    async def open_bad():
+    async def open_bad(bad):
         async with bad:
             pass
 
-    with pytest.raises(UserError, match="chat_template_kwargs.tokenize: a parameter of "
-                                        "apply_chat_template"):
-        anyio.run(open_bad)
+    for key in ("tokenize", "messages"):  # (the template's conversation: a TypeError)
+        bad = LocalBackend(tiny_model_dir, chat_template_kwargs={key: True})
+        with pytest.raises(UserError, match=f"chat_template_kwargs.{key}: a parameter of "
+                                            f"apply_chat_template"):
+            anyio.run(open_bad, bad)
 
 
 def test_a_long_conversation_is_tokenized_off_the_event_loop(tiny_model_dir, monkeypatch):

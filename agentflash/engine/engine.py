@@ -277,7 +277,8 @@ class Engine:
             if not isinstance(key, str) or not key.isidentifier():
                 raise UserError(f"chat_template_kwargs: {key!r} is not a template variable's "
                                 f"name")
-            if key in own and own[key].kind is not inspect.Parameter.VAR_KEYWORD:
+            if key == "messages" or (  # (what it hands the template the conversation as)
+                    key in own and own[key].kind is not inspect.Parameter.VAR_KEYWORD):
                 raise UserError(f"chat_template_kwargs.{key}: a parameter of "
                                 f"apply_chat_template, which the engine sets, not a variable "
                                 f"of the template")
