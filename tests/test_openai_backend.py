@@ -654,6 +654,7 @@ def test_chunk_reader_closes_calls_as_their_arguments_complete():
     assert not any(isinstance(e, ToolCallReady) for e in events)
     events = reader.read(delta(0, "}"))
     assert events[-1] == ToolCallReady(0, ToolCall("a", "f", {"x": 1}))
+    assert events[-1].call.arguments_text == '{"x": 1}'  # as written, given back so
     events = reader.read(delta(1, '{"y": [1', id="b", name="g")) + reader.read(delta(2, "{", id="c",
                                                                                   name="h"))
     # call 1 stays open when call 2 begins: a server may interleave the pieces of the calls
@@ -670,7 +671,6 @@ def test_chunk_reader_closes_calls_as_their_arguments_complete():
     assert reader.finish_reason == "length" and stats["new_tokens"] == 9
     assert stats["prompt_tokens"] == 5 and stats["cached_prompt_tokens"] == 4
     assert stats["mode"] == "remote"
-
 
 
 def test_a_reply_cut_by_length_leaves_its_open_calls_malformed():
