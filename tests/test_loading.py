@@ -81,6 +81,14 @@ def test_malformed_config(tiny_model_dir, tmp_path):
     (tmp_path / "m" / "config.json").write_text('{"model_type": "qwen3",\n  "hidden_size": }')
     with pytest.raises(UserError, match=r"config.json:2: malformed JSON"):
         load_model(tmp_path / "m")
+    # bytes that are not text, a directory of the name: a traceback each
+    (tmp_path / "m" / "config.json").write_bytes(b'\xff{}')
+    with pytest.raises(UserError, match=r"config.json: cannot read the config.json: not UTF-8"):
+        load_model(tmp_path / "m")
+    (tmp_path / "m" / "config.json").unlink()
+    (tmp_path / "m" / "config.json").mkdir()
+    with pytest.raises(UserError, match=r"config.json: cannot read the config.json: Is a dir"):
+        load_model(tmp_path / "m")
 
 
 def test_config_missing_a_field_and_unsupported_type(tiny_model_dir, tmp_path):

@@ -76,6 +76,10 @@ def read_json(path: Path, what: str) -> dict[str, Any]:
         data = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as err:
         raise UserError(f"{path}:{err.lineno}: malformed JSON in {what}: {err.msg}") from None
+    except UnicodeDecodeError:
+        raise UserError(f"{path}: cannot read the {what}: not UTF-8 text") from None
+    except OSError as err:  # a directory of that name, no permission
+        raise UserError(f"{path}: cannot read the {what}: {err.strerror or err}") from None
     if not isinstance(data, dict):
         raise UserError(f"{path}: {what} must be a JSON object")
     return data
