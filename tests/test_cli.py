@@ -361,6 +361,9 @@ def test_missing_model_and_missing_files(tmp_path):
         (["eval-tool-calls", "--num", "0"], "--num must be at least 1, got 0"),
         (["train", "target", "--out", "FILE"], "--out must be a directory, and this is a file"),
         (["train", "target", "--out", "DIR", "--steps", "0"], "--steps must be at least 1"),
+        # (where no directory can be made, for root too: a traceback)
+        (["train", "target", "--out", "/proc/agentflash/out"],
+         "/proc/agentflash/out: --out cannot be made: No such file or directory"),
         (["train", "drafter", "--target", "demo", "--out", "DIR", "--lr", "nan"],
          "--lr must be a positive number, got nan"),
         (["train", "drafter", "--target", "demo", "--out", "DIR", "--num-anchors", "0"],

@@ -187,6 +187,13 @@ def test_a_rerun_resumes_without_regenerating(run, tiny_model_dir):
         assert steps == list(range(1, 31)) + [31, 32, 33]
         with pytest.raises(UserError, match="different drafter .*num_layers 1 there, 2 asked"):
             train_drafter(tiny_model_dir, run, tiny_config(steps=40, num_layers=2))
+        # with answers to other settings too: refused before the target answers (minutes),
+        # and before the run's cached answers are rewritten for them
+        cached = (run / "responses.json").read_bytes()
+        with pytest.raises(UserError, match="different drafter .*num_layers 1 there, 2 asked"):
+            train_drafter(tiny_model_dir, run, tiny_config(steps=40, num_layers=2,
+                                                           max_response_tokens=12))
+        assert (run / "responses.json").read_bytes() == cached
 
 
 def test_cached_answers_of_another_target_are_regenerated(run, tiny_model_dir):

@@ -40,7 +40,7 @@ from agentflash.errors import UserError
 from agentflash.models.qwen3 import Qwen3Model
 from agentflash.train import corpus as corpus_mod
 from agentflash.train import tokenizer as tokenizer_mod
-from agentflash.train.runs import open_log, target_name
+from agentflash.train.runs import make_out_dir, open_log, target_name
 
 IGNORE = -100
 
@@ -484,7 +484,10 @@ def train_drafter(
     dcfg = drafter_config(target, cfg, mask_id)
     # --init is read and checked before the target answers the corpus (minutes of work)
     initial = _init_from(cfg.init, dcfg) if cfg.init is not None else None
-    out_dir.mkdir(parents=True, exist_ok=True)  # once all is checked: no empty --out left
+    # a run to resume, checked too: after the answers, a drafter of other settings was found
+    # minutes later, and the answers' cache was already rewritten for the new settings
+    saved = _checkpoint(out_dir / "checkpoints", dcfg)
+    make_out_dir(out_dir)  # once all is checked: no empty --out left
     train, val = build_samples(target, tokenizer, cfg, out_dir / "responses.json")
     if not train:
         raise UserError(f"{out_dir}: no training sequences (every answer had under 2 tokens)")
@@ -493,7 +496,7 @@ def train_drafter(
         drafter.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay
     )
     ckpt_dir = out_dir / "checkpoints"
-    start = _resume(ckpt_dir, drafter, opt, dcfg)
+    start = _resume(saved, drafter, opt)
     trained_for = target_name(target_dir)
     if start == 0 and initial is not None:
         drafter.load_state_dict(initial.state_dict())
@@ -658,10 +661,11 @@ def widen_context(drafter: DFlashDrafter, layer_ids: tuple[int, ...]) -> DFlashD
     return wide.to(drafter.fc.weight.dtype)
 
 
-def _resume(ckpt_dir: Path, drafter, opt, dcfg: DrafterConfig) -> int:
+def _checkpoint(ckpt_dir: Path, dcfg: DrafterConfig) -> dict[str, Any] | None:
+    """The run's latest checkpoint (None: none yet), if it is of a drafter of ``dcfg``."""
     path = ckpt_dir / "latest.pt"
     if not path.exists():
-        return 0
+        return None
     state: dict[str, Any] = torch.load(path, weights_only=False)
     if state["drafter_config"] != asdict(dcfg):
         had, asked = state["drafter_config"], asdict(dcfg)
@@ -669,6 +673,13 @@ def _resume(ckpt_dir: Path, drafter, opt, dcfg: DrafterConfig) -> int:
                          for k in asked if had.get(k) != asked[k])
         raise UserError(f"{path}: checkpoint is of a different drafter ({diff}); use another "
                         f"--out or delete it")
+    return state
+
+
+def _resume(state: dict[str, Any] | None, drafter, opt) -> int:
+    """The step to go on from: ``state``'s (a checkpoint), loaded into ``drafter`` and ``opt``."""
+    if state is None:
+        return 0
     drafter.load_state_dict(state["drafter"])
     opt.load_state_dict(state["opt"])
     return int(state["step"])

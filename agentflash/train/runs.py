@@ -28,6 +28,14 @@ _RUN_FILES = {
 }
 
 
+def make_out_dir(out: Path) -> None:
+    """Make ``--out`` (and its parents), or a ``UserError`` saying why it cannot be made."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:  # read-only, no permission
+        raise UserError(f"{out}: --out cannot be made: {err.strerror or err}") from None
+
+
 def check_out_dir(out: Path, kind: str, steps: int, target: str | None = None) -> None:
     """Refuse an ``out`` (a directory, or a path to make one at: the CLI's ``_out_dir`` checks
     that) that this run would spoil, naming why; ``target``: the drafter's target as given."""

@@ -17,7 +17,7 @@ import torch
 
 from agentflash.train import corpus as corpus_mod
 from agentflash.train import tokenizer as tokenizer_mod
-from agentflash.train.runs import open_log
+from agentflash.train.runs import make_out_dir, open_log
 
 
 @dataclass(frozen=True)
@@ -97,7 +97,7 @@ def train_target(
     from transformers import AutoTokenizer, Qwen3ForCausalLM
 
     torch.manual_seed(cfg.seed)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    make_out_dir(out_dir)
     print("target: generating the corpus", flush=True)  # a minute or so before the first step
     convos = corpus_mod.generate(corpus_cfg)
     if not (out_dir / "tokenizer.json").exists():
