@@ -823,6 +823,16 @@ def test_an_alias_of_a_mapping_that_merges_keeps_the_merged_keys(tmp_path):
     assert [(s.id, s.agent) for s in wf.steps] == [("first", "planner"), ("again", "planner")]
 
 
+def test_aliases_of_anchors_that_hold_aliases_are_refused_before_they_blow_up(tmp_path):
+    # each level repeats the one before ten times: 450 bytes took 3.5 GB and over a minute
+    levels = "".join(f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]\n" for i in range(1, 8))
+    path = tmp_path / "laughs.yaml"
+    path.write_text(f"version: 1\nname: x\na0: &a0 [lol]\n{levels}")
+    with pytest.raises(UserError, match=r"laughs.yaml:\d+: a\d[\[\]0-9]*: its aliases expand "
+                                        r"the file past 100 times the values it writes out"):
+        load_workflow(path)
+
+
 def test_validate_names_each_problem_once_at_its_key_as_run_would_meet_it(tmp_path):
     # a bad top-level decoding was named again at every agent, an agent's max_turns at the
     # agent, a step's use of its own output was told to wait for itself (a cycle), and the

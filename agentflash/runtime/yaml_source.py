@@ -30,6 +30,9 @@ class YamlDoc:
     path: Path
     data: Any
     lines: dict[Keys, int] = field(default_factory=dict)
+    # the values its aliases may expand it to: an alias of anchors of aliases doubles them at
+    # every level ("a billion laughs": 450 bytes took 3.5 GB and more than a minute)
+    budget: int = 0
 
     def line(self, keys: Keys) -> int:
         """The line of ``keys``, or of its nearest ancestor that is in the file."""
@@ -56,6 +59,7 @@ def _compose_alias(self: _Loader, parent: Any, index: Any) -> yaml.Node:
     """The node an alias names, as a copy that knows the alias's line: the errors found in it
     name where the alias stands (a step repeated by ``- *step``), not the anchor's line."""
     if not self.check_event(yaml.AliasEvent):
+        self.written = getattr(self, "written", 0) + 1  # the nodes the file writes out
         return yaml.SafeLoader.compose_node(self, parent, index)
     line = self.peek_event().start_mark.line + 1
     here = copy.copy(yaml.SafeLoader.compose_node(self, parent, index))
@@ -100,6 +104,9 @@ def _integer(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
 _Loader.add_constructor("tag:yaml.org,2002:int", _integer)
 
 
+EXPANSION = 100  # how many times the values a file writes out its aliases may make it
+
+
 def load_yaml(path: str | Path) -> YamlDoc:
     """Parse ``path`` (safe YAML: no Python objects), keeping the line of every key."""
     path = Path(path)
@@ -114,7 +121,8 @@ def load_yaml(path: str | Path) -> YamlDoc:
         node = loader.get_single_node()
         if node is None:
             raise UserError(f"{path}:1: the file is empty")
-        doc = YamlDoc(path, None, {(): node.start_mark.line + 1})
+        doc = YamlDoc(path, None, {(): node.start_mark.line + 1},
+                      budget=EXPANSION * loader.written + 10_000)
         doc.data = _build(loader, node, (), doc)
         return doc
     except yaml.MarkedYAMLError as err:
@@ -135,6 +143,11 @@ def _build(loader: _Loader, node: yaml.Node, keys: Keys, doc: YamlDoc,
     """``node`` as plain data, with the line of every key in ``doc``: ``at`` for all of it
     inside an alias (the alias's line)."""
     at = getattr(node, "alias_line", at)
+    doc.budget -= 1
+    if doc.budget < 0:
+        raise UserError(f"{doc.path}:{at or node.start_mark.line + 1}: {dotted(keys)}: its "
+                        f"aliases expand the file past {EXPANSION} times the values it writes "
+                        f"out (aliases of anchors that hold aliases): write the values out")
     if isinstance(node, yaml.MappingNode):
         # its own keys, as written: kept on the node, which flattening changes in place and an
         # alias (of a mapping holding it) reaches again
