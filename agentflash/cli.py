@@ -400,7 +400,8 @@ def serve(
             raise UserError(re.sub(r"^server (\w+)",
                                    lambda m: "--" + m.group(1).replace("_", "-"), str(err))
                             ) from None
-        typer.echo(f"agentflash serve: loading {config.name}, to serve on http://{host}:{port}/v1"
+        where = f"http://{host}:{port}/v1" if port else f"a free port of {host}"
+        typer.echo(f"agentflash serve: loading {config.name}, to serve on {where}"
                    f"{' (API key required)' if api_key else ''}", err=True)
         run_server(config)
     except KeyboardInterrupt:  # Ctrl-C while the model loads (once it serves, uvicorn stops)

@@ -62,6 +62,31 @@ def test_serve_runs_on_loopback_with_the_key_from_the_environment(tiny_model_dir
     assert f"on http://127.0.0.1:{port}/v1 (API key required)" in err
 
 
+def test_serve_on_port_0_says_the_port_it_picked(tiny_model_dir):
+    """It said "to serve on http://127.0.0.1:0/v1", and the port it bound was nowhere."""
+    import re
+
+    proc = subprocess.Popen([sys.executable, "-m", "agentflash.cli", "serve", "--model",
+                             str(tiny_model_dir), "--port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        lines = []
+        while not lines or "serving" not in lines[-1]:
+            lines.append(proc.stderr.readline())
+            assert lines[-1], lines  # (the process ended)
+        assert lines[0].startswith("agentflash serve: loading ") and "a free port" in lines[0]
+        port = re.fullmatch(r"agentflash serve: serving \S+ on http://127\.0\.0\.1:(\d+)/v1\n",
+                            lines[-1]).group(1)
+        wait_until_up(proc, f"http://127.0.0.1:{port}")
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+
+
 def test_serve_names_a_bad_flag(tiny_model_dir):
     result = CliRunner().invoke(app, ["serve", "--model", "demo", "--max-tokens", "0"])
     assert result.exit_code == 2 and "--max-tokens must be a positive integer" in result.stderr

@@ -18,6 +18,7 @@ import asyncio
 import hmac
 import logging
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -447,7 +448,9 @@ def serve(config: ServerConfig, engine: Engine | None = None, log_level: str = "
             sock.close()
             raise
     server = _uvicorn_server(create_app(config, engine), log_level)
-    log.info("serving %s on http://%s:%d/v1", config.name, config.host, sock.getsockname()[1])
+    # on stderr, as the command's other lines: the port bound (--port 0: the one picked)
+    print(f"agentflash serve: serving {config.name} on http://{config.host}:"
+          f"{sock.getsockname()[1]}/v1", file=sys.stderr, flush=True)
     server.run(sockets=[sock])
 
 
