@@ -202,8 +202,8 @@ def bench(
     concurrency: Annotated[str | None, typer.Option(
         help="e.g. 1,4,8,32: plain, dflash and router rows with that many requests at once, "
              "decoding without the suites' grammars ('agent' under its tools')")] = None,
-    rounds: Annotated[int, typer.Option(
-        help="with --concurrency: turns each mode takes; the median is shown")] = 3,
+    rounds: Annotated[int | None, typer.Option(
+        help="with --concurrency: turns each mode takes; the median is shown (3)")] = None,
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
     """Side-by-side speed of the engine and its peers on held-out prompts."""
@@ -216,8 +216,10 @@ def bench(
         if concurrency is not None:  # given empty: refused, not the one-stream bench
             levels = _int_list(concurrency, "--concurrency", distinct=True)
             report = bench_mod.run_concurrency(
-                model, names, levels, max_tokens, draft, num_prompts, rounds=rounds
+                model, names, levels, max_tokens, draft, num_prompts, rounds=rounds or 3
             )
+        elif rounds is not None:  # the one-stream bench runs each row once: it was dropped
+            raise UserError("--rounds is for --concurrency runs (the one-stream rows run once)")
         else:
             report = bench_mod.run(model, names, num_prompts or 4, max_tokens, draft)
     except UserError as err:
@@ -517,7 +519,7 @@ def train_drafter(
             raise UserError(f"--mix needs four shares (tool_call,code,math,prose), got {mix!r}")
         layer_ids = (
             tuple(_int_list(target_layer_ids, "--target-layer-ids", minimum=0))
-            if target_layer_ids
+            if target_layer_ids is not None  # given empty: refused, not the default layers
             else ()
         )
         if list(layer_ids) != sorted(set(layer_ids)):  # before the target loads

@@ -356,6 +356,7 @@ def test_missing_model_and_missing_files(tmp_path):
         (["bench", "--suites", "code,code"], "--suites names 'code' twice"),
         (["bench", "--drafter", "none", "--concurrency", "1"], "compares dflash rows"),
         (["bench-server", "--rounds", "0"], "--rounds must be at least 1, got 0"),
+        (["bench", "--rounds", "5"], "--rounds is for --concurrency runs"),  # (dropped)
         (["bench-server", "--concurrency", "1,4,"], "--concurrency takes comma-separated"),
         (["bench-server", "--suites", "json"], "--suites: unknown suite 'json'"),
         (["eval-tool-calls", "--num", "0"], "--num must be at least 1, got 0"),
@@ -372,6 +373,8 @@ def test_missing_model_and_missing_files(tmp_path):
          "--block-size must be at least 2"),
         (["train", "drafter", "--target", "demo", "--out", "DIR", "--target-layer-ids", "3,1"],
          "--target-layer-ids must be increasing, got '3,1'"),
+        (["train", "drafter", "--target", "demo", "--out", "DIR", "--target-layer-ids", ""],
+         "--target-layer-ids takes comma-separated integers, got ''"),  # (the default ones)
         (["train", "drafter", "--target", "demo", "--out", "DIR", "--init", "DIR/none"],
          "is not a drafter directory"),
         (["train", "drafter", "--target", "demo", "--out", "DIR", "--num-conversations", "0"],

@@ -41,7 +41,8 @@ class ModelConfig:
         model_type = cfg.get("model_type")
         if "DFlashDraftModel" in (cfg.get("architectures") or []):
             raise ValueError("this is a DFlash drafter (architectures DFlashDraftModel): give it "
-                             "as the drafter (--drafter DIR) beside the model it drafts for")
+                             "as the drafter (--drafter DIR; to train drafter, --init DIR) "
+                             "beside the model it drafts for")
         if model_type not in ("qwen3", "llama", "qwen2"):
             raise ValueError(f"model_type {model_type!r} is not supported (qwen3, qwen2, llama)")
         check_decoder_fields(cfg, model_type)
