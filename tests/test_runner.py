@@ -2,6 +2,7 @@
 output, guardrails, max turns, tool choice and cancellation."""
 
 import json
+import pickle
 from typing import Literal
 
 import anyio
@@ -319,9 +320,12 @@ def test_input_guardrail_stops_the_run_before_any_model_turn():
     agent = Agent("a", input_guardrails=[no_passwords])
     backend = ScriptedBackend(["never"])
     with pytest.raises(GuardrailTripped, match="input guardrail 'no_passwords' stopped the run: "
-                                               "the input mentions a password"):
+                                               "the input mentions a password") as err:
         Runner.run_sync(agent, "my password is x", backend=backend)
     assert backend.requests == []
+    # back from a process pool: __init__ was called with its message alone (a TypeError)
+    back = pickle.loads(pickle.dumps(err.value))
+    assert (str(back), back.kind, back.reason) == (str(err.value), "input", err.value.reason)
     assert Runner.run_sync(agent, "hello", backend=backend).final_output == "never"
 
 

@@ -1,5 +1,6 @@
 """YAML workflows: the schema, the bad-file corpus, inputs, the DAG's concurrency and failures."""
 
+import copy
 import json
 import re
 import subprocess
@@ -374,6 +375,7 @@ def test_a_failing_step_stops_the_workflow_and_names_itself(tmp_path):
     assert err.value.step_id == "right"
     message = "step 'right' (agent 'planner') failed: agent 'planner' must answer with"
     assert message in str(err.value)
+    assert str(copy.copy(err.value)) == str(err.value)  # (__init__ was given the message alone)
     assert cancelled == ["left"]
     # the failed workflow's trace (it could not be reached): its steps, the one that broke
     timeline = err.value.tracer.timeline()

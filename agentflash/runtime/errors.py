@@ -38,6 +38,9 @@ class GuardrailTripped(RunError):
         super().__init__(f"{kind} guardrail {guardrail!r} stopped the run: {reason}")
         self.kind, self.guardrail, self.reason = kind, guardrail, reason
 
+    def __reduce__(self) -> tuple:  # copied or pickled (a process pool's): its own arguments,
+        return type(self), (self.kind, self.guardrail, self.reason)  # not the message alone
+
 
 class RunCancelled(RunError):
     """The run was cancelled before it finished."""
@@ -51,6 +54,9 @@ class StepFailed(RunError):
             f"{type(cause).__name__}: {cause}")  # another exception: its type says what it was
         super().__init__(f"step {step_id!r} (agent {agent!r}) failed: {said}")
         self.step_id, self.agent, self.cause = step_id, agent, cause
+
+    def __reduce__(self) -> tuple:  # as GuardrailTripped's (its trace and steps not carried)
+        return type(self), (self.step_id, self.agent, self.cause)
 
 
 class OutputsFailed(RunError):
