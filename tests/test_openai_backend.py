@@ -261,6 +261,13 @@ def test_a_workflow_selects_the_backend_in_yaml(server, embedded, tmp_path, monk
         f"timeout_s: 0.5, max_retries: 1}}\n")))
     backend = create_backend(load_workflow(tmp_path / "patient.yaml").model)
     assert backend.timeout.read == 0.5 and backend.retry.max_retries == 1
+    # the chat template's variables, on either backend
+    for section in (f'{{backend: openai, base_url: "{url}", model: demo, ', "{"):
+        kwargs = "chat_template_kwargs: {enable_thinking: false}}"
+        (tmp_path / "think.yaml").write_text(text.replace("name: handoff\n", (
+            f"name: handoff\nmodel: {section}{kwargs}\n")))
+        backend = create_backend(load_workflow(tmp_path / "think.yaml").model)
+        assert backend.chat_template_kwargs == {"enable_thinking": False}
     (tmp_path / "bad.yaml").write_text(text.replace("name: handoff\n", (
         f'name: handoff\nmodel: {{backend: openai, base_url: "{url}", model: demo, '
         f"timeout_s: 0}}\n")))

@@ -219,6 +219,8 @@ class ModelSpec:
     # after the first (``backends.openai.RetryPolicy``)
     timeout_s: float = 120.0
     max_retries: int = 4
+    # both: the chat template's variables (Qwen3's {"enable_thinking": false})
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def resolve(self, path: str) -> str:
         """``path`` made absolute against ``base_dir``, unless it is a name like ``demo``."""

@@ -288,7 +288,8 @@ class LocalBackend(Backend):
     def from_spec(cls, spec: ModelSpec) -> LocalBackend:
         return cls(spec.resolve(spec.path), drafter=spec.resolve(spec.drafter),
                    prefix_cache_mb=spec.prefix_cache_mb, max_running=spec.max_running,
-                   max_len=spec.max_len, kv_budget_mb=spec.kv_budget_mb)
+                   max_len=spec.max_len, kv_budget_mb=spec.kv_budget_mb,
+                   chat_template_kwargs=spec.chat_template_kwargs)
 
     async def __aenter__(self) -> LocalBackend:
         from agentflash.engine.async_engine import AsyncEngine, run_in_own_thread

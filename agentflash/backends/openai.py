@@ -164,7 +164,8 @@ class OpenAIBackend(Backend):
         if not spec.base_url or not spec.model:
             raise UserError("model.backend openai needs model.base_url and model.model")
         return cls(spec.base_url, spec.model, api_key_env=spec.api_key_env,
-                   timeout_s=spec.timeout_s, retry=RetryPolicy(max_retries=spec.max_retries))
+                   timeout_s=spec.timeout_s, retry=RetryPolicy(max_retries=spec.max_retries),
+                   chat_template_kwargs=spec.chat_template_kwargs)
 
     async def __aenter__(self) -> OpenAIBackend:
         assert self._client is None, "this OpenAIBackend is already open"

@@ -542,7 +542,8 @@ class _Builder:
                          raw.get("max_running", ModelSpec.max_running),
                          raw.get("max_len", ModelSpec.max_len), raw.get("kv_budget_mb"),
                          timeout_s=raw.get("timeout_s", ModelSpec.timeout_s),
-                         max_retries=raw.get("max_retries", ModelSpec.max_retries))
+                         max_retries=raw.get("max_retries", ModelSpec.max_retries),
+                         chat_template_kwargs=raw.get("chat_template_kwargs"))
         if not is_available(spec.backend):
             self.problems.add(("model", "backend"), f"backend {spec.backend.value!r} is not "
                                                     f"available in this version of agentflash")
