@@ -153,6 +153,17 @@ def test_a_reasoning_model_s_think_tokens_are_free_text(tmp_path):
             constraint = compile_grammar(assistant_turn(tools, choice), tok).new_constraint()
             taken = [constraint.allows(t) and constraint.advance([t]) is None for t in tokens]
             assert all(taken) and constraint.is_accepting(), (added, choice, text)
+        # the opening tag spelled in ordinary tokens: refused in free text, as before (its
+        # text split in two runs of text escaped the grammar's check of each run)
+        for choice in ("auto", "none"):
+            constraint = compile_grammar(assistant_turn(tools, choice), tok).new_constraint()
+            for piece in ("Hi\n", "<think>", "<tool_", "call", ">"):
+                tokens = tok(piece, add_special_tokens=False)["input_ids"]
+                taken = [constraint.allows(t) and constraint.advance([t]) is None
+                         for t in tokens]
+                if not all(taken):
+                    break
+            assert piece == ">" and not all(taken), (added, choice, piece)
     # a turn without free text takes none: the call (or the answer) is the whole reply
     think = tok.convert_tokens_to_ids("</think>")
     constraint = compile_grammar(assistant_turn(tools, "required"), tok).new_constraint()

@@ -245,9 +245,11 @@ def with_reasoning_tokens(source: GrammarSource, text_tokens: dict[str, int]) ->
     if not source.free_text or not present:
         return source
     tokens = " | ".join(f"<[{text_tokens[t]}]>" for t in present)
-    # TEXT matches the empty text: beside the tokens, text runs between them are non-empty
+    # TEXT matches the empty text: beside the tokens, text runs between them are non-empty;
+    # never two runs in a row: llguidance's lexer may end one at any byte and begin the next,
+    # and a tag spelled across the two ("<tool_" "call>") was a call that escaped the grammar
     rules = {
-        "text: TEXT": "text: (TEXT_RUN | reasoning)*",
+        "text: TEXT": "text: TEXT_RUN? (reasoning TEXT_RUN?)*",
         "text_before: TEXT_BEFORE_CALLS": "text_before: (TEXT_RUN? reasoning)* TEXT_BEFORE_CALLS",
     }
     lines = [rules.get(line, line) for line in source.text.split("\n")]
