@@ -209,13 +209,6 @@ def test_prompt_longer_than_a_slot_is_a_user_error(engine):
         engine.submit(list(range(10, 700)), SamplingParams())
 
 
-def test_a_max_len_past_the_model_s_positions_is_cut_and_said(tiny_model_dir, caplog):
-    engine = Engine.from_pretrained(tiny_model_dir, EngineConfig(max_running=1, max_len=4096))
-    assert engine.scheduler.cfg.max_len == 1024  # its max_position_embeddings
-    assert "max_len 4096 is past the model's max_position_embeddings: each request holds at " \
-           "most 1024 tokens" in caplog.text
-
-
 def test_prompt_token_outside_the_vocabulary_is_a_user_error_naming_it(engine):
     vocab = engine.model.cfg.vocab_size
     with pytest.raises(UserError, match=f"prompt token 2 is {vocab + 5}; token ids are integers "

@@ -240,7 +240,8 @@ def test_configs_whose_model_this_decoder_would_compute_wrongly_are_refused(tmp_
 def test_a_drafter_given_as_the_model_is_named(tmp_path):
     from agentflash.models.loading import DEMO_DIR
 
-    with pytest.raises(UserError, match=r"this is a DFlash drafter .* \(--drafter DIR\)"):
+    with pytest.raises(UserError, match=r"this is a DFlash drafter .* \(--drafter DIR; to "
+                                        r"train drafter, --init DIR\)"):
         load_model(DEMO_DIR / "drafter")
 
 

@@ -75,8 +75,9 @@ def test_serve_on_port_0_says_the_port_it_picked(tiny_model_dir):
             lines.append(proc.stderr.readline())
             assert lines[-1], lines  # (the process ended)
         assert lines[0].startswith("agentflash serve: loading ") and "a free port" in lines[0]
-        port = re.fullmatch(r"agentflash serve: serving \S+ on http://127\.0\.0\.1:(\d+)/v1\n",
-                            lines[-1]).group(1)
+        # (and --max-len's 2048, cut to the model's 1024 positions without a word)
+        port = re.fullmatch(r"agentflash serve: serving \S+ on http://127\.0\.0\.1:(\d+)/v1 "
+                            r"\(requests of at most 1024 tokens\)\n", lines[-1]).group(1)
         wait_until_up(proc, f"http://127.0.0.1:{port}")
     finally:
         proc.send_signal(signal.SIGINT)

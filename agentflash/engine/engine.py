@@ -181,9 +181,6 @@ class Engine:
         if drafter is not None:
             drafter.fuse_()
         max_len = min(config.max_len, model.cfg.max_position_embeddings)
-        if max_len < config.max_len:  # said: it was cut without a word
-            log.warning("max_len %d is past the model's max_position_embeddings: each request "
-                        "holds at most %d tokens", config.max_len, max_len)
         dtype = next(model.parameters()).dtype
         slots = num_slots(model.cfg, config, max_len, dtype, drafter)
         try:
