@@ -272,7 +272,13 @@ class Engine:
         if not isinstance(template_kwargs, dict):
             raise UserError(f"chat_template_kwargs must be an object, got "
                             f"{type(template_kwargs).__name__}")
-        own = inspect.signature(self.tokenizer.apply_chat_template).parameters
+        own = dict(inspect.signature(self.tokenizer.apply_chat_template).parameters)
+        try:  # what apply_chat_template hands the template's renderer by name (conversations)
+            from transformers.utils.chat_template_utils import render_jinja_template
+
+            own |= inspect.signature(render_jinja_template).parameters
+        except ImportError:
+            pass
         for key in template_kwargs:
             if not isinstance(key, str) or not key.isidentifier():
                 raise UserError(f"chat_template_kwargs: {key!r} is not a template variable's "

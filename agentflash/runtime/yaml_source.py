@@ -147,7 +147,7 @@ def _build(loader: _Loader, node: yaml.Node, keys: Keys, doc: YamlDoc,
     if doc.budget < 0:
         raise UserError(f"{doc.path}:{at or node.start_mark.line + 1}: {dotted(keys)}: its "
                         f"aliases expand the file past {EXPANSION} times the values it writes "
-                        f"out (aliases of anchors that hold aliases): write the values out")
+                        f"out (an alias repeats all its anchor holds): write the values out")
     if isinstance(node, yaml.MappingNode):
         # its own keys, as written: kept on the node, which flattening changes in place and an
         # alias (of a mapping holding it) reaches again

@@ -450,7 +450,8 @@ def serve(config: ServerConfig, engine: Engine | None = None, log_level: str = "
     server = _uvicorn_server(create_app(config, engine), log_level)
     # on stderr, as the command's other lines: the port bound (--port 0: the one picked), and
     # the tokens a request holds (--max-len, cut to the model's max_position_embeddings)
-    print(f"agentflash serve: serving {config.name} on http://{config.host}:"
+    host = f"[{config.host}]" if ":" in config.host else config.host  # IPv6, as a URL has it
+    print(f"agentflash serve: serving {config.name} on http://{host}:"
           f"{sock.getsockname()[1]}/v1 (requests of at most {engine.scheduler.cfg.max_len} "
           f"tokens)", file=sys.stderr, flush=True)
     server.run(sockets=[sock])
