@@ -35,6 +35,16 @@ def wait_until_up(proc: subprocess.Popen, root: str) -> None:
         time.sleep(0.2)
 
 
+def stop(proc: subprocess.Popen) -> str:
+    """Ctrl-C the served process (killed if it will not end); its stderr."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        return proc.communicate(timeout=30)[1]
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.communicate()[1]
+
+
 def test_serve_runs_on_loopback_with_the_key_from_the_environment(tiny_model_dir):
     port = free_port()
     env = {**os.environ, "AGENTFLASH_API_KEY": "from-env"}
@@ -53,12 +63,7 @@ def test_serve_runs_on_loopback_with_the_key_from_the_environment(tiny_model_dir
                            headers={"authorization": "Bearer from-env"})
         assert reply.status_code == 400 and reply.json()["error"]["param"] == "max_tokens"
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            _, err = proc.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            _, err = proc.communicate()
+        err = stop(proc)
     assert f"on http://127.0.0.1:{port}/v1 (API key required)" in err
 
 
@@ -80,12 +85,7 @@ def test_serve_on_port_0_says_the_port_it_picked(tiny_model_dir):
                             r"\(requests of at most 1024 tokens\)\n", lines[-1]).group(1)
         wait_until_up(proc, f"http://127.0.0.1:{port}")
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.communicate()
+        stop(proc)
 
 
 def test_serve_names_a_bad_flag(tiny_model_dir):
