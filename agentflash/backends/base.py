@@ -198,6 +198,13 @@ class BackendKind(str, enum.Enum):
     OPENAI = "openai"
 
 
+def template_kwargs(value: Any) -> dict[str, Any] | None:
+    """A backend's ``chat_template_kwargs``: None or a dict (its keys the engine checks)."""
+    if value is not None and not isinstance(value, dict):
+        raise UserError(f"chat_template_kwargs must be a dict, got {type(value).__name__}")
+    return value
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """The ``model:`` section of a workflow: which backend and which weights."""

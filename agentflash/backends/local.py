@@ -34,6 +34,7 @@ from agentflash.backends.base import (
     ToolCallDelta,
     ToolCallReady,
     ToolChoice,
+    template_kwargs,
     unclosed_call_error,
 )
 from agentflash.errors import UserError
@@ -277,10 +278,7 @@ class LocalBackend(Backend):
         self.model = str(model)
         self.drafter = check_drafter(drafter)
         self.model_name = "demo" if self.model == "demo" else Path(self.model).name
-        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
-            raise UserError(f"chat_template_kwargs must be a dict, got "
-                            f"{type(chat_template_kwargs).__name__}")
-        self.chat_template_kwargs = chat_template_kwargs
+        self.chat_template_kwargs = template_kwargs(chat_template_kwargs)
         self._engine = engine
         self._aengine: Any = None
 

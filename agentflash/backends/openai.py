@@ -48,6 +48,7 @@ from agentflash.backends.base import (
     ToolCallReady,
     ToolChoice,
     ToolChoiceSpec,
+    template_kwargs,
     unclosed_call_error,
 )
 from agentflash.backends.local import HermesStreamParser
@@ -154,10 +155,7 @@ class OpenAIBackend(Backend):
                             f"(a space or a line end copied with it?)")
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._client: httpx.AsyncClient | None = None
-        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
-            raise UserError(f"chat_template_kwargs must be a dict, got "
-                            f"{type(chat_template_kwargs).__name__}")
-        self.chat_template_kwargs = chat_template_kwargs
+        self.chat_template_kwargs = template_kwargs(chat_template_kwargs)
 
     @classmethod
     def from_spec(cls, spec: ModelSpec) -> OpenAIBackend:
