@@ -16,6 +16,9 @@ class UserErrors(UserError):
         super().__init__("\n".join(problems))
         self.problems = problems
 
+    def __reduce__(self) -> tuple:  # copied or pickled: its list, not the joined message
+        return type(self), (self.problems,), self.__dict__
+
 
 # what the checks of user input ask of a value (a bool is an int to Python, never to a user)
 

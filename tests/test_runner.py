@@ -326,6 +326,7 @@ def test_input_guardrail_stops_the_run_before_any_model_turn():
     # back from a process pool: __init__ was called with its message alone (a TypeError)
     back = pickle.loads(pickle.dumps(err.value))
     assert (str(back), back.kind, back.reason) == (str(err.value), "input", err.value.reason)
+    assert back.tracer.timeline() == err.value.tracer.timeline()  # its trace came along
     assert Runner.run_sync(agent, "hello", backend=backend).final_output == "never"
 
 

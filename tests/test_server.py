@@ -3,10 +3,12 @@ chat, tool calls under every tool_choice, response formats, streaming deltas, li
 concurrency and disconnects. The server runs the bundled demo model (it writes Hermes calls)."""
 
 import concurrent.futures
+import copy
 import gc
 import json
 import logging
 import math
+import pickle
 import socket
 import time
 
@@ -589,6 +591,14 @@ def test_bad_requests_get_openai_errors(client, kwargs, status, param):
     assert err.status_code == status and err.param == param, err.body
     assert isinstance(err.message, str) and err.type in ("invalid_request_error",
                                                          "not_found_error")
+
+
+def test_an_api_error_survives_a_copy_and_a_pickle():
+    from agentflash.server.protocol import APIError
+
+    err = APIError(413, "too large", type="too_large", param="messages", code="big")
+    for back in (copy.copy(err), pickle.loads(pickle.dumps(err))):  # __init__ takes a status
+        assert (back.status, back.body()) == (413, err.body())
 
 
 def post(url, content, headers=None):

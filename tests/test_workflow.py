@@ -2,6 +2,7 @@
 
 import copy
 import json
+import pickle
 import re
 import subprocess
 import sys
@@ -382,6 +383,9 @@ def test_a_failing_step_stops_the_workflow_and_names_itself(tmp_path):
     assert "invoke_workflow dag  FAILED StepFailed" in timeline.splitlines()[0]
     assert "step right" in timeline
     assert err.value.cause.tracer is err.value.tracer  # the step's run wrote into it
+    # a copy, and one back from a process pool, keep the trace and the steps that finished
+    for back in (copy.copy(err.value), pickle.loads(pickle.dumps(err.value))):
+        assert back.tracer.timeline() == timeline and back.steps.keys() == err.value.steps.keys()
 
 
 def test_a_step_whose_backend_raises_its_own_error_is_a_step_failure(tmp_path):
@@ -476,6 +480,8 @@ def test_all_problems_of_a_file_are_reported_in_line_order(tmp_path):
         load_workflow(path)
     lines = str(err.value).splitlines()
     assert [line.split(": ")[0] for line in lines] == [f"{path}:4", f"{path}:6", f"{path}:6"]
+    back = pickle.loads(pickle.dumps(err.value))  # its list, not the joined text's letters
+    assert back.problems == err.value.problems and str(back) == str(err.value)
 
 
 def test_an_unknown_tool_lists_the_declared_ones_even_those_that_failed(tmp_path):

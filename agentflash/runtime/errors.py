@@ -39,7 +39,8 @@ class GuardrailTripped(RunError):
         self.kind, self.guardrail, self.reason = kind, guardrail, reason
 
     def __reduce__(self) -> tuple:  # copied or pickled (a process pool's): its own arguments,
-        return type(self), (self.kind, self.guardrail, self.reason)  # not the message alone
+        # not the message alone, and what the run set on it (its trace, a workflow's steps)
+        return type(self), (self.kind, self.guardrail, self.reason), self.__dict__
 
 
 class RunCancelled(RunError):
@@ -55,8 +56,8 @@ class StepFailed(RunError):
         super().__init__(f"step {step_id!r} (agent {agent!r}) failed: {said}")
         self.step_id, self.agent, self.cause = step_id, agent, cause
 
-    def __reduce__(self) -> tuple:  # as GuardrailTripped's (its trace and steps not carried)
-        return type(self), (self.step_id, self.agent, self.cause)
+    def __reduce__(self) -> tuple:  # as GuardrailTripped's
+        return type(self), (self.step_id, self.agent, self.cause), self.__dict__
 
 
 class OutputsFailed(RunError):

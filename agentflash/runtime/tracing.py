@@ -64,6 +64,11 @@ class Tracer:
         self.spans: list[Span] = []
         self.sinks = default_sinks() if sinks is None else sinks
 
+    def __getstate__(self) -> dict[str, Any]:
+        # a copy (a pickled error's trace, back from a process pool) holds the spans to read;
+        # the sinks are this process's exporters (OpenTelemetry's hold modules and threads)
+        return {"spans": self.spans, "sinks": []}
+
     @contextmanager
     def span(self, kind: SpanKind, name: str, parent: Span | None,
              attributes: dict[str, Any] | None = None) -> Iterator[Span]:

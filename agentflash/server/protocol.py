@@ -32,6 +32,9 @@ class APIError(Exception):
         self.status, self.message, self.type, self.param, self.code = (
             status, message, type, param, code)
 
+    def __reduce__(self) -> tuple:  # copied or pickled: __init__ takes more than the message
+        return type(self), (self.status, self.message), self.__dict__
+
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
                           "code": self.code}}
