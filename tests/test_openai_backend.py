@@ -268,6 +268,17 @@ def test_a_workflow_selects_the_backend_in_yaml(server, embedded, tmp_path, monk
             f"name: handoff\nmodel: {section}{kwargs}\n")))
         backend = create_backend(load_workflow(tmp_path / "think.yaml").model)
         assert backend.chat_template_kwargs == {"enable_thinking": False}
+    # a key the embedded engine sets itself: named when the file loads (validate), not when the
+    # engine starts; a server is the judge of its own
+    (tmp_path / "think.yaml").write_text(text.replace("name: handoff\n", (
+        "name: handoff\nmodel:\n  chat_template_kwargs:\n    tools: []\n")))
+    with pytest.raises(UserError, match=r"think\.yaml:8: model\.chat_template_kwargs\.tools: "
+                                        r"a parameter of apply_chat_template, which the engine"):
+        load_workflow(tmp_path / "think.yaml")
+    (tmp_path / "think.yaml").write_text(text.replace("name: handoff\n", (
+        f'name: handoff\nmodel: {{backend: openai, base_url: "{url}", model: demo, '
+        f"chat_template_kwargs: {{tools: []}}}}\n")))
+    assert load_workflow(tmp_path / "think.yaml").model.chat_template_kwargs == {"tools": []}
     (tmp_path / "bad.yaml").write_text(text.replace("name: handoff\n", (
         f'name: handoff\nmodel: {{backend: openai, base_url: "{url}", model: demo, '
         f"timeout_s: 0}}\n")))

@@ -8,7 +8,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -264,30 +264,8 @@ class Engine:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def check_template_kwargs(self, template_kwargs: dict[str, Any] | None) -> None:
-        """A ``UserError`` naming the key, unless ``template_kwargs`` is None or a dict of the
-        template's own variables: not one of ``apply_chat_template``'s parameters (``tools``,
-        ``tokenize``), which the engine sets."""
-        if template_kwargs is None:
-            return
-        if not isinstance(template_kwargs, dict):
-            raise UserError(f"chat_template_kwargs must be an object, got "
-                            f"{type(template_kwargs).__name__}")
-        own = dict(inspect.signature(self.tokenizer.apply_chat_template).parameters)
-        try:  # what apply_chat_template hands the template's renderer by name (conversations)
-            from transformers.utils.chat_template_utils import render_jinja_template
-
-            own |= inspect.signature(render_jinja_template).parameters
-        except ImportError:
-            pass
-        for key in template_kwargs:
-            if not isinstance(key, str) or not key.isidentifier():
-                raise UserError(f"chat_template_kwargs: {key!r} is not a template variable's "
-                                f"name")
-            if key == "messages" or (  # (what it hands the template the conversation as)
-                    key in own and own[key].kind is not inspect.Parameter.VAR_KEYWORD):
-                raise UserError(f"chat_template_kwargs.{key}: a parameter of "
-                                f"apply_chat_template, which the engine sets, not a variable "
-                                f"of the template")
+        """``check_template_kwargs`` for this engine's tokenizer."""
+        check_template_kwargs(template_kwargs, self.tokenizer.apply_chat_template)
 
     # --- requests --------------------------------------------------------------------------
 
@@ -1026,6 +1004,36 @@ class Engine:
             self._inbox.remove(req)
         req.finish_reason, req.error = FinishReason.ERROR, message
         self._finish(req)
+
+
+def check_template_kwargs(template_kwargs: dict[str, Any] | None,
+                          apply_chat_template: Callable[..., Any] | None = None) -> None:
+    """A ``UserError`` naming the key, unless ``template_kwargs`` is None or a dict of a chat
+    template's own variables: not one of ``apply_chat_template``'s parameters (``tools``,
+    ``tokenize``; transformers' tokenizers' by default), which the engine sets."""
+    if template_kwargs is None:
+        return
+    if not isinstance(template_kwargs, dict):
+        raise UserError(f"chat_template_kwargs must be an object, got "
+                        f"{type(template_kwargs).__name__}")
+    if apply_chat_template is None:
+        from transformers import PreTrainedTokenizerBase
+
+        apply_chat_template = PreTrainedTokenizerBase.apply_chat_template
+    own = dict(inspect.signature(apply_chat_template).parameters)
+    try:  # what apply_chat_template hands the template's renderer by name (conversations)
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        own |= inspect.signature(render_jinja_template).parameters
+    except ImportError:
+        pass
+    for key in template_kwargs:
+        if not isinstance(key, str) or not key.isidentifier():
+            raise UserError(f"chat_template_kwargs: {key!r} is not a template variable's name")
+        if key == "messages" or (  # (what it hands the template the conversation as)
+                key in own and own[key].kind is not inspect.Parameter.VAR_KEYWORD):
+            raise UserError(f"chat_template_kwargs.{key}: a parameter of apply_chat_template, "
+                            f"which the engine sets, not a variable of the template")
 
 
 def _is_token(value: Any, vocab_size: int) -> bool:

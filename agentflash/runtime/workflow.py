@@ -560,6 +560,9 @@ class _Builder:
             for key, problem in limit_problems(spec.max_running, spec.max_len,
                                                spec.prefix_cache_mb, spec.kv_budget_mb):
                 self.problems.add(("model", key), problem.removeprefix(f"{key} "))
+        if isinstance(spec.chat_template_kwargs, dict) and (
+                spec.backend is BackendKind.LOCAL or self.model_override is not None):
+            self.check_template_kwargs(spec.chat_template_kwargs)
         if self.model_override is not None:  # run --model: the section's model is not used
             return spec
         if spec.backend is BackendKind.LOCAL:
@@ -578,6 +581,19 @@ class _Builder:
             if problem:
                 self.problems.add(("model", "base_url"), problem)
         return spec
+
+    def check_template_kwargs(self, template_kwargs: dict[str, Any]) -> None:
+        """The embedded engine's check of ``model.chat_template_kwargs`` (a key it sets itself,
+        such as ``tools``), made now rather than when the engine starts."""
+        from agentflash.engine.engine import check_template_kwargs
+
+        try:
+            check_template_kwargs(template_kwargs)
+        except UserError as err:
+            said = str(err).removeprefix("chat_template_kwargs")
+            key, _, why = said.removeprefix(".").partition(": ")
+            keys = ("model", "chat_template_kwargs") + ((key,) if said.startswith(".") else ())
+            self.problems.add(keys, why if said.startswith(".") else said.removeprefix(": "))
 
     def decoding(self, keys: Keys, raw: dict[str, Any], defaults: dict[str, Any]
                  ) -> Decoding | None:
