@@ -405,7 +405,10 @@ def serve(
         where = f"http://{host}:{port}/v1" if port else f"a free port of {host}"
         typer.echo(f"agentflash serve: loading {config.name}, to serve on {where}"
                    f"{' (API key required)' if api_key else ''}", err=True)
-        run_server(config)
+        try:
+            run_server(config)
+        except UserError as err:  # the engine's budget check, made as the model loads
+            raise UserError(re.sub(r"^kv_budget_mb ", "--kv-budget-mb ", str(err))) from None
     except KeyboardInterrupt:  # Ctrl-C while the model loads (once it serves, uvicorn stops)
         typer.echo("error: interrupted", err=True)
         raise typer.Exit(130) from None

@@ -106,7 +106,7 @@ def test_serve_names_a_bad_flag(tiny_model_dir):
     result = CliRunner().invoke(app, ["serve", "--model", str(tiny_model_dir), "--port", "0",
                                       "--max-len", "128", "--kv-budget-mb", "0.05"])
     assert result.exit_code == 2
-    assert "kv_budget_mb 0.05 holds no request of 128 tokens" in result.stderr
+    assert "error: --kv-budget-mb 0.05 holds no request of 128 tokens" in result.stderr
 
 
 def test_the_engine_limits_reach_the_engine(tiny_model_dir):
