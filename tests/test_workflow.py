@@ -934,6 +934,31 @@ def test_inputs_typed_as_a_list_of_types_or_an_enum_are_read_from_the_command_li
     assert wf.resolve_inputs({"days": "null", "mode": "2"}) == {"days": None, "mode": 2}
 
 
+def test_an_input_of_several_types_takes_the_reading_its_schema_takes_and_keeps_the_text(
+        tmp_path):
+    wf = load_workflow(write(tmp_path, """\
+        version: 1
+        name: t
+        inputs:
+          zip: {anyOf: [{type: string, pattern: "^[0-9]{5}$"}, {type: integer}]}
+          code: {type: [string, integer]}
+          flag: {type: [integer, boolean]}
+          n: {$defs: {N: {type: integer}}, $ref: "#/$defs/N"}
+          m: {allOf: [{type: integer}, {minimum: 2}]}
+        agents:
+          a: {instructions: You help.}
+        steps:
+          - {id: s, agent: a, input: "{{ inputs.zip }}"}
+        """))
+    given = {"zip": "01234", "code": "007", "flag": "1", "n": "3", "m": "4"}
+    # 01234 read as 1234 lost its zero, 007 as 7 too; 1 was true; 3 and 4 stayed strings
+    assert wf.resolve_inputs(given) == {"zip": "01234", "code": "007", "flag": 1, "n": 3, "m": 4}
+    assert wf.resolve_inputs({**given, "zip": "123", "code": "7", "flag": "true"}) == {
+        "zip": 123, "code": 7, "flag": True, "n": 3, "m": 4}
+    with pytest.raises(UserError, match="input 'm': 1 is less than the minimum of 2"):
+        wf.resolve_inputs({**given, "m": "1"})
+
+
 def _adding_workflow(tmp_path, module):
     """A workflow on the demo model whose one agent must call ``module``'s add."""
     return write(tmp_path, f"""\

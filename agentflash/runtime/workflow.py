@@ -323,21 +323,37 @@ _KINDS = ("null", "boolean", "integer", "number", "array", "object", "string")  
 
 
 def _convert(name: str, text: str, schema: dict[str, Any]) -> Any:
-    """A command-line string as the input's declared type: one type, a list of types (the first
-    that reads it, in the order of ``_KINDS``), an enum's or a const's values' types, or those
-    of the branches of an ``anyOf`` / ``oneOf`` (pydantic's ``Optional[int]``)."""
-    kinds = list(dict.fromkeys(_kinds(schema)))
+    """A command-line string as the input's declared type: one type, a list of types, an enum's
+    or a const's values' types, those of the branches of an ``anyOf`` / ``oneOf`` (pydantic's
+    ``Optional[int]``), of an ``allOf``, or of what a local ``$ref`` points at. Of the types
+    that read the text (in the order of ``_KINDS``), the first whose value the schema takes and
+    that writes back as the text (``"01234"`` stays a string where a string may be one, not
+    1234; ``"1"`` is 1, not true, where both may be); else the first the schema takes; else
+    the first (whose error the check then reports)."""
+    from jsonschema import Draft202012Validator
+
+    kinds = list(dict.fromkeys(_kinds(schema, schema) or ["string"]))
+    readings = []
     for kind in sorted(set(kinds) & set(_KINDS), key=_KINDS.index):
         try:
-            return _convert_one(kind, text)
+            readings.append(_convert_one(kind, text))
         except (ValueError, json.JSONDecodeError):
             continue
-    raise UserError(f"input {name!r} must be of type {' or '.join(kinds)}, got {text!r}")
+    if not readings:
+        raise UserError(f"input {name!r} must be of type {' or '.join(kinds)}, got {text!r}")
+    validator = Draft202012Validator(schema)
+    taken = [value for value in readings if validator.is_valid(value)]
+    kept = [value for value in taken if isinstance(value, str | list | dict)
+            or json.dumps(value) == text.strip()]
+    return (kept or taken or readings)[0]
 
 
-def _kinds(schema: Any) -> list[str]:
+def _kinds(schema: Any, root: Any, seen: frozenset[str] = frozenset()) -> list[str] | None:
+    """The JSON types ``schema`` names (see ``_convert``); None where it names none."""
+    from agentflash.grammar.checks import resolve_ref
+
     if not isinstance(schema, dict):
-        return ["string"]
+        return None
     kinds = schema.get("type")
     if isinstance(kinds, (str, list)):
         return [kinds] if isinstance(kinds, str) else list(kinds)
@@ -345,10 +361,19 @@ def _kinds(schema: Any) -> list[str]:
         return [_json_kind(v) for v in schema["enum"]]
     if "const" in schema:
         return [_json_kind(schema["const"])]
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and ref not in seen:
+        return _kinds(resolve_ref(root, ref), root, seen | {ref})
     branches = schema.get("anyOf") or schema.get("oneOf")
-    if isinstance(branches, list) and branches:
-        return [kind for branch in branches for kind in _kinds(branch)]
-    return ["string"]
+    if isinstance(branches, list) and branches:  # a branch that names none: a string
+        return [kind for branch in branches for kind in _kinds(branch, root, seen) or ["string"]]
+    parts = [_kinds(part, root, seen) for part in schema.get("allOf") or []
+             if isinstance(schema.get("allOf"), list)]
+    named = [set(part) for part in parts if part is not None]
+    if named:  # the types every part that names some allows
+        return [kind for kind in parts[[p is not None for p in parts].index(True)]
+                if all(kind in part for part in named)]
+    return None
 
 
 def _json_kind(value: Any) -> str:
