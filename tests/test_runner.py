@@ -943,3 +943,23 @@ def test_a_streamed_run_whose_events_are_not_read_leaves_nothing_open():
         return run.result.final_output
 
     assert anyio.run(main) == "hello"
+
+
+def test_a_backend_that_breaks_the_stream_s_contract_is_named():
+    from agentflash.backends.base import Backend, TextDelta
+
+    class Mine(Backend):
+        model_name, provider_name = "mine", "me"
+
+        def __init__(self, events):
+            self.events = events
+
+        async def stream(self, request):
+            for event in self.events:
+                yield event
+
+    # an assert said it (gone under python -O: an AttributeError of None later)
+    with pytest.raises(TypeError, match="Mine.stream ended without a ModelFinish"):
+        Runner.run_sync(Agent("a"), "hi", backend=Mine([TextDelta("hello")]))
+    with pytest.raises(TypeError, match="Mine.stream yielded 'hello', not a model event"):
+        Runner.run_sync(Agent("a"), "hi", backend=Mine(["hello"]))

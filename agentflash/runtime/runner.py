@@ -262,9 +262,12 @@ class _Loop:
                             dispatch(tools[call.name], call)
                     elif isinstance(event, model.ModelFinish):
                         turn.finish = event
-                    else:
-                        raise AssertionError(f"unknown model event {event!r}")
-            assert turn.finish is not None, "the backend's stream ended without a ModelFinish"
+                    else:  # a backend that breaks its contract (one of the user's own)
+                        raise TypeError(f"{type(self.backend).__name__}.stream yielded "
+                                        f"{event!r}, not a model event")
+            if turn.finish is None:
+                raise TypeError(f"{type(self.backend).__name__}.stream ended without a "
+                                f"ModelFinish")
             # in the order the model wrote them (a server may finish a later call first)
             order = sorted(range(len(turn.calls)), key=turn.call_indexes.__getitem__)
             turn.calls = [turn.calls[i] for i in order]
