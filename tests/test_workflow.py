@@ -859,8 +859,8 @@ def test_validate_names_each_problem_once_at_its_key_as_run_would_meet_it(tmp_pa
     assert result.exit_code == 2 and result.stderr.splitlines() == [
         f"error: {path}:3: model.max_running: must be an integer of at least 1, got 3.0",
         f"error: {path}:3: model.prefix_cache_mb: must be 0 or more, got inf",
-        f"error: {path}:4: decoding: max_tokens must be a positive integer, got 64.0",
-        f"error: {path}:6: agents.a.max_turns: max_turns must be a positive integer, got 2.0",
+        f"error: {path}:4: decoding.max_tokens: must be a positive integer, got 64.0",
+        f"error: {path}:6: agents.a.max_turns: must be a positive integer, got 2.0",
         f"error: {path}:8: steps[0].input: the template uses steps.s1, the step's own output, "
         f"which it does not have before it ends"]
 

@@ -625,8 +625,17 @@ class _Builder:
         try:
             return Decoding(**{**defaults, **raw})
         except UserError as err:
-            self.problems.add(keys, str(err).removeprefix("decoding."))
+            self.field_problem(keys, raw, str(err).removeprefix("decoding."))
             return None
+
+    def field_problem(self, keys: Keys, raw: dict[str, Any], message: str) -> None:
+        """A problem whose message begins with the field it is about ("max_turns must be
+        ..."), named at that field's line where ``raw`` (the section at ``keys``) has it."""
+        field, _, why = message.partition(" ")
+        if field in raw:
+            self.problems.add((*keys, field), why)
+        else:
+            self.problems.add(keys, message)
 
     def inputs(self) -> dict[str, dict[str, Any]]:
         from jsonschema import Draft202012Validator, SchemaError
@@ -751,10 +760,8 @@ class _Builder:
                 agents[name] = Agent(name, raw["instructions"], own, [],
                                      raw.get("description", ""), raw.get("output_schema"),
                                      "auto", decoding or Decoding(), raw.get("max_turns", 10))
-            except UserError as err:  # named at the key it is about ("max_turns must be ...")
-                message = str(err).removeprefix(f"agent {name!r}: ")
-                field = message.split(" ", 1)[0]
-                self.problems.add((*keys, field) if field in raw else keys, message)
+            except UserError as err:
+                self.field_problem(keys, raw, str(err).removeprefix(f"agent {name!r}: "))
         for name, raw in self.data["agents"].items():
             for j, target in enumerate(raw.get("handoffs", [])):
                 if target == name:
