@@ -21,6 +21,7 @@ from openai import OpenAI
 from agentflash.backends.local import load_weights
 from agentflash.engine.engine import Engine, EngineConfig
 from agentflash.engine.request import SamplingParams
+from agentflash.errors import UserError
 from agentflash.server.app import ServerConfig, serving_in_thread
 
 WEATHER = {"type": "function", "function": {
@@ -743,6 +744,29 @@ def test_api_key_and_concurrency_limit(tiny_model_dir):
         wait_idle(url, engine)
         reply = client.chat.completions.create(model="tiny", messages=user("hi"), max_tokens=2)
         assert reply.usage.completion_tokens <= 2
+
+
+def test_a_body_that_never_arrives_whole_is_a_408_and_frees_its_place(tiny_model_dir):
+    # a client that sent its headers and then nothing held a place of max_concurrent for ever:
+    # 64 of them shut every other client out
+    engine = Engine.from_pretrained(str(tiny_model_dir), EngineConfig(max_len=1024))
+    config = ServerConfig(port=0, max_concurrent=1, served_name="tiny", body_timeout_s=1.0)
+    with serving_in_thread(config, engine) as url:
+        host, port = url.split("//")[1].split("/")[0].split(":")
+        with socket.create_connection((host, int(port))) as sock:
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                         b"application/json\r\nContent-Length: 500\r\n\r\n{\"model\"")
+            time.sleep(0.2)
+            assert assert_error(post(url, b"{}"), 429)["code"] == "too_many_requests"
+            sock.settimeout(10)
+            answer = sock.recv(65536).decode()
+        assert answer.startswith("HTTP/1.1 408 "), answer
+        assert "did not arrive whole within 1 s (8 bytes came)" in answer
+        reply = OpenAI(base_url=url, api_key="unused", max_retries=0).chat.completions.create(
+            model="tiny", messages=user("hi"), max_tokens=2)
+        assert reply.usage.completion_tokens <= 2
+    with pytest.raises(UserError, match="server body_timeout_s must be positive, got 0"):
+        ServerConfig(body_timeout_s=0)
 
 
 def test_responses_do_not_wait_for_delayed_acks(url):

@@ -66,6 +66,9 @@ class ServerConfig:
     api_key: str | None = None  # when set, /v1/* needs ``Authorization: Bearer <key>``
     served_name: str | None = None  # the ``model`` clients ask for; default: demo or the dir name
     max_body_bytes: int = 1 << 20  # larger request bodies get a 413
+    # a request body that has not arrived whole after this many seconds gets a 408 (a client
+    # that never finishes its body held one of the max_concurrent places for ever)
+    body_timeout_s: float = 30.0
     max_tokens: int = 1024  # the most a request may ask for (and its default)
     max_concurrent: int = 64  # requests in flight; more get a 429
     max_running: int = 8  # requests the engine decodes in one batch (the rest wait in its queue)
@@ -93,6 +96,9 @@ class ServerConfig:
 
         for _name, problem in limit_problems(self.max_running, self.max_len, cache_mb, budget):
             raise UserError(f"server {problem}")  # max_len 1: before the model loads
+        timeout = self.body_timeout_s
+        if not isinstance(timeout, int | float) or isinstance(timeout, bool) or not timeout > 0:
+            raise UserError(f"server body_timeout_s must be positive, got {timeout!r}")
         if not 0 <= self.port <= 65535:
             raise UserError(f"server port must be in [0, 65535], got {self.port}")
         if self.api_key is not None and not self.api_key.strip():
@@ -161,7 +167,8 @@ class Server:
         release = self.admit()
         streaming = False
         try:
-            chat = protocol.parse_request(await read_body(request, self.config.max_body_bytes))
+            chat = protocol.parse_request(await read_body(request, self.config.max_body_bytes,
+                                                          self.config.body_timeout_s))
             if chat.model != self.config.name:
                 raise APIError(404, f"model {chat.model!r} is not served here (this server "
                                     f"serves {self.config.name!r})", type="not_found_error",
@@ -295,23 +302,28 @@ class Server:
                 self.engine_down.set()
 
 
-async def read_body(request: Request, limit: int) -> bytes:
+async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
     """The request body, or a 413 once it passes ``limit`` bytes. An oversized body is still
-    read (up to 16 times the limit) so that the client receives the 413 instead of a reset."""
+    read (up to 16 times the limit) so that the client receives the 413 instead of a reset.
+    A body not read whole within ``timeout_s`` seconds is a 408."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > 16 * limit:
         raise _too_large(int(declared), limit)
     body, total = bytearray(), 0
     try:
-        async for part in request.stream():
-            total += len(part)
-            if total <= limit:
-                body += part
-            elif total > 16 * limit:
-                break
+        with anyio.move_on_after(timeout_s) as deadline:
+            async for part in request.stream():
+                total += len(part)
+                if total <= limit:
+                    body += part
+                elif total > 16 * limit:
+                    break
     except ClientDisconnect:  # nobody to answer: no internal error to log
         raise APIError(499, "the client went away while sending its request",
                        code="client_closed_request") from None
+    if deadline.cancelled_caught:
+        raise APIError(408, f"the request body did not arrive whole within {timeout_s:g} s "
+                            f"({total} bytes came)", code="request_timeout")
     if total > limit:
         raise _too_large(total, limit)
     return bytes(body)
