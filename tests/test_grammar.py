@@ -1226,6 +1226,23 @@ def test_model_vocab_smaller_than_the_tokenizer_is_an_error(tok):
 # --- the compile cache -------------------------------------------------------------------------
 
 
+def test_the_compile_cache_holds_a_bounded_weight_of_sources():
+    from agentflash.grammar.compiler import LRU
+
+    cache = LRU(3, max_weight=10, weigh=len)
+    for key in ("aaaa", "bbbb", "cccc"):  # 12 > 10: the oldest goes
+        cache.put(key, key.upper())
+    assert (cache.get("aaaa"), cache.get("bbbb"), cache.weight) == (None, "BBBB", 8)
+    cache.put("x" * 50, "big")  # kept alone, whatever its weight
+    assert (len(cache), cache.weight, cache.get("cccc")) == (1, 50, None)
+    for key in "abcd":  # and the count still bounds it
+        cache.put(key, key)
+    assert (len(cache), cache.weight) == (3, 3)
+    with pytest.raises(ValueError):  # a make that raises keeps nothing, weighs nothing
+        cache.get_or_make("zzzzzzzz", lambda: int("z"))
+    assert (len(cache), cache.weight) == (3, 3)
+
+
 def test_compile_cache_keys_on_source_and_tokenizer(tok, demo_tokenizer_dir):
     schema = {"type": "object", "properties": {"cached": {"type": "boolean"}}}
     first = compile_grammar(json_schema(schema), tok)

@@ -633,6 +633,17 @@ def test_malformed_requests_get_4xx(url):
     long = [{"role": "user", "content": "word " * 3000}]
     assert assert_error(post(url, json.dumps({**good, "messages": long})), 400)["code"] == \
         "context_length_exceeded"
+    # refused for its length with a schema never seen: nothing compiled (a thousand tools' took
+    # seconds and 26 MB of cache, for a request that was refused anyway)
+    from agentflash.grammar import cache_info
+
+    fresh = {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"never_compiled": {"type": "integer"}}}}}
+    misses = cache_info()["misses"]
+    assert assert_error(post(url, json.dumps({**good, "messages": long,
+                                              "response_format": fresh})), 400)["code"] == \
+        "context_length_exceeded"
+    assert cache_info()["misses"] == misses
     assert_error(httpx.get(f"{url}/chat/completions"), 405)
     assert_error(httpx.get(f"{url}/nowhere"), 404)
     # JSON's NaN read by Python: "less than or equal to 2", as if it were a number too big

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 from agentflash.grammar.checks import json_bodies, locate_schema_error, pointer, subschemas
@@ -23,11 +24,15 @@ class Backend(enum.Enum):
     OUTLINES = "outlines"  # outlines-core: JSON Schema and regex only
 
 
-class _LRU:
-    """A small thread-safe least-recently-used map."""
+class LRU:
+    """A small thread-safe least-recently-used map of at most ``capacity`` entries, and, with
+    ``weigh`` (an entry's key to its weight), of at most ``max_weight`` in all (the newest entry
+    is kept whatever its weight)."""
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, max_weight: int | None = None,
+                 weigh: Callable[[Any], int] | None = None):
         self.capacity, self._items, self._lock = capacity, OrderedDict(), threading.Lock()
+        self.max_weight, self._weigh, self.weight = max_weight, weigh, 0
         self.hits = self.misses = 0
         self._making: dict[Any, threading.Lock] = {}  # a lock per key being made
 
@@ -66,22 +71,34 @@ class _LRU:
 
     def put(self, key: Any, value: Any) -> None:
         with self._lock:
+            if key not in self._items:
+                self.weight += self._weight(key)
             self._items[key] = value
             self._items.move_to_end(key)
-            while len(self._items) > self.capacity:
-                self._items.popitem(last=False)
+            while len(self._items) > self.capacity or (
+                    self.max_weight is not None and self.weight > self.max_weight
+                    and len(self._items) > 1):
+                old, _ = self._items.popitem(last=False)
+                self.weight -= self._weight(old)
+
+    def _weight(self, key: Any) -> int:
+        return self._weigh(key) if self._weigh is not None else 0
 
     def clear(self) -> None:
         with self._lock:
             self._items.clear()
-            self.hits = self.misses = 0
+            self.hits = self.misses = self.weight = 0
 
     def __len__(self) -> int:
         return len(self._items)
 
 
-_grammars = _LRU(256)
-_tokenizers = _LRU(8)  # converted tokenizers are large at 150k tokens
+# compiled grammars, weighed by their source's length: a grammar of a thousand tools (700 kB of
+# schemas) holds about 26 MB, and 256 of them held 7 GB; 4M characters of sources keep at most
+# about 150 MB of such grammars, and 256 of a few tools' each
+MAX_SOURCE_CHARS = 4_000_000
+_grammars = LRU(256, MAX_SOURCE_CHARS, lambda key: len(key[1].text))
+_tokenizers = LRU(8)  # converted tokenizers are large at 150k tokens
 
 
 def compile_grammar(
@@ -215,7 +232,7 @@ def _pattern_problem(pattern: str, info: TokenizerInfo) -> str:
         return ""
 
 
-_patterns = _LRU(1024)  # a pattern's problem ("" for none) per tokenizer
+_patterns = LRU(1024)  # a pattern's problem ("" for none) per tokenizer
 
 
 def _fails_alone(schema: Any, source: GrammarSource, info: TokenizerInfo) -> str | None:
@@ -233,6 +250,7 @@ def cache_info() -> dict[str, int]:
     """Sizes and hit counts of the compile caches."""
     return {
         "grammars": len(_grammars),
+        "source_chars": _grammars.weight,
         "hits": _grammars.hits,
         "misses": _grammars.misses,
         "tokenizers": len(_tokenizers),

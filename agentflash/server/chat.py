@@ -9,7 +9,6 @@ streaming endpoint sends its events as chunks, the plain one collects the same e
 
 from __future__ import annotations
 
-import functools
 import json
 import uuid
 from collections.abc import AsyncIterator
@@ -39,6 +38,7 @@ from agentflash.grammar import (
     json_schema,
     tool_specs,
 )
+from agentflash.grammar.compiler import LRU, MAX_SOURCE_CHARS
 from agentflash.grammar.llguidance_backend import check_schema_supported
 from agentflash.server.protocol import APIError, ChatCompletionRequest, Message
 from agentflash.tool_format import begun_call
@@ -69,12 +69,6 @@ def prepare(request: ChatCompletionRequest, engine: Engine, max_tokens_limit: in
         raise APIError(400, "stop cannot cut a reply the grammar binds whole (a response_format, "
                             "tool_choice required or a named tool): it would not parse",
                        param="stop")
-    if grammar is not None:
-        try:
-            engine.compile(grammar)
-        except GrammarError as err:
-            raise APIError(400, f"cannot constrain the reply: {err}",
-                           param="response_format" if not tools else "tools") from None
     try:
         engine.check_template_kwargs(request.chat_template_kwargs)
     except UserError as err:
@@ -98,6 +92,12 @@ def prepare(request: ChatCompletionRequest, engine: Engine, max_tokens_limit: in
     if max_tokens is not None and max_tokens > max_tokens_limit:
         raise APIError(400, f"{field} is {max_tokens}; this server allows at most "
                             f"{max_tokens_limit}", param=field)
+    if grammar is not None:  # after the cheap checks: a refused request compiles nothing
+        try:
+            engine.compile(grammar)
+        except GrammarError as err:
+            raise APIError(400, f"cannot constrain the reply: {err}",
+                           param="response_format" if not tools else "tools") from None
     room = max_len - len(prompt_ids)
     options = request.agentflash
     temperature = DEFAULT_TEMPERATURE if request.temperature is None else request.temperature
@@ -195,10 +195,14 @@ def reply_grammar(tools: list[dict[str, Any]], choice: ToolChoice, parallel: boo
     # Agents send the same tools turn after turn; checking their schemas is most of the cost.
     key = json.dumps([tools, choice.mode.value, choice.name, parallel, answer_schema,
                       answer_strict])
-    return _turn_grammar(key)
+    return _turn_grammars.get_or_make(key, lambda: _turn_grammar(key))
 
 
-@functools.lru_cache(maxsize=256)
+# weighed by the keys' length, as the compile cache weighs its sources: a request of a thousand
+# tools is a key of most of a megabyte
+_turn_grammars = LRU(256, MAX_SOURCE_CHARS, len)
+
+
 def _turn_grammar(key: str) -> GrammarSource:
     """``reply_grammar`` for its arguments as JSON text (a failure raises and is not cached)."""
     tools, mode, name, parallel, answer_schema, answer_strict = json.loads(key)
