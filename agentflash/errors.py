@@ -3,10 +3,19 @@
 
 import numbers
 from typing import Any
+from urllib.parse import urlsplit
 
 
 class UserError(Exception):
     """Bad input from the user (a path, a file, a flag, a request): the message names it."""
+
+
+def shown_url(url: str) -> str:
+    """``url`` as messages show it (errors, traces, the model's tool results): without a user,
+    password or query, where a key may be."""
+    parts = urlsplit(url)
+    host = parts.netloc.rpartition("@")[2]
+    return f"{parts.scheme}://{host}{parts.path}"
 
 
 class UserErrors(UserError):

@@ -36,7 +36,7 @@ import pydantic.json_schema
 import pydantic_core
 from pydantic.fields import FieldInfo
 
-from agentflash.errors import UserError, is_number
+from agentflash.errors import UserError, is_number, shown_url
 from agentflash.json_formats import (
     date_bounds,
     decimal_pattern,
@@ -898,9 +898,7 @@ class HttpTool:
     def shown_url(self) -> str:
         """The URL as errors show it, to the model too: without a user, password or query,
         where a key may be."""
-        parts = urlsplit(self.url)
-        host = parts.netloc.rpartition("@")[2]
-        return f"{parts.scheme}://{host}{parts.path}"
+        return shown_url(self.url)
 
     def _declared_query(self) -> set[str]:
         """The query keys of the declared URL where arguments go in the query (else none)."""
