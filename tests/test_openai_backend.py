@@ -872,3 +872,34 @@ def test_a_cut_call_and_a_call_without_tools_read_alike_embedded_and_through_the
         assert error == "the tool call was not closed with </tool_call> (generation ended: length)"
     assert embedded_text == served_text
     assert "<tool_call>" not in embedded_text[0] and len(embedded_text[1]) == 1
+
+
+def test_an_endless_error_body_is_read_only_as_far_as_its_message_needs():
+    # a 400 or a proxy's page of a gigabyte was read whole into memory (2.4x its size)
+    from agentflash.backends import openai as remote
+
+    pulled = []
+
+    async def endless():
+        while True:
+            pulled.append(1)
+            yield "x" * 1000
+
+    async def head(limit=None):
+        return await remote._head_text(endless(), limit)
+
+    assert anyio.run(head, 2500) == "x" * 2500 and len(pulled) == 3
+    pulled.clear()
+    assert len(anyio.run(head)) == remote.MAX_ERROR_CHARS
+    assert len(pulled) == -(-remote.MAX_ERROR_CHARS // 1000)
+
+
+def test_a_password_in_base_url_stays_out_of_errors():
+    # it was in the error, in run --json's output and in the trace's span
+    request = ModelRequest([{"role": "user", "content": "Hello"}], decoding=Decoding(max_tokens=8))
+    backend = OpenAIBackend("http://apiuser:TopSecretPw@127.0.0.1:1/v1?key=k2", "demo",
+                            retry=RetryPolicy(0, 0.01, 0.05))
+    with pytest.raises(ServerUnavailable) as err:
+        stream(backend, request)
+    assert str(err.value).startswith("http://127.0.0.1:1/v1/chat/completions: ")
+    assert "TopSecret" not in str(err.value) and "k2" not in str(err.value)

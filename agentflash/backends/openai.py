@@ -52,7 +52,7 @@ from agentflash.backends.base import (
     unclosed_call_error,
 )
 from agentflash.backends.local import HermesStreamParser
-from agentflash.errors import UserError, is_int
+from agentflash.errors import UserError, is_int, shown_url
 from agentflash.runtime.errors import RunError
 from agentflash.tool_format import load_body
 
@@ -61,6 +61,8 @@ RETRY_STATUS = frozenset({408, 409, 429, 500, 502, 503, 504})
 # content filter): not an answer. Any other ends a whole reply (stop, tool_calls, length, and
 # other servers' words for them: eos, eos_token, stop_sequence, Mistral's model_length)
 CUT_SHORT = frozenset({"abort", "error", "content_filter", "cancelled"})
+# the most of a reply that is no answer (an error's body, a proxy's page) read for its message
+MAX_ERROR_CHARS = 1 << 20
 LENGTH = frozenset({"length", "model_length"})
 
 
@@ -146,6 +148,7 @@ class OpenAIBackend(Backend):
             if not api_key:
                 raise UserError(f"model.api_key_env names {api_key_env}, which is not set")
         self.base_url, self.model_name = base_url.rstrip("/"), model
+        self.shown_url = shown_url(self.base_url)  # in messages: no user, password or query
         self.timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s)
         self.retry = retry
         if api_key and not (api_key.isascii() and api_key.isprintable()
@@ -206,7 +209,7 @@ class OpenAIBackend(Backend):
                 continue
             break
         if reader.finish_reason is None:  # a reply cut off without a word: not a whole one
-            raise ServerUnavailable(f"{self.base_url}: the reply stream ended without a "
+            raise ServerUnavailable(f"{self.shown_url}: the reply stream ended without a "
                                     f"finish_reason")
         for event in reader.close():
             yield event
@@ -230,7 +233,7 @@ class OpenAIBackend(Backend):
                     try:
                         events = reader.read(self._chunk(data))
                     except (TypeError, AttributeError, ValueError) as err:
-                        raise ServerUnavailable(f"{self.base_url}: the stream sent a chunk this "
+                        raise ServerUnavailable(f"{self.shown_url}: the stream sent a chunk this "
                                                 f"client cannot read ({type(err).__name__}: "
                                                 f"{err}): {data[:200]!r}") from None
                     for event in events:
@@ -243,10 +246,10 @@ class OpenAIBackend(Backend):
                 if reader.finish_reason is not None:  # the answer is whole
                     return
                 error = _NoDataYet if not got_data else ServerUnavailable
-                raise error(f"{self.base_url}: the reply stream broke: "
+                raise error(f"{self.shown_url}: the reply stream broke: "
                             f"{_describe(err)}") from None
         if not got_data:  # a 200 with an empty body
-            raise _NoDataYet(f"{self.base_url}: the reply stream ended before any data")
+            raise _NoDataYet(f"{self.shown_url}: the reply stream ended before any data")
 
     async def _events(self, response: httpx.Response) -> AsyncIterator[str]:
         """The ``data`` of the reply's events, each within ``timeout_s`` of the one before (a
@@ -262,11 +265,11 @@ class OpenAIBackend(Backend):
             first = ""
             async for text in texts:
                 first += text
-                if first.strip():
+                if first.strip() or len(first) >= MAX_ERROR_CHARS:
                     break
             if not _SSE_FIELD.match(first.lstrip()):
-                text = first + "".join([t async for t in texts])
-                raise ServerUnavailable(f"{self.base_url}: the server answered with {kind}, not "
+                text = first + await _head_text(texts, MAX_ERROR_CHARS - len(first))
+                raise ServerUnavailable(f"{self.shown_url}: the server answered with {kind}, not "
                                         f"an event stream: {_error_message(text)}")
             texts = _chained(first, texts)
         wait = self.timeout.read
@@ -277,7 +280,7 @@ class OpenAIBackend(Backend):
                 with anyio.move_on_after(deadline - anyio.current_time()) as scope:
                     item = await anext(events, None)
                 if scope.cancelled_caught:
-                    raise _Silent(f"{self.base_url}: no data in {wait:g} s (timeout_s)")
+                    raise _Silent(f"{self.shown_url}: no data in {wait:g} s (timeout_s)")
                 if item is None:
                     return
                 name, data = item
@@ -285,7 +288,7 @@ class OpenAIBackend(Backend):
                     deadline = anyio.current_time() + (wait if wait is not None else math.inf)
                 if name == "error":
                     obj = _parse(data)
-                    raise ServerUnavailable(f"{self.base_url}: the server stopped the reply: "
+                    raise ServerUnavailable(f"{self.shown_url}: the server stopped the reply: "
                                             f"{_error_message(obj if obj is not None else data)}")
                 if name == "message":  # others (a ping) are not chunks
                     yield data
@@ -294,17 +297,17 @@ class OpenAIBackend(Backend):
         try:
             chunk = json.loads(data)
         except json.JSONDecodeError:
-            raise ServerUnavailable(f"{self.base_url}: the stream sent invalid JSON: "
+            raise ServerUnavailable(f"{self.shown_url}: the stream sent invalid JSON: "
                                     f"{data[:200]!r}") from None
         if not isinstance(chunk, dict):
-            raise ServerUnavailable(f"{self.base_url}: the stream sent {data[:200]!r}")
+            raise ServerUnavailable(f"{self.shown_url}: the stream sent {data[:200]!r}")
         if chunk.get("error") is not None or chunk.get("object") == "error":  # not "error": null
-            raise ServerUnavailable(f"{self.base_url}: the server stopped the reply: "
+            raise ServerUnavailable(f"{self.shown_url}: the server stopped the reply: "
                                     f"{_error_message(chunk)}")
         finish = next((c.get("finish_reason") for c in chunk.get("choices") or []
                        if isinstance(c, dict) and c.get("finish_reason")), None)
         if isinstance(finish, str) and finish.lower() in CUT_SHORT:
-            raise ServerUnavailable(f"{self.base_url}: the server ended the reply with "
+            raise ServerUnavailable(f"{self.shown_url}: the server ended the reply with "
                                     f"finish_reason {finish!r}")
         return chunk
 
@@ -314,6 +317,7 @@ class OpenAIBackend(Backend):
         connection errors, timeouts and the statuses of ``RETRY_STATUS`` while ``tries`` lasts."""
         assert self._client is not None
         url = f"{self.base_url}/chat/completions"
+        shown = f"{self.shown_url}/chat/completions"
         while True:
             tries.made += 1
             try:
@@ -321,7 +325,7 @@ class OpenAIBackend(Backend):
                     self._client.build_request("POST", url, json=body), stream=True)
             except httpx.TransportError as err:
                 if tries.spent:
-                    raise ServerUnavailable(f"{url}: {_describe(err)} (after {tries.made} "
+                    raise ServerUnavailable(f"{shown}: {_describe(err)} (after {tries.made} "
                                             f"attempts)") from None
                 await anyio.sleep(tries.delay())
                 continue
@@ -332,7 +336,7 @@ class OpenAIBackend(Backend):
                     await response.aclose()
                 return
             try:
-                text = (await response.aread()).decode("utf-8", "replace")
+                text = await _head_text(response.aiter_text())
             except httpx.HTTPError as err:  # its body cut off or stalled: the status tells
                 text = f"(its body could not be read: {_describe(err)})"
             finally:
@@ -340,7 +344,7 @@ class OpenAIBackend(Backend):
             if response.status_code in RETRY_STATUS and not tries.spent:
                 await anyio.sleep(tries.delay(response.headers.get("retry-after")))
                 continue
-            message = f"{url}: HTTP {response.status_code}: {_error_message(text)}"
+            message = f"{shown}: HTTP {response.status_code}: {_error_message(text)}"
             if response.status_code in RETRY_STATUS:
                 raise ServerUnavailable(f"{message} (after {tries.made} attempts)")
             raise UserError(message)
@@ -731,6 +735,20 @@ def _parse(text: str) -> Any:
         return json.loads(text)
     except json.JSONDecodeError:
         return None
+
+
+async def _head_text(texts: AsyncIterator[str], limit: int | None = None) -> str:
+    """The first ``limit`` characters (``MAX_ERROR_CHARS``) of a reply that is no answer (an
+    error's body, a proxy's page): what its message may quote, never a whole body that may be
+    gigabytes."""
+    limit = MAX_ERROR_CHARS if limit is None else limit
+    head = ""
+    if limit > 0:
+        async for text in texts:
+            head += text
+            if len(head) >= limit:
+                break
+    return head[:limit]
 
 
 def _error_message(body: str | dict[str, Any]) -> str:
