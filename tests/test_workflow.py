@@ -766,6 +766,13 @@ def test_numbers_are_yaml_1_2s(tmp_path):
     defaults = {name: spec["default"] for name, spec in wf.inputs.items()}
     assert defaults == {"a": 10, "b": 15, "c": "1_000", "d": "12:30", "e": "12:30"}
     assert (wf.decoding.temperature, wf.decoding.max_tokens) == (0.5, 32)
+    # an integer past what Python writes in decimal: a traceback from validate and run (the
+    # read, or a message quoting it), now a line of the file
+    for big in ("1" * 5000, "0x" + "f" * 5000, "!!int " + "1" * 5000):
+        with pytest.raises(UserError, match=r"wf.yaml:3: invalid YAML: an integer of 50\d\d "
+                                            r"characters: no value here is that large"):
+            load_workflow(write(tmp_path, f"version: 1\nname: t\ndecoding: {{max_tokens: {big}}}"
+                                          f"\nagents: {{x: {{instructions: hi}}}}\n"))
 
 
 def test_dates_are_strings_and_merge_keys_are_overridden_a_key_twice_is_refused(tmp_path):

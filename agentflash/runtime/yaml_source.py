@@ -91,14 +91,28 @@ _Loader.add_implicit_resolver(
     list("-+.0123456789"))
 
 
+# the most bits an integer may have: about 4,000 decimal digits (Python writes none past 4,300
+# in decimal, and a message quoting one failed with a traceback)
+MOST_INTEGER_BITS = 13_000
+
+
 def _integer(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
     """YAML 1.2's integer: decimal (leading zeros too), ``0o`` octal or ``0x`` hexadecimal."""
     text = loader.construct_scalar(node)
-    if re.fullmatch(r"0o[0-7]+|0x[0-9a-fA-F]+", text):
-        return int(text[2:], 8 if text[1] == "o" else 16)
-    if re.fullmatch(r"[-+]?[0-9]+", text):
-        return int(text, 10)
-    return loader.construct_yaml_int(node)  # an explicit !!int of YAML 1.1's spellings
+    try:
+        if re.fullmatch(r"0o[0-7]+|0x[0-9a-fA-F]+", text):
+            value = int(text[2:], 8 if text[1] == "o" else 16)
+        elif re.fullmatch(r"[-+]?[0-9]+", text):
+            value = int(text, 10) if len(text) < 4_000 else 1 << MOST_INTEGER_BITS
+        else:
+            value = loader.construct_yaml_int(node)  # an explicit !!int of YAML 1.1's spellings
+    except ValueError:  # decimal digits past Python's limit, in YAML 1.1's spellings
+        value = 1 << MOST_INTEGER_BITS
+    if value.bit_length() > MOST_INTEGER_BITS:
+        raise yaml.constructor.ConstructorError(
+            None, None, f"an integer of {len(text)} characters: no value here is that large",
+            node.start_mark)
+    return value
 
 
 _Loader.add_constructor("tag:yaml.org,2002:int", _integer)
