@@ -411,3 +411,34 @@ def test_tool_call_answers_can_be_regenerated_as_served_under_the_tools_grammar(
             assert grammar.new_constraint().validate_draft(answer) == len(answer)
     with pytest.raises(ValueError, match="constrained_tool_calls"):
         tiny_config(constrained_tool_calls=1.5)
+
+
+def test_training_prompts_are_the_target_s_own_chat_template_s(tiny_model_dir):
+    from agentflash.engine.engine import Engine
+    from agentflash.train import tokenizer as tokenizer_mod
+
+    engine = Engine.from_pretrained(str(tiny_model_dir))
+    convos = corpus_mod.generate(corpus_mod.CorpusConfig(seed=3, num_tool_call=6, num_code=2,
+                                                         num_math=2, num_prose=2))
+    # the demo's template: the prompts its drafter was trained on, to the token
+    for convo in convos:
+        built_in = [engine.tokenizer(tokenizer_mod.render(convo["messages"][:j], convo["tools"],
+                                                          add_generation_prompt=True),
+                                     add_special_tokens=False)["input_ids"]
+                    for j, m in enumerate(convo["messages"]) if m["role"] == "assistant"]
+        assert train_mod.turn_prompts(convo, engine.chat_prompt) == built_in
+    # another model's: the target answered prompts laid out in the demo's format, which it is
+    # never served
+    engine.tokenizer.chat_template = (
+        "{% for m in messages %}<<{{ m['role'] }}>>{{ m['content'] }}"
+        "{% for c in m.get('tool_calls') or [] %}[{{ c.function.name }} "
+        "{{ c.function.arguments }} {{ c.id }}]{% endfor %}"
+        "{% if m.tool_call_id %}({{ m.tool_call_id }}){% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}<<assistant>>{% endif %}")
+    convo = next(c for c in convos if c["kind"] == "tool_call" and len(c["messages"]) > 3)
+    first, second = train_mod.turn_prompts(convo, engine.chat_prompt)[:2]
+    assert engine.tokenizer.decode(first).startswith("<<system>>")
+    call = convo["messages"][2]["tool_calls"][0]
+    said = engine.tokenizer.decode(second)
+    assert f"[{call['name']} {json.dumps(call['arguments'])} call_2_0]" in said
+    assert "(call_2_0)" in said and said.endswith("<<assistant>>")

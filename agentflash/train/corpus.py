@@ -382,6 +382,25 @@ KINDS = {
 }
 
 
+def wire_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A conversation's messages as an agent sends them (``Runner``, OpenAI's API): a call as
+    ``{"id", "type": "function", "function": {"name", "arguments": JSON text}}``, each tool
+    result with the id of its call; the corpus writes a call as ``{"name", "arguments"}``."""
+    out, ids = [], []
+    for message in messages:
+        if message["role"] == "assistant" and message.get("tool_calls"):
+            ids = [f"call_{len(out)}_{k}" for k in range(len(message["tool_calls"]))]
+            calls = [{"id": i, "type": "function", "function": {
+                "name": c["name"], "arguments": json.dumps(c["arguments"], ensure_ascii=False)}}
+                for i, c in zip(ids, message["tool_calls"], strict=True)]
+            out.append({**message, "tool_calls": calls})
+        elif message["role"] == "tool" and ids:
+            out.append({**message, "tool_call_id": ids.pop(0)})
+        else:
+            out.append(message)
+    return out
+
+
 def generate(config: CorpusConfig) -> list[dict[str, Any]]:
     """All conversations of the corpus, in a seeded shuffled order."""
     rng = random.Random(config.seed)

@@ -26,6 +26,7 @@ import math
 import random
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -125,16 +126,13 @@ def split_corpus(convos: list[dict], num_val_per_kind: int) -> tuple[list[dict],
     return train, [c for i, c in enumerate(convos) if i in val_ids]
 
 
-def turn_prompts(convo: dict, tokenizer) -> list[list[int]]:
-    """Token ids of the conversation up to each assistant turn, ready for the answer."""
-    prompts = []
-    for j, message in enumerate(convo["messages"]):
-        if message["role"] == "assistant":
-            text = tokenizer_mod.render(
-                convo["messages"][:j], convo["tools"], add_generation_prompt=True
-            )
-            prompts.append(tokenizer(text, add_special_tokens=False)["input_ids"])
-    return prompts
+def turn_prompts(convo: dict, chat_prompt: Callable[..., list[int]]) -> list[list[int]]:
+    """Token ids of the conversation up to each assistant turn, ready for the answer, as
+    ``chat_prompt`` (``Engine.chat_prompt``: the target's own chat template) renders what an
+    agent sends (calls as OpenAI's messages list them): the prompts the target is served."""
+    messages = corpus_mod.wire_messages(convo["messages"])
+    return [chat_prompt(messages[:j], convo["tools"])
+            for j, message in enumerate(messages) if message["role"] == "assistant"]
 
 
 def regenerate(
@@ -204,7 +202,7 @@ def build_samples(
         prompts = [
             (ids, c["kind"], _served_grammar(c, n, cfg.constrained_tool_calls))
             for n, c in enumerate(convos)
-            for ids in turn_prompts(c, tokenizer)
+            for ids in turn_prompts(c, engine.chat_prompt)
             if len(ids) <= limit
         ]
         samples = regenerate(engine, prompts, cfg.max_response_tokens, label)
