@@ -3,6 +3,7 @@ output, guardrails, max turns, tool choice and cancellation."""
 
 import json
 import pickle
+import threading
 from typing import Literal
 
 import anyio
@@ -879,6 +880,19 @@ def test_common_mistakes_with_the_runner_are_named():
             await Runner.run_streamed(agent, "hi", backend=ScriptedBackend(["x"]))
 
     anyio.run(inside_a_loop)
+    anyio.run(inside_a_loop, backend="trio")  # trio said "Already running trio in this thread"
+
+
+def test_a_run_under_trio_is_a_run_under_asyncio():
+    agent = Agent("a", tools=[get_weather])
+
+    async def main():
+        backend = ScriptedBackend([ScriptedTurn.calls(("get_weather", {"city": "Oslo"})),
+                                   "done"])
+        result = await Runner.run(agent, "weather?", backend=backend)
+        return result.final_output, [c.result for c in result.tool_calls]
+
+    assert anyio.run(main, backend="trio") == anyio.run(main)
 
 
 def test_a_local_backend_opened_twice_says_so(tiny_model_dir):
@@ -892,6 +906,30 @@ def test_a_local_backend_opened_twice_says_so(tiny_model_dir):
                     pass
 
     anyio.run(main)
+
+    # two tasks opening it at once: the second was let in while the first built its engine;
+    # each built one, the first to close closed the other's, the second to close raised an
+    # AttributeError, and an engine thread was left running (across threads: a hang)
+    async def both():  # (the demo: its load is long enough for the second to come in)
+        backend, said = LocalBackend("demo", drafter="none"), []
+
+        async def open_and_run():
+            try:
+                async with backend:
+                    await anyio.sleep(0.2)
+                    said.append("opened")
+            except UserError as err:
+                said.append(str(err))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(open_and_run)
+            tg.start_soon(open_and_run)
+        return said
+
+    said = anyio.run(both)
+    assert sorted(said)[0] == "opened" and sorted(said)[1].startswith(
+        "this LocalBackend is already open"), said
+    assert "agentflash-engine" not in [t.name for t in threading.enumerate()]  # none left
 
 
 def test_a_turn_the_engine_refuses_names_the_agent_and_an_empty_guardrail_reason_is_an_error(

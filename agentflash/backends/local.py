@@ -281,6 +281,10 @@ class LocalBackend(Backend):
         self.chat_template_kwargs = template_kwargs(chat_template_kwargs)
         self._engine = engine
         self._aengine: Any = None
+        # set from the first line of __aenter__ to the end of __aexit__: a second opener (a task
+        # or a thread beside the first) is refused before it builds an engine of its own
+        self._claimed = False
+        self._claim = threading.Lock()
 
     @classmethod
     def from_spec(cls, spec: ModelSpec) -> LocalBackend:
@@ -293,26 +297,36 @@ class LocalBackend(Backend):
         from agentflash.engine.async_engine import AsyncEngine, run_in_own_thread
         from agentflash.engine.engine import Engine
 
-        if self._aengine is not None:
-            raise UserError("this LocalBackend is already open: open it once "
-                            "(async with backend: ...) and hand it to every run")
-        if self._engine is None:
+        with self._claim:
+            if self._claimed:
+                raise UserError("this LocalBackend is already open: open it once "
+                                "(async with backend: ...) and hand it to every run")
+            self._claimed = True
+        try:
+            if self._engine is None:
 
-            def build() -> Engine:  # here too: filling the KV cache starts an OpenMP team
-                net, tokenizer, model_dir, draft = load_weights(self.model, self.drafter)
-                return Engine(net, tokenizer, self.config, model_dir=model_dir, drafter=draft)
+                def build() -> Engine:  # here too: filling the KV cache starts an OpenMP team
+                    net, tokenizer, model_dir, draft = load_weights(self.model, self.drafter)
+                    return Engine(net, tokenizer, self.config, model_dir=model_dir,
+                                  drafter=draft)
 
-            self._engine = await run_in_own_thread(build)
-        self._engine.check_template_kwargs(self.chat_template_kwargs)
-        aengine = AsyncEngine(self._engine)
-        await aengine.__aenter__()  # a refusal leaves this backend closed, as it was
+                self._engine = await run_in_own_thread(build)
+            self._engine.check_template_kwargs(self.chat_template_kwargs)
+            aengine = AsyncEngine(self._engine)
+            await aengine.__aenter__()
+        except BaseException:  # a refusal or a cancelled load leaves this backend closed
+            self._claimed = False
+            raise
         self._aengine = aengine
         return self
 
     async def __aexit__(self, *exc: object) -> bool | None:
         aengine, self._aengine = self._aengine, None
-        # The caller's exception, if any, propagates as it is rather than wrapped in a group.
-        await aengine.__aexit__(None, None, None)
+        try:  # the caller's exception, if any, propagates as it is, not wrapped in a group
+            if aengine is not None:
+                await aengine.__aexit__(None, None, None)
+        finally:
+            self._claimed = False
         return None
 
     async def stream(self, request: ModelRequest) -> AsyncIterator[ModelEvent]:
