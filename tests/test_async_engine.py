@@ -303,3 +303,30 @@ def test_a_cancelled_load_is_waited_for_when_the_process_exits(tmp_path):
     assert done.returncode == 0, done.stderr
     assert done.stdout == "cancelled while loading: True\n"
     assert "terminate called" not in done.stderr
+
+
+def test_a_process_that_exits_while_its_engine_decodes_exits_cleanly(tmp_path):
+    """A script that ends while a run is going, its backend never closed (a notebook's): the
+    engine thread, a daemon, was still in a forward as the interpreter finalized, and the
+    process aborted ("terminate called without an active exception", exit code 134)."""
+    script = tmp_path / "exit_while_decoding.py"
+    script.write_text(
+        "import asyncio\n"
+        "from agentflash.backends.base import Decoding\n"
+        "from agentflash.backends.local import LocalBackend\n"
+        "from agentflash.runtime import Agent, Runner\n"
+        "agent = Agent('p', 'You help.', decoding=Decoding(max_tokens=1500))\n"
+        "backend = LocalBackend('demo', max_running=16)\n"
+        "async def main():\n"
+        "    await backend.__aenter__()  # opened for the session, never closed\n"
+        "    for i in range(16):  # steps of 16 rows: the interpreter finalizes within one\n"
+        "        asyncio.get_running_loop().create_task(Runner.run(\n"
+        "            agent, f'Write a long story about city {i} ' * 40, backend=backend))\n"
+        "    await asyncio.sleep(3)  # the script ends while the runs decode\n"
+        "asyncio.run(main())\n"
+        "print('main done', flush=True)\n")
+    for _ in range(2):
+        done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                              timeout=300)
+        assert done.returncode == 0 and "terminate called" not in done.stderr, done.stderr
+        assert done.stdout == "main done\n"

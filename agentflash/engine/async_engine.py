@@ -14,8 +14,11 @@ traceback in the log); the engine goes on serving the others.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
+import time
+import weakref
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -83,6 +86,7 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="agentflash-engine", daemon=True)
         self._thread.start()
         self.engine.stepping_thread = self._thread.ident
+        _running.add(self)
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -93,6 +97,7 @@ class AsyncEngine:
         self._wake.set()
         with anyio.CancelScope(shield=True):
             await anyio.to_thread.run_sync(thread.join)
+        _running.discard(self)
         self.engine.stepping_thread = None
         # the engine thread is gone: safe here. Streams cancelled just before it stopped had
         # no step left to free their slots
@@ -204,6 +209,26 @@ class AsyncEngine:
             stream.send.send_nowait(FinishEvent(self.engine.result(req)))
             stream.send.close()
             stream.finished = True
+
+
+# the engines whose threads run: stopped when the process exits (below)
+_running: weakref.WeakSet[AsyncEngine] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_engines(timeout_s: float = 30.0) -> None:
+    """Let the engine threads of engines never closed (a script that ends while a run is going)
+    finish their step and stop: a daemon thread still in torch's work while the interpreter
+    finalizes aborted the process ("terminate called without an active exception")."""
+    threads = []
+    for aengine in list(_running):
+        aengine._stopping = True
+        aengine._wake.set()
+        if aengine._thread is not None:
+            threads.append(aengine._thread)
+    deadline = time.monotonic() + timeout_s
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
 
 
 @asynccontextmanager
