@@ -21,6 +21,7 @@ from functools import partial
 from typing import Any, Generic, TypeVar
 
 import anyio
+import sniffio
 
 from agentflash.backends import base as model
 from agentflash.backends.base import Backend, ForceTool, ModelRequest, ToolChoice
@@ -636,10 +637,13 @@ class Runner:
     @staticmethod
     def run_sync(agent: Agent, input: str | list[dict[str, Any]], **options: Any) -> RunResult:
         """``Runner.run`` from synchronous code."""
-        try:
+        try:  # an asyncio loop (in a callback of its own too), or trio's
             asyncio.get_running_loop()
-        except RuntimeError:  # none: as it should be
-            return anyio.run(partial(Runner.run, agent, input, **options))
+        except RuntimeError:
+            try:
+                sniffio.current_async_library()
+            except sniffio.AsyncLibraryNotFoundError:  # none: as it should be
+                return anyio.run(partial(Runner.run, agent, input, **options))
         raise UserError("Runner.run_sync cannot run inside an event loop (an async function, "
                         "Jupyter): use await Runner.run(...) there")
 
