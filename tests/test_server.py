@@ -616,6 +616,15 @@ def assert_error(response, status):
 
 def test_malformed_requests_get_4xx(url):
     good = {"model": "demo", "messages": user("hi"), "max_tokens": 4}
+    # a web page's POST that needs no CORS preflight (text/plain, a form) ran as a request
+    for kind in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data"):
+        error = assert_error(post(url, json.dumps(good), {"content-type": kind}), 415)
+        assert error["message"].endswith(f"not {kind}") and error["code"] == \
+            "unsupported_media_type"
+    for kind in ("application/json; charset=utf-8", "application/vnd.api+json"):
+        assert post(url, json.dumps(good), {"content-type": kind}).status_code == 200
+    unsaid = httpx.post(f"{url}/chat/completions", content=json.dumps(good), timeout=60)
+    assert unsaid.status_code == 200, unsaid.text  # none said: read as JSON, as vLLM does
     assert assert_error(post(url, b"{not json"), 400)["message"].startswith("the request body "
                                                                            "is not valid JSON")
     assert_error(post(url, b"[1, 2]"), 400)

@@ -164,6 +164,7 @@ class Server:
 
     async def chat_completions(self, request: Request) -> Any:
         self.authorize(request)
+        check_json_content_type(request)
         release = self.admit()
         streaming = False
         try:
@@ -300,6 +301,20 @@ class Server:
                 yield
             finally:
                 self.engine_down.set()
+
+
+def check_json_content_type(request: Request) -> None:
+    """A 415 unless the body is said to be JSON (``application/json``, ``application/*+json``)
+    or its type is not said: a web page may send any site a ``text/plain`` POST without asking
+    (no CORS preflight), and a server without a key on this machine then ran its requests."""
+    said = request.headers.get("content-type")
+    if said is None:
+        return
+    kind = said.split(";")[0].strip().lower()
+    main, _, sub = kind.partition("/")
+    if main != "application" or not (sub == "json" or sub.endswith("+json")):
+        raise APIError(415, f"the request body must be JSON (content-type application/json), "
+                            f"not {kind or 'empty'}", code="unsupported_media_type")
 
 
 async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
