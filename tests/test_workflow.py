@@ -952,16 +952,22 @@ def test_an_input_of_several_types_takes_the_reading_its_schema_takes_and_keeps_
           flag: {type: [integer, boolean]}
           n: {$defs: {N: {type: integer}}, $ref: "#/$defs/N"}
           m: {allOf: [{type: integer}, {minimum: 2}]}
+          k: {allOf: [{type: number}, {$ref: "#/$defs/I"}], $defs: {I: {type: integer}}}
+          share: {type: [number, string]}
         agents:
           a: {instructions: You help.}
         steps:
           - {id: s, agent: a, input: "{{ inputs.zip }}"}
         """))
-    given = {"zip": "01234", "code": "007", "flag": "1", "n": "3", "m": "4"}
-    # 01234 read as 1234 lost its zero, 007 as 7 too; 1 was true; 3 and 4 stayed strings
-    assert wf.resolve_inputs(given) == {"zip": "01234", "code": "007", "flag": 1, "n": 3, "m": 4}
-    assert wf.resolve_inputs({**given, "zip": "123", "code": "7", "flag": "true"}) == {
-        "zip": 123, "code": 7, "flag": True, "n": 3, "m": 4}
+    given = {"zip": "01234", "code": "007", "flag": "1", "n": "3", "m": "4", "k": "5",
+             "share": "1.50"}
+    # 01234 read as 1234 lost its zero, 007 as 7 too (neither is JSON); 1 was true; 3, 4 and
+    # 5 stayed strings
+    assert wf.resolve_inputs(given) == {"zip": "01234", "code": "007", "flag": 1, "n": 3, "m": 4,
+                                        "k": 5, "share": 1.5}
+    assert wf.resolve_inputs({**given, "zip": "123", "code": "7", "flag": "true",
+                              "share": "1.5.0"}) == {
+        "zip": 123, "code": 7, "flag": True, "n": 3, "m": 4, "k": 5, "share": "1.5.0"}
     with pytest.raises(UserError, match="input 'm': 1 is less than the minimum of 2"):
         wf.resolve_inputs({**given, "m": "1"})
 

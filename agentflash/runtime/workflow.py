@@ -327,9 +327,9 @@ def _convert(name: str, text: str, schema: dict[str, Any]) -> Any:
     or a const's values' types, those of the branches of an ``anyOf`` / ``oneOf`` (pydantic's
     ``Optional[int]``), of an ``allOf``, or of what a local ``$ref`` points at. Of the types
     that read the text (in the order of ``_KINDS``), the first whose value the schema takes and
-    that writes back as the text (``"01234"`` stays a string where a string may be one, not
-    1234; ``"1"`` is 1, not true, where both may be); else the first the schema takes; else
-    the first (whose error the check then reports)."""
+    of which the text is JSON (``"01234"`` stays a string where a string may be one, not 1234;
+    ``"1"`` is 1, not true, where both may be); else the first the schema takes; else the first
+    (whose error the check then reports)."""
     from jsonschema import Draft202012Validator
 
     kinds = list(dict.fromkeys(_kinds(schema, schema) or ["string"]))
@@ -344,8 +344,18 @@ def _convert(name: str, text: str, schema: dict[str, Any]) -> Any:
     validator = Draft202012Validator(schema)
     taken = [value for value in readings if validator.is_valid(value)]
     kept = [value for value in taken if isinstance(value, str | list | dict)
-            or json.dumps(value) == text.strip()]
+            or _is_json_of(text, value)]
     return (kept or taken or readings)[0]
+
+
+def _is_json_of(text: str, value: Any) -> bool:
+    """Whether ``text`` is JSON's spelling of ``value`` (``1.50`` of 1.5; not ``01234`` of
+    1234, nor ``1`` of true)."""
+    try:
+        read = json.loads(text)
+    except ValueError:
+        return False
+    return type(read) is type(value) and read == value
 
 
 def _kinds(schema: Any, root: Any, seen: frozenset[str] = frozenset()) -> list[str] | None:
@@ -370,10 +380,16 @@ def _kinds(schema: Any, root: Any, seen: frozenset[str] = frozenset()) -> list[s
     parts = [_kinds(part, root, seen) for part in schema.get("allOf") or []
              if isinstance(schema.get("allOf"), list)]
     named = [set(part) for part in parts if part is not None]
-    if named:  # the types every part that names some allows
-        return [kind for kind in parts[[p is not None for p in parts].index(True)]
-                if all(kind in part for part in named)]
-    return None
+    if not named:
+        return None
+    met = []  # the types every part that names some allows
+    for kind in next(part for part in parts if part is not None):
+        if all(kind in part for part in named):
+            met.append(kind)
+        elif kind in ("integer", "number") and all(part & {"integer", "number"}
+                                                   for part in named):
+            met.append("integer")  # an integer is a number: the parts meet in the integers
+    return met
 
 
 def _json_kind(value: Any) -> str:
