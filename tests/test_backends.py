@@ -255,7 +255,7 @@ def test_chat_template_kwargs_are_the_template_s_variables(tiny_model_dir):
         async with bad:
             pass
 
-    for key in ("tokenize", "messages", "conversations"):  # (those two: a TypeError)
+    for key in ("tokenize", "messages", "conversations", "self"):  # (the last three: a TypeError)
         bad = LocalBackend(tiny_model_dir, chat_template_kwargs={key: True})
         with pytest.raises(UserError, match=f"chat_template_kwargs.{key}: a parameter of "
                                             f"apply_chat_template"):

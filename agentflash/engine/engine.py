@@ -264,8 +264,9 @@ class Engine:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def check_template_kwargs(self, template_kwargs: dict[str, Any] | None) -> None:
-        """``check_template_kwargs`` for this engine's tokenizer."""
-        check_template_kwargs(template_kwargs, self.tokenizer.apply_chat_template)
+        """``check_template_kwargs`` for this engine's tokenizer (its class's method: ``self``
+        is a parameter too)."""
+        check_template_kwargs(template_kwargs, type(self.tokenizer).apply_chat_template)
 
     # --- requests --------------------------------------------------------------------------
 
