@@ -773,6 +773,14 @@ def test_numbers_are_yaml_1_2s(tmp_path):
                                             r"characters: no value here is that large"):
             load_workflow(write(tmp_path, f"version: 1\nname: t\ndecoding: {{max_tokens: {big}}}"
                                           f"\nagents: {{x: {{instructions: hi}}}}\n"))
+    # an explicit tag on a value it cannot read: tracebacks (IndexError, ValueError, KeyError)
+    for tagged, said in (("!!int ''", "'' is not a !!int"), ("!!int abc", "'abc' is not a !!int"),
+                         ("!!float x", "'x' is not a !!float"),
+                         ("!!bool maybe", "'maybe' is not a !!bool"),
+                         ("!!timestamp x", "'x' is not a !!timestamp")):
+        with pytest.raises(UserError, match=f"wf.yaml:3: decoding.max_tokens: {said} value"):
+            load_workflow(write(tmp_path, f"version: 1\nname: t\ndecoding: {{max_tokens: "
+                                          f"{tagged}}}\nagents: {{x: {{instructions: hi}}}}\n"))
 
 
 def test_dates_are_strings_and_merge_keys_are_overridden_a_key_twice_is_refused(tmp_path):

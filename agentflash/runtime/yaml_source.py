@@ -106,7 +106,9 @@ def _integer(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
             value = int(text, 10) if len(text) < 4_000 else 1 << MOST_INTEGER_BITS
         else:
             value = loader.construct_yaml_int(node)  # an explicit !!int of YAML 1.1's spellings
-    except ValueError:  # decimal digits past Python's limit, in YAML 1.1's spellings
+    except ValueError:  # decimal digits past Python's limit, in YAML 1.1's spellings; or none
+        if not re.fullmatch(r"[-+]?[0-9_]+", text):
+            raise
         value = 1 << MOST_INTEGER_BITS
     if value.bit_length() > MOST_INTEGER_BITS:
         raise yaml.constructor.ConstructorError(
@@ -172,7 +174,7 @@ def _build(loader: _Loader, node: yaml.Node, keys: Keys, doc: YamlDoc,
         out: dict[str, Any] = {}
         written: set[str] = set()  # the keys this mapping writes itself
         for key_node, value_node in node.value:
-            key = loader.construct_object(key_node, deep=True)
+            key = _construct(loader, key_node, keys, doc, at)
             line = at or key_node.start_mark.line + 1
             if not isinstance(key, str):
                 raise UserError(f"{doc.path}:{line}: {dotted(keys)}: keys must be strings, "
@@ -191,7 +193,7 @@ def _build(loader: _Loader, node: yaml.Node, keys: Keys, doc: YamlDoc,
             doc.lines[(*keys, i)] = at or getattr(item, "alias_line", item.start_mark.line + 1)
             items.append(_build(loader, item, (*keys, i), doc, at))
         return items
-    value = loader.construct_object(node, deep=True)
+    value = _construct(loader, node, keys, doc, at)
     if value is not None and not isinstance(value, (str, int, float)):  # bool is an int
         # an explicit tag (!!binary, !!timestamp): a value JSON has no form for
         tag = node.tag.replace("tag:yaml.org,2002:", "!!")
@@ -199,3 +201,15 @@ def _build(loader: _Loader, node: yaml.Node, keys: Keys, doc: YamlDoc,
         raise UserError(f"{doc.path}:{line}: {dotted(keys)}: a {tag} value is not one JSON has "
                         "(text, a number, a boolean or null)")
     return value
+
+
+def _construct(loader: _Loader, node: yaml.Node, keys: Keys, doc: YamlDoc,
+               at: int | None) -> Any:
+    """A scalar's value; a ``UserError`` at its line where an explicit tag names a type PyYAML
+    cannot read it as (``!!int abc``, ``!!bool maybe``, ``!!float ''``: tracebacks before)."""
+    try:
+        return loader.construct_object(node, deep=True)
+    except (ValueError, LookupError, AttributeError, TypeError):
+        tag = node.tag.replace("tag:yaml.org,2002:", "!!")
+        raise UserError(f"{doc.path}:{at or node.start_mark.line + 1}: {dotted(keys)}: "
+                        f"{node.value!r} is not a {tag} value") from None
