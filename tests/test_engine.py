@@ -150,6 +150,7 @@ def test_sampling_params_name_a_bad_field():
 @pytest.mark.parametrize("fields, message", [
     (dict(max_running=2.5), "max_running must be an integer of at least 1, got 2.5"),
     (dict(max_running=True), "max_running must be an integer"),
+    (dict(max_running=2**63), f"max_running must be at most 1048576, got {2**63}"),
     (dict(max_len="2048"), "max_len must be an integer of at least 2, got '2048'"),
     (dict(kv_budget_mb=float("inf")), "kv_budget_mb must be a positive number, got inf"),
     (dict(kv_budget_mb="10"), "kv_budget_mb must be a positive number"),

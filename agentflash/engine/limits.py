@@ -8,6 +8,9 @@ from typing import Any
 
 from agentflash.errors import is_int, is_number
 
+# the most requests one engine may decode together (each holds a slot of the KV pool)
+MAX_RUNNING = 1 << 20
+
 
 def limit_problems(max_running: Any, max_len: Any, prefix_cache_mb: Any,
                    kv_budget_mb: Any) -> list[tuple[str, str]]:
@@ -20,6 +23,9 @@ def limit_problems(max_running: Any, max_len: Any, prefix_cache_mb: Any,
     if not is_int(max_running) or max_running < 1:
         problems.append(("max_running", f"max_running must be an integer of at least 1, "
                                         f"got {max_running!r}"))
+    elif max_running > MAX_RUNNING:  # (2**63 overflowed torch's sizes: a traceback)
+        problems.append(("max_running", f"max_running must be at most {MAX_RUNNING}, got "
+                                        f"{max_running}"))
     if not is_int(max_len) or max_len < 2:
         problems.append(("max_len", f"max_len must be an integer of at least 2, got {max_len!r}"))
     if not (is_number(prefix_cache_mb) and 0 <= prefix_cache_mb < math.inf):  # NaN too
