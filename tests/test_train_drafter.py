@@ -442,3 +442,37 @@ def test_training_prompts_are_the_target_s_own_chat_template_s(tiny_model_dir):
     said = engine.tokenizer.decode(second)
     assert f"[{call['name']} {json.dumps(call['arguments'])} call_2_0]" in said
     assert "(call_2_0)" in said and said.endswith("<<assistant>>")
+
+
+def test_answers_are_made_again_for_another_chat_template(tiny_model_dir, tmp_path):
+    # the answers' cache knew the weights, not the template: a run resumed after the template
+    # changed (or begun before prompts followed it) trained on prompts of the old layout
+    from agentflash.models.loading import load_tokenizer
+
+    target, _, _ = load_model(str(tiny_model_dir))
+    tokenizer = load_tokenizer(tiny_model_dir)
+    cfg = train_mod.DrafterTrainConfig(
+        max_response_tokens=4, max_seq_len=512, regen_batch=8, num_val_per_kind=1,
+        corpus=corpus_mod.CorpusConfig(seed=5, num_tool_call=3, num_code=1, num_math=1,
+                                       num_prose=1))
+    cache = tmp_path / "responses.json"
+    first, _ = train_mod.build_samples(target, tokenizer, cfg, cache)
+    tokenizer.chat_template = ("{% for m in messages %}<<{{ m['role'] }}>>{{ m['content'] }}"
+                               "{% endfor %}{% if add_generation_prompt %}<<assistant>>{% endif %}")
+    again, _ = train_mod.build_samples(target, tokenizer, cfg, cache)
+    fresh, _ = train_mod.build_samples(target, tokenizer, cfg, tmp_path / "fresh.json")
+    assert [s.ids for s in again] == [s.ids for s in fresh] != [s.ids for s in first]
+    assert tokenizer.decode(again[0].ids).startswith("<<system>>")
+
+
+def test_a_target_without_a_chat_template_is_named_before_any_work(tiny_model_dir, tmp_path):
+    # it was "None: the tokenizer has no chat template", a minute in, an empty --out left
+    target = tmp_path / "no-template"
+    shutil.copytree(tiny_model_dir, target)
+    (target / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((target / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (target / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(UserError, match=f"{target}: the tokenizer has no chat template"):
+        train_drafter(target, tmp_path / "out", train_mod.DrafterTrainConfig(steps=1))
+    assert not (tmp_path / "out").exists()

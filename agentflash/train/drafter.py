@@ -179,6 +179,10 @@ def build_samples(
     """Train and validation sequences, regenerated once and cached in ``cache_path``."""
     settings = {
         "target": target_fingerprint(target),
+        # the prompts: the target's chat template (edited, the answers are made again), and
+        # their layout (2: the template's own rendering of what agents send; before: the demo's)
+        "chat_template": getattr(tokenizer, "chat_template", None),
+        "prompts": 2,
         "corpus": asdict(cfg.corpus),
         "max_response_tokens": cfg.max_response_tokens,
         "max_seq_len": cfg.max_seq_len,
@@ -478,6 +482,9 @@ def train_drafter(
     target, _, model_dir = load_model(target_dir, device=cfg.device, dtype=torch.float32)
     target.requires_grad_(False)
     tokenizer = load_tokenizer(model_dir)
+    if not getattr(tokenizer, "chat_template", None):  # the target answers served prompts
+        raise UserError(f"{model_dir}: the tokenizer has no chat template: the drafter learns "
+                        f"the target's answers to prompts as it is served, in its template")
     mask_id = choose_mask_token(tokenizer, target.cfg.vocab_size, cfg.mask_token_id)
     dcfg = drafter_config(target, cfg, mask_id)
     # --init is read and checked before the target answers the corpus (minutes of work)
