@@ -984,7 +984,7 @@ def test_a_streamed_run_whose_events_are_not_read_leaves_nothing_open():
 
 
 def test_a_backend_that_breaks_the_stream_s_contract_is_named():
-    from agentflash.backends.base import Backend, TextDelta
+    from agentflash.backends.base import Backend, ModelFinish, TextDelta
 
     class Mine(Backend):
         model_name, provider_name = "mine", "me"
@@ -1001,3 +1001,16 @@ def test_a_backend_that_breaks_the_stream_s_contract_is_named():
         Runner.run_sync(Agent("a"), "hi", backend=Mine([TextDelta("hello")]))
     with pytest.raises(TypeError, match="Mine.stream yielded 'hello', not a model event"):
         Runner.run_sync(Agent("a"), "hi", backend=Mine(["hello"]))
+    finish = ModelFinish("stop", {})
+    with pytest.raises(TypeError, match=r"Mine.stream yielded TextDelta\(text='late'\) after "
+                                        r"its ModelFinish"):  # (it became the final output)
+        Runner.run_sync(Agent("a"), "hi", backend=Mine([TextDelta("x"), finish,
+                                                        TextDelta("late")]))
+
+    class NoGenerator(Mine):  # an AttributeError of aclose, naming nothing
+        async def stream(self, request):
+            return [TextDelta("hello")]
+
+    with pytest.raises(TypeError, match="NoGenerator.stream must be an async generator "
+                                        r"\(async def with yield\), got coroutine"):
+        Runner.run_sync(Agent("a"), "hi", backend=NoGenerator([]))

@@ -10,6 +10,7 @@ takes over), or the final output.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import itertools
 import json
 import math
@@ -246,8 +247,11 @@ class _Loop:
                  "gen_ai.request.seed": request.decoding.seed}
         with self.tracer.span(SpanKind.GENERATION, f"chat {self.backend.model_name}", span,
                               attrs) as gen_span, _naming_the_turn(agent.name, number):
-            async with aclosing(self.backend.stream(request)) as stream:
+            async with aclosing(_event_stream(self.backend, request)) as stream:
                 async for event in stream:
+                    if turn.finish is not None:
+                        raise TypeError(f"{type(self.backend).__name__}.stream yielded "
+                                        f"{event!r} after its ModelFinish")
                     if isinstance(event, model.TextDelta):
                         turn.text.append(event.text)
                         self.emit(ev.TextDelta(agent.name, event.text))
@@ -429,6 +433,18 @@ def _handoff_arguments_problem(call: model.ToolCall) -> str | None:
 
 def _call_args(call: model.ToolCall | model.MalformedToolCall) -> dict[str, Any]:
     return call.arguments if isinstance(call, model.ToolCall) else {}
+
+
+def _event_stream(backend: Backend, request: ModelRequest) -> AsyncIterator[model.ModelEvent]:
+    """``backend.stream(request)``, or a ``TypeError`` naming the backend where that is no async
+    generator (an ``async def`` that returns, a plain generator: an AttributeError of aclose)."""
+    stream = backend.stream(request)
+    if not (hasattr(stream, "__anext__") and hasattr(stream, "aclose")):
+        if inspect.iscoroutine(stream) or inspect.isgenerator(stream):
+            stream.close()  # (a coroutine never awaited warns)
+        raise TypeError(f"{type(backend).__name__}.stream must be an async generator (async "
+                        f"def with yield), got {type(stream).__name__}")
+    return stream
 
 
 def _message_call(call: model.ToolCall | model.MalformedToolCall) -> dict[str, Any]:
