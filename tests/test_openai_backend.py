@@ -903,3 +903,15 @@ def test_a_password_in_base_url_stays_out_of_errors():
         stream(backend, request)
     assert str(err.value).startswith("http://127.0.0.1:1/v1/chat/completions: ")
     assert "TopSecret" not in str(err.value) and "k2" not in str(err.value)
+
+
+def test_an_openai_backend_opened_twice_says_so():
+    async def main():
+        backend = OpenAIBackend("http://127.0.0.1:1/v1", "demo")
+        async with backend:
+            with pytest.raises(UserError, match="this OpenAIBackend is already open"):
+                async with backend:
+                    pass
+            assert backend._client is not None  # the inner exit closed the outer's client
+
+    anyio.run(main)

@@ -1,6 +1,7 @@
 """The run loop on the scripted backend: tool dispatch, concurrency, errors, handoffs, structured
 output, guardrails, max turns, tool choice and cancellation."""
 
+import copy
 import json
 import pickle
 import threading
@@ -328,6 +329,11 @@ def test_input_guardrail_stops_the_run_before_any_model_turn():
     back = pickle.loads(pickle.dumps(err.value))
     assert (str(back), back.kind, back.reason) == (str(err.value), "input", err.value.reason)
     assert back.tracer.timeline() == err.value.tracer.timeline()  # its trace came along
+    from agentflash.runtime.tracing import Tracer
+
+    sink = object()  # a copy in this process exports where the tracer did; a pickle cannot
+    for copied in (copy.copy(Tracer([sink])), copy.deepcopy(Tracer([sink]))):
+        assert copied.sinks == [sink]
     assert Runner.run_sync(agent, "hello", backend=backend).final_output == "never"
 
 

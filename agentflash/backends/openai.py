@@ -169,7 +169,10 @@ class OpenAIBackend(Backend):
                    chat_template_kwargs=spec.chat_template_kwargs)
 
     async def __aenter__(self) -> OpenAIBackend:
-        assert self._client is None, "this OpenAIBackend is already open"
+        if self._client is not None:  # (an assert, gone under python -O: the inner exit
+            # closed the outer block's client)
+            raise UserError("this OpenAIBackend is already open: open it once "
+                            "(async with backend: ...) and hand it to every run")
         # any number of concurrent runs: no cap of connections (httpx's is 100, and the 101st
         # request waited on the pool under the read timeout: a PoolTimeout)
         self._client = httpx.AsyncClient(headers=self._headers, timeout=self.timeout,

@@ -10,6 +10,7 @@ also exported live to the global OpenTelemetry tracer provider (configure its ex
 from __future__ import annotations
 
 import asyncio
+import copy
 import enum
 import itertools
 import json
@@ -65,9 +66,19 @@ class Tracer:
         self.sinks = default_sinks() if sinks is None else sinks
 
     def __getstate__(self) -> dict[str, Any]:
-        # a copy (a pickled error's trace, back from a process pool) holds the spans to read;
-        # the sinks are this process's exporters (OpenTelemetry's hold modules and threads)
+        # pickled (an error's trace, back from a process pool): the spans to read; the sinks
+        # are this process's exporters (OpenTelemetry's hold modules and threads)
         return {"spans": self.spans, "sinks": []}
+
+    def __copy__(self) -> Tracer:  # a copy in this process keeps exporting where it did
+        copied = Tracer(self.sinks)
+        copied.spans = self.spans
+        return copied
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Tracer:
+        copied = Tracer(self.sinks)
+        copied.spans = copy.deepcopy(self.spans, memo)
+        return copied
 
     @contextmanager
     def span(self, kind: SpanKind, name: str, parent: Span | None,
