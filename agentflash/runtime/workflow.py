@@ -672,6 +672,12 @@ class _Builder:
                 self.problems.add(("inputs", name), f"{keyword} {ref!r} (at {where}) does not "
                                   "point inside the input's schema (only local refs are read)")
                 continue
+            try:  # a $ref that re-enters itself before any value is read: checking any value
+                Draft202012Validator(schema).is_valid(None)  # recursed until Python's limit
+            except RecursionError:
+                self.problems.add(("inputs", name), "its $refs lead back to themselves without "
+                                  "reading a value (no value can be checked against it)")
+                continue
             if "default" in schema:
                 for err in Draft202012Validator(schema).iter_errors(schema["default"]):
                     self.problems.add(("inputs", name, "default"), err.message)
