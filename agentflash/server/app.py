@@ -304,12 +304,11 @@ class Server:
 
 
 def check_json_content_type(request: Request) -> None:
-    """A 415 unless the body is said to be JSON (``application/json``, ``application/*+json``)
-    or its type is not said: a web page may send any site a ``text/plain`` POST without asking
-    (no CORS preflight), and a server without a key on this machine then ran its requests."""
-    said = request.headers.get("content-type")
-    if said is None:
-        return
+    """A 415 unless the body is said to be JSON (``application/json``, ``application/*+json``),
+    as vLLM answers: a web page may send any site a POST of ``text/plain``, a form, or a body
+    of no type without asking (no CORS preflight), and a server without a key on this machine
+    then ran its requests."""
+    said = request.headers.get("content-type", "")
     kind = said.split(";")[0].strip().lower()
     main, _, sub = kind.partition("/")
     if main != "application" or not (sub == "json" or sub.endswith("+json")):
