@@ -330,3 +330,42 @@ def test_a_process_that_exits_while_its_engine_decodes_exits_cleanly(tmp_path):
                               timeout=300)
         assert done.returncode == 0 and "terminate called" not in done.stderr, done.stderr
         assert done.stdout == "main done\n"
+
+
+def test_the_exit_hook_does_not_wait_on_a_thread_parked_for_a_stopped_loop(tiny_model_dir):
+    """The hook waited (30 s) for an engine thread that waits to hand a step's tokens to an
+    event loop that was stopped and will not run again (a notebook kernel restarted mid-run):
+    that thread does no torch work; only one in a step is waited for."""
+    import asyncio
+
+    from agentflash.engine import async_engine
+
+    engine = Engine.from_pretrained(str(tiny_model_dir), EngineConfig(max_len=512))
+    loop = asyncio.new_event_loop()
+    aengine = AsyncEngine(engine)
+
+    async def start():
+        await aengine.__aenter__()
+
+        async def consume():
+            async for _ in aengine.stream([1, 2, 3], SamplingParams(max_tokens=400,
+                                                                    ignore_eos=True)):
+                pass
+
+        loop.create_task(consume())
+        await asyncio.sleep(0.2)
+
+    loop.run_until_complete(start())  # stopped, not closed: the engine thread waits on it
+    try:
+        hook = threading.Thread(target=async_engine._stop_engines, args=(3600.0,))
+        hook.start()
+        hook.join(60)
+        assert not hook.is_alive()
+        assert not aengine._stepping
+    finally:
+        aengine._stopping = True
+        loop.call_soon_threadsafe(loop.stop)
+        loop.run_forever()  # let the parked thread hand its tokens over and end
+        aengine._thread.join(10)
+        async_engine._running.discard(aengine)
+        loop.close()

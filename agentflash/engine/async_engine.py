@@ -74,6 +74,7 @@ class AsyncEngine:
         self._streams: dict[int, _Stream] = {}
         self._wake = threading.Event()  # set when the engine may have work
         self._stopping = False
+        self._stepping = False  # the engine thread is in a step (in torch's work)
         self._thread: threading.Thread | None = None
         self._loop_token: anyio.lowlevel.EventLoopToken | None = None
 
@@ -154,8 +155,17 @@ class AsyncEngine:
         while not self._stopping:
             self._wake.wait()
             self._wake.clear()
-            while self.engine.has_work and not self._stopping:
-                outputs, raised = self._step()
+            while True:
+                # said before _stopping is read: the exit hook sets _stopping, then waits while
+                # this is set, so no step begins once it has stopped waiting
+                self._stepping = True
+                if self._stopping or not self.engine.has_work:
+                    self._stepping = False
+                    break
+                try:
+                    outputs, raised = self._step()
+                finally:
+                    self._stepping = False
                 try:  # waits for the loop: the streams read requests the next step changes
                     anyio.from_thread.run_sync(self._publish_all, outputs, raised,
                                                token=self._loop_token)
@@ -219,16 +229,16 @@ _running: weakref.WeakSet[AsyncEngine] = weakref.WeakSet()
 def _stop_engines(timeout_s: float = 30.0) -> None:
     """Let the engine threads of engines never closed (a script that ends while a run is going)
     finish their step and stop: a daemon thread still in torch's work while the interpreter
-    finalizes aborted the process ("terminate called without an active exception")."""
-    threads = []
-    for aengine in list(_running):
+    finalizes aborted the process ("terminate called without an active exception"). A thread
+    out of a step may wait on for its event loop (one stopped, never to run again): no harm,
+    and not waited for."""
+    engines = list(_running)
+    for aengine in engines:
         aengine._stopping = True
         aengine._wake.set()
-        if aengine._thread is not None:
-            threads.append(aengine._thread)
     deadline = time.monotonic() + timeout_s
-    for thread in threads:
-        thread.join(max(0.0, deadline - time.monotonic()))
+    while any(a._stepping for a in engines) and time.monotonic() < deadline:
+        time.sleep(0.005)
 
 
 @asynccontextmanager
