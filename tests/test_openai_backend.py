@@ -903,6 +903,9 @@ def test_a_password_in_base_url_stays_out_of_errors():
         stream(backend, request)
     assert str(err.value).startswith("http://127.0.0.1:1/v1/chat/completions: ")
     assert "TopSecret" not in str(err.value) and "k2" not in str(err.value)
+    with pytest.raises(UserError, match=r"model.base_url 'http://127.0.0.1:70000/v1': port "
+                                        r"70000 is not one of 1 to 65535"):  # validate's too
+        OpenAIBackend("http://apiuser:TopSecretPw@127.0.0.1:70000/v1", "demo")
 
 
 def test_an_openai_backend_opened_twice_says_so():

@@ -106,17 +106,20 @@ def _tool_names(tools: list[Any]) -> list[str]:
 
 
 def base_url_problem(base_url: Any) -> str | None:
-    """What keeps ``base_url`` from naming a server to reach (``validate`` says it too)."""
+    """What keeps ``base_url`` from naming a server to reach (``validate`` says it too); the URL
+    shown without a user, password or query (``shown_url``)."""
     if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
-        return f"must be an http:// or https:// URL, got {base_url!r}"
+        shown = shown_url(base_url) if isinstance(base_url, str) and "://" in base_url else \
+            base_url
+        return f"must be an http:// or https:// URL, got {shown!r}"
     try:
         url = httpx.URL(base_url)
         if not url.host:
-            return f"{base_url!r} names no host"
+            return f"{shown_url(base_url)!r} names no host"
         if url.port is not None and not 0 < url.port < 65536:
-            return f"{base_url!r}: port {url.port} is not one of 1 to 65535"
+            return f"{shown_url(base_url)!r}: port {url.port} is not one of 1 to 65535"
     except httpx.InvalidURL as err:
-        return f"{base_url!r} is not a valid URL: {err}"
+        return f"{shown_url(base_url)!r} is not a valid URL: {err}"
     return None
 
 
