@@ -232,7 +232,9 @@ def _pattern_problem(pattern: str, info: TokenizerInfo) -> str:
         return ""
 
 
-_patterns = LRU(1024)  # a pattern's problem ("" for none) per tokenizer
+# a pattern's problem ("" for none) per tokenizer, weighed by the patterns' length as the
+# grammars are by their sources'
+_patterns = LRU(1024, MAX_SOURCE_CHARS, lambda key: len(key[0]))
 
 
 def _fails_alone(schema: Any, source: GrammarSource, info: TokenizerInfo) -> str | None:
