@@ -1,6 +1,7 @@
 """The run loop on the scripted backend: tool dispatch, concurrency, errors, handoffs, structured
 output, guardrails, max turns, tool choice and cancellation."""
 
+import asyncio
 import copy
 import json
 import pickle
@@ -888,6 +889,12 @@ def test_common_mistakes_with_the_runner_are_named():
     anyio.run(inside_a_loop)
     anyio.run(inside_a_loop, backend="trio")  # trio said "Already running trio in this thread"
 
+    async def in_a_worker_thread():  # no loop there (its context, copied, names asyncio's)
+        return await asyncio.to_thread(
+            lambda: Runner.run_sync(agent, "hi", backend=ScriptedBackend(["x"])).final_output)
+
+    assert anyio.run(in_a_worker_thread) == "x"
+
 
 def test_a_run_under_trio_is_a_run_under_asyncio():
     agent = Agent("a", tools=[get_weather])
@@ -933,6 +940,7 @@ def test_a_local_backend_opened_twice_says_so(tiny_model_dir):
         return said
 
     said = anyio.run(both)
+    copy.deepcopy(LocalBackend("demo", drafter="none"))  # (a lock of its own could not be)
     assert sorted(said)[0] == "opened" and sorted(said)[1].startswith(
         "this LocalBackend is already open"), said
     assert "agentflash-engine" not in [t.name for t in threading.enumerate()]  # none left

@@ -252,6 +252,10 @@ class EngineFailed(RunError):
     """The embedded engine failed a turn (the log has its traceback)."""
 
 
+_CLAIM = threading.Lock()  # LocalBackend's check-and-set of _claimed (one for all: a backend
+# with a lock of its own could no longer be copied or pickled)
+
+
 class LocalBackend(Backend):
     """The embedded engine. ``async with LocalBackend("demo") as backend:`` then hand ``backend``
     to every run that should share the engine.
@@ -284,7 +288,6 @@ class LocalBackend(Backend):
         # set from the first line of __aenter__ to the end of __aexit__: a second opener (a task
         # or a thread beside the first) is refused before it builds an engine of its own
         self._claimed = False
-        self._claim = threading.Lock()
 
     @classmethod
     def from_spec(cls, spec: ModelSpec) -> LocalBackend:
@@ -297,7 +300,7 @@ class LocalBackend(Backend):
         from agentflash.engine.async_engine import AsyncEngine, run_in_own_thread
         from agentflash.engine.engine import Engine
 
-        with self._claim:
+        with _CLAIM:
             if self._claimed:
                 raise UserError("this LocalBackend is already open: open it once "
                                 "(async with backend: ...) and hand it to every run")

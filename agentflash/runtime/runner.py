@@ -10,6 +10,7 @@ takes over), or the final output.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import inspect
 import itertools
 import json
@@ -653,13 +654,15 @@ class Runner:
     @staticmethod
     def run_sync(agent: Agent, input: str | list[dict[str, Any]], **options: Any) -> RunResult:
         """``Runner.run`` from synchronous code."""
-        try:  # an asyncio loop (in a callback of its own too), or trio's
-            asyncio.get_running_loop()
-        except RuntimeError:
-            try:
-                sniffio.current_async_library()
-            except sniffio.AsyncLibraryNotFoundError:  # none: as it should be
-                return anyio.run(partial(Runner.run, agent, input, **options))
+        try:  # an asyncio loop (in a callback of its own too), or trio's (which says so in
+            asyncio.get_running_loop()  # a thread-local: not in a worker thread, whose copied
+        except RuntimeError:  # context may still name the library that started it)
+            if sniffio.thread_local.name is None:  # none: as it should be
+                # in the caller's context, less the library that a worker thread's copy of it
+                # may name (asyncio.to_thread's: anyio refused, "Already running asyncio")
+                context = contextvars.copy_context()
+                context.run(sniffio.current_async_library_cvar.set, None)
+                return context.run(anyio.run, partial(Runner.run, agent, input, **options))
         raise UserError("Runner.run_sync cannot run inside an event loop (an async function, "
                         "Jupyter): use await Runner.run(...) there")
 
