@@ -2,6 +2,7 @@
 
 
 import numbers
+import re
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -13,7 +14,11 @@ class UserError(Exception):
 def shown_url(url: str) -> str:
     """``url`` as messages show it (errors, traces, the model's tool results): without a user,
     password or query, where a key may be."""
-    parts = urlsplit(url)
+    try:
+        parts = urlsplit(url)
+    except ValueError:  # brackets that hold no IPv6 address: cut by hand
+        scheme, sep, rest = url.rpartition("://")
+        return scheme + sep + re.split(r"[?#]", rest.rpartition("@")[2])[0]
     host = parts.netloc.rpartition("@")[2]
     return f"{parts.scheme}://{host}{parts.path}"
 

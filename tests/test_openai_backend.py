@@ -906,6 +906,14 @@ def test_a_password_in_base_url_stays_out_of_errors():
     with pytest.raises(UserError, match=r"model.base_url 'http://127.0.0.1:70000/v1': port "
                                         r"70000 is not one of 1 to 65535"):  # validate's too
         OpenAIBackend("http://apiuser:TopSecretPw@127.0.0.1:70000/v1", "demo")
+    from agentflash.backends.openai import base_url_problem
+
+    assert base_url_problem("u:TopSecret@host:8000/v1") == (  # no scheme
+        "must be an http:// or https:// URL, got 'host:8000/v1'")
+    assert base_url_problem("HTTP://u:TopSecret@host/v1") is None  # a scheme is any case
+    # brackets that hold no address: a ValueError of urlsplit's, a traceback from validate
+    assert base_url_problem("http://u:TopSecret@[::1:8000/v1").startswith(
+        "'http://[::1:8000/v1' is not a valid URL")
 
 
 def test_an_openai_backend_opened_twice_says_so():

@@ -108,9 +108,12 @@ def _tool_names(tools: list[Any]) -> list[str]:
 def base_url_problem(base_url: Any) -> str | None:
     """What keeps ``base_url`` from naming a server to reach (``validate`` says it too); the URL
     shown without a user, password or query (``shown_url``)."""
-    if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
-        shown = shown_url(base_url) if isinstance(base_url, str) and "://" in base_url else \
-            base_url
+    if not isinstance(base_url, str) or not base_url.lower().startswith(("http://",
+                                                                           "https://")):
+        shown = base_url
+        if isinstance(base_url, str):  # a user and password, without a scheme too
+            shown = shown_url(base_url) if "://" in base_url else re.sub(r"^[^/?#]*@", "",
+                                                                          base_url)
         return f"must be an http:// or https:// URL, got {shown!r}"
     try:
         url = httpx.URL(base_url)
