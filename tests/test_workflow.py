@@ -135,19 +135,34 @@ def test_an_input_schema_may_refer_inside_itself(tmp_path):
     assert wf.resolve_inputs({"days": '{"n": 2}'}) == {"days": {"n": 2}}
     with pytest.raises(UserError, match="input 'days': 0 is less than the minimum of 1"):
         wf.resolve_inputs({"days": '{"n": 0}'})
-    # a loop of refs that reads no value: a RecursionError from jsonschema at --input
-    with pytest.raises(UserError, match=r"wf.yaml:4: inputs.days: its \$refs lead back to "
-                                        r"themselves without reading a value"):
-        load_workflow(write(tmp_path, """\
-            version: 1
-            name: r
-            inputs:
-              days: {$ref: "#/$defs/a", $defs: {a: {$ref: "#/$defs/b"}, b: {$ref: "#/$defs/a"}}}
-            agents:
-              a: {instructions: You help.}
-            steps:
-              - {id: one, agent: a, input: "{{ inputs.days }}"}
-            """))
+    # a loop of refs that reads no value: a RecursionError from jsonschema at --input (for the
+    # values that reach it); a tree of nodes, whose refs step into items, is no loop
+    for days, loop in (
+            ('{$ref: "#/$defs/a", $defs: {a: {$ref: "#/$defs/b"}, b: {$ref: "#/$defs/a"}}}',
+             "#/$defs/a"),
+            ('{anyOf: [{type: "null"}, {$ref: "#"}]}', "#"),
+            ('{type: object, properties: {a: {$ref: "#/$defs/l"}}, $defs: {l: {$ref: '
+             '"#/$defs/l"}}}', "#/$defs/l")):
+        with pytest.raises(UserError, match=re.escape(f"wf.yaml:4: inputs.days: its $refs lead "
+                                                      f"back to {loop} without reading into")):
+            load_workflow(write(tmp_path, REF_INPUT.format(days=days)))
+    tree = ('{$ref: "#/$defs/n", $defs: {n: {type: object, properties: {kids: {type: array, '
+            'items: {$ref: "#/$defs/n"}}}}}}')
+    wf = load_workflow(write(tmp_path, REF_INPUT.format(days=tree)))
+    assert wf.resolve_inputs({"days": '{"kids": [{"kids": []}]}'}) == {
+        "days": {"kids": [{"kids": []}]}}
+
+
+REF_INPUT = """\
+version: 1
+name: r
+inputs:
+  days: {days}
+agents:
+  a: {{instructions: You help.}}
+steps:
+  - {{id: one, agent: a, input: "{{{{ inputs.days }}}}"}}
+"""
 
 
 def test_a_number_input_is_a_json_number(tmp_path):

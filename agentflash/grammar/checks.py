@@ -543,6 +543,50 @@ def subschemas(node: Any, path: list[str | int]) -> Iterator[tuple[list[str | in
         yield from subschemas(sub, path + part)
 
 
+# the keywords that apply a subschema to the same value (no step into it): a loop of them and
+# $refs checks a value against itself without end
+_IN_PLACE = ("allOf", "anyOf", "oneOf", "not", "if", "then", "else", "dependentSchemas")
+
+
+def ref_loop(schema: Any) -> str | None:
+    """The pointer of a subschema whose ``$ref`` (through ``allOf``, ``anyOf``, ``not`` and the
+    like, never a step into a property or an item) leads back to itself, or None. A validator
+    recurses there until Python's limit, for the values that reach it."""
+    nodes = {id(node): (pointer(path), node) for path, node in subschemas(schema, [])
+             if isinstance(node, dict)}
+
+    def in_place(node: dict) -> Iterator[Any]:
+        ref = node.get("$ref")
+        if isinstance(ref, str):
+            yield resolve_ref(schema, ref)
+        for key in _IN_PLACE:
+            sub = node.get(key)
+            if isinstance(sub, list):
+                yield from sub
+            elif isinstance(sub, dict):
+                yield from (sub.values() if key == "dependentSchemas" else [sub])
+
+    state: dict[int, int] = {}  # 1: on the path being walked, 2: done
+    for start in nodes:
+        if start in state:
+            continue
+        state[start] = 1
+        stack = [(start, iter(in_place(nodes[start][1])))]
+        while stack:
+            current, successors = stack[-1]
+            step = next(successors, None)
+            if step is None:
+                state[current] = 2
+                stack.pop()
+            elif isinstance(step, dict) and id(step) in nodes:
+                if state.get(id(step)) == 1:
+                    return nodes[id(step)][0]
+                if id(step) not in state:
+                    state[id(step)] = 1
+                    stack.append((id(step), iter(in_place(step))))
+    return None
+
+
 # Assertion keywords, with the values that assert nothing.
 _ASSERTIONS = {
     "minimum": None,

@@ -656,7 +656,7 @@ class _Builder:
     def inputs(self) -> dict[str, dict[str, Any]]:
         from jsonschema import Draft202012Validator, SchemaError
 
-        from agentflash.grammar.checks import unresolved_ref
+        from agentflash.grammar.checks import ref_loop, unresolved_ref
 
         inputs = self.data.get("inputs", {})
         for name, schema in inputs.items():
@@ -672,11 +672,11 @@ class _Builder:
                 self.problems.add(("inputs", name), f"{keyword} {ref!r} (at {where}) does not "
                                   "point inside the input's schema (only local refs are read)")
                 continue
-            try:  # a $ref that re-enters itself before any value is read: checking any value
-                Draft202012Validator(schema).is_valid(None)  # recursed until Python's limit
-            except RecursionError:
-                self.problems.add(("inputs", name), "its $refs lead back to themselves without "
-                                  "reading a value (no value can be checked against it)")
+            loop = ref_loop(schema)  # jsonschema recursed there until Python's limit
+            if loop is not None:
+                self.problems.add(("inputs", name), f"its $refs lead back to {loop} without "
+                                  f"reading into the value (a value reaching it cannot be "
+                                  f"checked)")
                 continue
             if "default" in schema:
                 for err in Draft202012Validator(schema).iter_errors(schema["default"]):
