@@ -333,8 +333,11 @@ def test_input_guardrail_stops_the_run_before_any_model_turn():
     from agentflash.runtime.tracing import Tracer
 
     sink = object()  # a copy in this process exports where the tracer did; a pickle cannot
-    for copied in (copy.copy(Tracer([sink])), copy.deepcopy(Tracer([sink]))):
-        assert copied.sinks == [sink]
+    class Mine(Tracer):
+        pass
+
+    for copied in (copy.copy(Mine([sink])), copy.deepcopy(Mine([sink]))):
+        assert copied.sinks == [sink] and type(copied) is Mine
     assert Runner.run_sync(agent, "hello", backend=backend).final_output == "never"
 
 
@@ -1025,6 +1028,23 @@ def test_a_backend_that_breaks_the_stream_s_contract_is_named():
         async def stream(self, request):
             return [TextDelta("hello")]
 
-    with pytest.raises(TypeError, match="NoGenerator.stream must be an async generator "
+    class Iterator(Mine):  # an async iterator without aclose is one (as the hint says)
+        def stream(self, request):
+            events = iter(self.events)
+
+            class It:
+                def __aiter__(self):
+                    return self
+
+                async def __anext__(self):
+                    try:
+                        return next(events)
+                    except StopIteration:
+                        raise StopAsyncIteration from None
+            return It()
+
+    assert Runner.run_sync(Agent("a"), "hi", backend=Iterator([TextDelta("x"), finish])
+                           ).final_output == "x"
+    with pytest.raises(TypeError, match="NoGenerator.stream must be an async iterator "
                                         r"\(async def with yield\), got coroutine"):
         Runner.run_sync(Agent("a"), "hi", backend=NoGenerator([]))

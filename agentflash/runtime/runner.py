@@ -437,15 +437,23 @@ def _call_args(call: model.ToolCall | model.MalformedToolCall) -> dict[str, Any]
 
 
 def _event_stream(backend: Backend, request: ModelRequest) -> AsyncIterator[model.ModelEvent]:
-    """``backend.stream(request)``, or a ``TypeError`` naming the backend where that is no async
-    generator (an ``async def`` that returns, a plain generator: an AttributeError of aclose)."""
+    """``backend.stream(request)`` as an async generator, or a ``TypeError`` naming the backend
+    where that is no async iterator (an ``async def`` that returns, a plain generator: an
+    AttributeError of aclose)."""
     stream = backend.stream(request)
-    if not (hasattr(stream, "__anext__") and hasattr(stream, "aclose")):
+    if not hasattr(stream, "__anext__"):
         if inspect.iscoroutine(stream) or inspect.isgenerator(stream):
             stream.close()  # (a coroutine never awaited warns)
-        raise TypeError(f"{type(backend).__name__}.stream must be an async generator (async "
+        raise TypeError(f"{type(backend).__name__}.stream must be an async iterator (async "
                         f"def with yield), got {type(stream).__name__}")
-    return stream
+    if hasattr(stream, "aclose"):
+        return stream
+
+    async def events() -> AsyncIterator[model.ModelEvent]:  # an iterator without aclose
+        async for event in stream:
+            yield event
+
+    return events()
 
 
 def _message_call(call: model.ToolCall | model.MalformedToolCall) -> dict[str, Any]:

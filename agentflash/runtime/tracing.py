@@ -71,13 +71,14 @@ class Tracer:
         return {"spans": self.spans, "sinks": []}
 
     def __copy__(self) -> Tracer:  # a copy in this process keeps exporting where it did
-        copied = Tracer(self.sinks)
-        copied.spans = self.spans
+        copied = object.__new__(type(self))
+        copied.__dict__.update(self.__dict__)
         return copied
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> Tracer:
-        copied = Tracer(self.sinks)
-        copied.spans = copy.deepcopy(self.spans, memo)
+    def __deepcopy__(self, memo: dict[int, Any]) -> Tracer:  # the same exporters, a new list
+        copied = memo[id(self)] = object.__new__(type(self))
+        copied.__dict__.update({k: list(v) if k == "sinks" else copy.deepcopy(v, memo)
+                                for k, v in self.__dict__.items()})
         return copied
 
     @contextmanager

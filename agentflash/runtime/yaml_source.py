@@ -211,5 +211,8 @@ def _construct(loader: _Loader, node: yaml.Node, keys: Keys, doc: YamlDoc,
         return loader.construct_object(node, deep=True)
     except (ValueError, LookupError, AttributeError, TypeError):
         tag = node.tag.replace("tag:yaml.org,2002:", "!!")
-        raise UserError(f"{doc.path}:{at or node.start_mark.line + 1}: {dotted(keys)}: "
-                        f"{node.value!r} is not a {tag} value") from None
+        where = f"{doc.path}:{at or node.start_mark.line + 1}: {dotted(keys)}"
+        if not isinstance(node, yaml.ScalarNode):  # (a complex key's inner value)
+            raise UserError(f"{where}: a value inside is not of the type its tag names") from None
+        text = node.value if len(node.value) <= 40 else node.value[:40] + "..."
+        raise UserError(f"{where}: {text!r} is not a {tag} value") from None
