@@ -554,6 +554,13 @@ def _nested(depth: int) -> dict:
     (dict(modalities=["text", "audio"], audio={"voice": "alloy", "format": "wav"}), 400,
      "modalities"),
     (dict(extra_body={"audio": {"voice": "alloy", "format": "wav"}}), 400, "audio"),
+    # vLLM's own fields (extra_body), ignored: top_k 1 sampled, guided_json wrote free text
+    (dict(extra_body={"top_k": 1}), 400, "top_k"),
+    (dict(extra_body={"min_p": 0.5}), 400, "min_p"),
+    (dict(extra_body={"repetition_penalty": 1.2}), 400, "repetition_penalty"),
+    (dict(extra_body={"use_beam_search": True}), 400, "use_beam_search"),
+    (dict(extra_body={"guided_json": {"type": "object"}}), 400, "guided_json"),
+    (dict(extra_body={"guided_choice": ["a", "b"]}), 400, "guided_choice"),
     (dict(web_search_options={}), 400, "web_search_options"),
     (dict(messages=[{"role": "user", "content": "hi"},
                     {"role": "tool", "tool_call_id": "call_x", "content": "r"}]), 400,
@@ -898,3 +905,12 @@ def test_a_participants_name_reaches_the_chat_template(demo_tokenizer_dir):
                          "\n{% endfor %}")
     text = tok.apply_chat_template(chat_messages(request.messages), tokenize=False)
     assert text == "system: Be brief.\nalice: hi\nbot: hello\nuser: and me?\n"
+
+
+def test_vllm_fields_that_change_nothing_are_taken(client):
+    # vLLM's defaults, as its clients send them: the reply they ask for is this server's
+    reply = client.chat.completions.create(
+        model="demo", messages=user("hi"), max_tokens=4, temperature=0,
+        extra_body={"top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0, "min_tokens": 0,
+                    "best_of": 1, "use_beam_search": False})
+    assert reply.choices[0].message.content is not None

@@ -175,6 +175,20 @@ class ChatCompletionRequest(_Wire):
     # {"enable_thinking": false})
     chat_template_kwargs: dict[str, Any] | None = None
     agentflash: AgentflashOptions | None = None
+    # vLLM's and SGLang's own sampling and decoding fields (openai-python's extra_body), which
+    # this server does not implement: read only to refuse any that would change the reply (a
+    # client moving from vLLM sent top_k 1, or guided_json, and got a reply of another kind)
+    top_k: Any = None
+    min_p: Any = None
+    repetition_penalty: Any = None
+    min_tokens: Any = None
+    best_of: Any = None
+    use_beam_search: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
 
     def check_supported(self) -> None:
         """Options the schema admits but this server does not implement, named in the error."""
@@ -205,6 +219,20 @@ class ChatCompletionRequest(_Wire):
         for name in ("audio", "web_search_options"):
             if getattr(self, name) is not None:
                 raise APIError(400, f"{name}: not supported", param=name)
+        # vLLM's fields, where they would change the reply (their values that do not, taken)
+        inert = {"top_k": (-1, 0), "min_p": (0,), "repetition_penalty": (1,), "min_tokens": (0,),
+                 "best_of": (1,), "use_beam_search": (False,)}
+        for name, values in inert.items():
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) != (name == "use_beam_search")
+                                      or value not in values):
+                raise APIError(400, f"{name}: not supported by this server (vLLM's sampling "
+                                    f"field); leave it out", param=name)
+        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                     "structured_outputs"):
+            if getattr(self, name) is not None:
+                raise APIError(400, f"{name}: not supported; constrain the reply with "
+                                    f"response_format (json_schema) or tools", param=name)
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options: only with stream true", param="stream_options")
         called: set[str] = set()
