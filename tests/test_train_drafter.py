@@ -474,5 +474,7 @@ def test_a_target_without_a_chat_template_is_named_before_any_work(tiny_model_di
     config.pop("chat_template", None)
     (target / "tokenizer_config.json").write_text(json.dumps(config))
     with pytest.raises(UserError, match=f"{target}: the tokenizer has no chat template"):
-        train_drafter(target, tmp_path / "out", train_mod.DrafterTrainConfig(steps=1))
+        train_drafter(target, tmp_path / "out", train_mod.DrafterTrainConfig(
+            steps=1, max_response_tokens=4, corpus=corpus_mod.CorpusConfig(
+                seed=5, num_tool_call=2, num_code=1, num_math=1, num_prose=1)))
     assert not (tmp_path / "out").exists()
