@@ -142,7 +142,10 @@ def test_an_input_schema_may_refer_inside_itself(tmp_path):
              "#/$defs/a"),
             ('{anyOf: [{type: "null"}, {$ref: "#"}]}', "#"),
             ('{type: object, properties: {a: {$ref: "#/$defs/l"}}, $defs: {l: {$ref: '
-             '"#/$defs/l"}}}', "#/$defs/l")):
+             '"#/$defs/l"}}}', "#/$defs/l"),
+            ('{$ref: "#/parts/a", parts: {a: {anyOf: [{type: number}, {$ref: "#/parts/a"}]}}}',
+             "#/parts/a"),  # under a keyword of no schema's
+            ('{$dynamicAnchor: r, anyOf: [{type: number}, {$dynamicRef: "#r"}]}', "#")):
         with pytest.raises(UserError, match=re.escape(f"wf.yaml:4: inputs.days: its $refs lead "
                                                       f"back to {loop} without reading into")):
             load_workflow(write(tmp_path, REF_INPUT.format(days=days)))
@@ -151,6 +154,9 @@ def test_an_input_schema_may_refer_inside_itself(tmp_path):
     wf = load_workflow(write(tmp_path, REF_INPUT.format(days=tree)))
     assert wf.resolve_inputs({"days": '{"kids": [{"kids": []}]}'}) == {
         "days": {"kids": [{"kids": []}]}}
+    unused = '{type: string, $defs: {u: {$ref: "#/$defs/u"}}}'  # no value is checked there
+    assert load_workflow(write(tmp_path, REF_INPUT.format(days=unused))).resolve_inputs(
+        {"days": "x"}) == {"days": "x"}
 
 
 REF_INPUT = """\

@@ -549,16 +549,24 @@ _IN_PLACE = ("allOf", "anyOf", "oneOf", "not", "if", "then", "else", "dependentS
 
 
 def ref_loop(schema: Any) -> str | None:
-    """The pointer of a subschema whose ``$ref`` (through ``allOf``, ``anyOf``, ``not`` and the
-    like, never a step into a property or an item) leads back to itself, or None. A validator
-    recurses there until Python's limit, for the values that reach it."""
-    nodes = {id(node): (pointer(path), node) for path, node in subschemas(schema, [])
-             if isinstance(node, dict)}
+    """The pointer of a subschema the root reaches whose ``$ref`` or ``$dynamicRef`` (through
+    ``allOf``, ``anyOf``, ``not`` and the like, never a step into a property or an item) leads
+    back to itself, or None. A validator recurses there until Python's limit, for the values
+    that reach it."""
+    where: dict[int, str] = {id(node): pointer(path) for path, node in subschemas(schema, [])
+                             if isinstance(node, dict)}
+
+    def refs(node: dict) -> Iterator[Any]:
+        for keyword in ("$ref", "$dynamicRef"):
+            ref = node.get(keyword)
+            if isinstance(ref, str):
+                target = resolve_ref(schema, ref)
+                if isinstance(target, dict):  # (under a keyword of no schema's too)
+                    where.setdefault(id(target), ref)
+                    yield target
 
     def in_place(node: dict) -> Iterator[Any]:
-        ref = node.get("$ref")
-        if isinstance(ref, str):
-            yield resolve_ref(schema, ref)
+        yield from refs(node)
         for key in _IN_PLACE:
             sub = node.get(key)
             if isinstance(sub, list):
@@ -566,21 +574,35 @@ def ref_loop(schema: Any) -> str | None:
             elif isinstance(sub, dict):
                 yield from (sub.values() if key == "dependentSchemas" else [sub])
 
+    def reached(node: dict) -> Iterator[Any]:  # every subschema a value may be checked against
+        yield from refs(node)
+        for part, sub in _children(node):
+            if part[0] not in ("$defs", "definitions"):  # (a definition is reached by a ref)
+                yield sub
+
+    # the subschemas the root reaches (an unused $defs entry is never checked against)
+    seen: dict[int, dict] = {}
+    todo = [schema] if isinstance(schema, dict) else []
+    while todo:
+        node = todo.pop()
+        if id(node) not in seen:
+            seen[id(node)] = node
+            todo.extend(sub for sub in reached(node) if isinstance(sub, dict))
     state: dict[int, int] = {}  # 1: on the path being walked, 2: done
-    for start in nodes:
+    for start, node in seen.items():
         if start in state:
             continue
         state[start] = 1
-        stack = [(start, iter(in_place(nodes[start][1])))]
+        stack = [(start, iter(in_place(node)))]
         while stack:
             current, successors = stack[-1]
             step = next(successors, None)
             if step is None:
                 state[current] = 2
                 stack.pop()
-            elif isinstance(step, dict) and id(step) in nodes:
+            elif isinstance(step, dict):
                 if state.get(id(step)) == 1:
-                    return nodes[id(step)][0]
+                    return where.get(id(step), "#")
                 if id(step) not in state:
                     state[id(step)] = 1
                     stack.append((id(step), iter(in_place(step))))
