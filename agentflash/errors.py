@@ -4,7 +4,6 @@
 import numbers
 import re
 from typing import Any
-from urllib.parse import urlsplit
 
 
 class UserError(Exception):
@@ -13,14 +12,12 @@ class UserError(Exception):
 
 def shown_url(url: str) -> str:
     """``url`` as messages show it (errors, traces, the model's tool results): without a user,
-    password or query, where a key may be."""
-    try:
-        parts = urlsplit(url)
-    except ValueError:  # brackets that hold no IPv6 address: cut by hand
-        scheme, sep, rest = url.rpartition("://")
-        return scheme + sep + re.split(r"[?#]", rest.rpartition("@")[2])[0]
-    host = parts.netloc.rpartition("@")[2]
-    return f"{parts.scheme}://{host}{parts.path}"
+    password, query or fragment, where a key may be. Everything up to the last ``@`` goes (a
+    password may hold a raw ``/``, ``?`` or ``#``: more hidden rather than any of it shown)."""
+    scheme = re.match(r"[A-Za-z][A-Za-z0-9+.-]*://", url)
+    head = scheme.group(0).lower() if scheme is not None else ""
+    rest = re.sub(r"^.*@", "", url[len(head):], flags=re.S)
+    return head + re.split(r"[?#]", rest)[0]
 
 
 class UserErrors(UserError):

@@ -911,6 +911,9 @@ def test_a_password_in_base_url_stays_out_of_errors():
     assert base_url_problem("u:TopSecret@host:8000/v1") == (  # no scheme
         "must be an http:// or https:// URL, got 'host:8000/v1'")
     assert base_url_problem("HTTP://u:TopSecret@host/v1") is None  # a scheme is any case
+    for url in ("u:TopSecret@host/v1?u=http://x", "http:/u:TopSecret@host/v1",
+                "http://u:Top/Secret@host/v1", "http://u:TopSecret@[::1/v1#http://y"):
+        assert "Secret" not in base_url_problem(url), url  # a raw / in it, a typo, a query
     # brackets that hold no address: a ValueError of urlsplit's, a traceback from validate
     assert base_url_problem("http://u:TopSecret@[::1:8000/v1").startswith(
         "'http://[::1:8000/v1' is not a valid URL")

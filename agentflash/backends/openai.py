@@ -110,10 +110,7 @@ def base_url_problem(base_url: Any) -> str | None:
     shown without a user, password or query (``shown_url``)."""
     if not isinstance(base_url, str) or not base_url.lower().startswith(("http://",
                                                                            "https://")):
-        shown = base_url
-        if isinstance(base_url, str):  # a user and password, without a scheme too
-            shown = shown_url(base_url) if "://" in base_url else re.sub(r"^[^/?#]*@", "",
-                                                                          base_url)
+        shown = shown_url(base_url) if isinstance(base_url, str) else base_url
         return f"must be an http:// or https:// URL, got {shown!r}"
     try:
         url = httpx.URL(base_url)

@@ -871,15 +871,15 @@ class HttpTool:
             parts.port  # noqa: B018  (raises on a port that is no number or past 65535)
             httpx.URL(self.url)
         except (ValueError, httpx.InvalidURL) as err:
-            raise UserError(f"http tool {self.name!r}: url {self.url!r} is not a valid URL: "
-                            f"{err}") from None
+            raise UserError(f"http tool {self.name!r}: url {self.shown_url!r} is not a valid "
+                            f"URL: {err}") from None
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise UserError(f"http tool {self.name!r}: url must be an absolute http(s) URL, "
-                            f"got {self.url!r}")
+                            f"got {self.shown_url!r}")
         if any(ch.isspace() or not ch.isprintable() for ch in self.url):
             # httpx sends "exa mple.com" as the host exa%20mple.com, which no name resolves
-            raise UserError(f"http tool {self.name!r}: url {self.url!r} holds a blank or a "
-                            f"control character: percent-encode it")
+            raise UserError(f"http tool {self.name!r}: url {self.shown_url!r} holds a blank or "
+                            f"a control character: percent-encode it")
 
     def _check_timeout(self) -> None:
         _check_timeout(self.timeout_s, f"http tool {self.name!r}")
