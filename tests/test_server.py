@@ -561,6 +561,9 @@ def _nested(depth: int) -> dict:
     (dict(extra_body={"use_beam_search": True}), 400, "use_beam_search"),
     (dict(extra_body={"guided_json": {"type": "object"}}), 400, "guided_json"),
     (dict(extra_body={"guided_choice": ["a", "b"]}), 400, "guided_choice"),
+    (dict(extra_body={"regex": "[a-z]+"}), 400, "regex"),  # SGLang's
+    (dict(extra_body={"ignore_eos": True}), 400, "ignore_eos"),
+    (dict(extra_body={"skip_special_tokens": False}), 400, "skip_special_tokens"),
     (dict(web_search_options={}), 400, "web_search_options"),
     (dict(messages=[{"role": "user", "content": "hi"},
                     {"role": "tool", "tool_call_id": "call_x", "content": "r"}]), 400,
@@ -912,5 +915,6 @@ def test_vllm_fields_that_change_nothing_are_taken(client):
     reply = client.chat.completions.create(
         model="demo", messages=user("hi"), max_tokens=4, temperature=0,
         extra_body={"top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0, "min_tokens": 0,
-                    "best_of": 1, "use_beam_search": False})
+                    "best_of": 1, "use_beam_search": False, "ignore_eos": False,
+                    "skip_special_tokens": True, "stop_token_ids": []})
     assert reply.choices[0].message.content is not None

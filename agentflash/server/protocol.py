@@ -189,6 +189,18 @@ class ChatCompletionRequest(_Wire):
     guided_choice: Any = None
     guided_grammar: Any = None
     structured_outputs: Any = None
+    regex: Any = None  # SGLang's
+    ebnf: Any = None
+    json_schema: Any = None
+    ignore_eos: Any = None
+    stop_token_ids: Any = None
+    bad_words: Any = None
+    allowed_token_ids: Any = None
+    continue_final_message: Any = None
+    add_generation_prompt: Any = None
+    echo: Any = None
+    include_stop_str_in_output: Any = None
+    skip_special_tokens: Any = None
 
     def check_supported(self) -> None:
         """Options the schema admits but this server does not implement, named in the error."""
@@ -221,15 +233,18 @@ class ChatCompletionRequest(_Wire):
                 raise APIError(400, f"{name}: not supported", param=name)
         # vLLM's fields, where they would change the reply (their values that do not, taken)
         inert = {"top_k": (-1, 0), "min_p": (0,), "repetition_penalty": (1,), "min_tokens": (0,),
-                 "best_of": (1,), "use_beam_search": (False,)}
+                 "best_of": (1,), "use_beam_search": (False,), "ignore_eos": (False,),
+                 "stop_token_ids": ([],), "bad_words": ([],), "continue_final_message": (False,),
+                 "add_generation_prompt": (True,), "echo": (False,),
+                 "include_stop_str_in_output": (False,), "skip_special_tokens": (True,)}
         for name, values in inert.items():
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) != (name == "use_beam_search")
-                                      or value not in values):
-                raise APIError(400, f"{name}: not supported by this server (vLLM's sampling "
+            flag = isinstance(values[0], bool)
+            if value is not None and (isinstance(value, bool) != flag or value not in values):
+                raise APIError(400, f"{name}: not supported by this server (vLLM's or SGLang's "
                                     f"field); leave it out", param=name)
         for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                     "structured_outputs"):
+                     "structured_outputs", "regex", "ebnf", "json_schema", "allowed_token_ids"):
             if getattr(self, name) is not None:
                 raise APIError(400, f"{name}: not supported; constrain the reply with "
                                     f"response_format (json_schema) or tools", param=name)
