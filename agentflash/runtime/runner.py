@@ -441,7 +441,7 @@ def _event_stream(backend: Backend, request: ModelRequest) -> AsyncIterator[mode
     where that is no async iterator (an ``async def`` that returns, a plain generator: an
     AttributeError of aclose)."""
     stream = backend.stream(request)
-    if not hasattr(stream, "__anext__"):
+    if not (hasattr(stream, "__anext__") and hasattr(stream, "__aiter__")):
         if inspect.iscoroutine(stream) or inspect.isgenerator(stream):
             stream.close()  # (a coroutine never awaited warns)
         raise TypeError(f"{type(backend).__name__}.stream must be an async iterator (async "

@@ -75,10 +75,11 @@ class Tracer:
         copied.__dict__.update(self.__dict__)
         return copied
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> Tracer:  # the same exporters, a new list
+    def __deepcopy__(self, memo: dict[int, Any]) -> Tracer:  # its own spans, the same sinks
         copied = memo[id(self)] = object.__new__(type(self))
-        copied.__dict__.update({k: list(v) if k == "sinks" else copy.deepcopy(v, memo)
-                                for k, v in self.__dict__.items()})
+        copied.__dict__.update(self.__dict__)  # (a subclass's lock or client, shared)
+        copied.spans = copy.deepcopy(self.spans, memo)
+        copied.sinks = copy.copy(self.sinks)
         return copied
 
     @contextmanager
