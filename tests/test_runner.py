@@ -334,7 +334,9 @@ def test_input_guardrail_stops_the_run_before_any_model_turn():
 
     sink = object()  # a copy in this process exports where the tracer did; a pickle cannot
     class Mine(Tracer):
-        pass
+        def __init__(self, sinks=None):
+            super().__init__(sinks)
+            self.lock = threading.Lock()  # (a deep copy of it raised a TypeError)
 
     for copied in (copy.copy(Mine([sink])), copy.deepcopy(Mine([sink]))):
         assert copied.sinks == [sink] and type(copied) is Mine
@@ -1045,6 +1047,16 @@ def test_a_backend_that_breaks_the_stream_s_contract_is_named():
 
     assert Runner.run_sync(Agent("a"), "hi", backend=Iterator([TextDelta("x"), finish])
                            ).final_output == "x"
+
+    class OnlyNext(Mine):  # "'async for' requires an object with __aiter__", naming nothing
+        def stream(self, request):
+            class It:
+                async def __anext__(self):
+                    raise StopAsyncIteration
+            return It()
+
+    with pytest.raises(TypeError, match="OnlyNext.stream must be an async iterator"):
+        Runner.run_sync(Agent("a"), "hi", backend=OnlyNext([]))
     with pytest.raises(TypeError, match="NoGenerator.stream must be an async iterator "
                                         r"\(async def with yield\), got coroutine"):
         Runner.run_sync(Agent("a"), "hi", backend=NoGenerator([]))
