@@ -1010,13 +1010,23 @@ class Engine:
 def check_template_kwargs(template_kwargs: dict[str, Any] | None,
                           apply_chat_template: Callable[..., Any] | None = None) -> None:
     """A ``UserError`` naming the key, unless ``template_kwargs`` is None or a dict of a chat
-    template's own variables: not one of ``apply_chat_template``'s parameters (``tools``,
-    ``tokenize``; transformers' tokenizers' by default), which the engine sets."""
+    template's own variables (``template_kwargs_problems``)."""
     if template_kwargs is None:
         return
     if not isinstance(template_kwargs, dict):
         raise UserError(f"chat_template_kwargs must be an object, got "
                         f"{type(template_kwargs).__name__}")
+    for key, why in template_kwargs_problems(template_kwargs, apply_chat_template)[:1]:
+        raise UserError(f"chat_template_kwargs{'' if key is None else '.' + key}: {why}")
+
+
+def template_kwargs_problems(template_kwargs: dict[str, Any],
+                             apply_chat_template: Callable[..., Any] | None = None
+                             ) -> list[tuple[str | None, str]]:
+    """(key, what is wrong) for each key of ``template_kwargs`` that is no variable of a chat
+    template: one of ``apply_chat_template``'s parameters (``tools``, ``tokenize``;
+    transformers' tokenizers' by default), which the engine sets; key None where it is no
+    name at all."""
     if apply_chat_template is None:
         from transformers import PreTrainedTokenizerBase
 
@@ -1028,13 +1038,15 @@ def check_template_kwargs(template_kwargs: dict[str, Any] | None,
         own |= inspect.signature(render_jinja_template).parameters
     except ImportError:
         pass
+    problems: list[tuple[str | None, str]] = []
     for key in template_kwargs:
         if not isinstance(key, str) or not key.isidentifier():
-            raise UserError(f"chat_template_kwargs: {key!r} is not a template variable's name")
-        if key == "messages" or (  # (what it hands the template the conversation as)
+            problems.append((None, f"{key!r} is not a template variable's name"))
+        elif key == "messages" or (  # (what it hands the template the conversation as)
                 key in own and own[key].kind is not inspect.Parameter.VAR_KEYWORD):
-            raise UserError(f"chat_template_kwargs.{key}: a parameter of apply_chat_template, "
-                            f"which the engine sets, not a variable of the template")
+            problems.append((key, "a parameter of apply_chat_template, which the engine sets, "
+                                  "not a variable of the template"))
+    return problems
 
 
 def _is_token(value: Any, vocab_size: int) -> bool:

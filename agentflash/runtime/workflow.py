@@ -626,15 +626,11 @@ class _Builder:
     def check_template_kwargs(self, template_kwargs: dict[str, Any]) -> None:
         """The embedded engine's check of ``model.chat_template_kwargs`` (a key it sets itself,
         such as ``tools``), made now rather than when the engine starts."""
-        from agentflash.engine.engine import check_template_kwargs
+        from agentflash.engine.engine import template_kwargs_problems
 
-        try:
-            check_template_kwargs(template_kwargs)
-        except UserError as err:
-            said = str(err).removeprefix("chat_template_kwargs")
-            key, _, why = said.removeprefix(".").partition(": ")
-            keys = ("model", "chat_template_kwargs") + ((key,) if said.startswith(".") else ())
-            self.problems.add(keys, why if said.startswith(".") else said.removeprefix(": "))
+        for key, why in template_kwargs_problems(template_kwargs)[:1]:  # the first, as run's
+            self.problems.add(("model", "chat_template_kwargs")
+                              + (() if key is None else (key,)), why)
 
     def decoding(self, keys: Keys, raw: dict[str, Any], defaults: dict[str, Any]
                  ) -> Decoding | None:
