@@ -232,6 +232,17 @@ def bench(
         bench_mod.print_table(report)
 
 
+def split_shares(n: int, shares: list[int]) -> list[int]:
+    """n split in proportion to shares, summing to n: the floors, then one more to the largest
+    remainders (the earlier share on a tie)."""
+    total = sum(shares)
+    counts = [n * k // total for k in shares]
+    by_remainder = sorted(range(len(shares)), key=lambda i: -(n * shares[i] % total))
+    for i in by_remainder[:n - sum(counts)]:
+        counts[i] += 1
+    return counts
+
+
 def _int_list(text: str, flag: str, minimum: int = 1, distinct: bool = False) -> list[int]:
     try:  # an empty item ("1,,4", "1,4,") is a typo, not nothing
         values = [int(x) for x in text.split(",")]
@@ -527,8 +538,8 @@ def train_drafter(
         )
         if list(layer_ids) != sorted(set(layer_ids)):  # before the target loads
             raise UserError(f"--target-layer-ids must be increasing, got {target_layer_ids!r}")
-        n, total = num_conversations, sum(shares)
-        tool, code, math, prose = counts = [n * k // total for k in shares]
+        n = num_conversations
+        tool, code, math, prose = counts = split_shares(n, shares)
         if max(counts) <= HELD_OUT_PER_KIND:
             raise UserError(f"--num-conversations {n} (--mix {mix}: {tool}, {code}, {math}, "
                             f"{prose}) leaves nothing to train on: the last "

@@ -400,6 +400,19 @@ def test_heavy_commands_name_a_bad_argument_before_any_work(tmp_path, monkeypatc
 
 
 @pytest.mark.parametrize(
+    ("n", "shares", "counts"),
+    [(2500, [60, 12, 16, 12], [1500, 300, 400, 300]),  # the default: exact
+     (72, [60, 12, 16, 12], [43, 9, 11, 9]),  # 43.2, 8.64, 11.52, 8.64: not 70 conversations
+     (7, [1, 1, 1], [3, 2, 2]),  # a tie goes to the earlier kind
+     (5, [0, 1, 0, 1], [0, 3, 0, 2])],
+)
+def test_train_drafter_splits_every_conversation_among_the_kinds(n, shares, counts):
+    from agentflash.cli import split_shares
+
+    assert split_shares(n, shares) == counts and sum(counts) == n
+
+
+@pytest.mark.parametrize(
     ("flags", "message"),
     [
         (["--mix", "1,2,3"], "--mix needs four shares"),
