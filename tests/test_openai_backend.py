@@ -547,7 +547,11 @@ def test_connection_errors_are_retried_then_reported():
     # found before a request: tracebacks at the first request before (OverflowError, and
     # UnicodeEncodeError for a key with a non-breaking space pasted in)
     for url, problem in (("http://127.0.0.1:99999/v1", "port 99999 is not one of 1 to 65535"),
-                         ("http://", "names no host")):
+                         ("http://", "names no host"),
+                         # httpx takes these for hosts "%5B" and "a%20b": a failed connect after
+                         # every retry before
+                         ("http://[", "its host holds a character no host name can"),
+                         ("http://my host:8000/v1", "its host holds a character no host name can")):
         with pytest.raises(UserError, match=f"model.base_url .*{problem}"):
             OpenAIBackend(url, "demo")
     for key in ("sk-abc\u00a0", "sk-abc ", "sk-abc\n"):

@@ -116,6 +116,8 @@ def base_url_problem(base_url: Any) -> str | None:
         url = httpx.URL(base_url)
         if not url.host:
             return f"{shown_url(base_url)!r} names no host"
+        if "%" in url.host and ":" not in url.host:  # httpx escaped what no host name holds
+            return f"{shown_url(base_url)!r}: its host holds a character no host name can"
         if url.port is not None and not 0 < url.port < 65536:
             return f"{shown_url(base_url)!r}: port {url.port} is not one of 1 to 65535"
     except httpx.InvalidURL as err:
