@@ -290,13 +290,14 @@ def _typed_values(node: dict) -> Iterator[tuple[str, list[str], list[Any]]]:
         yield "const", types, [node["const"]]
 
 
-def resolve_ref(root: Any, ref: str) -> Any:
+def resolve_ref(root: Any, ref: str, anchors: dict[str, Any] | None = None) -> Any:
     """The subschema a local ``$ref`` points at (a JSON pointer, or a ``$anchor``'s name), or
-    None if it is not a local one."""
+    None if it is not a local one. ``anchors``: ``anchor_index(root)``, for a caller resolving
+    many refs (each would walk the schema)."""
     if not ref.startswith("#"):
         return None
     if ref != "#" and not ref.startswith("#/"):  # "#num": the subschema whose $anchor is num
-        return _anchored(root, ref[1:])
+        return (anchor_index(root) if anchors is None else anchors).get(ref[1:])
     node = root
     for raw in ref[1:].split("/")[1:]:  # a URI fragment: percent-encoded ("a%20b"), then ~
         part = unquote(raw).replace("~1", "/").replace("~0", "~")
@@ -313,19 +314,27 @@ def unresolved_ref(schema: Any) -> tuple[str, str] | None:
     """(pointer, ref) of the first ``$ref`` or ``$dynamicRef`` that does not point inside
     ``schema`` (a URL, which validating it would fetch; a pointer or anchor to nothing), or
     None."""
+    anchors = anchor_index(schema)
     for path, node in subschemas(schema, []):
         for keyword in ("$ref", "$dynamicRef"):
             ref = node.get(keyword) if isinstance(node, dict) else None
-            if ref is not None and (not isinstance(ref, str) or resolve_ref(schema, ref) is None):
+            if ref is not None and (not isinstance(ref, str)
+                                    or resolve_ref(schema, ref, anchors) is None):
                 return pointer(path + [keyword]), ref
     return None
 
 
-def _anchored(root: Any, name: str) -> Any:
-    # a $dynamicAnchor names its subschema for a plain "#name" too
-    return next((node for _, node in subschemas(root, [])
-                 if isinstance(node, dict) and name in (node.get("$anchor"),
-                                                         node.get("$dynamicAnchor"))), None)
+def anchor_index(root: Any) -> dict[str, Any]:
+    """Each anchor's name to the first subschema that declares it (a ``$dynamicAnchor`` names
+    its subschema for a plain ``#name`` too)."""
+    index: dict[str, Any] = {}
+    for _, node in subschemas(root, []):
+        if isinstance(node, dict):
+            for keyword in ("$anchor", "$dynamicAnchor"):
+                name = node.get(keyword)
+                if isinstance(name, str):
+                    index.setdefault(name, node)
+    return index
 
 
 class _Productivity:
@@ -333,13 +342,14 @@ class _Productivity:
 
     def __init__(self, root: Any):
         self.root = root
+        self.anchors = anchor_index(root)
         self.known: set[str] = set()  # refs whose target admits a finite instance
         refs = sorted(set(_local_refs(root)))
         changed = True
         while changed:
             changed = False
             for ref in refs:
-                target = resolve_ref(root, ref)
+                target = resolve_ref(root, ref, self.anchors)
                 if ref not in self.known and (target is None or self.finite(target)):
                     self.known.add(ref)
                     changed = True
@@ -357,7 +367,7 @@ class _Productivity:
             return
         ref = node.get("$ref")
         if (isinstance(ref, str) and ref not in self.known
-                and resolve_ref(self.root, ref) is not None):
+                and resolve_ref(self.root, ref, self.anchors) is not None):
             yield ["$ref"], ref
         for i, sub in enumerate(node.get("allOf", [])):
             if not self.finite(sub):
@@ -489,7 +499,7 @@ def _unfinishable(schema: Any) -> tuple[str, str] | None:
                     "an alternative that ends the recursion"
                 )
             seen.add(sub)
-            node = resolve_ref(schema, sub)
+            node = resolve_ref(schema, sub, prod.anchors)
             path = _ref_path(sub)
             continue
         if path_part == []:
@@ -555,12 +565,13 @@ def ref_loop(schema: Any) -> str | None:
     that reach it."""
     where: dict[int, str] = {id(node): pointer(path) for path, node in subschemas(schema, [])
                              if isinstance(node, dict)}
+    anchors = anchor_index(schema)
 
     def refs(node: dict) -> Iterator[Any]:
         for keyword in ("$ref", "$dynamicRef"):
             ref = node.get(keyword)
             if isinstance(ref, str):
-                target = resolve_ref(schema, ref)
+                target = resolve_ref(schema, ref, anchors)
                 if isinstance(target, dict):  # (under a keyword of no schema's too)
                     where.setdefault(id(target), ref)
                     yield target
@@ -1142,6 +1153,7 @@ def check_lark_finishes(text: str, origin: str) -> None:
 def recursive_ref(schema: Any) -> str | None:
     """A local ``$ref`` whose expansion re-enters itself (the schema is recursive), or None."""
     clean: set[str] = set()  # targets fully expanded without re-entering the chain
+    anchors = anchor_index(schema)
 
     def within(location: str, ref: str) -> bool:
         return ref == "#" or location == ref or location.startswith(ref + "/")
@@ -1152,7 +1164,7 @@ def recursive_ref(schema: Any) -> str | None:
         elif isinstance(node, dict):
             ref = node.get("$ref")
             if isinstance(ref, str) and ref.startswith("#") and ref not in clean:
-                target = resolve_ref(schema, ref)
+                target = resolve_ref(schema, ref, anchors)
                 if target is not None:
                     if any(within(loc, ref) for loc in (*chain, location)):
                         return ref
