@@ -63,6 +63,26 @@ def test_a_fence_inside_a_tool_calls_json_opens_no_code_block():
     assert k == [P, T, T, T, P, P]
 
 
+@pytest.mark.parametrize(
+    ("pieces", "kinds"),
+    [  # backticks inside a line are inline code: all of the rest was counted as code
+     (["Use ``` to open a block.\n", "Then prose.\n"], "PPP"),
+     (["The ```x``` here and ``` there.\n", "prose\n"], "PPP"),
+     (["```python\n", "x = 1\n", "```\n", "prose"], "PCCPP"),
+     (["~~", "~python\n", "x = 1\n", "~~~\n", "prose"], "PPCCPP"),  # a tilde fence: unseen
+     # a longer fence holds a shorter one: the inner code was prose, the text after it code
+     (["````md\n", "```python\n", "x = 1\n", "```\n", "````\n", "prose"], "PCCCCPP"),
+     (["   ```\n", "x\n", "    ```\n", "```  \n", "p"], "PCCCPP"),  # 4 spaces: no fence
+     (["```\n", "~~~\n", "``` no\n", "``", "`", "\n", "p"], "PCCCCPPP"),  # only "```" closes
+     (["```js\n", "x\n", "```", " not yet\n", "```\n"], "PCCPCP"),
+     (["text </tool_call>```\n", "more"], "PPP"),
+    ],
+)
+def test_a_code_fence_is_a_line_of_its_own(pieces, kinds):
+    names = {"P": SegmentKind.PROSE, "C": SegmentKind.CODE}
+    assert kinds_along(pieces) == [names[k] for k in kinds]
+
+
 def test_schema_bound_reply_is_one_schema_segment():
     tracker = SegmentTracker(schema_bound=True)
     tracker.feed('{"a": 1 + 2}')

@@ -19,6 +19,26 @@ class SegmentKind(enum.Enum):
 
 # A line with a number, an operator and a number: the working of a calculation.
 _MATH_LINE = re.compile(r"\d\s*[-+*/×÷^%]\s*\(?\s*\d")
+# A code fence (CommonMark): a line that starts, after at most three spaces, with a run of three
+# or more backticks or tildes; what follows the run is an opening fence's info string.
+_FENCE = re.compile(r" {0,3}(`{3,}|~{3,})(.*)", re.DOTALL)
+
+
+def _opening_fence(line: str) -> tuple[str, int] | None:
+    """(character, length) of the fence ``line`` opens, or None (a backtick fence's info string
+    holds no backtick: "```x```" is inline code)."""
+    match = _FENCE.match(line)
+    if match is None or (match[1][0] == "`" and "`" in match[2]):
+        return None
+    return match[1][0], len(match[1])
+
+
+def _closes(line: str, fence: tuple[str, int]) -> bool:
+    """Whether ``line`` closes a block ``fence`` opened: a run of the same character, at least
+    as long, and nothing after it but blanks."""
+    match = _FENCE.match(line)
+    return (match is not None and match[1][0] == fence[0] and len(match[1]) >= fence[1]
+            and not match[2].strip(" \t"))
 
 
 @dataclass
@@ -50,19 +70,18 @@ class Segment:
 class SegmentTracker:
     """Follows one request's committed text and records its segments.
 
-    Only the newly committed text of each step is decoded; a short tail of earlier text is kept so
-    that markers split across tokens (a code fence) are still seen.
+    Only the newly committed text of each step is read; the current line is kept, so that a code
+    fence split across tokens is still seen. A fence opens or closes a block only as a line of
+    its own (CommonMark): backticks inside a line are inline code.
     """
-
-    TAIL = 64
 
     def __init__(self, schema_bound: bool = False, calls_beside: bool = False):
         self.schema_bound = schema_bound  # the reply's text is a JSON schema's answer
         self.calls_beside = calls_beside  # ... and tool calls may stand instead of it
         self.in_tool_call = False
         self.in_code = False
+        self.fence: tuple[str, int] | None = None  # the block open as the current line began
         self.line = ""  # text of the current line so far
-        self.tail = ""
         self.segments: list[Segment] = []
 
     @property
@@ -99,16 +118,17 @@ class SegmentTracker:
         for piece in re.split(r"(<tool_call>|</tool_call>|\n)", text):
             if piece in ("<tool_call>", "</tool_call>"):
                 self.in_tool_call = piece == "<tool_call>"
-                self.tail = ""  # no fence runs across the marker
+                self.line += piece  # (a fence after it on its line is none)
             elif self.in_tool_call:  # a ``` in the call's JSON opens no code block
                 self.line = "" if piece == "\n" else self.line + piece
             elif piece == "\n":
+                if self.fence is None:
+                    self.fence = _opening_fence(self.line)
+                elif _closes(self.line, self.fence):
+                    self.fence = None
                 self.line = ""
-                self.tail += piece
+                self.in_code = self.fence is not None
             elif piece:
-                before = self.tail.count("```")
-                self.tail += piece
                 self.line += piece
-                if (self.tail.count("```") - before) % 2:
-                    self.in_code = not self.in_code
-            self.tail = self.tail[-self.TAIL :]
+                self.in_code = (_opening_fence(self.line) is not None if self.fence is None
+                                else not _closes(self.line, self.fence))
