@@ -210,6 +210,9 @@ def _edit(config: dict, changes: dict) -> dict:
     [
         ({"architectures": ["DFlash2DraftModel"]}, "DFlash2DraftModel"),
         ({"architectures": ["Qwen3ForCausalLM"]}, "expected \\['DFlashDraftModel'\\]"),
+        # a TypeError; a string was read as its letters: "xDFlashDraftModel" passed
+        ({"architectures": 5}, "architectures must be a list of strings, got 5"),
+        ({"architectures": "xDFlashDraftModel"}, "architectures must be a list of strings"),
         ({"model_type": "llama"}, "model_type"),
         ({"attention_bias": True}, "attention_bias"),
         ({"layer_types": ["sliding_attention"] * 5}, "layer_types"),

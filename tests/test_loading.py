@@ -121,6 +121,7 @@ def test_config_missing_a_field_and_unsupported_type(tiny_model_dir, tmp_path):
     (dict(rope_scaling="linear"), "rope_scaling must be an object, got 'linear'"),
     (dict(layer_types="full_attention"), "layer_types must be a list of strings"),
     (dict(layer_types=["full_attention"]), "layer_types has 1 entries, num_hidden_layers is 4"),
+    (dict(architectures=5), "architectures must be a list of strings, got 5"),  # a TypeError
 ])
 def test_config_sizes_are_checked_before_any_tensor_is_built(tiny_model_dir, tmp_path, change,
                                                               message):

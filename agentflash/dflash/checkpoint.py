@@ -20,6 +20,7 @@ from agentflash.errors import UserError
 from agentflash.models.loading import load_state_dict, read_json
 from agentflash.models.qwen3 import (
     ModelConfig,
+    architectures,
     check_decoder_fields,
     check_sizes,
     head_dim_field,
@@ -133,7 +134,7 @@ def config_from_hf(raw: dict[str, Any]) -> DrafterConfig:
 
 
 def _check_supported(raw: dict[str, Any]) -> None:
-    archs = raw.get("architectures") or []
+    archs = architectures(raw)
     if ARCHITECTURE not in archs:
         if "DFlash2DraftModel" in archs:
             raise ValueError(

@@ -39,7 +39,7 @@ class ModelConfig:
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
         """Build from a parsed ``config.json``; raises ``ValueError`` naming a missing field."""
         model_type = cfg.get("model_type")
-        if "DFlashDraftModel" in (cfg.get("architectures") or []):
+        if "DFlashDraftModel" in architectures(cfg):
             raise ValueError("this is a DFlash drafter (architectures DFlashDraftModel): give it "
                              "as the drafter (--drafter DIR; to train drafter, --init DIR) "
                              "beside the model it drafts for")
@@ -112,6 +112,16 @@ def check_plain_attention(cfg: dict[str, Any]) -> None:
                  else "use_sliding_window true")
         raise ValueError(f"{field}: sliding-window attention is not supported (full attention "
                          f"only)")
+
+
+def architectures(cfg: dict[str, Any]) -> list[str]:
+    """``architectures`` (absent or null: none), which must be a list of strings."""
+    archs = cfg.get("architectures")
+    if archs is None:
+        return []
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise ValueError(f"architectures must be a list of strings, got {archs!r}")
+    return archs
 
 
 def check_sizes(cfg: dict[str, Any], names: tuple[str, ...], optional: bool = False) -> None:
