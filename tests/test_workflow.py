@@ -4,6 +4,7 @@ import copy
 import json
 import pickle
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -1182,6 +1183,24 @@ def test_dflash_without_a_drafter_is_named_when_the_workflow_loads(tmp_path):
             steps:
               - {id: s, agent: a, input: hi}
             """))
+
+
+def test_a_model_path_under_home_is_found_as_on_the_command_line(tmp_path, tiny_model_dir,
+                                                                 monkeypatch):
+    # "~/m" was joined to the workflow's folder: "directory '<folder>/~/m' does not exist"
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    shutil.copytree(tiny_model_dir, tmp_path / "home" / "m")
+    path = write(tmp_path, """\
+        version: 1
+        name: t
+        model: {path: ~/m, drafter: none}
+        agents:
+          a: {instructions: You help.}
+        steps:
+          - {id: s, agent: a, input: hi}
+        """)
+    wf = load_workflow(path)
+    assert wf.model.resolve(wf.model.path) == str(tmp_path / "home" / "m")
 
 
 def test_run_model_is_checked_as_the_model_the_workflow_runs_on(tmp_path):

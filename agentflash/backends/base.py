@@ -230,7 +230,11 @@ class ModelSpec:
     chat_template_kwargs: dict[str, Any] | None = None
 
     def resolve(self, path: str) -> str:
-        """``path`` made absolute against ``base_dir``, unless it is a name like ``demo``."""
-        if path in ("auto", "demo", "none") or self.base_dir is None or Path(path).is_absolute():
+        """``path`` with ``~`` expanded, made absolute against ``base_dir``, unless it is a name
+        like ``demo``."""
+        if path in ("auto", "demo", "none"):
+            return path
+        path = str(Path(path).expanduser())  # as --model and --drafter take it
+        if self.base_dir is None or Path(path).is_absolute():
             return path
         return str(self.base_dir / path)
