@@ -10,6 +10,15 @@ class UserError(Exception):
     """Bad input from the user (a path, a file, a flag, a request): the message names it."""
 
 
+class ChatTemplateError(UserError):
+    """A model's chat template that failed on the messages (its ``raise_exception``) or cannot
+    be read; ``reason``, jinja's message, is what a server tells its client."""
+
+    def __init__(self, message: str, reason: str = ""):
+        super().__init__(message)
+        self.reason = reason or message
+
+
 def shown_url(url: str) -> str:
     """``url`` as messages show it (errors, traces, the model's tool results): without a user,
     password, query or fragment, where a key may be. Everything up to the last ``@`` goes (a

@@ -321,3 +321,23 @@ def test_top_p_keeps_the_smallest_set_whose_mass_reaches_it():
     # past the sum that lands on it, the token that crosses top_p stays in
     crossing = probabilities(torch.tensor([1.0, 1.0, 0.0]).log(), 1.0, 0.6)
     assert (crossing > 0).tolist() == [True, True, False]
+
+
+@pytest.mark.parametrize(("template", "messages", "message"), [
+    # jinja's TemplateSyntaxError and TemplateError: tracebacks from generate, run and train
+    ("{% for x in %}", [{"role": "user", "content": "hi"}],
+     r"chat_template.jinja:1: Expected an expression"),
+    ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+     "{% endif %}{{ messages[0]['content'] }}",
+     [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}],
+     "the chat template refused these messages: System role not supported"),
+])
+def test_a_chat_template_that_cannot_render_is_named(tiny_model_dir, tmp_path, template,
+                                                     messages, message):
+    import shutil
+
+    shutil.copytree(tiny_model_dir, tmp_path / "m")
+    (tmp_path / "m" / "chat_template.jinja").write_text(template)
+    engine = Engine.from_pretrained(str(tmp_path / "m"), drafter=None)
+    with pytest.raises(UserError, match=message):
+        engine.chat_prompt(messages)

@@ -100,6 +100,23 @@ def test_plain_chat_equals_the_in_process_engine(client, reference):
     assert {"mode", "tau", "draft_forwards", "segments"} <= set(stats)
 
 
+def test_a_template_refusing_the_messages_is_a_400_that_shows_no_server_path(client, engine):
+    template = engine.tokenizer.chat_template
+    engine.tokenizer.chat_template = (
+        "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') "
+        "}}{% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    try:
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(
+                model="demo", max_tokens=1,
+                messages=[{"role": "system", "content": "be brief"}, *user("hi")])
+    finally:
+        engine.tokenizer.chat_template = template
+    assert err.value.body["param"] == "messages"
+    assert err.value.body["message"] == ("the model's chat template rejects these messages: "
+                                         "System role not supported")
+
+
 def test_a_repeated_prompt_reports_its_cached_tokens_and_the_same_reply(client):
     ask = user("Please explain, in a few words, what a tool call is, why agents use them and "
                "what goes wrong when the arguments of a call do not parse.")

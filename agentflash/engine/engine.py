@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import jinja2
 import torch
 
 from agentflash.dflash.speculate import accept_choices, draft_logits, lookup_draft
@@ -25,7 +26,7 @@ from agentflash.engine.prefix_cache import PrefixCache, PrefixHit
 from agentflash.engine.request import FinishReason, Request, SamplingParams, Speculation, Status
 from agentflash.engine.sampling import accept, argmax, sample
 from agentflash.engine.scheduler import Scheduler, SchedulerConfig
-from agentflash.errors import UserError, is_int
+from agentflash.errors import ChatTemplateError, UserError, is_int
 from agentflash.grammar.constraint import GrammarFailed, apply_bitmask_, greedy_verify
 from agentflash.grammar.sources import GrammarKind
 from agentflash.grammar.tokenizers import chat_end_ids
@@ -254,10 +255,19 @@ class Engine:
         if not getattr(self.tokenizer, "chat_template", None):
             raise UserError(f"{self.model_dir}: the tokenizer has no chat template")
         self.check_template_kwargs(template_kwargs)
-        text = self.tokenizer.apply_chat_template(
-            messages, tools=tools or None, tokenize=False, add_generation_prompt=True,
-            **(template_kwargs or {}),
-        )
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, tools=tools or None, tokenize=False, add_generation_prompt=True,
+                **(template_kwargs or {}),
+            )
+        except jinja2.TemplateSyntaxError as err:
+            file = self.model_dir and Path(self.model_dir) / "chat_template.jinja"
+            where = str(file) if file and file.is_file() else f"{self.model_dir}: chat template"
+            raise ChatTemplateError(f"{where}:{err.lineno}: {err.message}",
+                                    f"line {err.lineno}: {err.message}") from None
+        except jinja2.TemplateError as err:  # the template's raise_exception, or a missing part
+            raise ChatTemplateError(f"{self.model_dir}: the chat template refused these "
+                                    f"messages: {err}", str(err)) from None
         from agentflash.inputs import check_unicode  # callers name the field; this, the rest
 
         check_unicode(text, "the chat prompt (messages, tools or instructions)")

@@ -28,7 +28,7 @@ from agentflash.backends.local import HermesStreamParser
 from agentflash.engine.async_engine import AsyncEngine, FinishEvent
 from agentflash.engine.engine import Engine, GenerationResult
 from agentflash.engine.request import FinishReason, SamplingParams, Speculation
-from agentflash.errors import MIN_TEMPERATURE, UserError
+from agentflash.errors import MIN_TEMPERATURE, ChatTemplateError, UserError
 from agentflash.grammar import (
     GrammarError,
     GrammarSource,
@@ -76,9 +76,12 @@ def prepare(request: ChatCompletionRequest, engine: Engine, max_tokens_limit: in
     try:
         prompt_ids = engine.chat_prompt(chat_messages(request.messages), tools,
                                         request.chat_template_kwargs)
+    except ChatTemplateError as err:  # (not the server's paths)
+        raise APIError(400, f"the model's chat template rejects these messages: {err.reason}",
+                       param="messages") from None
     except UserError as err:
         raise APIError(400, str(err), param="messages") from None
-    except Exception as err:  # jinja2 errors of the model's own chat template
+    except Exception as err:  # what else a model's own chat template raises
         raise APIError(400, f"the model's chat template rejects these messages: {err}",
                        param="messages") from None
     max_len = engine.scheduler.cfg.max_len
