@@ -41,7 +41,7 @@ from agentflash.errors import UserError
 from agentflash.models.qwen3 import Qwen3Model
 from agentflash.train import corpus as corpus_mod
 from agentflash.train import tokenizer as tokenizer_mod
-from agentflash.train.runs import make_out_dir, open_log, target_name
+from agentflash.train.runs import make_out_dir, open_log, target_name, writing
 
 IGNORE = -100
 
@@ -212,17 +212,18 @@ def build_samples(
         samples = regenerate(engine, prompts, cfg.max_response_tokens, label)
         splits.append([s for s in samples if s.num_response >= 2])
     tmp = cache_path.with_name(cache_path.name + ".tmp")  # a write cut short is no cache
-    tmp.write_text(
-        json.dumps(
-            {
-                "settings": settings,
-                "train": [asdict(s) for s in splits[0]],
-                "val": [asdict(s) for s in splits[1]],
-            }
-        ),
-        encoding="utf-8",
-    )
-    tmp.replace(cache_path)
+    with writing(tmp, "the target's answers"):
+        tmp.write_text(
+            json.dumps(
+                {
+                    "settings": settings,
+                    "train": [asdict(s) for s in splits[0]],
+                    "val": [asdict(s) for s in splits[1]],
+                }
+            ),
+            encoding="utf-8",
+        )
+        tmp.replace(cache_path)
     return splits[0], splits[1]
 
 
@@ -535,7 +536,6 @@ def train_drafter(
                 )
                 + "\n"
             )
-            log.flush()
             progress.update(
                 task, advance=1, info=f"loss {loss:.3f}  acc@1 {acc:.2f}  {seq_s:.1f} seq/s"
             )
@@ -544,12 +544,12 @@ def train_drafter(
             if val and ((step + 1) % cfg.val_every == 0 or step + 1 == cfg.steps):
                 taus = validation_tau(drafter, target, val)
                 log.write(json.dumps({"step": step + 1, "val_tau": _rounded(taus)}) + "\n")
-                log.flush()
                 progress.console.print(f"step {step + 1}: val tau " + _format_taus(taus))
     if val and not taus:  # nothing left to train: still report where the drafter stands
         taus = validation_tau(drafter, target, val)
     log.close()
-    save_drafter(drafter.eval(), out_dir)
+    with writing(out_dir, "the drafter"):
+        save_drafter(drafter.eval(), out_dir)
     summary = {
         "drafter": asdict(cfg),
         "params": num_params,
@@ -557,7 +557,8 @@ def train_drafter(
         "train_seconds": round(time.time() - t0, 1),
         "mask_token_id": mask_id,
     }
-    (out_dir / "train_drafter.json").write_text(json.dumps(summary, indent=2) + "\n")
+    with writing(out_dir / "train_drafter.json", "the summary"):
+        (out_dir / "train_drafter.json").write_text(json.dumps(summary, indent=2) + "\n")
     return out_dir
 
 
@@ -597,8 +598,9 @@ def _save_checkpoint(ckpt_dir: Path, step: int, drafter, opt, dcfg: DrafterConfi
         "target": target,  # a rerun on another target is refused (runs.check_out_dir)
     }
     tmp = ckpt_dir / "latest.pt.tmp"
-    torch.save(state, tmp)
-    tmp.replace(ckpt_dir / "latest.pt")
+    with writing(tmp, "the checkpoint"):
+        torch.save(state, tmp)
+        tmp.replace(ckpt_dir / "latest.pt")
 
 
 def _init_from(source: str, dcfg: DrafterConfig) -> DFlashDrafter:

@@ -10,6 +10,8 @@ overwrote what was there.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -100,7 +102,36 @@ def target_name(target: str | Path) -> str:
     return "demo" if path == (DEMO_DIR / "target").resolve() else str(path)
 
 
-def open_log(path: Path, start: int):
+@contextmanager
+def writing(path: Path, what: str) -> Iterator[None]:
+    """A failure while ``what`` is written at ``path`` (a full disk, a file-size limit: torch,
+    safetensors and tokenizers each raise their own kind of error) as a ``UserError`` naming it."""
+    try:
+        yield
+    except UserError:
+        raise
+    except Exception as err:
+        raise UserError(f"{path}: cannot write {what}: {err}") from err
+
+
+class RunLog:
+    """The run's loss log (``open_log``): each line written through to the disk."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        with writing(path, "the log"):
+            self.file = path.open("a", encoding="utf-8")
+
+    def write(self, line: str) -> None:
+        with writing(self.path, "the log"):
+            self.file.write(line)
+            self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def open_log(path: Path, start: int) -> RunLog:
     """The run's loss log, for appending from step ``start`` on: lines of later steps (written
     after the checkpoint a resume starts from) are dropped, so that each step has one line."""
     if path.exists():
@@ -112,5 +143,6 @@ def open_log(path: Path, start: int):
                 continue  # a line cut short by the interruption
             if isinstance(step, int) and step <= start:
                 kept.append(line + "\n")
-        path.write_text("".join(kept), encoding="utf-8")
-    return path.open("a", encoding="utf-8")
+        with writing(path, "the log"):
+            path.write_text("".join(kept), encoding="utf-8")
+    return RunLog(path)

@@ -15,9 +15,10 @@ from pathlib import Path
 
 import torch
 
+from agentflash.errors import UserError
 from agentflash.train import corpus as corpus_mod
 from agentflash.train import tokenizer as tokenizer_mod
-from agentflash.train.runs import make_out_dir, open_log
+from agentflash.train.runs import make_out_dir, open_log, writing
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,20 @@ def build_tokenizer(out_dir: Path, convos: list[dict], vocab_size: int) -> None:
     tokenizer_mod.train_tokenizer(texts, out_dir, vocab_size=vocab_size)
 
 
+def _saved_tokenizer(out_dir: Path):  # -> PreTrainedTokenizerFast | None
+    """The tokenizer an earlier run of ``out_dir`` saved (``tokenizer.json`` is written last), or
+    None."""
+    from transformers import AutoTokenizer
+
+    if not (out_dir / "tokenizer.json").exists():
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(out_dir)
+    except Exception as err:  # transformers raises many kinds here
+        raise UserError(f"{out_dir / 'tokenizer.json'}: cannot load the tokenizer an earlier "
+                        f"run saved ({err}): remove it to train the tokenizer again") from None
+
+
 def token_stream(convos: list[dict], tokenizer) -> torch.Tensor:
     """All conversations rendered, tokenised and joined by the end-of-text token."""
     texts = [tokenizer_mod.render(c["messages"], c["tools"]) for c in convos]
@@ -98,12 +113,13 @@ def train_target(
 
     torch.manual_seed(cfg.seed)
     make_out_dir(out_dir)
+    tokenizer = _saved_tokenizer(out_dir)  # a resumed run's (an unreadable one named first)
     print("target: generating the corpus", flush=True)  # a minute or so before the first step
     convos = corpus_mod.generate(corpus_cfg)
-    if not (out_dir / "tokenizer.json").exists():
+    if tokenizer is None:
         print(f"target: training the tokenizer on {len(convos)} conversations", flush=True)
         build_tokenizer(out_dir, convos, cfg.vocab_size)
-    tokenizer = AutoTokenizer.from_pretrained(out_dir)
+        tokenizer = AutoTokenizer.from_pretrained(out_dir)
     data = token_stream(convos, tokenizer)
     num_windows = len(data) // cfg.seq_len
     model = Qwen3ForCausalLM(qwen3_config(cfg, tokenizer))
@@ -150,15 +166,15 @@ def train_target(
                 )
                 + "\n"
             )
-            log.flush()
             progress.update(task, advance=1, info=f"loss {loss.item():.3f}  {tok_s:.0f} tok/s")
             if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
                 _save_checkpoint(ckpt_dir, step + 1, model, opt)
     model.config.dtype = "float32"
-    model.save_pretrained(out_dir, safe_serialization=True)
-    (out_dir / "train_config.json").write_text(
-        json.dumps({"target": asdict(cfg), "corpus": asdict(corpus_cfg)}, indent=2) + "\n"
-    )
+    with writing(out_dir, "the model"):
+        model.save_pretrained(out_dir, safe_serialization=True)
+        (out_dir / "train_config.json").write_text(
+            json.dumps({"target": asdict(cfg), "corpus": asdict(corpus_cfg)}, indent=2) + "\n"
+        )
     return out_dir
 
 
@@ -172,8 +188,9 @@ def _save_checkpoint(ckpt_dir: Path, step: int, model, opt) -> None:
         "py_rng": random.getstate(),
     }
     tmp = ckpt_dir / "latest.pt.tmp"
-    torch.save(state, tmp)
-    tmp.replace(ckpt_dir / "latest.pt")
+    with writing(tmp, "the checkpoint"):
+        torch.save(state, tmp)
+        tmp.replace(ckpt_dir / "latest.pt")
 
 
 def _resume(ckpt_dir: Path, model, opt) -> int:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from collections.abc import Iterable
 from functools import lru_cache
 from pathlib import Path
@@ -108,5 +110,19 @@ def train_tokenizer(texts: Iterable[str], out_dir: Path, vocab_size: int = 4096)
     )
     fast.chat_template = CHAT_TEMPLATE
     fast.model_max_length = 2048
-    out_dir.mkdir(parents=True, exist_ok=True)
-    fast.save_pretrained(out_dir)
+    save_whole(fast, out_dir)
+
+
+def save_whole(fast, out_dir: Path) -> None:
+    """Save ``fast`` into ``out_dir`` so that a save cut short (a kill, a full disk) leaves no
+    ``tokenizer.json``, which says the tokenizer is there: saved beside, then moved in, that
+    file last."""
+    from agentflash.train.runs import writing
+
+    staging = out_dir / ".tokenizer.partial"  # (hidden: check_out_dir passes it)
+    shutil.rmtree(staging, ignore_errors=True)
+    with writing(out_dir, "the tokenizer"):
+        fast.save_pretrained(staging)
+        for name in sorted(os.listdir(staging), key=lambda name: name == "tokenizer.json"):
+            os.replace(staging / name, out_dir / name)
+        staging.rmdir()
