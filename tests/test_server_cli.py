@@ -83,9 +83,15 @@ def test_serve_on_port_0_says_the_port_it_picked(tiny_model_dir):
         # (and --max-len's 2048, cut to the model's 1024 positions without a word)
         port = re.fullmatch(r"agentflash serve: serving \S+ on http://127\.0\.0\.1:(\d+)/v1 "
                             r"\(requests of at most 1024 tokens\)\n", lines[-1]).group(1)
+        # listening once it says so (a client that connected at once was refused: uvicorn
+        # listened only in its startup, after the line)
+        socket.create_connection(("127.0.0.1", int(port)), timeout=10).close()
         wait_until_up(proc, f"http://127.0.0.1:{port}")
     finally:
-        stop(proc)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    # uvicorn's access log went to stdout, alone of the command's lines
+    assert out == "" and '"GET /health HTTP/1.1" 200' in err, (out, err)
 
 
 def test_serve_names_a_bad_flag(tiny_model_dir):

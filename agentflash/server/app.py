@@ -445,10 +445,15 @@ async def _server_error(request: Request, err: Exception) -> Response:
 
 
 def _uvicorn_config(app: Starlette, log_level: str) -> Any:
-    import uvicorn
+    import copy
 
+    import uvicorn
+    from uvicorn.config import LOGGING_CONFIG
+
+    logging_config = copy.deepcopy(LOGGING_CONFIG)  # the access log on stderr, as the rest:
+    logging_config["handlers"]["access"]["stream"] = "ext://sys.stderr"  # stdout is the user's
     return uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5,
-                          h11_max_incomplete_event_size=64 * 1024)
+                          h11_max_incomplete_event_size=64 * 1024, log_config=logging_config)
 
 
 def _uvicorn_server(app: Starlette, log_level: str) -> Any:
@@ -477,6 +482,7 @@ def serve(config: ServerConfig, engine: Engine | None = None, log_level: str = "
     # on stderr, as the command's other lines: the port bound (--port 0: the one picked), and
     # the tokens a request holds (--max-len, cut to the model's max_position_embeddings)
     host = f"[{config.host}]" if ":" in config.host else config.host  # IPv6, as a URL has it
+    sock.listen(2048)  # (uvicorn's backlog): a client that read the line below is not refused
     print(f"agentflash serve: serving {config.name} on http://{host}:"
           f"{sock.getsockname()[1]}/v1 (requests of at most {engine.scheduler.cfg.max_len} "
           f"tokens)", file=sys.stderr, flush=True)
