@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import json
 import os
@@ -564,9 +565,31 @@ def main() -> None:
         except UserError as err:  # raised outside a command's own handling
             typer.echo(f"error: {one_line(str(err))}", err=True)
             sys.exit(2)
+        except OSError as err:
+            _exit_if_a_write_failed(err)
+            raise
     except SystemExit as done:
         _exit_now_if_loading(done.code)
         raise
+
+
+# what a write that failed raises (a full disk or quota, a file-size limit, a device's error)
+_WRITE_FAILED = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO}
+
+
+def _exit_if_a_write_failed(err: OSError) -> None:
+    """Exit with an error line if ``err`` says a write failed (standard output to a full disk
+    or /dev/full: a closed pipe is typer's). What standard output still holds goes to
+    /dev/null if it cannot be written, so that the exit's own flush does not fail again."""
+    if err.errno not in _WRITE_FAILED:
+        return
+    try:
+        sys.stdout.flush()
+    except OSError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    where = f"{err.filename}: " if err.filename else ""
+    typer.echo(f"error: {where}cannot write: {err.strerror}", err=True)
+    sys.exit(1)
 
 
 def _exit_now_if_loading(code: int | str | None) -> None:

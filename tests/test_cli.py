@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -540,3 +541,12 @@ def test_a_resumed_run_keeps_one_log_line_a_step(tmp_path):
         f.write(json.dumps({"step": 6, "loss": 0.1}) + "\n")
     assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == [1, 2, 3, 4,
                                                                                    5, 6]
+
+
+def test_output_that_cannot_be_written_is_an_error_line():
+    # a full disk under standard output was a traceback of thirty lines
+    with open("/dev/full", "w") as full:
+        workflow = Path(__file__).parents[1] / "examples" / "structured.yaml"
+        done = subprocess.run([sys.executable, "-m", "agentflash.cli", "validate", workflow],
+                              stdout=full, stderr=subprocess.PIPE, text=True, timeout=120)
+    assert done.returncode == 1 and done.stderr == "error: cannot write: No space left on device\n"
