@@ -729,6 +729,29 @@ def test_system_exit_in_a_run_exits_the_process(tmp_path):
     assert done.returncode == 3, done.stderr.decode()[-2000:]
 
 
+@pytest.mark.parametrize("library", ["asyncio", "trio"])
+def test_system_exit_in_the_callers_block_exits_the_process_with_its_code(tmp_path, library):
+    """sys.exit(4) while reading a streamed run's events: the task group wrapped it in a
+    BaseExceptionGroup, an exit of 1 with a traceback (and no except SystemExit caught it)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "exit.py"
+    script.write_text(
+        "import sys, time, anyio\n"
+        "from agentflash.backends.scripted import ScriptedBackend, ScriptedTurn\n"
+        "from agentflash.runtime import Agent, Runner\n"
+        "async def main():\n"
+        "    await anyio.to_thread.run_sync(time.sleep, 0.01)\n"
+        "    backend = ScriptedBackend([ScriptedTurn('word ' * 50, delay_s=0.01)])\n"
+        "    async with Runner.run_streamed(Agent('f'), 'hi', backend=backend) as run:\n"
+        "        async for event in run:\n"
+        "            sys.exit(4)\n"
+        f"anyio.run(main, backend={library!r})\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, timeout=60)
+    assert done.returncode == 4 and not done.stderr, done.stderr.decode()[-2000:]
+
+
 def test_leaving_the_block_early_cancels_the_run():
     backend = ScriptedBackend([ScriptedTurn("word " * 200, delay_s=0.01)])
 

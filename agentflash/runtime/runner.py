@@ -627,18 +627,23 @@ async def streaming(work: Callable[[Callable[[E], None]], Awaitable[R]]
                     ) -> AsyncIterator[Streamed[E, R]]:
     """Run ``work(emit)`` in a task, handing out what it emits; leaving the block cancels it."""
     run: Streamed[E, R] = Streamed()
+    leaving: BaseException | None = None  # sys.exit or Ctrl-C in the caller's own block
     with single_errors():
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(run._drive, work)
                 try:
                     yield run
+                except (SystemExit, KeyboardInterrupt) as err:  # raised as itself, past the
+                    leaving = err  # group (which wrapped it), once the run's task has ended
                 finally:
                     run.cancel()
         finally:
             if not run._iterated:  # its events never read: nobody will (ResourceWarning)
                 run._receive.close()
                 run._closed = True
+    if leaving is not None:
+        raise leaving
 
 
 StreamedRun = Streamed[ev.RunEvent, RunResult]
