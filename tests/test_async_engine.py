@@ -230,9 +230,17 @@ def test_cancelled_streams_free_their_slots(engine):
                     tg.start_soon(finishes, n + 6)
             await wait_idle(engine)
 
-    anyio.run(main)
+    import gc
+    import warnings
+
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always", ResourceWarning)
+        anyio.run(main)
+        gc.collect()
     assert [r.finish_reason for r in finished] == ["length"] * 3
     assert_all_slots_free(engine)
+    # a stream left early kept its sending end open: one "Unclosed <MemoryObjectSendStream>" each
+    assert not [w for w in warned if issubclass(w.category, ResourceWarning)], warned
 
 
 def test_closing_the_async_engine_fails_the_requests_still_open(engine):

@@ -140,7 +140,9 @@ class AsyncEngine:
             if not req.is_finished:
                 self.engine.cancel(req)
                 self._wake.set()
-            self._streams.pop(req.id, None)
+            left = self._streams.pop(req.id, None)
+            if left is not None:  # (left early: nothing will end it; unclosed, a ResourceWarning)
+                left.send.close()
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationResult:
         async for event in self.stream(prompt_ids, params):
