@@ -71,6 +71,26 @@ def test_a_bfloat16_model_decodes_on_the_cpu_batched_as_alone(tiny_model_dir):
     test_batched_requests_decode_as_if_alone(engine)
 
 
+def test_a_drafter_of_another_dtype_drafts_in_the_targets(tiny_model_dir):
+    # a float32 drafter beside a bfloat16 target failed its first draft (the target's lm_head on
+    # its states), and that request stayed to fail every later step, plain ones too
+    from conftest import tiny_dflash_engine
+
+    from agentflash.models.loading import load_model, load_tokenizer
+
+    alike = tiny_dflash_engine(tiny_model_dir, block_size=8, max_len=256)
+    net, _, model_dir = load_model(tiny_model_dir, dtype=torch.bfloat16)
+    drafter = alike.drafter
+    assert next(drafter.parameters()).dtype == torch.float32
+    engine = Engine(net, load_tokenizer(model_dir), EngineConfig(max_len=256), model_dir, drafter)
+    assert next(drafter.parameters()).dtype == torch.bfloat16
+    ids = list(range(50, 70))
+    outputs = [engine.generate(ids, SamplingParams(max_tokens=12, ignore_eos=True,
+                                                   speculation=mode)).token_ids
+               for mode in ("dflash", "off")]
+    assert outputs[0] == outputs[1] and len(outputs[0]) == 12
+
+
 def test_sampling_is_reproducible_with_a_seed_and_varies_without(engine):
     ids = prompts(engine, 1)[0]
     params = SamplingParams(max_tokens=30, temperature=1.5, seed=7, ignore_eos=True)
@@ -156,6 +176,9 @@ def test_sampling_params_name_a_bad_field():
     (dict(kv_budget_mb="10"), "kv_budget_mb must be a positive number"),
     (dict(prefix_cache_mb=float("inf")), "prefix_cache_mb must be 0 or more, got inf"),
     (dict(device="nope"), "device must name a torch device"),
+    # torch's own errors deep in the load: "not linked with support for mps devices", ...
+    (dict(device="mps"), "device 'mps': the engine runs on cpu or cuda"),
+    (dict(device="meta"), "device 'meta': the engine runs on cpu or cuda"),
 ])
 def test_engine_config_names_a_bad_field(fields, message):
     with pytest.raises(ValueError, match=message):

@@ -467,6 +467,16 @@ class DFlashDrafter(nn.Module):
             fuse_projections_(layer.mlp)
         return self
 
+    def to_(self, device: torch.device, dtype: torch.dtype) -> DFlashDrafter:
+        """Cast in place to ``dtype`` on ``device`` (a fused drafter is fused again: its fused
+        projections are not submodules, which ``to`` would leave as they were)."""
+        fused_before = any(layer.mlp._fused is not None for layer in self.layers)
+        for layer in self.layers:
+            for module in (layer.self_attn, layer.mlp):
+                object.__setattr__(module, "_fused", None)
+        self.to(device=device, dtype=dtype)
+        return self.fuse_() if fused_before else self
+
     def use_onednn_(self, onednn: bool = True, mkl_shapes: frozenset[tuple[int, int]] = frozenset()
                     ) -> DFlashDrafter:
         """Run the fused projections (``fuse_`` first) on oneDNN's matmul (``Linear.onednn``),

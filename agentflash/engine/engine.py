@@ -80,8 +80,13 @@ class EngineConfig:
         except (RuntimeError, TypeError):
             raise ValueError(f"device must name a torch device (cpu, cuda, cuda:1, ...), "
                              f"got {self.device!r}") from None
+        if device.type not in ("cpu", "cuda"):  # mps, xpu, meta: a torch error deep in a load
+            raise ValueError(f"device {self.device!r}: the engine runs on cpu or cuda")
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device {self.device!r}: this torch has no CUDA device")
+        if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+            raise ValueError(f"device {self.device!r}: this machine has "
+                             f"{torch.cuda.device_count()} CUDA devices")
 
 
 @dataclass(frozen=True)
@@ -180,6 +185,9 @@ class Engine:
         self.decode_output = OutputDecoder(tokenizer)  # a reply's text of its tokens
         self.drafter = drafter  # a DFlashDrafter, or None for plain decoding only
         if drafter is not None:
+            weight, own = next(model.parameters()), next(drafter.parameters())
+            if (own.dtype, own.device) != (weight.dtype, weight.device):  # it reads the target's
+                drafter.to_(weight.device, weight.dtype)  # states: as loaded for it
             drafter.fuse_()
         max_len = min(config.max_len, model.cfg.max_position_embeddings)
         dtype = next(model.parameters()).dtype
