@@ -91,6 +91,27 @@ def test_a_drafter_of_another_dtype_drafts_in_the_targets(tiny_model_dir):
     assert outputs[0] == outputs[1] and len(outputs[0]) == 12
 
 
+def test_a_step_that_raises_fails_its_request_and_the_engine_serves_on(engine, monkeypatch):
+    # the request stayed in the scheduler: every later generate failed on it again
+    ids = prompts(engine, 1)[0]
+    expected = engine.generate(ids, SamplingParams(max_tokens=8, ignore_eos=True))
+    forward = engine.runner.forward
+    calls = []
+
+    def fails_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:  # the first decode step
+            raise IndexError("index out of range in self")
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(engine.runner, "forward", fails_once)
+    with pytest.raises(IndexError):
+        engine.generate(ids, SamplingParams(max_tokens=8, ignore_eos=True))
+    assert not engine.scheduler.running and not engine.scheduler.waiting
+    again = engine.generate(ids, SamplingParams(max_tokens=8, ignore_eos=True))
+    assert again.token_ids == expected.token_ids
+
+
 def test_sampling_is_reproducible_with_a_seed_and_varies_without(engine):
     ids = prompts(engine, 1)[0]
     params = SamplingParams(max_tokens=30, temperature=1.5, seed=7, ignore_eos=True)

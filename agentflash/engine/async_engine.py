@@ -181,13 +181,7 @@ class AsyncEngine:
             return self.engine.step(), False
         except Exception as err:
             log.exception("an engine step failed; failing the requests it was running")
-            scheduler = self.engine.scheduler
-            # None running: the step failed before running any, on the waiting ones (each step
-            # would fail the same way).
-            failed = list(scheduler.running) or list(scheduler.waiting)
-            for req in failed:
-                self.engine.fail(req, f"a step raised {type(err).__name__}: {err}")
-            return [StepOutput(req, []) for req in failed], True
+            return [StepOutput(req, []) for req in self.engine.fail_step(err)], True
 
     # --- on the event loop -----------------------------------------------------------------
 

@@ -1004,7 +1004,11 @@ class Engine:
         self._check_stepping_thread()
         req = self.submit(prompt_ids, params)
         while not req.is_finished:
-            self.step()
+            try:
+                self.step()
+            except Exception as err:  # raised to the caller; the engine serves on
+                self.fail_step(err)
+                raise
         return self.result(req)
 
     def _check_stepping_thread(self) -> None:
@@ -1013,6 +1017,15 @@ class Engine:
                             "use `await aengine.generate(...)` or `aengine.stream(...)`")
 
     # --- failures --------------------------------------------------------------------------
+
+    def fail_step(self, err: Exception) -> list[Request]:
+        """After ``step`` raised ``err``: fail the requests it was running or admitting (whose
+        state it may have left half-updated; none running: it failed on the waiting ones, as
+        each step would), and return them. Left, each later step failed on them again."""
+        failed = list(self.scheduler.running) or list(self.scheduler.waiting)
+        for req in failed:
+            self.fail(req, f"a step raised {type(err).__name__}: {err}")
+        return failed
 
     def fail(self, req: Request, message: str) -> None:
         """Finish ``req`` with ``FinishReason.ERROR`` and free its cache slot; ``message`` (why)
