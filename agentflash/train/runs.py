@@ -130,6 +130,12 @@ class RunLog:
     def close(self) -> None:
         self.file.close()
 
+    def __enter__(self) -> RunLog:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
 
 def open_log(path: Path, start: int) -> RunLog:
     """The run's loss log, for appending from step ``start`` on: lines of later steps (written
