@@ -1245,3 +1245,65 @@ def test_numpy_values_a_tool_returns_reach_the_model_as_json_values():
     assert json.loads(format_result(value)) == {"count": 3, "ok": True, "hist": [0, 1, 2],
                                                 "half": 1.5, "grid": [[1, 1], [1, 1]],
                                                 "price": 0.1, "scores": [[0.3, 0.7]]}
+
+
+def test_tensors_and_keys_that_meet_in_json_reach_the_model_whole_or_refused():
+    import torch
+
+    from agentflash.runtime.tools import format_result
+
+    # a tensor was its shortened text: "tensor([0.0000e+00, ..., 1.9990e+02])", 1,994 values lost
+    values = json.loads(format_result({"scores": torch.arange(2000) / 10, "n": torch.tensor(3)}))
+    assert len(values["scores"]) == 2000 and values["scores"][1] == pytest.approx(0.1)
+    assert values["n"] == 3
+    assert json.loads(format_result(torch.tensor([0.1], dtype=torch.bfloat16))) == [0.10009765625]
+    # {1: "one", "1": "uno"} was {"1": "uno"}: a value dropped without a word
+    for value in ({1: "one", "1": "uno"}, [{"a": {None: 1, "None": 2}}]):
+        with pytest.raises(ValueError, match="are one key"):
+            format_result(value)
+    assert json.loads(format_result({1: "one", 2: ["x", {3: "y"}]})) == {"1": "one",
+                                                                         "2": ["x", {"3": "y"}]}
+
+
+def test_an_error_result_keeps_its_characters():
+    @tool
+    def find(city: str) -> str:
+        raise ValueError(f"ville introuvable: {city}")
+
+    outcome = anyio.run(run_tool, find, {"city": "Zürich 日本"})
+    # escaped as \u00fc and \u65e5\u672c: several tokens a character, where a result is not
+    assert outcome.output == '{"status": "error", "error": "ValueError: ville introuvable: ' \
+                             'Zürich 日本"}'
+
+
+def test_async_generators_behind_a_wrapper_are_taken_and_a_timed_out_generator_is_left():
+    def plain_wrapper(fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            return fn(*args, **kwargs)
+        return wrapper
+
+    @tool
+    @plain_wrapper
+    async def counted(n: int):
+        for i in range(n):
+            yield i
+
+    taken = []
+
+    @tool(timeout_s=0.3)
+    def endless() -> str:
+        while True:
+            time.sleep(0.01)
+            taken.append(1)
+            yield "item"
+
+    # the async one was its repr ("<async_generator object ...>"), its body never run; the
+    # sync one's items were taken for ever after its timeout, by the runtime's own thread
+    assert anyio.run(run_tool, counted, {"n": 3}).output == "[0, 1, 2]"
+    outcome = anyio.run(run_tool, endless, {})
+    assert outcome.is_error and "timed out after 0.3 s" in outcome.output
+    time.sleep(0.3)
+    count = len(taken)
+    time.sleep(0.5)
+    assert len(taken) <= count + 1

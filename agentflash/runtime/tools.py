@@ -426,13 +426,36 @@ def format_result(value: Any) -> str:
         return _characters(value)
     # json.dumps layout: the one chat-format models are trained to read
     jsonable = pydantic_core.to_jsonable_python(value, fallback=_fallback)
+    _check_keys_kept(value, jsonable)
     return _characters(json.dumps(_finite(jsonable), ensure_ascii=False, allow_nan=False))
+
+
+def _check_keys_kept(value: Any, jsonable: Any) -> None:
+    """A ``ValueError`` where two keys of a dict in ``value`` became one in ``jsonable`` (1 and
+    "1" are both "1" in JSON: one of the two values was dropped without a word)."""
+    if isinstance(value, dict) and isinstance(jsonable, dict):
+        if len(jsonable) < len(value):
+            seen: dict[str, Any] = {}
+            for key in value:
+                text = next(iter(pydantic_core.to_jsonable_python({key: 0}, fallback=str)))
+                if text in seen:
+                    raise ValueError(f"the keys {seen[text]!r} and {key!r} are one key, "
+                                     f"{text!r}, in JSON")
+                seen[text] = key
+        for (_, item), written in zip(value.items(), jsonable.values()):
+            _check_keys_kept(item, written)
+    elif isinstance(value, (list, tuple)) and isinstance(jsonable, list):
+        for item, written in zip(value, jsonable):
+            _check_keys_kept(item, written)
 
 
 def _fallback(value: Any) -> Any:
     """What pydantic cannot write: numpy's numbers and arrays as the Python values they hold
     (``tolist``: np.int64(3) is 3, not "3"; an array a list, not "[0 1 2]"), else its text."""
     tolist = getattr(type(value), "tolist", None)
+    if callable(tolist) and type(value).__module__.split(".")[0] == "torch":
+        # a tensor as the values it holds, not its shortened text ("tensor([0., ..., 9.])")
+        return pydantic_core.to_jsonable_python(value.detach().cpu().tolist(), fallback=str)
     if callable(tolist) and type(value).__module__ == "numpy":
         import numpy as np
 
@@ -465,7 +488,8 @@ def _characters(text: str) -> str:
 
 
 def error_result(message: str) -> str:
-    return json.dumps({"status": "error", "error": message})
+    """An error result, in ``format_result``'s layout (its characters as they are)."""
+    return _characters(json.dumps({"status": "error", "error": message}, ensure_ascii=False))
 
 
 # --- function tools -----------------------------------------------------------------------------
@@ -504,12 +528,20 @@ class FunctionTool:
         values = {name: validated.__dict__[name] for name in type(validated).model_fields}
         args = [values.pop(name) for name in self.positional]
         if inspect.iscoroutinefunction(self.fn):
-            return await self.fn(*args, **values)
-        if inspect.isasyncgenfunction(self.fn):  # what it yields, as a list (under the timeout)
+            result = await self.fn(*args, **values)
+        elif inspect.isasyncgenfunction(self.fn):  # what it yields, as a list (under the timeout)
             return [item async for item in self.fn(*args, **values)]
-        result = await _in_daemon_thread(functools.partial(_drained, self.fn, *args, **values))
+        else:
+            stop = threading.Event()  # a generator's items are taken until the call ends
+            try:
+                result = await _in_daemon_thread(
+                    functools.partial(_drained, stop, self.fn, *args, **values))
+            finally:  # timed out or cancelled: stop taking them
+                stop.set()
         if inspect.isawaitable(result):  # an async function behind a plain wrapper
             result = await result
+        if inspect.isasyncgen(result):  # ... an async generator function behind one
+            result = [item async for item in result]
         return result
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -517,11 +549,20 @@ class FunctionTool:
         return self.fn(*args, **kwargs)
 
 
-def _drained(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+def _drained(stop: threading.Event, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """``fn(...)``, a generator's items as a list: taken where ``fn`` runs (its thread, under
-    its timeout), not where the result is written for the model."""
+    its timeout), not where the result is written for the model; no more once ``stop`` is set
+    (the call timed out, or was cancelled), and the generator is closed."""
     result = fn(*args, **kwargs)
-    return list(result) if inspect.isgenerator(result) else result
+    if not inspect.isgenerator(result):
+        return result
+    items = []
+    for item in result:
+        if stop.is_set():
+            result.close()
+            break
+        items.append(item)
+    return items
 
 
 async def _in_daemon_thread(fn: Callable[[], Any]) -> Any:
