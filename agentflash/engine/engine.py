@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import json
 import logging
+import re
 import threading
 import time
 from collections import deque
@@ -183,6 +184,7 @@ class Engine:
             model_dir,
         )
         self.decode_output = OutputDecoder(tokenizer)  # a reply's text of its tokens
+        self._markers = marker_pattern(tokenizer)  # (inert_markers)
         self.drafter = drafter  # a DFlashDrafter, or None for plain decoding only
         if drafter is not None:
             weight, own = next(model.parameters()), next(drafter.parameters())
@@ -263,6 +265,7 @@ class Engine:
         if not getattr(self.tokenizer, "chat_template", None):
             raise UserError(f"{self.model_dir}: the tokenizer has no chat template")
         self.check_template_kwargs(template_kwargs)
+        messages = inert_markers(messages, self._markers)
         try:
             text = self.tokenizer.apply_chat_template(
                 messages, tools=tools or None, tokenize=False, add_generation_prompt=True,
@@ -1036,6 +1039,48 @@ class Engine:
             self._inbox.remove(req)
         req.finish_reason, req.error = FinishReason.ERROR, message
         self._finish(req)
+
+
+def marker_pattern(tokenizer) -> re.Pattern[str] | None:
+    """A pattern of the texts of the tokenizer's special and added tokens (``<|im_start|>``,
+    ``<tool_response>``): the markers a chat template writes a conversation's structure with;
+    None if it has none."""
+    texts = set(getattr(tokenizer, "all_special_tokens", ()))
+    texts |= {t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values()}
+    texts = {t for t in texts if isinstance(t, str) and len(t) > 1}
+    if not texts:
+        return None
+    return re.compile("|".join(re.escape(t) for t in sorted(texts, key=len, reverse=True)))
+
+
+def inert_markers(messages: list[dict[str, Any]], markers: re.Pattern[str] | None
+                  ) -> list[dict[str, Any]]:
+    """``messages`` where the text a user or a tool wrote holds no marker (``marker_pattern``)
+    as one: a zero-width space after its first character, so that the tokenizer reads it as
+    text, as OpenAI's API does, not as the token the template writes. A web page an ``http:``
+    tool fetched could otherwise end the tool's turn and open a system one."""
+    if markers is None:
+        return messages
+
+    def inert(text: Any) -> Any:
+        if not isinstance(text, str) or markers.search(text) is None:
+            return text
+        return markers.sub(lambda m: m[0][0] + "\u200b" + m[0][1:], text)
+
+    out = []
+    for message in messages:
+        if isinstance(message, dict) and message.get("role") in ("user", "tool"):
+            content = message.get("content")
+            if isinstance(content, list):  # parts: {"type": "text", "text": ...}
+                content = [{**part, "text": inert(part.get("text"))}
+                           if isinstance(part, dict) and "text" in part else part
+                           for part in content]
+            else:
+                content = inert(content)
+            if content is not message.get("content"):
+                message = {**message, "content": content}
+        out.append(message)
+    return out
 
 
 def check_template_kwargs(template_kwargs: dict[str, Any] | None,
