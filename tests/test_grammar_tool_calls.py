@@ -147,6 +147,30 @@ def test_union_rejects_arguments_of_the_wrong_shape(tok):
         assert not is_legal(grammar, ids), body
 
 
+@pytest.mark.parametrize(("parameters", "legal", "illegal"), [
+    # a $ref in a const or an enum is data: it was rewritten as the union's pointer, and the call
+    # written with it refused by the tool's own schema
+    ({"properties": {"x": {"const": {"$ref": "#/a"}}}, "required": ["x"]},
+     {"x": {"$ref": "#/a"}}, {"x": {"$ref": "#/anyOf/0/properties/arguments/a"}}),
+    ({"properties": {"x": {"enum": [{"$ref": "#"}]}}, "required": ["x"]},
+     {"x": {"$ref": "#"}}, {"x": {"$ref": "#/anyOf/0/properties/arguments"}}),
+    # an anchor's ref, and the refs of a schema with an $id: refused as pointers to nothing
+    ({"$defs": {"n": {"$anchor": "num", "type": "integer", "maximum": 3}},
+      "properties": {"x": {"$ref": "#num"}}, "required": ["x"]}, {"x": 3}, {"x": 4}),
+    ({"$id": "https://example.com/s", "$defs": {"a": {"type": "integer", "maximum": 3}},
+      "properties": {"x": {"$ref": "#/$defs/a"}}, "required": ["x"]}, {"x": 3}, {"x": 4}),
+])
+def test_refs_in_a_tools_parameters_point_where_they_did(tok, parameters, legal, illegal):
+    parameters = {"type": "object", **parameters}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": parameters}}]
+    grammar = compile_grammar(tool_call_body(tools), tok)
+    for arguments, ok in ((legal, True), (illegal, False)):
+        body = json.dumps({"name": "f", "arguments": arguments})
+        ids = tok.encode(body, add_special_tokens=False) + [tok.eos_token_id]
+        assert is_legal(grammar, ids) == ok, body
+        assert jsonschema.Draft202012Validator(parameters).is_valid(arguments) == ok
+
+
 def test_strict_unions_take_no_invented_arguments(tok):
     loose = [
         {

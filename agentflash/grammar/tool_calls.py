@@ -24,6 +24,7 @@ from agentflash.grammar.sources import (
     exact_dates,
     json_schema,
     lark,
+    with_subschemas,
 )
 from agentflash.tool_format import CLOSE, OPEN
 
@@ -77,16 +78,18 @@ def check_parameters(params: Any, origin: str) -> None:
 
 
 def _rebase_refs(node: Any, base: str) -> Any:
-    """Point local ``$ref``s at where the schema is embedded (``#`` becomes ``base``)."""
-    if isinstance(node, dict):
-        out = {k: _rebase_refs(v, base) for k, v in node.items()}
-        ref = node.get("$ref")
-        if isinstance(ref, str) and ref.startswith("#"):
-            out["$ref"] = base + ref[1:]
-        return out
-    if isinstance(node, list):
-        return [_rebase_refs(v, base) for v in node]
-    return node
+    """Point the pointer refs (``#``, ``#/...``) of the schema ``node`` and its subschemas at
+    where it is embedded (``#`` becomes ``base``). An anchor's ``#name`` is the document's, as
+    before; what a ``const``, ``enum`` or ``default`` holds is data, left as it is (a
+    ``{"$ref": "#/a"}`` there was rewritten, and the call then written with it refused)."""
+    if not isinstance(node, dict):
+        return node
+    out = with_subschemas(node, lambda sub, _: _rebase_refs(sub, base))
+    for keyword in ("$ref", "$dynamicRef"):
+        ref = node.get(keyword)
+        if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+            out[keyword] = base + ref[1:]
+    return out
 
 
 def tool_call_schema(
@@ -104,6 +107,8 @@ def tool_call_schema(
         parameters = spec.parameters
         parameters = exact_dates(close_objects(parameters) if strict and spec.strict
                                  else parameters)
+        # (an $id of its own would make its refs its own: they are the union's, rebased)
+        parameters = {k: v for k, v in parameters.items() if k != "$id"}
         arguments = _rebase_refs(copy.deepcopy(parameters), base)
         branches.append(
             {
