@@ -3,6 +3,7 @@
 
 import numbers
 import re
+from pathlib import Path
 from typing import Any
 
 
@@ -17,6 +18,15 @@ class ChatTemplateError(UserError):
     def __init__(self, message: str, reason: str = ""):
         super().__init__(message)
         self.reason = reason or message
+
+
+def expand_user(path: Any) -> Path:
+    """``path`` with a leading ``~`` or ``~user`` expanded; as it is where there is no such
+    user (``Path.expanduser`` raises): then it is named, as it is, where it is looked for."""
+    try:
+        return Path(path).expanduser()
+    except RuntimeError:
+        return Path(path)
 
 
 def shown_url(url: str) -> str:

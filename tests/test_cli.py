@@ -331,6 +331,9 @@ def test_boolean_schemas_and_a_huge_seed(tiny_model_dir, tmp_path):
 def test_missing_model_and_missing_files(tmp_path):
     code, _, err = run("generate", "--model", str(tmp_path / "none"), "--prompt", "x")
     assert code == 2 and "model directory does not exist" in err
+    for flag in ("--model", "--drafter"):  # no such user's home: a traceback
+        code, _, err = run("generate", flag, "~nosuchuser_af/m", "--prompt", "x")
+        assert code == 2 and "~nosuchuser_af/m: " in err and "directory does not exist" in err
     code, _, err = run("generate", "--prompt", "x", "--tools", str(tmp_path / "none.json"))
     assert code == 2 and "tools file does not exist" in err
     code, _, err = run("generate", "--prompt", "x", "--messages", str(tmp_path / "m.json"))

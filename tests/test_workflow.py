@@ -1201,6 +1201,10 @@ def test_a_model_path_under_home_is_found_as_on_the_command_line(tmp_path, tiny_
         """)
     wf = load_workflow(path)
     assert wf.model.resolve(wf.model.path) == str(tmp_path / "home" / "m")
+    # a user with no home: Path.expanduser's RuntimeError was a traceback
+    path.write_text(path.read_text().replace("~/m", "~nosuchuser_af/m"))
+    with pytest.raises(UserError, match=r"model.path: directory .*~nosuchuser_af/m' does not "):
+        load_workflow(path)
 
 
 def test_run_model_is_checked_as_the_model_the_workflow_runs_on(tmp_path):

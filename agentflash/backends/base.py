@@ -19,6 +19,7 @@ from agentflash.errors import (
     SEED_TEXT,
     TEMPERATURE_TEXT,
     UserError,
+    expand_user,
     is_int,
     is_seed,
     is_temperature,
@@ -234,7 +235,7 @@ class ModelSpec:
         like ``demo``."""
         if path in ("auto", "demo", "none"):
             return path
-        path = str(Path(path).expanduser())  # as --model and --drafter take it
+        path = str(expand_user(path))  # as --model and --drafter take it
         if self.base_dir is None or Path(path).is_absolute():
             return path
         return str(self.base_dir / path)

@@ -37,7 +37,7 @@ from agentflash.backends.base import (
     template_kwargs,
     unclosed_call_error,
 )
-from agentflash.errors import UserError
+from agentflash.errors import UserError, expand_user
 from agentflash.runtime.errors import RunError
 from agentflash.tool_format import CLOSE, OPEN, CallEnd, JsonScan, parse_body
 from agentflash.tool_format import MalformedToolCall as ParsedMalformed
@@ -243,7 +243,7 @@ def load_weights(model: str, drafter: str = "auto") -> tuple[Any, Any, Path, Any
 
 def check_drafter(drafter: str) -> str:
     """``auto``, ``demo``, ``none`` or an existing drafter directory."""
-    if drafter not in ("auto", "demo", "none") and not Path(drafter).expanduser().is_dir():
+    if drafter not in ("auto", "demo", "none") and not expand_user(drafter).is_dir():
         raise UserError(f"{drafter}: drafter directory does not exist")
     return drafter
 

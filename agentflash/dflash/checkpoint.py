@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from agentflash.dflash.drafter import DFlashDrafter, DrafterConfig
-from agentflash.errors import UserError
+from agentflash.errors import UserError, expand_user
 from agentflash.models.loading import load_state_dict, read_json
 from agentflash.models.qwen3 import (
     ModelConfig,
@@ -175,7 +175,7 @@ def save_drafter(drafter: DFlashDrafter, out_dir: Path) -> Path:
 
 def load_drafter_config(path: Path) -> DrafterConfig:
     """The ``DrafterConfig`` of a checkpoint directory; ``UserError`` names file and problem."""
-    path = Path(path).expanduser()
+    path = expand_user(path)
     if not path.exists():
         raise UserError(f"{path}: drafter directory does not exist")
     if not path.is_dir():
@@ -192,7 +192,7 @@ def load_drafter(
     path: Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
 ) -> DFlashDrafter:
     """Build a drafter from a z-lab-format directory and load its weights."""
-    path = Path(path).expanduser()
+    path = expand_user(path)
     cfg = load_drafter_config(path)
     drafter = DFlashDrafter(cfg)
     state = load_state_dict(path)

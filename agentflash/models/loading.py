@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from agentflash.errors import UserError
+from agentflash.errors import UserError, expand_user
 from agentflash.models.qwen3 import ModelConfig, Qwen3Model
 
 DEMO_DIR = Path(__file__).resolve().parent.parent / "assets" / "demo"
@@ -38,7 +38,7 @@ def resolve_drafter(model: str | Path, drafter: str | Path | None) -> str | Path
 
 def drafter_dir(drafter: str | Path) -> Path:
     """``demo`` names the bundled drafter; anything else is a directory path."""
-    return DEMO_DIR / "drafter" if str(drafter) == "demo" else Path(drafter).expanduser()
+    return DEMO_DIR / "drafter" if str(drafter) == "demo" else expand_user(drafter)
 
 
 def read_validation_tau(drafter_dir: Path) -> dict[str, float] | None:
@@ -61,7 +61,7 @@ def resolve_model_dir(name_or_path: str | Path) -> Path:
     """``demo`` names the bundled model; anything else is a directory path."""
     if str(name_or_path) == "demo":
         return DEMO_DIR / "target"
-    path = Path(name_or_path).expanduser()
+    path = expand_user(name_or_path)
     if not path.exists():
         raise UserError(f"{path}: model directory does not exist")
     if not path.is_dir():

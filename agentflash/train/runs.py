@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from agentflash.errors import UserError
+from agentflash.errors import UserError, expand_user
 
 # files only one kind of run writes (besides the checkpoint, which says its kind itself)
 _OWN_FILES = {"target": ("tokenizer.json", "train_config.json"),
@@ -98,7 +98,7 @@ def target_name(target: str | Path) -> str:
 
     if str(target) == "demo":
         return "demo"
-    path = Path(target).expanduser().resolve()
+    path = expand_user(target).resolve()
     return "demo" if path == (DEMO_DIR / "target").resolve() else str(path)
 
 
