@@ -76,6 +76,7 @@ def test_a_fence_inside_a_tool_calls_json_opens_no_code_block():
      (["```\n", "~~~\n", "``` no\n", "``", "`", "\n", "p"], "PCCCCPPP"),  # only "```" closes
      (["```js\n", "x\n", "```", " not yet\n", "```\n"], "PCCPCP"),
      (["text </tool_call>```\n", "more"], "PPP"),
+     (["```\r\n", "x = 1\r\n", "```\r\n", "prose"], "PCCPP"),  # CRLF: it never closed
     ],
 )
 def test_a_code_fence_is_a_line_of_its_own(pieces, kinds):

@@ -38,7 +38,7 @@ def _closes(line: str, fence: tuple[str, int]) -> bool:
     as long, and nothing after it but blanks."""
     match = _FENCE.match(line)
     return (match is not None and match[1][0] == fence[0] and len(match[1]) >= fence[1]
-            and not match[2].strip(" \t"))
+            and not match[2].strip(" \t\r"))  # (a line may end in \r\n)
 
 
 @dataclass
