@@ -375,6 +375,8 @@ def test_top_p_keeps_the_smallest_set_whose_mass_reaches_it():
      "{% endif %}{{ messages[0]['content'] }}",
      [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}],
      "the chat template refused these messages: System role not supported"),
+    ("{{ messages[0]['content'] / 2 }}", [{"role": "user", "content": "hi"}],  # a TypeError
+     "the chat template failed on these messages: TypeError: unsupported operand"),
 ])
 def test_a_chat_template_that_cannot_render_is_named(tiny_model_dir, tmp_path, template,
                                                      messages, message):

@@ -279,6 +279,10 @@ class Engine:
         except jinja2.TemplateError as err:  # the template's raise_exception, or a missing part
             raise ChatTemplateError(f"{self.model_dir}: the chat template refused these "
                                     f"messages: {err}", str(err)) from None
+        except Exception as err:  # what its own expressions raise ("'str' / 'int'")
+            reason = f"{type(err).__name__}: {err}"
+            raise ChatTemplateError(f"{self.model_dir}: the chat template failed on these "
+                                    f"messages: {reason}", reason) from None
         from agentflash.inputs import check_unicode  # callers name the field; this, the rest
 
         check_unicode(text, "the chat prompt (messages, tools or instructions)")
