@@ -551,7 +551,8 @@ def test_connection_errors_are_retried_then_reported():
                          # httpx takes these for hosts "%5B" and "a%20b": a failed connect after
                          # every retry before
                          ("http://[", "its host holds a character no host name can"),
-                         ("http://my host:8000/v1", "its host holds a character no host name can")):
+                         ("http://my host:8000/v1", "its host holds a character no host name can"),
+                         ("http://a|b/v1", "its host holds a character no host name can")):
         with pytest.raises(UserError, match=f"model.base_url .*{problem}"):
             OpenAIBackend(url, "demo")
     for key in ("sk-abc\u00a0", "sk-abc ", "sk-abc\n"):

@@ -116,7 +116,8 @@ def base_url_problem(base_url: Any) -> str | None:
         url = httpx.URL(base_url)
         if not url.host:
             return f"{shown_url(base_url)!r} names no host"
-        if "%" in url.host and ":" not in url.host:  # httpx escaped what no host name holds
+        host = url.raw_host.decode("ascii", "replace")  # (a unicode name as IDNA has it)
+        if ":" not in host and not re.fullmatch(r"[A-Za-z0-9._-]+", host):  # (no IPv6 literal)
             return f"{shown_url(base_url)!r}: its host holds a character no host name can"
         if url.port is not None and not 0 < url.port < 65536:
             return f"{shown_url(base_url)!r}: port {url.port} is not one of 1 to 65535"
