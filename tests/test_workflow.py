@@ -21,7 +21,7 @@ from agentflash.backends.base import BackendKind, ForceTool, ToolChoice
 from agentflash.backends.local import LocalBackend
 from agentflash.backends.scripted import ScriptedBackend
 from agentflash.cli import app
-from agentflash.errors import UserError
+from agentflash.errors import UserError, UserErrors
 from agentflash.runtime import StepFailed, load_workflow
 from agentflash.runtime.errors import OutputsFailed
 from agentflash.runtime.workflow import (
@@ -1205,6 +1205,26 @@ def test_a_model_path_under_home_is_found_as_on_the_command_line(tmp_path, tiny_
     path.write_text(path.read_text().replace("~/m", "~nosuchuser_af/m"))
     with pytest.raises(UserError, match=r"model.path: directory .*~nosuchuser_af/m' does not "):
         load_workflow(path)
+
+
+def test_a_name_ending_in_a_newline_is_refused(tmp_path):
+    # Python's $ matches before a last newline, JSON Schema's (ECMA-262) only at the end: an
+    # agent "writer\n" and a step "s1\n" passed, and their messages showed a stray space
+    path = write(tmp_path, """\
+        version: 1
+        name: t
+        agents:
+          "writer\\n": {instructions: hi}
+        steps:
+          - {id: "s1\\n", agent: "writer\\n", input: hi}
+        """)
+    with pytest.raises(UserErrors) as err:
+        load_workflow(path)
+    assert err.value.problems == [
+        f"{path}:4: agents.writer\n: the name 'writer\\n' is not allowed (it must match "
+        "^[A-Za-z0-9_-]{1,40}$)",
+        f"{path}:6: steps[0].id: 's1\\n' does not match '^[A-Za-z_][A-Za-z0-9_]*$'",
+        f"{path}:6: steps[0].agent: 'writer\\n' does not match '^[A-Za-z0-9_-]{{1,40}}$'"]
 
 
 def test_run_model_is_checked_as_the_model_the_workflow_runs_on(tmp_path):

@@ -18,7 +18,7 @@ import json
 import math
 import re
 import sys
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -478,10 +478,21 @@ def load_workflow(path: str | Path, model: str | None = None) -> Workflow:
     return _Builder(doc, problems, model).build()
 
 
-def _schema_problems(doc: YamlDoc, problems: _Problems) -> None:
-    from jsonschema import Draft202012Validator
+def _ecma_pattern(validator: Any, pattern: str, instance: Any, schema: Any) -> Iterator[Any]:
+    """``pattern`` as JSON Schema reads it (ECMA-262): its ``$`` is the end of the text. Python's
+    ``$`` also matches before a last newline: "writer\\n" passed as an agent's name."""
+    from jsonschema.exceptions import ValidationError
 
-    for err in Draft202012Validator(workflow_schema()).iter_errors(doc.data):
+    if validator.is_type(instance, "string") and not re.search(
+            re.sub(r"(?<!\\)\$$", r"\\Z", pattern), instance):
+        yield ValidationError(f"{instance!r} does not match {pattern!r}")
+
+
+def _schema_problems(doc: YamlDoc, problems: _Problems) -> None:
+    from jsonschema import Draft202012Validator, validators
+
+    checker = validators.extend(Draft202012Validator, {"pattern": _ecma_pattern})
+    for err in checker(workflow_schema()).iter_errors(doc.data):
         keys: Keys = tuple(err.absolute_path)
         kind, value, instance = err.validator, err.validator_value, err.instance
         if kind == "additionalProperties":
