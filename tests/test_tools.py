@@ -455,6 +455,8 @@ def test_bad_tool_definitions_are_user_errors():
         tool(keywords)
     with pytest.raises(UserError, match="tool name 'two words'"):
         tool(name="two words")(lambda x: x)
+    with pytest.raises(UserError, match="tool name '' must be"):  # was the function's name
+        tool(name="")(lambda x: x)
     with pytest.raises(UserError, match="timeout_s must be a positive number"):
         tool(timeout_s=0)(star)
     # a builtin of C has no signature: a ValueError's traceback out of validate and run

@@ -728,7 +728,7 @@ def function_tool(fn: Callable[..., Any], *, name: str | None = None,
     where = getattr(fn, "__qualname__", repr(fn))
     if name is None and not hasattr(fn, "__name__"):  # a functools.partial, a callable object
         raise UserError(f"{where}: has no __name__; give the tool one (tool(name=...))")
-    name = _check_name(name or fn.__name__, where)
+    name = _check_name(fn.__name__ if name is None else name, where)
     _check_timeout(timeout_s, where)
     # where the hints and the docstring are: a partial's function, a callable object's __call__
     source = fn
