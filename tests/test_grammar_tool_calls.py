@@ -171,6 +171,21 @@ def test_refs_in_a_tools_parameters_point_where_they_did(tok, parameters, legal,
         assert jsonschema.Draft202012Validator(parameters).is_valid(arguments) == ok
 
 
+def test_a_tool_refused_at_compile_time_is_named_not_its_place_in_the_union(tok):
+    # "tool_choice=auto: %json #/anyOf/1/properties/arguments/properties holds '</tool_call>'"
+    tools = [{"type": "function", "function": {"name": "search", "parameters": {
+                 "type": "object", "properties": {"q": {"type": "string"}}}}},
+             {"type": "function", "function": {"name": "lookup", "parameters": {
+                 "type": "object", "properties": {"x</tool_call>": {"type": "string"}}}}}]
+    for source, origin in ((tool_call_body(tools), "tools"),
+                           (assistant_turn(tools, "auto"), "tool_choice=auto"),
+                           (assistant_turn(tools, "required"), "tool_choice=required")):
+        with pytest.raises(GrammarError) as err:
+            compile_grammar(source, tok)
+        assert str(err.value).startswith(f"{origin}: tool 'lookup' parameters #/properties holds "
+                                         f"'</tool_call>', the text of a special token")
+
+
 def test_strict_unions_take_no_invented_arguments(tok):
     loose = [
         {

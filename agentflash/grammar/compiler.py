@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -118,12 +119,18 @@ def compile_grammar(
     key = (backend, source, info)
 
     def compiled() -> CompiledGrammar:
-        grammar = _build(backend, source, info)
-        if backend is Backend.LLGUIDANCE:
-            _check_patterns(source, info)
-        _check_can_start(grammar, source, info)
-        if backend is Backend.OUTLINES:
-            _check_outlines_continuations(grammar, source, info)
+        try:
+            grammar = _build(backend, source, info)
+            if backend is Backend.LLGUIDANCE:
+                _check_patterns(source, info)
+            _check_can_start(grammar, source, info)
+            if backend is Backend.OUTLINES:
+                _check_outlines_continuations(grammar, source, info)
+        except GrammarError as err:
+            named = _named_tools(str(err), source)
+            if named == str(err):
+                raise
+            raise GrammarError(named) from None
         return grammar
 
     if not use_cache:
@@ -131,6 +138,33 @@ def compile_grammar(
         _grammars.put(key, grammar)
         return grammar
     return _grammars.get_or_make(key, compiled)
+
+
+_UNION_POINTER = re.compile(r"(?:%json )?#/anyOf/(\d+)/properties/arguments(?![\w-])")
+
+
+def _named_tools(message: str, source: GrammarSource) -> str:
+    """``message`` where a pointer into the union of the tools' calls (``tool_call_schema``:
+    ``#/anyOf/1/properties/arguments/...``) names the tool instead: ``tool 'lookup' parameters
+    #/...``, as the user wrote it."""
+    if _UNION_POINTER.search(message) is None:
+        return message
+    schemas = ([source.schema] if source.kind is GrammarKind.JSON_SCHEMA
+               else [schema for _, schema in json_bodies(source.text)])
+    for schema in schemas:
+        branches = schema.get("anyOf") if isinstance(schema, dict) else None
+        if not isinstance(branches, list):
+            continue
+        names = [((b.get("properties") or {}).get("name") or {}).get("const")
+                 if isinstance(b, dict) else None for b in branches]
+        if names and all(isinstance(name, str) for name in names):
+
+            def tool(match: re.Match[str], names: list[str] = names) -> str:
+                i = int(match[1])
+                return f"tool {names[i]!r} parameters #" if i < len(names) else match[0]
+
+            return _UNION_POINTER.sub(tool, message)
+    return message
 
 
 def _check_outlines_continuations(grammar: CompiledGrammar, source: GrammarSource,
