@@ -84,6 +84,31 @@ def test_a_code_fence_is_a_line_of_its_own(pieces, kinds):
     assert kinds_along(pieces) == [names[k] for k in kinds]
 
 
+def test_a_long_line_is_searched_for_a_calculation_once_not_at_every_step(monkeypatch):
+    # every step searched the whole line so far: a line of 120,000 characters took 13 s
+    import agentflash.router.segments as segments
+
+    scanned = []
+
+    class Counting:
+        def search(self, text, pos=0):
+            scanned.append(len(text) - pos)
+            return real.search(text, pos)
+
+    real = segments._MATH_LINE
+    monkeypatch.setattr(segments, "_MATH_LINE", Counting())
+    tracker = SegmentTracker()
+    n = 5000
+    for _ in range(n):
+        tracker.feed("w ")
+        assert tracker.kind is SegmentKind.PROSE
+    tracker.feed("so 12 * 3 = 36")
+    assert tracker.kind is SegmentKind.MATH
+    assert sum(scanned) < 100 * n
+    tracker.feed(" and on\n")
+    assert tracker.kind is SegmentKind.PROSE
+
+
 def test_schema_bound_reply_is_one_schema_segment():
     tracker = SegmentTracker(schema_bound=True)
     tracker.feed('{"a": 1 + 2}')
