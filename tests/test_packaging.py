@@ -35,3 +35,13 @@ def test_an_installed_wheel_validates_and_runs_a_workflow_outside_the_repository
         done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "site"), *args],
                               cwd=work, env=env, capture_output=True, text=True)
         assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_python_m_agentflash_is_the_command(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "agentflash", "validate",
+                           str(ROOT / "examples" / "structured.yaml")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.startswith(str(ROOT / "examples")), done.stderr
+    done = subprocess.run([sys.executable, "-m", "agentflash", "validate", str(tmp_path / "no")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stderr.startswith("error: ")

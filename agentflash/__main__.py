@@ -1,0 +1,5 @@
+"""``python -m agentflash``: the ``agentflash`` command."""
+
+from agentflash.cli import main
+
+main()
