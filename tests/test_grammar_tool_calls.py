@@ -159,6 +159,9 @@ def test_union_rejects_arguments_of_the_wrong_shape(tok):
       "properties": {"x": {"$ref": "#num"}}, "required": ["x"]}, {"x": 3}, {"x": 4}),
     ({"$id": "https://example.com/s", "$defs": {"a": {"type": "integer", "maximum": 3}},
       "properties": {"x": {"$ref": "#/$defs/a"}}, "required": ["x"]}, {"x": 3}, {"x": 4}),
+    ({"$id": "https://example.com/s", "$defs": {"a": {"type": "integer", "maximum": 3}},
+      "properties": {"x": {"$ref": "https://example.com/s#/$defs/a"}}, "required": ["x"]},
+     {"x": 3}, {"x": 4}),  # (compiled before the $id was dropped: that must hold on)
 ])
 def test_refs_in_a_tools_parameters_point_where_they_did(tok, parameters, legal, illegal):
     parameters = {"type": "object", **parameters}
@@ -169,6 +172,21 @@ def test_refs_in_a_tools_parameters_point_where_they_did(tok, parameters, legal,
         ids = tok.encode(body, add_special_tokens=False) + [tok.eos_token_id]
         assert is_legal(grammar, ids) == ok, body
         assert jsonschema.Draft202012Validator(parameters).is_valid(arguments) == ok
+
+
+def test_two_tools_anchors_of_one_name_are_each_their_own(tok):
+    def tool(name, anchored):
+        return {"type": "function", "function": {"name": name, "parameters": {
+            "type": "object", "$defs": {"n": {"$anchor": "num", **anchored}},
+            "properties": {"x": {"$ref": "#num"}}, "required": ["x"]}}}
+
+    grammar = compile_grammar(tool_call_body([tool("f", {"type": "integer"}),
+                                              tool("g", {"type": "string"})]), tok)
+    for name, arguments, ok in (("f", {"x": 1}, True), ("f", {"x": "s"}, False),
+                                ("g", {"x": "s"}, True), ("g", {"x": 1}, False)):
+        ids = tok.encode(json.dumps({"name": name, "arguments": arguments}),
+                         add_special_tokens=False) + [tok.eos_token_id]
+        assert is_legal(grammar, ids) == ok, (name, arguments)
 
 
 def test_a_tool_refused_at_compile_time_is_named_not_its_place_in_the_union(tok):

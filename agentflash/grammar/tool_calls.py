@@ -77,18 +77,29 @@ def check_parameters(params: Any, origin: str) -> None:
     check_schema_supported(params, f"{origin} parameters")
 
 
-def _rebase_refs(node: Any, base: str) -> Any:
-    """Point the pointer refs (``#``, ``#/...``) of the schema ``node`` and its subschemas at
-    where it is embedded (``#`` becomes ``base``). An anchor's ``#name`` is the document's, as
-    before; what a ``const``, ``enum`` or ``default`` holds is data, left as it is (a
-    ``{"$ref": "#/a"}`` there was rewritten, and the call then written with it refused)."""
+def _rebase_refs(node: Any, base: str, anchors: str, own_id: str | None = None) -> Any:
+    """The schema ``node`` and its subschemas, embedded at ``base`` of the union: its pointer
+    refs (``#``, ``#/...``, and an absolute one to ``own_id``, its root's ``$id``) point there
+    (``#`` becomes ``base``), and its anchors' names and the refs to them take the prefix
+    ``anchors`` (two tools' ``#num`` are each their own). What a ``const``, an ``enum`` or a
+    ``default`` holds is data, left as it is (a ``{"$ref": "#/a"}`` there was rewritten, and the
+    call then written with it refused)."""
     if not isinstance(node, dict):
         return node
-    out = with_subschemas(node, lambda sub, _: _rebase_refs(sub, base))
+    out = with_subschemas(node, lambda sub, _: _rebase_refs(sub, base, anchors, own_id))
+    for keyword in ("$anchor", "$dynamicAnchor"):
+        if isinstance(node.get(keyword), str):
+            out[keyword] = anchors + node[keyword]
     for keyword in ("$ref", "$dynamicRef"):
         ref = node.get(keyword)
-        if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+        if not isinstance(ref, str):
+            continue
+        if own_id is not None and ref.startswith(own_id.split("#")[0] + "#"):
+            ref = ref[len(own_id.split("#")[0]):]  # "https://example.com/s#/$defs/n"
+        if ref == "#" or ref.startswith("#/"):
             out[keyword] = base + ref[1:]
+        elif ref.startswith("#"):  # an anchor's name
+            out[keyword] = "#" + anchors + ref[1:]
     return out
 
 
@@ -108,8 +119,9 @@ def tool_call_schema(
         parameters = exact_dates(close_objects(parameters) if strict and spec.strict
                                  else parameters)
         # (an $id of its own would make its refs its own: they are the union's, rebased)
+        own_id = parameters.get("$id") if isinstance(parameters.get("$id"), str) else None
         parameters = {k: v for k, v in parameters.items() if k != "$id"}
-        arguments = _rebase_refs(copy.deepcopy(parameters), base)
+        arguments = _rebase_refs(copy.deepcopy(parameters), base, f"tool{i}_", own_id)
         branches.append(
             {
                 "type": "object",
