@@ -83,12 +83,18 @@ def test_a_drafter_of_another_dtype_drafts_in_the_targets(tiny_model_dir):
     drafter = alike.drafter
     assert next(drafter.parameters()).dtype == torch.float32
     engine = Engine(net, load_tokenizer(model_dir), EngineConfig(max_len=256), model_dir, drafter)
-    assert next(drafter.parameters()).dtype == torch.bfloat16
+    assert next(engine.drafter.parameters()).dtype == torch.bfloat16
     ids = list(range(50, 70))
     outputs = [engine.generate(ids, SamplingParams(max_tokens=12, ignore_eos=True,
                                                    speculation=mode)).token_ids
                for mode in ("dflash", "off")]
     assert outputs[0] == outputs[1] and len(outputs[0]) == 12
+    # the engine it came from drafts with it as before (cast in place, it failed there)
+    assert next(drafter.parameters()).dtype == torch.float32
+    before = [alike.generate(ids, SamplingParams(max_tokens=12, ignore_eos=True,
+                                                 speculation=mode)).token_ids
+              for mode in ("dflash", "off")]
+    assert before[0] == before[1]
 
 
 def test_a_step_that_raises_fails_its_request_and_the_engine_serves_on(engine, monkeypatch):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import inspect
 import json
 import logging
@@ -189,7 +190,8 @@ class Engine:
         if drafter is not None:
             weight, own = next(model.parameters()), next(drafter.parameters())
             if (own.dtype, own.device) != (weight.dtype, weight.device):  # it reads the target's
-                drafter.to_(weight.device, weight.dtype)  # states: as loaded for it
+                # states: a copy as loaded for it (another engine may draft with this one)
+                drafter = self.drafter = copy.deepcopy(drafter).to_(weight.device, weight.dtype)
             drafter.fuse_()
         max_len = min(config.max_len, model.cfg.max_position_embeddings)
         dtype = next(model.parameters()).dtype
