@@ -1258,9 +1258,23 @@ def test_tensors_and_keys_that_meet_in_json_reach_the_model_whole_or_refused():
     values = json.loads(format_result({"scores": torch.arange(2000) / 10, "n": torch.tensor(3)}))
     assert len(values["scores"]) == 2000 and values["scores"][1] == pytest.approx(0.1)
     assert values["n"] == 3
-    assert json.loads(format_result(torch.tensor([0.1], dtype=torch.bfloat16))) == [0.10009765625]
+    # by their shortest digits, as numpy's: 0.1, not 0.10000000149011612
+    assert json.loads(format_result(torch.tensor([0.1, 0.2]))) == [0.1, 0.2]
+    assert json.loads(format_result(torch.tensor([0.1], dtype=torch.bfloat16))) == [0.100097656]
     # {1: "one", "1": "uno"} was {"1": "uno"}: a value dropped without a word
-    for value in ({1: "one", "1": "uno"}, [{"a": {None: 1, "None": 2}}]):
+    import dataclasses
+
+    import pydantic
+
+    @dataclasses.dataclass
+    class Held:
+        d: dict
+
+    class Model(pydantic.BaseModel):
+        d: dict[int | str, str]
+
+    for value in ({1: "one", "1": "uno"}, [{"a": {None: 1, "None": 2}}],
+                  Held({1: "a", "1": "b"}), [Model(d={1: "a", "1": "b"})]):
         with pytest.raises(ValueError, match="are one key"):
             format_result(value)
     assert json.loads(format_result({1: "one", 2: ["x", {3: "y"}]})) == {"1": "one",

@@ -11,6 +11,7 @@ drops it from a nested model), and a ``Decimal`` written as a number still passe
 from __future__ import annotations
 
 import contextvars
+import dataclasses
 import datetime
 import decimal
 import enum
@@ -433,6 +434,10 @@ def format_result(value: Any) -> str:
 def _check_keys_kept(value: Any, jsonable: Any) -> None:
     """A ``ValueError`` where two keys of a dict in ``value`` became one in ``jsonable`` (1 and
     "1" are both "1" in JSON: one of the two values was dropped without a word)."""
+    if isinstance(value, pydantic.BaseModel):  # its fields' values, their keys as they were
+        value = {name: getattr(value, name) for name in type(value).model_fields}
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        value = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
     if isinstance(value, dict) and isinstance(jsonable, dict):
         if len(jsonable) < len(value):
             seen: dict[str, Any] = {}
@@ -442,7 +447,8 @@ def _check_keys_kept(value: Any, jsonable: Any) -> None:
                     raise ValueError(f"the keys {seen[text]!r} and {key!r} are one key, "
                                      f"{text!r}, in JSON")
                 seen[text] = key
-        for (_, item), written in zip(value.items(), jsonable.values()):
+        for key, item in value.items():
+            written = jsonable.get(key if isinstance(key, str) else str(key))
             _check_keys_kept(item, written)
     elif isinstance(value, (list, tuple)) and isinstance(jsonable, list):
         for item, written in zip(value, jsonable):
@@ -454,8 +460,13 @@ def _fallback(value: Any) -> Any:
     (``tolist``: np.int64(3) is 3, not "3"; an array a list, not "[0 1 2]"), else its text."""
     tolist = getattr(type(value), "tolist", None)
     if callable(tolist) and type(value).__module__.split(".")[0] == "torch":
-        # a tensor as the values it holds, not its shortened text ("tensor([0., ..., 9.])")
-        return pydantic_core.to_jsonable_python(value.detach().cpu().tolist(), fallback=str)
+        # a tensor as the values it holds, not its shortened text ("tensor([0., ..., 9.])"):
+        # as numpy's, a float narrower than 64 bits by its shortest digits (0.1, not 0.10000000149)
+        value = value.detach().cpu()
+        if value.is_floating_point() and value.element_size() < 8:
+            value = value.float().numpy()
+        else:
+            return pydantic_core.to_jsonable_python(value.tolist(), fallback=str)
     if callable(tolist) and type(value).__module__ == "numpy":
         import numpy as np
 
