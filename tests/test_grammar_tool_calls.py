@@ -202,6 +202,14 @@ def test_a_tool_refused_at_compile_time_is_named_not_its_place_in_the_union(tok)
             compile_grammar(source, tok)
         assert str(err.value).startswith(f"{origin}: tool 'lookup' parameters #/properties holds "
                                          f"'</tool_call>', the text of a special token")
+    # a schema of the user's in the union's shape, and an answer's beside the calls: as they are
+    from agentflash.grammar import json_schema
+
+    union = tool_call_schema(tools[1:])
+    for source in (json_schema(union, origin="answer.json"),
+                   assistant_turn(tools[:1], "auto", output_schema=union)):
+        with pytest.raises(GrammarError, match="#/anyOf/0/properties/arguments/properties holds"):
+            compile_grammar(source, tok)
 
 
 def test_strict_unions_take_no_invented_arguments(tok):

@@ -147,24 +147,32 @@ def _named_tools(message: str, source: GrammarSource) -> str:
     """``message`` where a pointer into the union of the tools' calls (``tool_call_schema``:
     ``#/anyOf/1/properties/arguments/...``) names the tool instead: ``tool 'lookup' parameters
     #/...``, as the user wrote it."""
-    if _UNION_POINTER.search(message) is None:
+    if (_UNION_POINTER.search(message) is None
+            or not source.origin.startswith(("tools", "tool_choice="))):
         return message
     schemas = ([source.schema] if source.kind is GrammarKind.JSON_SCHEMA
                else [schema for _, schema in json_bodies(source.text)])
-    for schema in schemas:
-        branches = schema.get("anyOf") if isinstance(schema, dict) else None
-        if not isinstance(branches, list):
-            continue
-        names = [((b.get("properties") or {}).get("name") or {}).get("const")
-                 if isinstance(b, dict) else None for b in branches]
-        if names and all(isinstance(name, str) for name in names):
+    if len(schemas) != 1:  # an answer's schema beside the calls': which one it is, unknown
+        return message
+    branches = schemas[0].get("anyOf") if isinstance(schemas[0], dict) else None
+    if not isinstance(branches, list) or not all(map(_is_call_branch, branches)):
+        return message
+    names = [branch["properties"]["name"]["const"] for branch in branches]
 
-            def tool(match: re.Match[str], names: list[str] = names) -> str:
-                i = int(match[1])
-                return f"tool {names[i]!r} parameters #" if i < len(names) else match[0]
+    def tool(match: re.Match[str]) -> str:
+        i = int(match[1])
+        return f"tool {names[i]!r} parameters #" if i < len(names) else match[0]
 
-            return _UNION_POINTER.sub(tool, message)
-    return message
+    return _UNION_POINTER.sub(tool, message)
+
+
+def _is_call_branch(branch: Any) -> bool:
+    """Whether ``branch`` is one tool's in ``tool_call_schema``'s union."""
+    return (isinstance(branch, dict) and branch.get("required") == ["name", "arguments"]
+            and isinstance(branch.get("properties"), dict)
+            and set(branch["properties"]) == {"name", "arguments"}
+            and isinstance(branch["properties"]["name"], dict)
+            and isinstance(branch["properties"]["name"].get("const"), str))
 
 
 def _check_outlines_continuations(grammar: CompiledGrammar, source: GrammarSource,
