@@ -95,8 +95,8 @@ def test_a_long_line_is_searched_for_a_calculation_once_not_at_every_step(monkey
             scanned.append(len(text) - pos)
             return real.search(text, pos)
 
-    real = segments._MATH_LINE
-    monkeypatch.setattr(segments, "_MATH_LINE", Counting())
+    real = segments._MATH_DENSE
+    monkeypatch.setattr(segments, "_MATH_DENSE", Counting())
     tracker = SegmentTracker()
     n = 5000
     for _ in range(n):
@@ -107,6 +107,28 @@ def test_a_long_line_is_searched_for_a_calculation_once_not_at_every_step(monkey
     assert sum(scanned) < 100 * n
     tracker.feed(" and on\n")
     assert tracker.kind is SegmentKind.PROSE
+
+
+def test_a_calculation_is_seen_as_the_whole_lines_search_sees_it():
+    import random
+
+    from agentflash.router.segments import _MATH_LINE
+
+    rng = random.Random(0)
+    alphabet = ["1", "23", " ", "   ", " " * 70, "\t", "+", "*", "÷", "(", "a", "x = ", "-"]
+    for _ in range(300):
+        tracker, line = SegmentTracker(), ""
+        for _ in range(rng.randrange(1, 12)):
+            piece = "".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 4)))
+            tracker.feed(piece)
+            line += piece
+            math = _MATH_LINE.search(line) is not None
+            assert (tracker.kind is SegmentKind.MATH) == math, repr(line)
+    for pieces in (["12 +", " " * 70, "3"], ["12", *[" "] * 70, "+3"]):  # blanks of any length
+        tracker = SegmentTracker()
+        for piece in pieces:
+            tracker.feed(piece)
+        assert tracker.kind is SegmentKind.MATH, pieces
 
 
 def test_schema_bound_reply_is_one_schema_segment():

@@ -19,6 +19,9 @@ class SegmentKind(enum.Enum):
 
 # A line with a number, an operator and a number: the working of a calculation.
 _MATH_LINE = re.compile(r"\d\s*[-+*/×÷^%]\s*\(?\s*\d")
+# ... the same on the line's text without its blanks (which the pattern skips, however long)
+_MATH_DENSE = re.compile(r"\d[-+*/×÷^%]\(?\d")
+_BLANKS = re.compile(r"\s+")
 # A code fence (CommonMark): a line that starts, after at most three spaces, with a run of three
 # or more backticks or tildes; what follows the run is an opening fence's info string.
 _FENCE = re.compile(r" {0,3}(`{3,}|~{3,})(.*)", re.DOTALL)
@@ -75,8 +78,6 @@ class SegmentTracker:
     its own (CommonMark): backticks inside a line are inline code.
     """
 
-    MATH_OVERLAP = 64  # characters before new text that a calculation may begin in
-
     def __init__(self, schema_bound: bool = False, calls_beside: bool = False):
         self.schema_bound = schema_bound  # the reply's text is a JSON schema's answer
         self.calls_beside = calls_beside  # ... and tool calls may stand instead of it
@@ -85,6 +86,7 @@ class SegmentTracker:
         self.fence: tuple[str, int] | None = None  # the block open as the current line began
         self.line = ""  # text of the current line so far
         self.math = False  # ... which is the working of a calculation (_MATH_LINE)
+        self.dense_tail = ""  # the last characters of the line's text without its blanks
         self.segments: list[Segment] = []
 
     @property
@@ -141,10 +143,12 @@ class SegmentTracker:
 
     def _extend(self, piece: str) -> None:
         self.line += piece
-        if not self.math:  # the new text and a little before it: each step's search was of
-            # the whole line so far (a line of 120,000 characters took 13 s of searches)
-            start = max(0, len(self.line) - len(piece) - self.MATH_OVERLAP)
-            self.math = _MATH_LINE.search(self.line, start) is not None
+        if not self.math:  # the new text, blanks out, after the few characters before it that
+            # a calculation may begin in: each step's search was of the whole line so far (a
+            # line of 120,000 characters took 13 s of searches)
+            dense = self.dense_tail + _BLANKS.sub("", piece)
+            self.math = _MATH_DENSE.search(dense) is not None
+            self.dense_tail = dense[-3:]
 
     def _new_line(self) -> None:
-        self.line, self.math = "", False
+        self.line, self.math, self.dense_tail = "", False, ""
