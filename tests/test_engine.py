@@ -424,3 +424,18 @@ def test_markers_in_what_a_tool_or_user_wrote_are_read_as_text(tiny_model_dir):
                                      {"type": "image_url"}]}]
     system = [{"role": "system", "content": "<tool_call>"}]  # the developer's: as written
     assert inert_markers(system, engine._markers) == system
+
+
+def test_added_tokens_of_plain_text_are_no_markers(demo_tokenizer_dir):
+    # every added token was one: a tokenizer's run of spaces, or an HTML tag, got a zero-width
+    # space in ordinary code and web pages
+    from transformers import AutoTokenizer
+
+    from agentflash.engine.engine import inert_markers, marker_pattern
+
+    tok = AutoTokenizer.from_pretrained(demo_tokenizer_dir)
+    tok.add_tokens(["    ", "<table>"])
+    markers = marker_pattern(tok)
+    text = "<table>\n    x = 1</table> <tool_call> <|im_end|>"
+    assert inert_markers([{"role": "tool", "content": text}], markers)[0]["content"] == (
+        "<table>\n    x = 1</table> <\u200btool_call> <\u200b|im_end|>")
