@@ -1261,6 +1261,7 @@ def test_tensors_and_keys_that_meet_in_json_reach_the_model_whole_or_refused():
     # by their shortest digits, as numpy's: 0.1, not 0.10000000149011612
     assert json.loads(format_result(torch.tensor([0.1, 0.2]))) == [0.1, 0.2]
     assert json.loads(format_result(torch.tensor([0.1], dtype=torch.bfloat16))) == [0.100097656]
+    assert json.loads(format_result(torch.tensor([0.1], dtype=torch.float16))) == [0.1]
     # {1: "one", "1": "uno"} was {"1": "uno"}: a value dropped without a word
     import dataclasses
 
@@ -1273,8 +1274,14 @@ def test_tensors_and_keys_that_meet_in_json_reach_the_model_whole_or_refused():
     class Model(pydantic.BaseModel):
         d: dict[int | str, str]
 
-    for value in ({1: "one", "1": "uno"}, [{"a": {None: 1, "None": 2}}],
-                  Held({1: "a", "1": "b"}), [Model(d={1: "a", "1": "b"})]):
+    class Aliased(pydantic.BaseModel):
+        model_config = pydantic.ConfigDict(extra="allow")
+        d: dict = pydantic.Field(alias="data")
+
+    twice = {1: "a", "1": "b"}
+    for value in ({1: "one", "1": "uno"}, [{"a": {None: 1, "None": 2}}], Held(twice),
+                  [Model(d=twice)], {True: twice}, {b"k": twice}, Aliased(data=twice),
+                  Aliased(data={}, x=twice), pydantic.RootModel[dict[int | str, str]](twice)):
         with pytest.raises(ValueError, match="are one key"):
             format_result(value)
     assert json.loads(format_result({1: "one", 2: ["x", {3: "y"}]})) == {"1": "one",

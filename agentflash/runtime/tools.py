@@ -434,25 +434,29 @@ def format_result(value: Any) -> str:
 def _check_keys_kept(value: Any, jsonable: Any) -> None:
     """A ``ValueError`` where two keys of a dict in ``value`` became one in ``jsonable`` (1 and
     "1" are both "1" in JSON: one of the two values was dropped without a word)."""
-    if isinstance(value, pydantic.BaseModel):  # its fields' values, their keys as they were
-        value = {name: getattr(value, name) for name in type(value).model_fields}
+    if isinstance(value, pydantic.BaseModel):  # its values under the keys it is written with
+        value = value.model_dump(by_alias=True)  # (aliases, extras; a RootModel's root)
     elif dataclasses.is_dataclass(value) and not isinstance(value, type):
         value = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
     if isinstance(value, dict) and isinstance(jsonable, dict):
         if len(jsonable) < len(value):
             seen: dict[str, Any] = {}
             for key in value:
-                text = next(iter(pydantic_core.to_jsonable_python({key: 0}, fallback=str)))
+                text = _key_text(key)
                 if text in seen:
                     raise ValueError(f"the keys {seen[text]!r} and {key!r} are one key, "
                                      f"{text!r}, in JSON")
                 seen[text] = key
         for key, item in value.items():
-            written = jsonable.get(key if isinstance(key, str) else str(key))
-            _check_keys_kept(item, written)
+            _check_keys_kept(item, jsonable.get(_key_text(key)))
     elif isinstance(value, (list, tuple)) and isinstance(jsonable, list):
         for item, written in zip(value, jsonable):
             _check_keys_kept(item, written)
+
+
+def _key_text(key: Any) -> str:
+    """The text a dict's ``key`` is written as (True as "true", an enum as its value)."""
+    return next(iter(pydantic_core.to_jsonable_python({key: 0}, fallback=str)))
 
 
 def _fallback(value: Any) -> Any:
@@ -463,7 +467,9 @@ def _fallback(value: Any) -> Any:
         # a tensor as the values it holds, not its shortened text ("tensor([0., ..., 9.])"):
         # as numpy's, a float narrower than 64 bits by its shortest digits (0.1, not 0.10000000149)
         value = value.detach().cpu()
-        if value.is_floating_point() and value.element_size() < 8:
+        if str(value.dtype) == "torch.float16":  # numpy has it: its shortest digits (0.1)
+            value = value.numpy()
+        elif value.is_floating_point() and value.element_size() < 8:  # bfloat16 as float32
             value = value.float().numpy()
         else:
             return pydantic_core.to_jsonable_python(value.tolist(), fallback=str)
