@@ -467,15 +467,14 @@ class DFlashDrafter(nn.Module):
             fuse_projections_(layer.mlp)
         return self
 
-    def to_(self, device: torch.device, dtype: torch.dtype) -> DFlashDrafter:
-        """Cast in place to ``dtype`` on ``device`` (a fused drafter is fused again: its fused
-        projections are not submodules, which ``to`` would leave as they were)."""
-        fused_before = any(layer.mlp._fused is not None for layer in self.layers)
-        for layer in self.layers:
-            for module in (layer.self_attn, layer.mlp):
-                object.__setattr__(module, "_fused", None)
-        self.to(device=device, dtype=dtype)
-        return self.fuse_() if fused_before else self
+    def cast_copy(self, device: torch.device, dtype: torch.dtype) -> DFlashDrafter:
+        """A new drafter with these weights in ``dtype`` on ``device``, unfused (``fuse_`` it):
+        built from the state dict, not deep-copied (a fused projection's oneDNN-reordered weight
+        cannot be), and this one left as it is for whoever drafts with it."""
+        out = DFlashDrafter(self.cfg)
+        out.load_state_dict(self.state_dict())
+        out.validation_tau = self.validation_tau
+        return out.to(device=device, dtype=dtype).train(self.training)
 
     def use_onednn_(self, onednn: bool = True, mkl_shapes: frozenset[tuple[int, int]] = frozenset()
                     ) -> DFlashDrafter:

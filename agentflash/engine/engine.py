@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import inspect
 import json
 import logging
@@ -191,7 +190,7 @@ class Engine:
             weight, own = next(model.parameters()), next(drafter.parameters())
             if (own.dtype, own.device) != (weight.dtype, weight.device):  # it reads the target's
                 # states: a copy as loaded for it (another engine may draft with this one)
-                drafter = self.drafter = copy.deepcopy(drafter).to_(weight.device, weight.dtype)
+                drafter = self.drafter = drafter.cast_copy(weight.device, weight.dtype)
             drafter.fuse_()
         max_len = min(config.max_len, model.cfg.max_position_embeddings)
         dtype = next(model.parameters()).dtype
