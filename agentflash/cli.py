@@ -9,6 +9,7 @@ import json
 import os
 import re
 import sys
+import traceback
 from pathlib import Path
 from typing import Annotated
 
@@ -571,6 +572,14 @@ def main() -> None:
     except SystemExit as done:
         _exit_now_if_loading(done.code)
         raise
+    except BaseException as err:  # past a command's own handling (a cancelled wait, re-raised
+        # as Ctrl-C): a load still going would hold the exit for ever
+        if _loading():
+            if isinstance(err, KeyboardInterrupt):
+                _exit_now_if_loading("error: interrupted", 130)
+            traceback.print_exc()
+            _exit_now_if_loading(None, 1)
+        raise
 
 
 # what a write that failed raises (a full disk or quota, a file-size limit, a device's error)
@@ -592,17 +601,25 @@ def _exit_if_a_write_failed(err: OSError) -> None:
     sys.exit(1)
 
 
-def _exit_now_if_loading(code: int | str | None) -> None:
-    """Exit at once, with ``code``, if a model is still loading in the background (Ctrl-C while
-    it loaded): the usual exit waited for the load, then torch's threads aborted it."""
+def _loading() -> bool:
+    """Whether a model loads in the background (``async_engine.loading``)."""
     engine = sys.modules.get("agentflash.engine.async_engine")  # not imported: none loads
-    if engine is None or not engine.loading():  # (importing it costs torch's import, 1 s)
+    return engine is not None and engine.loading()  # (importing it costs torch's import, 1 s)
+
+
+def _exit_now_if_loading(code: int | str | None, status: int | None = None) -> None:
+    """Exit at once, with ``code`` (a message is said, then ``status``, 1 by default), if a
+    model is still loading in the background (Ctrl-C while it loaded): the usual exit waited
+    for the load, then torch's threads aborted it."""
+    if not _loading():
         return
     if isinstance(code, str):
         print(code, file=sys.stderr)
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code if isinstance(code, int) else 0 if code is None else 1)
+    if status is None:
+        status = code if isinstance(code, int) else 0 if code is None else 1
+    os._exit(status)
 
 
 if __name__ == "__main__":

@@ -238,3 +238,23 @@ def test_ctrl_c_while_the_model_loads_ends_the_command_at_once(tmp_path):
             proc.communicate()
     assert proc.returncode == 130, lines + [rest]
     assert rest.strip().endswith("error: interrupted"), rest
+
+
+def test_an_error_past_the_commands_own_handling_while_a_model_loads_exits(tmp_path):
+    """A load that never ends (its thread no daemon) held the exit of a process whose command
+    ended in anything but SystemExit (a Ctrl-C re-raised as a cancelled wait, a bug): a hang."""
+    script = tmp_path / "an_error_beside_a_load.py"
+    script.write_text(
+        "import sys, threading, time\n"
+        "import agentflash.server.app as app\n"
+        "from agentflash.engine.async_engine import LOAD_THREAD\n"
+        "def serve(*args, **kwargs):\n"
+        "    threading.Thread(target=time.sleep, args=(3600,), name=LOAD_THREAD).start()\n"
+        "    raise RuntimeError('boom')\n"
+        "app.serve = serve\n"
+        "from agentflash.cli import main\n"
+        f"sys.argv = ['agentflash', 'serve', '--port', '{free_port()}']\n"
+        "main()\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 1 and done.stderr.endswith("RuntimeError: boom\n"), done.stderr
