@@ -436,8 +436,8 @@ def test_added_tokens_of_plain_text_are_no_markers(demo_tokenizer_dir):
     from agentflash.engine.engine import inert_markers, marker_pattern
 
     tok = AutoTokenizer.from_pretrained(demo_tokenizer_dir)
-    tok.add_tokens(["    ", "<table>"])
+    tok.add_tokens(["    ", "content", "<|fim_prefix|>"])  # (a word the template's code holds)
     markers = marker_pattern(tok)
-    text = "<table>\n    x = 1</table> <tool_call> <|im_end|>"
+    text = "the content:\n    x = 1 <|fim_prefix|> <tool_call> <|im_end|>"
     assert inert_markers([{"role": "tool", "content": text}], markers)[0]["content"] == (
-        "<table>\n    x = 1</table> <\u200btool_call> <\u200b|im_end|>")
+        "the content:\n    x = 1 <\u200b|fim_prefix|> <\u200btool_call> <\u200b|im_end|>")

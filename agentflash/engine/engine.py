@@ -1046,18 +1046,17 @@ class Engine:
         self._finish(req)
 
 
+_MARKUP = re.compile(r"<[^\s<>]+>")  # <tool_call>, <|fim_prefix|>, </think>
+
+
 def marker_pattern(tokenizer) -> re.Pattern[str] | None:
     """A pattern of the texts of the tokenizer's special tokens (``<|im_start|>``) and of its
-    added tokens that its chat template writes (``<tool_response>``): the markers a
+    added tokens written as markup (``<tool_response>``, ``<|fim_prefix|>``): the markers a
     conversation's structure is written with; None if it has none. (An added token of plain
-    text, a run of spaces or an HTML tag, is text.)"""
-    template = getattr(tokenizer, "chat_template", None)
-    if isinstance(template, dict):  # named templates
-        template = "\n".join(t for t in template.values() if isinstance(t, str))
-    template = template if isinstance(template, str) else ""
+    text, a run of spaces or a word, is text.)"""
     texts = set(getattr(tokenizer, "all_special_tokens", ()))
     texts |= {t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values()
-              if t.special or (t.content.strip() and t.content in template)}
+              if t.special or _MARKUP.fullmatch(t.content)}
     texts = {t for t in texts if isinstance(t, str) and len(t) > 1}
     if not texts:
         return None
