@@ -195,9 +195,12 @@ def test_a_tool_refused_at_compile_time_is_named_not_its_place_in_the_union(tok)
                  "type": "object", "properties": {"q": {"type": "string"}}}}},
              {"type": "function", "function": {"name": "lookup", "parameters": {
                  "type": "object", "properties": {"x</tool_call>": {"type": "string"}}}}}]
+    answer = {"type": "object", "properties": {"a": {"type": "string"}}}
     for source, origin in ((tool_call_body(tools), "tools"),
                            (assistant_turn(tools, "auto"), "tool_choice=auto"),
-                           (assistant_turn(tools, "required"), "tool_choice=required")):
+                           (assistant_turn(tools, "required"), "tool_choice=required"),
+                           (assistant_turn(tools, "auto", output_schema=answer),
+                            "tool_choice=auto with an output schema")):
         with pytest.raises(GrammarError) as err:
             compile_grammar(source, tok)
         assert str(err.value).startswith(f"{origin}: tool 'lookup' parameters #/properties holds "

@@ -152,18 +152,25 @@ def _named_tools(message: str, source: GrammarSource) -> str:
         return message
     schemas = ([source.schema] if source.kind is GrammarKind.JSON_SCHEMA
                else [schema for _, schema in json_bodies(source.text)])
-    if len(schemas) != 1:  # an answer's schema beside the calls': which one it is, unknown
+    unions = [s for s in schemas if _is_call_union(s)]
+    # one union, and no other schema beside it (an answer's) with an anyOf of its own that the
+    # pointer could be in
+    if len(unions) != 1 or any(isinstance(s, dict) and "anyOf" in s
+                               for s in schemas if s is not unions[0]):
         return message
-    branches = schemas[0].get("anyOf") if isinstance(schemas[0], dict) else None
-    if not isinstance(branches, list) or not all(map(_is_call_branch, branches)):
-        return message
-    names = [branch["properties"]["name"]["const"] for branch in branches]
+    names = [branch["properties"]["name"]["const"] for branch in unions[0]["anyOf"]]
 
     def tool(match: re.Match[str]) -> str:
         i = int(match[1])
         return f"tool {names[i]!r} parameters #" if i < len(names) else match[0]
 
     return _UNION_POINTER.sub(tool, message)
+
+
+def _is_call_union(schema: Any) -> bool:
+    """Whether ``schema`` is ``tool_call_schema``'s union of the tools' calls."""
+    branches = schema.get("anyOf") if isinstance(schema, dict) else None
+    return isinstance(branches, list) and bool(branches) and all(map(_is_call_branch, branches))
 
 
 def _is_call_branch(branch: Any) -> bool:
