@@ -162,6 +162,9 @@ def test_union_rejects_arguments_of_the_wrong_shape(tok):
     ({"$id": "https://example.com/s", "$defs": {"a": {"type": "integer", "maximum": 3}},
       "properties": {"x": {"$ref": "https://example.com/s#/$defs/a"}}, "required": ["x"]},
      {"x": 3}, {"x": 4}),  # (compiled before the $id was dropped: that must hold on)
+    ({"$id": "https://example.com/s", "$defs": {"a": {"type": "integer", "maximum": 3}},
+      "properties": {"x": {"$ref": "s#/$defs/a"}, "c": {"$ref": "https://example.com/s"}},
+      "required": ["x"]}, {"x": 3, "c": {"x": 1}}, {"x": 3, "c": {"x": 4}}),
 ])
 def test_refs_in_a_tools_parameters_point_where_they_did(tok, parameters, legal, illegal):
     parameters = {"type": "object", **parameters}

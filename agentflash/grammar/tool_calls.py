@@ -13,6 +13,7 @@ import enum
 import json
 from dataclasses import dataclass, replace
 from typing import Any
+from urllib.parse import urldefrag, urljoin
 
 from agentflash.grammar.checks import check_schema
 from agentflash.grammar.constraint import GrammarError
@@ -94,8 +95,10 @@ def _rebase_refs(node: Any, base: str, anchors: str, own_id: str | None = None) 
         ref = node.get(keyword)
         if not isinstance(ref, str):
             continue
-        if own_id is not None and ref.startswith(own_id.split("#")[0] + "#"):
-            ref = ref[len(own_id.split("#")[0]):]  # "https://example.com/s#/$defs/n"
+        if own_id is not None and not ref.startswith("#"):  # "s#/$defs/n", or the $id itself
+            uri, fragment = urldefrag(urljoin(own_id, ref))
+            if uri == urldefrag(own_id)[0]:
+                ref = "#" + fragment
         if ref == "#" or ref.startswith("#/"):
             out[keyword] = base + ref[1:]
         elif ref.startswith("#"):  # an anchor's name
