@@ -319,6 +319,14 @@ def test_sync_and_async_tools_errors_and_timeouts():
         None, "timeout", "timeout", "ValueError", "unserializable_result"]
 
 
+def plain_wrapper(fn):
+    """A decorator that hides what ``fn`` is (an async function, an async generator)."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        return fn(*args, **kwargs)
+    return wrapper
+
+
 def test_sync_tools_see_the_callers_context_and_wrapped_async_tools_are_awaited():
     import contextvars
 
@@ -327,12 +335,6 @@ def test_sync_tools_see_the_callers_context_and_wrapped_async_tools_are_awaited(
     @tool
     def whoami() -> str:
         return user.get()
-
-    def plain_wrapper(fn):
-        @functools.wraps(fn)
-        def wrapper(*args, **kwargs):
-            return fn(*args, **kwargs)
-        return wrapper
 
     @tool
     @plain_wrapper
@@ -1300,12 +1302,6 @@ def test_an_error_result_keeps_its_characters():
 
 
 def test_async_generators_behind_a_wrapper_are_taken_and_a_timed_out_generator_is_left():
-    def plain_wrapper(fn):
-        @functools.wraps(fn)
-        def wrapper(*args, **kwargs):
-            return fn(*args, **kwargs)
-        return wrapper
-
     @tool
     @plain_wrapper
     async def counted(n: int):
