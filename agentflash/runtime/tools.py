@@ -435,7 +435,10 @@ def _check_keys_kept(value: Any, jsonable: Any) -> None:
     """A ``ValueError`` where two keys of a dict in ``value`` became one in ``jsonable`` (1 and
     "1" are both "1" in JSON: one of the two values was dropped without a word)."""
     if isinstance(value, pydantic.BaseModel):  # its values under the keys it is written with
-        value = value.model_dump(by_alias=True)  # (aliases, extras; a RootModel's root)
+        try:  # (aliases, extras; a RootModel's root)
+            value = value.model_dump(by_alias=True)
+        except Exception:  # a serializer that only writes JSON: pydantic wrote it, as it does
+            return
     elif dataclasses.is_dataclass(value) and not isinstance(value, type):
         value = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
     if isinstance(value, dict) and isinstance(jsonable, dict):
