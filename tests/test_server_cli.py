@@ -207,6 +207,23 @@ def test_a_signal_ends_the_replies_in_flight_with_the_engine_stopped_error(tiny_
     assert "Traceback" not in err and "CancelledError" not in err, err
 
 
+def _ctrl_c_as_a_terminal_sends_it() -> None:
+    """In the child before it runs: SIGINT neither blocked nor ignored, whatever the test
+    process inherited or set (a mask and an ignored signal pass on to a child; the test timed
+    out in full CI runs only, where a Ctrl-C never arrived)."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def _signal_masks(pid: int) -> str:
+    """The process's blocked, ignored and caught signals, as Linux shows them."""
+    try:
+        status = open(f"/proc/{pid}/status").read().splitlines()
+    except OSError:
+        return ""
+    return " ".join(line for line in status if line.startswith(("SigBlk", "SigIgn", "SigCgt")))
+
+
 def test_ctrl_c_while_the_model_loads_ends_the_command_at_once(tmp_path):
     """The load cannot be stopped (it runs in a thread of its own); the process waited for it
     after saying "interrupted" (or, left to finalize beside it, torch's threads aborted it)."""
@@ -223,20 +240,22 @@ def test_ctrl_c_while_the_model_loads_ends_the_command_at_once(tmp_path):
         "from agentflash.cli import main\n"
         f"sys.argv = ['agentflash', 'serve', '--port', '{free_port()}']\n"
         "main()\n")
-    proc = subprocess.Popen([sys.executable, str(script)], stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, str(script)], stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_ctrl_c_as_a_terminal_sends_it)
     try:
         lines = []
         for line in proc.stderr:
             lines.append(line)
             if line == "loading\n":
                 break
+        signals = _signal_masks(proc.pid)
         proc.send_signal(signal.SIGINT)
         rest = proc.communicate(timeout=60)[1]  # before: forever
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
-    assert proc.returncode == 130, lines + [rest]
+    assert proc.returncode == 130, lines + [rest, signals]
     assert rest.strip().endswith("error: interrupted"), rest
 
 
