@@ -459,6 +459,8 @@ def _check_keys_kept(value: Any, jsonable: Any) -> None:
 
 def _key_text(key: Any) -> str:
     """The text a dict's ``key`` is written as (True as "true", an enum as its value)."""
+    if type(key) is str:  # as it is: no call to pydantic for each key of every result
+        return key
     return next(iter(pydantic_core.to_jsonable_python({key: 0}, fallback=str)))
 
 
