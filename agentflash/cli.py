@@ -15,7 +15,7 @@ from typing import Annotated
 
 import typer
 
-from agentflash.errors import UserError, UserErrors
+from agentflash.errors import UserError, UserErrors, expand_user
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Agents and tool calls on an engine that makes structured output fast.")
@@ -36,6 +36,12 @@ def one_line(message: str) -> str:
     return " ".join(line.strip() for line in message.splitlines() if line.strip())
 
 
+def _path_option(help: str) -> typer.models.OptionInfo:
+    """A path flag with ``~`` expanded, as ``--model``'s is (a shell leaves ``--flag=~/x``
+    as it is)."""
+    return typer.Option(parser=expand_user, help=help)
+
+
 ModelOpt = Annotated[str, typer.Option("--model", help="'demo' or a Hugging Face model directory")]
 HELD_OUT_PER_KIND = 16  # train drafter: conversations of each kind kept for validation
 
@@ -43,9 +49,9 @@ HELD_OUT_PER_KIND = 16  # train drafter: conversations of each kind kept for val
 @app.command()
 def generate(
     prompt: Annotated[str | None, typer.Option(help="user message")] = None,
-    messages: Annotated[Path | None, typer.Option(help="chat messages (JSON list)")] = None,
-    tools: Annotated[Path | None, typer.Option(help="OpenAI tools list (JSON)")] = None,
-    requests: Annotated[Path | None, typer.Option(help="one request per JSON line")] = None,
+    messages: Annotated[Path | None, _path_option("chat messages (JSON list)")] = None,
+    tools: Annotated[Path | None, _path_option("OpenAI tools list (JSON)")] = None,
+    requests: Annotated[Path | None, _path_option("one request per JSON line")] = None,
     model: ModelOpt = "demo",
     max_tokens: Annotated[int | None, typer.Option(
         "--max-tokens", help="new tokens per request at most (default 256; a --requests line's "
@@ -54,8 +60,8 @@ def generate(
     top_p: Annotated[float | None, typer.Option("--top-p")] = None,
     seed: Annotated[int | None, typer.Option()] = None,
     stop: Annotated[list[str] | None, typer.Option(help="stop string (repeatable)")] = None,
-    schema: Annotated[Path | None, typer.Option(
-        help="JSON Schema file the reply must match")] = None,
+    schema: Annotated[Path | None, _path_option(
+        "JSON Schema file the reply must match")] = None,
     regex: Annotated[str | None, typer.Option(
         help="regular expression the reply must match")] = None,
     tool_choice: Annotated[str | None, typer.Option(
@@ -284,7 +290,7 @@ def eval_tool_calls(
 
 @app.command()
 def validate(
-    file: Annotated[Path, typer.Argument(help="workflow YAML file")],
+    file: Annotated[Path, typer.Argument(parser=expand_user, help="workflow YAML file")],
 ) -> None:
     """Check a workflow file: its schema, names, needs, templates and python tools."""
     from agentflash.runtime.workflow import load_workflow
@@ -319,7 +325,7 @@ def _stdout_to_stderr():
 
 @app.command("run")
 def run_workflow(
-    file: Annotated[Path, typer.Argument(help="workflow YAML file")],
+    file: Annotated[Path, typer.Argument(parser=expand_user, help="workflow YAML file")],
     inputs: Annotated[list[str] | None, typer.Option("--input", "-i",
                                                         help="KEY=VALUE (repeatable)")] = None,
     as_json: Annotated[bool, typer.Option(
@@ -464,7 +470,8 @@ def bench_server(
 
 @train_app.command("target")
 def train_target(
-    out: Annotated[Path, typer.Option(help="output directory (resumes if it holds checkpoints)")],
+    out: Annotated[Path, _path_option(
+        "output directory (resumes if it holds checkpoints)")],
     steps: Annotated[int, typer.Option()] = 1800,
     save_every: Annotated[int, typer.Option(
         "--save-every", help="steps between checkpoints (an interrupted run resumes there)")] = 100,
@@ -485,8 +492,10 @@ def train_target(
 
 @train_app.command("drafter")
 def train_drafter(
-    target: Annotated[Path, typer.Option(help="the target's Hugging Face directory")],
-    out: Annotated[Path, typer.Option(help="output directory (resumes if it holds checkpoints)")],
+    target: Annotated[Path, _path_option(
+        "the target's Hugging Face directory")],
+    out: Annotated[Path, _path_option(
+        "output directory (resumes if it holds checkpoints)")],
     save_every: Annotated[int, typer.Option(
         "--save-every", help="steps between checkpoints (an interrupted run resumes there)")] = 100,
     steps: Annotated[int, typer.Option()] = 1000,

@@ -29,6 +29,18 @@ def expand_user(path: Any) -> Path:
         return Path(path)
 
 
+def missing_file(path: Path) -> str:
+    """Why ``path`` is not there, said as its user would say it: a stream the command was
+    started without (``--messages /dev/stdin <&-``) is closed, not a file that does not exist."""
+    stream = re.fullmatch(r"/dev/(stdin|stdout|stderr|fd/(\d+))|/proc/self/fd/(\d+)", str(path))
+    if stream is None:
+        return "does not exist"
+    fd = int(stream.group(2) or stream.group(3) or ("stdin", "stdout", "stderr").index(
+        stream.group(1)))
+    return "cannot be read: " + ("standard input is closed" if fd == 0
+                                 else f"file descriptor {fd} is not open")
+
+
 def shown_url(url: str) -> str:
     """``url`` as messages show it (errors, traces, the model's tool results): without a user,
     password, query or fragment, where a key may be. Everything up to the last ``@`` goes (a

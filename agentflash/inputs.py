@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from agentflash.errors import UserError
+from agentflash.errors import UserError, missing_file
 from agentflash.tool_format import TOOL_NAME
 
 if TYPE_CHECKING:
@@ -42,7 +42,7 @@ def read_text(path: Path, what: str) -> str:
     try:
         return path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise UserError(f"{path}: {what} file does not exist") from None
+        raise UserError(f"{path}: {what} file {missing_file(path)}") from None
     except OSError as err:
         raise UserError(f"{path}: cannot read {what} file: {err.strerror}") from None
     except UnicodeDecodeError as err:

@@ -1,6 +1,7 @@
 """The command line's JSON contract and its one-line errors."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -338,6 +339,46 @@ def test_missing_model_and_missing_files(tmp_path):
     assert code == 2 and "tools file does not exist" in err
     code, _, err = run("generate", "--prompt", "x", "--messages", str(tmp_path / "m.json"))
     assert code == 2 and "exactly one of" in err
+
+
+def test_path_flags_expand_the_home_directory(tiny_model_dir, tmp_path, monkeypatch):
+    # a shell leaves "--messages=~/m.json" as it is; the flags take "~" as --model does
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "m.json").write_text(json.dumps([{"role": "user", "content": "hi"}]))
+    (tmp_path / "s.json").write_text(json.dumps({"type": "integer"}))
+    (tmp_path / "t.json").write_text(json.dumps(TOOLS))
+    (tmp_path / "r.jsonl").write_text(json.dumps({"prompt": "x"}) + "\n")
+    model = ["--model", str(tiny_model_dir), "--max-tokens", "4", "--json"]
+    for flags in (["--messages=~/m.json", "--schema=~/s.json"],
+                  ["--prompt", "x", "--tools=~/t.json"], ["--requests=~/r.jsonl"]):
+        code, out, err = run("generate", *model, *flags)
+        assert code == 0, (flags, err)
+        assert json.loads(out.splitlines()[0])["finish_reason"] in ("stop", "length")
+    (tmp_path / "w.yaml").write_text("name: w\nagents: {}\n")
+    code, _, err = run("validate", "~/w.yaml")
+    assert code == 2 and str(tmp_path / "w.yaml") in err
+    code, _, err = run("train", "target", "--out=~/t.json")
+    assert code == 2 and f"{tmp_path / 't.json'}: --out must be a directory" in err
+
+
+def test_a_closed_standard_input_is_named_as_closed(tmp_path):
+    # "/dev/stdin: messages file does not exist" sent its user looking for a file
+    for args, what in ((["--messages", "/dev/stdin"], "messages file"),
+                       (["--prompt", "x", "--schema", "/dev/stdin"], "schema file")):
+        done = subprocess.run([sys.executable, "-m", "agentflash.cli", "generate", *args],
+                              stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                              timeout=120, preexec_fn=lambda: os.close(0))
+        assert done.returncode == 2, done.stderr
+        assert done.stderr.startswith("error: ") and done.stderr.count("\n") == 1
+        assert done.stderr.endswith(f"/dev/stdin: {what} cannot be read: standard input is "
+                                    "closed\n")
+    done = subprocess.run([sys.executable, "-m", "agentflash.cli", "validate", "/dev/stdin"],
+                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120,
+                          preexec_fn=lambda: os.close(0))
+    assert done.stderr == "error: /dev/stdin: file cannot be read: standard input is closed\n"
+    done = subprocess.run([sys.executable, "-m", "agentflash.cli", "generate", "--messages",
+                           str(tmp_path / "m.json")], capture_output=True, text=True, timeout=120)
+    assert done.stderr == f"error: {tmp_path / 'm.json'}: messages file does not exist\n"
 
 
 @pytest.mark.parametrize(

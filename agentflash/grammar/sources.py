@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agentflash.errors import missing_file
 from agentflash.grammar.checks import (
     SCHEMA_LISTS,
     SCHEMA_MAPS,
@@ -209,6 +210,8 @@ def json_schema_file(
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise GrammarError(f"{path}: schema file {missing_file(path)}") from None
     except OSError as err:
         raise GrammarError(f"{path}: cannot read the schema: {err.strerror}") from None
     except UnicodeDecodeError as err:

@@ -10,7 +10,7 @@ from typing import Any
 
 import yaml
 
-from agentflash.errors import UserError
+from agentflash.errors import UserError, missing_file
 
 Keys = tuple[Any, ...]  # a path into the document: mapping keys and list indexes
 
@@ -129,7 +129,7 @@ def load_yaml(path: str | Path) -> YamlDoc:
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise UserError(f"{path}: file does not exist") from None
+        raise UserError(f"{path}: file {missing_file(path)}") from None
     except (OSError, UnicodeDecodeError) as err:
         raise UserError(f"{path}: cannot read the file: {err}") from None
     loader = _Loader(text)
