@@ -227,8 +227,9 @@ def test_live_view_marks_the_failed_step_and_the_cancelled_ones_apart():
 
 def test_live_view_fits_any_terminal_with_every_status_shown():
     """At any width the table fits, a step is one line, and its status and counts stay whole
-    (rich squeezed them to nothing once a row was too wide); long names are cut, and below 90
-    columns the tool calls and the writing are left out."""
+    (rich squeezed them to nothing once a row was too wide); long names are cut, below 90
+    columns the tool calls and the writing are left out, below 47 the counts, then the agent
+    (at 20 columns every cell was blank)."""
     from rich.console import Console
 
     from agentflash.runtime.errors import StepFailed
@@ -241,7 +242,7 @@ def test_live_view_fits_any_terminal_with_every_status_shown():
     view.rows[long_step].tools = ["lookup_flights ok", "get_weather ok"]
     reason = "cannot reach http://127.0.0.1:9/v1/chat/completions after 5 attempts: refused"
     view.fail(StepFailed(long_step, "forecaster", RuntimeError(reason)))
-    for width in (50, 60, 80, 100, 160):
+    for width in (20, 30, 40, 46, 47, 50, 60, 80, 100, 160):
         console = Console(width=width, record=True)
         console.print(view)
         lines = console.export_text().splitlines()
@@ -249,7 +250,9 @@ def test_live_view_fits_any_terminal_with_every_status_shown():
         body = [line for line in lines if line.startswith("│")]
         assert len(body) == len(view.rows), (width, lines)  # one line a step
         (failed,) = [line for line in body if "│ failed    │" in line]
-        assert failed.startswith("│ a_ste") and sum("not run" in line for line in body) == 2
+        assert failed.startswith("│ a_s") and sum("not run" in line for line in body) == 2
+        assert ("│ fore" in failed) == (width >= 30), (width, failed)  # the agent, then
+        assert ("│      0 │" in failed) == (width >= 40), (width, failed)  # its tokens
         assert ("│ cannot reach" in failed) == (width >= 90), (width, failed)
 
 

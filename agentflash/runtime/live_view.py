@@ -100,7 +100,8 @@ class WorkflowView:
         table = Table(title=f"workflow {self.name}", title_justify="left")
         # one line a step, every column given its width here: the status and the counts keep
         # theirs, names and tool calls are cut with an ellipsis, what a step writes (or why it
-        # failed) takes the rest; below 90 columns the tool calls and the writing are left out
+        # failed) takes the rest; below 90 columns the tool calls and the writing are left out,
+        # below 47 the counts and then the agent
         # (left to rich, a row too wide for the terminal squeezed the status and the counts to
         # nothing, and a wrapping column made rows of blank lines)
         widths = self._widths(options.max_width)
@@ -119,23 +120,30 @@ class WorkflowView:
     def _widths(self, total: int) -> dict[str, int]:
         """Each shown column's width for a table at most ``total`` characters wide."""
         wide = total >= 90
-        columns = COLUMNS if wide else tuple(c for c in COLUMNS
-                                             if c not in ("tool calls", "writing"))
+        columns = [c for c in COLUMNS if wide or c not in ("tool calls", "writing")]
         rows = self.rows.values()
         want = {"step": max([4, *map(len, self.rows)]),
                 "agent": max([5, *(len(r.agent) for r in rows)]),
                 "tool calls": max([10, *(len(", ".join(r.tools)) for r in rows)])}
-        flexible = {c: min(want[c], 24) for c in want if c in columns}
         fixed = {"status": len("cancelled"), "tokens": 6, "tok/s": 6}
-        # borders and padding: 3 characters a column and 1
-        room = total - (3 * len(columns) + 1) - sum(fixed.values())
         least = 20 if wide else 0  # what the writing column gets before names are cut
-        while sum(flexible.values()) > room - least and max(flexible.values()) > 5:
+
+        def room() -> int:  # borders and padding: 3 characters a column and 1
+            return total - (3 * len(columns) + 1) - sum(fixed[c] for c in fixed if c in columns)
+
+        # narrower still, the counts go, then the agent: a step and its status stay whole
+        for dropped in ("tok/s", "tokens", "agent"):
+            if room() >= sum(min(want[c], 5) for c in want if c in columns) + least:
+                break
+            columns.remove(dropped)
+        flexible = {c: min(want[c], 24) for c in want if c in columns}
+        floor = 5 if len(columns) > 2 else 3  # names cut to "ab…" only where all else went
+        while sum(flexible.values()) > room() - least and max(flexible.values()) > floor:
             widest = max(flexible, key=flexible.get)
             flexible[widest] -= 1
         widths = {**flexible, **fixed}
         if wide:
-            widths["writing"] = max(room - sum(flexible.values()), 1)
+            widths["writing"] = max(room() - sum(flexible.values()), 1)
         return {c: widths[c] for c in columns}
 
 
