@@ -165,6 +165,19 @@ def test_union_rejects_arguments_of_the_wrong_shape(tok):
     ({"$id": "https://example.com/s", "$defs": {"a": {"type": "integer", "maximum": 3}},
       "properties": {"x": {"$ref": "s#/$defs/a"}, "c": {"$ref": "https://example.com/s"}},
       "required": ["x"]}, {"x": 3, "c": {"x": 1}}, {"x": 3, "c": {"x": 4}}),
+    # a subschema with an $id is a resource of its own: "#" there is that subschema (its refs
+    # were rebased to the tool's root, and pointed to nothing)
+    ({"properties": {"p": {"$id": "https://e.x/point", "type": "object", "required": ["x", "y"],
+                           "properties": {"x": {"type": "integer"},
+                                          "y": {"$ref": "#/properties/x"}}}},
+      "required": ["p"]},
+     {"p": {"x": 1, "y": 2}}, {"p": {"x": 1, "y": "s"}}),
+    ({"$id": "https://e.x/root", "properties": {
+        "p": {"$id": "point", "$defs": {"n": {"$anchor": "num", "type": "integer", "maximum": 3}},
+              "type": "object", "properties": {"x": {"$ref": "#num"}}, "required": ["x"]},
+        "q": {"$ref": "point#num"}, "r": {"$ref": "https://e.x/point#/$defs/n"}},
+      "required": ["p", "q", "r"]},
+     {"p": {"x": 3}, "q": 2, "r": 1}, {"p": {"x": 3}, "q": 4, "r": 1}),
 ])
 def test_refs_in_a_tools_parameters_point_where_they_did(tok, parameters, legal, illegal):
     parameters = {"type": "object", **parameters}

@@ -78,16 +78,26 @@ def check_parameters(params: Any, origin: str) -> None:
     check_schema_supported(params, f"{origin} parameters")
 
 
-def _rebase_refs(node: Any, base: str, anchors: str, own_id: str | None = None) -> Any:
+def _rebase_refs(node: Any, base: str, anchors: str, own_id: str | None = None,
+                 resource: str | None = None) -> Any:
     """The schema ``node`` and its subschemas, embedded at ``base`` of the union: its pointer
     refs (``#``, ``#/...``, and an absolute one to ``own_id``, its root's ``$id``) point there
     (``#`` becomes ``base``), and its anchors' names and the refs to them take the prefix
     ``anchors`` (two tools' ``#num`` are each their own). What a ``const``, an ``enum`` or a
     ``default`` holds is data, left as it is (a ``{"$ref": "#/a"}`` there was rewritten, and the
-    call then written with it refused)."""
+    call then written with it refused). A subschema with an ``$id`` of its own is a resource of
+    its own, where ``#`` is that subschema: its refs and anchors stay, its ``$id`` made absolute
+    (``resource``: the ``$id`` of the one that holds ``node``, if any)."""
     if not isinstance(node, dict):
         return node
-    out = with_subschemas(node, lambda sub, _: _rebase_refs(sub, base, anchors, own_id))
+    if isinstance(node.get("$id"), str):  # (the root's was taken off: this one is nested)
+        resource = urljoin(resource or own_id or "", node["$id"])
+    out = with_subschemas(node, lambda sub, _: _rebase_refs(sub, base, anchors, own_id,
+                                                            resource))
+    if resource is not None:
+        if isinstance(node.get("$id"), str):
+            out["$id"] = resource
+        return out
     for keyword in ("$anchor", "$dynamicAnchor"):
         if isinstance(node.get(keyword), str):
             out[keyword] = anchors + node[keyword]
@@ -99,6 +109,8 @@ def _rebase_refs(node: Any, base: str, anchors: str, own_id: str | None = None) 
             uri, fragment = urldefrag(urljoin(own_id, ref))
             if uri == urldefrag(own_id)[0]:
                 ref = "#" + fragment
+            else:  # a nested resource's: as absolute as its $id is made
+                out[keyword] = urljoin(own_id, ref)
         if ref == "#" or ref.startswith("#/"):
             out[keyword] = base + ref[1:]
         elif ref.startswith("#"):  # an anchor's name
