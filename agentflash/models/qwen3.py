@@ -854,8 +854,9 @@ class Qwen3Model(nn.Module):
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Run the stack; returns final-normed hidden states [B, T, H] and captured layer outputs.
 
-        ``capture_layers`` are 0-based layer indices; the output of layer ``i`` is what Hugging
-        Face calls ``hidden_states[i + 1]``.
+        ``capture_layers`` are 0-based layer indices; what is taken of layer ``i`` is what
+        Hugging Face calls ``hidden_states[i + 1]``: its output, and for the last layer the
+        final-normed states (as HF's, the features a z-lab or SpecForge drafter was trained on).
         """
         x = self.embed(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
@@ -864,7 +865,10 @@ class Qwen3Model(nn.Module):
             x = layer(x, cos, sin, caches[i], mask)
             if i in capture_layers:
                 captured.append(x)
-        return self.model.norm(x), captured
+        x = self.model.norm(x)
+        if len(self.model.layers) - 1 in capture_layers:
+            captured[-1] = x
+        return x, captured
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
