@@ -4,6 +4,10 @@ layer's CPU paths that the engine takes off the GPU."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -183,3 +187,35 @@ def test_the_grammar_layer_takes_the_kernels_for_gpu_tensors(monkeypatch):
     assert len(calls) == 4
     with pytest.raises(constraint.GrammarFailed, match="no legal token"):
         _masked_argmax(torch.zeros_like(mask[0]), logits[0], 1100)
+    # logits whose tokens are not contiguous (a transposed view, one of its columns): as on
+    # the CPU (the kernels refused them with a ValueError)
+    across = logits.t().contiguous().t()
+    assert across.stride(-1) != 1 and torch.equal(across, logits)
+    assert torch.equal(apply_bitmask_(across, mask), cpu_masked) and across.stride(-1) != 1
+    columns = logits.t().contiguous()
+    assert [_masked_argmax(mask[i], columns[:, i], 1100) for i in range(3)] == cpu_best
+
+
+def test_kernels_are_used_only_where_a_launch_was_seen_to_work():
+    """Triton builds its launcher at first use (a C compiler, Python's headers): where it
+    cannot, or no driver is there, a warning says so once and the torch path does the work
+    (every constrained request failed). Here the interpreter runs them, and without it the
+    CPU has no driver."""
+    from agentflash.kernels import kernels_run_on
+
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"  # conftest.py, where no GPU is
+    assert kernels_run_on(torch.device("cpu")) is interpreted
+    code = ("import warnings, torch\n"
+            "from agentflash.kernels import kernels_run_on\n"
+            "with warnings.catch_warnings(record=True) as seen:\n"
+            "    warnings.simplefilter('always')\n"
+            "    print(kernels_run_on(torch.device('cpu')), kernels_run_on(torch.device('cpu')))\n"
+            "print(len(seen), seen[0].category.__name__, seen[0].message)\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    first, second = done.stdout.splitlines()
+    assert first == "False False"
+    assert second.startswith("1 RuntimeWarning agentflash: the Triton kernels do not run on cpu (")
+    assert second.endswith("); the torch path does their work")

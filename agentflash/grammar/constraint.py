@@ -90,7 +90,10 @@ def apply_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     if use_kernels(logits):  # the packed words read in place, no [..., V] bool tensor
         from agentflash.kernels.token_bitmask import apply_token_bitmask_
 
-        return apply_token_bitmask_(logits, bitmask)
+        if logits.stride(-1) == 1:
+            return apply_token_bitmask_(logits, bitmask)
+        # the kernel reads rows of contiguous tokens (a transposed view: the CPU path took it)
+        return logits.copy_(apply_token_bitmask_(logits.contiguous(), bitmask))
     allowed = unpack_bitmask(bitmask, vocab_size)
     return logits.masked_fill_(allowed.logical_not_(), float("-inf"))
 
@@ -592,8 +595,8 @@ def _masked_argmax(row: torch.Tensor, logits: torch.Tensor, vocab_size: int) -> 
     if use_kernels(logits):  # on the GPU: one kernel, one int read back
         from agentflash.kernels.masked_argmax import masked_argmax
 
-        token = int(masked_argmax(logits.detach()[None, :vocab_size],
-                                  row.to(logits.device)[None])[0])
+        token = int(masked_argmax(logits.detach()[None, :vocab_size].contiguous(),
+                                  row.to(logits.device)[None].contiguous())[0])
         if token < 0:
             raise GrammarFailed("no legal token: the grammar is stuck here")
         return token

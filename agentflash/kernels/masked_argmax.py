@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from agentflash.kernels import on_device
+
 BLOCK = 1024  # tokens a program reads at a time
 
 
@@ -56,10 +58,11 @@ def masked_argmax(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     _check(logits, bitmask)
     out = torch.empty(logits.shape[0], dtype=torch.int32, device=logits.device)
     if logits.shape[0]:
-        _masked_argmax_kernel[(logits.shape[0],)](
-            logits, bitmask, out, logits.shape[1], logits.stride(0), bitmask.stride(0),
-            BLOCK=BLOCK,
-        )
+        with on_device(logits.device):
+            _masked_argmax_kernel[(logits.shape[0],)](
+                logits, bitmask, out, logits.shape[1], logits.stride(0), bitmask.stride(0),
+                BLOCK=BLOCK,
+            )
     return out
 
 

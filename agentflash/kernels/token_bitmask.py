@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from agentflash.kernels import on_device
+
 BLOCK = 1024  # tokens per program
 
 
@@ -38,9 +40,10 @@ def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.T
     masks = masks.reshape(-1, bitmask.shape[-1]).contiguous()  # [N, W]
     if rows.shape[0]:
         grid = (rows.shape[0], triton.cdiv(vocab_size, BLOCK))
-        _apply_token_bitmask_kernel[grid](
-            rows, masks, vocab_size, rows.stride(0), masks.stride(0), BLOCK=BLOCK
-        )
+        with on_device(logits.device):
+            _apply_token_bitmask_kernel[grid](
+                rows, masks, vocab_size, rows.stride(0), masks.stride(0), BLOCK=BLOCK
+            )
         if rows.data_ptr() != logits.data_ptr():  # reshape copied: the copy was masked
             logits.copy_(rows.view(logits.shape))
     return logits
