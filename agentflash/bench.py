@@ -7,6 +7,7 @@ tokens/s, the ratio to plain decoding, tau and whether the output equals plain g
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import math
@@ -14,6 +15,7 @@ import random
 import statistics
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -133,8 +135,9 @@ def _time_engine(
 
 
 def _time_hf(
-    hf_model, ids: list[int], max_tokens: int, eos: list[int], **kwargs
+    hf_model, index: int, ids: list[int], *, max_tokens: int, eos: list[int], **kwargs
 ) -> tuple[list[int], float]:
+    """transformers' ``generate`` (greedy) on prompt ``ids``: its tokens and seconds."""
     inputs = torch.tensor([ids])
     t0 = time.perf_counter()
     with torch.inference_mode():
@@ -172,30 +175,30 @@ def run(
             rows += _agent_rows(engine, items, prompts, max_tokens)
             continue
         if suite != "json":
-            rows += _engine_rows(engine, suite, prompts, max_tokens, [None] * len(prompts), "")
-            peers = {"transformers": {}, "prompt_lookup": {"prompt_lookup_num_tokens": 10}}
-            ref = rows[-1 - 2 * (engine.drafter is not None)]["outputs"]
-            for name, kwargs in peers.items():
-                outs = [_time_hf(hf_model, ids, max_tokens, eos, **kwargs) for ids in prompts]
-                rows.append(
-                    _row(suite, name, [o for o, _ in outs], ref, [t for _, t in outs], None)
-                )
+            peers = {name: functools.partial(_time_hf, hf_model, max_tokens=max_tokens, eos=eos,
+                                             **kwargs)
+                     for name, kwargs in (("transformers", {}),
+                                          ("prompt_lookup", {"prompt_lookup_num_tokens": 10}))}
+            rows += _engine_rows(engine, suite, prompts, max_tokens, [None] * len(prompts), "",
+                                 peers)
         grammars = _grammars(suite, items)
         if grammars:
-            constrained = _engine_rows(engine, suite, prompts, max_tokens, grammars, "+grammar")
+            peers = {}
+            if importlib.util.find_spec("outlines") is not None:
+                # on JSON outlines' default backend (outlines-core) applies its masks with its
+                # own kernel; the tools' grammar (Lark) goes through its llguidance backend
+                skipped = outlines_masks_wrong() if suite == "json" else None
+                if skipped is None:
+                    peers["outlines"] = _outlines_peer(engine, hf_model, suite, items, grammars,
+                                                       max_tokens)
+                else:
+                    outlines_skipped = skipped
+            constrained = _engine_rows(engine, suite, prompts, max_tokens, grammars, "+grammar",
+                                       peers)
             for row in constrained:
-                row.update(_validity(engine, suite, items, row["outputs"]))
+                if row["mode"].endswith("+grammar") or row["mode"] == "outlines":
+                    row.update(_validity(engine, suite, items, row["outputs"]))
             rows += constrained
-        if grammars and importlib.util.find_spec("outlines") is not None:
-            # on JSON outlines' default backend (outlines-core) applies its masks with its own
-            # kernel; the tools' grammar (Lark) goes through its llguidance backend
-            skipped = outlines_masks_wrong() if suite == "json" else None
-            if skipped is None:
-                ref = rows[-1 - 2 * (engine.drafter is not None)]["outputs"]
-                rows.append(_outlines_row(engine, hf_model, suite, items, prompts, grammars,
-                                          max_tokens, ref))
-            else:
-                outlines_skipped = skipped
     for row in rows:
         # plain decoding of the row's kind: constrained plain for the constrained rows and
         # outlines' generator (under the same grammar), plain for the others
@@ -249,48 +252,55 @@ def outlines_masks_wrong() -> str | None:
             "CPU; its row is left out")
 
 
-def _outlines_row(engine: Engine, hf_model, suite: str, items: list[Prompt],
-                  prompts: list[list[int]], grammars: list, max_tokens: int,
-                  reference: list[list[int]]) -> dict[str, Any]:
+def _outlines_peer(engine: Engine, hf_model, suite: str, items: list[Prompt], grammars: list,
+                   max_tokens: int) -> Callable[[int, list[int]], tuple[list[int], float]]:
     """outlines' own generator on the same transformers model, prompts and output types (greedy):
     on ``json`` the prompt's schema (``JsonSchema``), on ``tool_call`` the tools' grammar the
-    engine decodes under (``CFG``, the same Lark text, on outlines' llguidance backend). Its
-    tokens are the ones it generated (transformers' streamer hands them over), not its text
-    tokenized again, which merges some of them."""
+    engine decodes under (``CFG``, the same Lark text, on outlines' llguidance backend). It is
+    given the engine's prompt as it is, its chat template already applied (outlines wraps a
+    string in a user turn and applies the template again, where the tokenizer has one: every
+    one of its answers was to another conversation), checked token by token. Its tokens are the
+    ones it generated (transformers' streamer hands them over), not its text tokenized again,
+    which merges some of them."""
     import outlines
     from outlines.types import CFG, JsonSchema
 
     model = outlines.from_transformers(hf_model, engine.tokenizer)
-    outs, seconds = [], []
-    for p, ids, grammar in zip(items, prompts, grammars, strict=True):
+    model.type_adapter.has_chat_template = False  # the prompt is the rendered conversation
+
+    def run(index: int, ids: list[int]) -> tuple[list[int], float]:
         if suite == "json":  # compiled here, untimed
-            generator = outlines.Generator(model, JsonSchema(json.dumps(p.schema)))
+            schema = JsonSchema(json.dumps(items[index].schema))
+            generator = outlines.Generator(model, schema)
         else:
-            generator = outlines.Generator(model, CFG(grammar.text), backend="llguidance")
+            generator = outlines.Generator(model, CFG(grammars[index].text), backend="llguidance")
         text = engine.tokenizer.decode(ids)
         generator(text, max_new_tokens=1, do_sample=False)  # warm: outlines builds lazily
         generated = _Generated()
         t0 = time.perf_counter()
         generator(text, max_new_tokens=max_tokens, do_sample=False, streamer=generated)
-        seconds.append(time.perf_counter() - t0)
-        outs.append(generated.ids)
-    row = _row(suite, "outlines", outs, reference, seconds, None)
-    row.update(_validity(engine, suite, items, outs))
-    return row
+        seconds = time.perf_counter() - t0
+        if generated.prompt != ids:
+            raise RuntimeError(f"outlines read another prompt than the engine's: "
+                               f"{len(generated.prompt)} tokens, {len(ids)} the engine's")
+        return generated.ids, seconds
+
+    return run
 
 
 class _Generated:
-    """A transformers streamer that keeps the ids a ``generate`` call writes (its first call
-    hands over the prompt)."""
+    """A transformers streamer that keeps the ids a ``generate`` call writes, and its prompt
+    (what its first call hands over)."""
 
     def __init__(self) -> None:
         self.ids: list[int] = []
-        self._prompt_seen = False
+        self.prompt: list[int] | None = None
 
     def put(self, value: torch.Tensor) -> None:
-        if self._prompt_seen:
+        if self.prompt is None:
+            self.prompt = value.reshape(-1).tolist()
+        else:
             self.ids += value.reshape(-1).tolist()
-        self._prompt_seen = True
 
     def end(self) -> None:
         pass
@@ -352,22 +362,32 @@ def _engine_rows(
     max_tokens: int,
     grammars: list,
     suffix: str,
+    peers: dict[str, Callable[[int, list[int]], tuple[list[int], float]]] | None = None,
 ) -> list[dict[str, Any]]:
     """The engine's plain row and, with a drafter, its dflash and router (auto) rows (identity
-    against plain). The modes take turns prompt by prompt, so a slow stretch of the machine
-    falls on all of them alike."""
+    against plain), then a row for each of ``peers`` (name: a function of the prompt's index and
+    ids giving the tokens it wrote and its seconds; identity against plain too). The modes and
+    the peers take turns prompt by prompt, so a slow stretch of the machine falls on all of them
+    alike (the peers ran after the engine's rows: their ratios compared runs minutes apart)."""
+    peers = peers or {}
     modes = ["off"] + (["dflash", "auto"] if engine.drafter is not None else [])
     for speculation in modes:
         _time_engine(engine, prompts[0], 8, speculation, grammars[0])  # warm-up
     by_mode: dict[str, list] = {m: [] for m in modes}
-    for ids, g in zip(prompts, grammars):
+    by_peer: dict[str, list] = {name: [] for name in peers}
+    for i, (ids, g) in enumerate(zip(prompts, grammars)):
         for speculation in modes:
             by_mode[speculation].append(_time_engine(engine, ids, max_tokens, speculation, g))
-    rows = []
+        for name, peer in peers.items():
+            by_peer[name].append(peer(i, ids))
+    rows: list[dict[str, Any]] = []
     for speculation in modes:
         name = {"off": "plain", "dflash": "dflash", "auto": "auto"}[speculation] + suffix
         rows.append(_mode_row(engine, suite, name, by_mode[speculation], rows,
                               grammar=bool(suffix), drafts=speculation != "off"))
+    for name, runs in by_peer.items():
+        rows.append(_row(suite, name, [out for out, _ in runs], rows[0]["outputs"],
+                         [seconds for _, seconds in runs], None))
     return rows
 
 
@@ -516,7 +536,7 @@ def print_table(report: dict[str, Any]) -> None:
         f"{report['config']['num_prompts']} prompts/suite, greedy)"
     )
     cols = ("suite", "mode", "tokens", "tokens/s", "x plain", "decode tok/s", "x plain",
-            "ttft ms", "tau", "body tau", "grammar % of decoding", "valid", "memory MB",
+            "ttft ms", "tau", "body tau", "grammar % of decoding", "valid", "memory MiB",
             "identical")
     for col in cols:
         table.add_column(col, justify="right" if col not in ("suite", "mode") else "left")
@@ -790,7 +810,7 @@ def print_concurrency_table(report: dict[str, Any]) -> None:
         f"suite, median of {cfg['rounds']} rounds, greedy)"
     )
     cols = ("suite", "streams", "mode", "tokens/s", "rounds' range", "x plain", "p50 s",
-            "p95 s", "tau", "memory MB", "identical", "auto / better, paired")
+            "p95 s", "tau", "memory MiB", "identical", "auto / better, paired")
     for col in cols:
         table.add_column(col, justify="left" if col in ("suite", "mode") else "right")
     for r in report["rows"]:

@@ -1,9 +1,11 @@
 """The benchmark's held-out suites and its side-by-side rows (behaviour only, never timings)."""
 
 import pytest
+import torch
 
 from agentflash import bench
 from agentflash.engine.model_runner import exactness_problem
+from agentflash.engine.request import SamplingParams
 from agentflash.models.loading import load_model
 from agentflash.models.qwen3 import batch_invariant_
 from agentflash.server import bench as server_bench
@@ -75,6 +77,61 @@ def test_rows_are_side_by_side_and_peers_match_plain_greedy(tiny_model_dir):
         assert parts["weights"] + parts["kv"] <= row["memory_mb"] + 0.002
         assert row["memory_mb"] <= sum(parts.values()) + 0.004
     assert all("memory_mb" not in r for r in report["rows"] if r not in engine_rows)
+
+
+def test_outlines_reads_the_engines_prompt_and_writes_its_greedy_answer(tiny_model_dir):
+    """outlines' generator is given the engine's rendered prompt as it is (it wrapped it in a
+    user turn and applied the chat template again: 8 tokens more, another conversation), and
+    under the same tools' grammar it writes what constrained plain decoding writes."""
+    pytest.importorskip("outlines")
+    from transformers import AutoModelForCausalLM
+
+    from agentflash.engine.engine import Engine
+
+    engine = Engine.from_pretrained(str(tiny_model_dir), drafter=None)
+    hf_model = AutoModelForCausalLM.from_pretrained(engine.model_dir,
+                                                    dtype=torch.float32).eval()
+    items = bench.held_out_prompts("tool_call", 2)
+    grammars = bench._grammars("tool_call", items)
+    peer = bench._outlines_peer(engine, hf_model, "tool_call", items, grammars, 12)
+    for i, item in enumerate(items):
+        ids = engine.chat_prompt(item.messages, item.tools)
+        out, seconds = peer(i, ids)
+        plain = engine.generate(ids, SamplingParams(max_tokens=12, grammar=grammars[i]))
+        assert out == plain.token_ids and seconds > 0
+    letters = engine.tokenizer.convert_tokens_to_ids(list("hello"))  # ("hello" is one token
+    assert len(engine.tokenizer.encode("hello", add_special_tokens=False)) < 5  # written whole)
+    with pytest.raises(RuntimeError, match="outlines read another prompt than the engine's"):
+        peer(0, ids + letters)
+
+
+def test_the_peers_take_turns_with_the_engines_modes(tiny_model_dir, monkeypatch):
+    """Prompt by prompt, each mode and then each peer (they ran after all the engine's rows,
+    minutes apart on a machine whose speed drifts); their rows compare with plain's tokens."""
+    from agentflash.engine.engine import Engine
+
+    engine = Engine.from_pretrained(str(tiny_model_dir), drafter=None)
+    items = bench.held_out_prompts("math", 2)
+    prompts = [engine.chat_prompt(p.messages, p.tools) for p in items]
+    order = []
+    timed = bench._time_engine
+    monkeypatch.setattr(bench, "_time_engine", lambda engine, ids, n, speculation, *rest:
+                        order.append((prompts.index(ids), n, speculation))
+                        or timed(engine, ids, n, speculation, *rest))
+
+    def peer(name, wrong):
+        def run(i, ids):
+            order.append((i, name))
+            out = engine.generate(ids, SamplingParams(max_tokens=6)).token_ids
+            return out[:-1] + [out[-1] + 1] if wrong else out, 0.5
+        return run
+
+    rows = bench._engine_rows(engine, "math", prompts, 6, [None, None], "",
+                              {"a": peer("a", False), "b": peer("b", True)})
+    assert order == [(0, 8, "off"), (0, 6, "off"), (0, "a"), (0, "b"),
+                     (1, 6, "off"), (1, "a"), (1, "b")]
+    assert [(r["mode"], r["identical_to_plain"]) for r in rows] == [
+        ("plain", True), ("a", True), ("b", False)]
 
 
 def test_one_token_answers_have_no_decoding_to_compare(tiny_model_dir):
