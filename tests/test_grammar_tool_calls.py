@@ -205,6 +205,26 @@ def test_two_tools_anchors_of_one_name_are_each_their_own(tok):
         assert is_legal(grammar, ids) == ok, (name, arguments)
 
 
+def test_two_tools_nested_resources_of_one_id_are_one_resource_or_refused(tok):
+    # a subschema's own $id names one resource in the union: two tools giving it to unlike
+    # subschemas had one's arguments checked against the other's ("red" for an integer)
+    def tool(name, num):
+        return {"type": "function", "function": {"name": name, "parameters": {
+            "type": "object", "required": ["p"], "properties": {"p": {
+                "$id": "https://e.x/point", "$defs": {"n": {"$anchor": "num", **num}},
+                "type": "object", "properties": {"x": {"$ref": "#num"}}, "required": ["x"]}}}}}
+
+    with pytest.raises(GrammarError, match="tools: tools 'f' and 'g' both hold a subschema with "
+                                           r"\$id 'https://e.x/point', and they differ"):
+        tool_call_body([tool("f", {"type": "integer"}), tool("g", {"enum": ["red", "blue"]})])
+    grammar = compile_grammar(tool_call_body([tool("f", {"type": "integer"}),
+                                              tool("g", {"type": "integer"})]), tok)
+    for name, x, ok in (("f", 1, True), ("g", 2, True), ("f", "red", False)):
+        ids = tok.encode(json.dumps({"name": name, "arguments": {"p": {"x": x}}}),
+                         add_special_tokens=False) + [tok.eos_token_id]
+        assert is_legal(grammar, ids) == ok, (name, x)
+
+
 def test_a_tool_refused_at_compile_time_is_named_not_its_place_in_the_union(tok):
     # "tool_choice=auto: %json #/anyOf/1/properties/arguments/properties holds '</tool_call>'"
     tools = [{"type": "function", "function": {"name": "search", "parameters": {

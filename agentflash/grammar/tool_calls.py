@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 from urllib.parse import urldefrag, urljoin
 
-from agentflash.grammar.checks import check_schema
+from agentflash.grammar.checks import check_schema, subschemas
 from agentflash.grammar.constraint import GrammarError
 from agentflash.grammar.llguidance_backend import JSON_STYLE_OPTIONS, check_schema_supported
 from agentflash.grammar.sources import (
@@ -118,6 +118,20 @@ def _rebase_refs(node: Any, base: str, anchors: str, own_id: str | None = None,
     return out
 
 
+def _check_resources(arguments: Any, tool: str, seen: dict[str, tuple[str, Any]]) -> None:
+    """Refuse, naming both tools, a nested ``$id`` that another tool's parameters give to
+    another subschema: in the union one URI names one resource, and one tool's arguments were
+    checked against the other's (the same subschema in both is one resource, as it should)."""
+    for _, node in subschemas(arguments, []):
+        uri = node.get("$id") if isinstance(node, dict) else None
+        if not isinstance(uri, str):
+            continue
+        other, subschema = seen.setdefault(uri, (tool, node))
+        if other != tool and subschema != node:
+            raise GrammarError(f"tools: tools {other!r} and {tool!r} both hold a subschema with "
+                               f"$id {uri!r}, and they differ: give one of them another $id")
+
+
 def tool_call_schema(
     tools: list[dict[str, Any]] | list[ToolSpec], strict: bool = True
 ) -> dict[str, Any]:
@@ -128,6 +142,7 @@ def tool_call_schema(
     if not specs:
         raise GrammarError("tools: the list is empty")
     branches = []
+    resources: dict[str, tuple[str, Any]] = {}  # a nested $id: the tool and subschema it names
     for i, spec in enumerate(specs):
         base = f"#/anyOf/{i}/properties/arguments"
         parameters = spec.parameters
@@ -137,6 +152,7 @@ def tool_call_schema(
         own_id = parameters.get("$id") if isinstance(parameters.get("$id"), str) else None
         parameters = {k: v for k, v in parameters.items() if k != "$id"}
         arguments = _rebase_refs(copy.deepcopy(parameters), base, f"tool{i}_", own_id)
+        _check_resources(arguments, spec.name, resources)
         branches.append(
             {
                 "type": "object",
