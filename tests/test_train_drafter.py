@@ -288,6 +288,15 @@ class NoCache:
         return k, v
 
 
+def test_init_takes_a_directory_under_the_home_directory(tmp_path, monkeypatch):
+    # "--init=~/d" (which a shell leaves as it is) was "not a drafter directory"
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "d").mkdir()
+    assert tiny_config(init="~/d").init == "~/d"
+    with pytest.raises(ValueError, match="init: ~/none is not a drafter directory"):
+        tiny_config(init="~/none")
+
+
 def test_init_starts_a_new_run_from_a_trained_drafter(run, tiny_model_dir, tmp_path):
     shutil.copy(run / "responses.json", tmp_path / "responses.json")  # the same answers
     trained_loss = [e["loss"] for e in read_log(run) if "loss" in e][-1]

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from agentflash.dflash.checkpoint import default_target_layer_ids, save_drafter
 from agentflash.dflash.drafter import DFlashDrafter, DrafterConfig
 from agentflash.dflash.speculate import draft_block
-from agentflash.errors import UserError
+from agentflash.errors import UserError, expand_user
 from agentflash.models.qwen3 import Qwen3Model
 from agentflash.train import corpus as corpus_mod
 from agentflash.train import tokenizer as tokenizer_mod
@@ -87,7 +87,7 @@ class DrafterTrainConfig:
             raise ValueError("num_anchors, batch_size and steps must be positive")
         if not 0.0 < self.lr < math.inf:  # NaN too
             raise ValueError(f"lr must be a positive number, got {self.lr}")
-        if self.init is not None and self.init != "demo" and not Path(self.init).is_dir():
+        if self.init is not None and self.init != "demo" and not expand_user(self.init).is_dir():
             raise ValueError(f"init: {self.init} is not a drafter directory")
         if not 0.0 <= self.constrained_tool_calls <= 1.0:
             raise ValueError(
