@@ -175,6 +175,20 @@ def stop_at(text: str, stops: tuple[str, ...] | list[str], tool_calls: bool = Tr
     return first
 
 
+def unsettled_from(text: str) -> int | None:
+    """Where ``text`` may still change its mind about stop strings: in a call not closed yet,
+    its body's first ``</tool_call>``. Its body is JSON or the beginning of one so far, so the
+    call runs on past that tag (a string holds it); if the body turns out to be no JSON, the
+    call ends there after all (``CallEnd.fallback``), and a stop string written after it is no
+    longer inside the call. None where nothing is pending."""
+    blocks = _blocks(text)
+    if not blocks or blocks[-1][2] is not None:
+        return None
+    start = blocks[-1][1]
+    at = text.find(CLOSE, start)
+    return None if at < 0 else at
+
+
 def parse_tool_calls(text: str) -> tuple[list[ParsedToolCall], list[MalformedToolCall]]:
     """Every ``<tool_call>`` block of ``text``: the well-formed calls and the malformed ones (a
     call never closed, as a reply cut by max tokens leaves it, is malformed)."""

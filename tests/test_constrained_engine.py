@@ -461,6 +461,34 @@ def test_a_sampled_request_that_ignores_the_end_writes_it_again_past_a_finished_
         assert tiny.tokenizer.decode(res.token_ids[:first]) in ("yes", "no")
 
 
+def test_a_stream_never_hands_out_text_past_a_stop_that_an_open_call_turns_out_to_leave(demo):
+    """Stops are not matched inside a call; an open call whose body is JSON so far runs on past
+    a "</tool_call>" its string holds, and ends there after all once the body is no JSON. The
+    stop written after it was streamed, with the text after it, and then cut off the result."""
+    import anyio
+
+    from agentflash.engine.async_engine import AsyncEngine, TokenEvent
+
+    ids = demo.chat_prompt([{"role": "user", "content": "Say something."}])
+    grammar = lark(r'start: "Hi " <tool_call> "{\"a\": \"" </tool_call> " STOP" /[a-z ]{6,12}/ '
+                   r'"\"}} tail"')
+    params = SamplingParams(max_tokens=100, stop=("STOP",), grammar=grammar)
+
+    async def main():
+        streamed, result = "", None
+        async with AsyncEngine(demo) as aengine:
+            async for event in aengine.stream(ids, params):
+                if isinstance(event, TokenEvent):
+                    streamed += event.text
+                else:
+                    result = event.result
+        return streamed, result
+
+    streamed, result = anyio.run(main)
+    assert result.finish_reason == "stop"
+    assert streamed == result.text == 'Hi <tool_call>{"a": "</tool_call> '
+
+
 def test_a_stop_token_that_ends_a_stop_string_cuts_the_text_there(demo):
     ids = demo.chat_prompt([{"role": "user", "content": "Say something."}])
     grammar = lark('start: "BEGIN " body " END"\nbody: /[a-z]+/\n')

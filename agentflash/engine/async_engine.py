@@ -129,7 +129,7 @@ class AsyncEngine:
             max_buffer_size=1 << 16
         )
         req = self.engine.submit(prompt_ids, params)
-        detok = Detokenizer(self.engine.decode_output, params.stop)
+        detok = Detokenizer(self.engine.decode_output, params.stop, params.tool_calls)
         self._streams[req.id] = _Stream(req, send, detok)
         self._wake.set()
         try:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from agentflash.tool_format import CLOSE, OPEN
+from agentflash.tool_format import CLOSE, OPEN, unsettled_from
 
 
 class OutputDecoder:
@@ -42,11 +42,15 @@ class Detokenizer:
     """Decodes a request's output and hands out the text written since the last call.
 
     Text that ends in an incomplete UTF-8 sequence, or in what may be the start of a stop string,
-    is held back until the next tokens settle it; a stop string itself is never handed out.
+    is held back until the next tokens settle it; a stop string itself is never handed out. With
+    stop strings and ``tool_calls`` (stops are not matched inside a call), so is the text after
+    an open call's first ``</tool_call>``, until it is known whether the call ended there
+    (``unsettled_from``): a stop after it was handed out, and then cut off the result.
     """
 
-    def __init__(self, decode: OutputDecoder, stop: tuple[str, ...] = ()):
-        self.decode, self.stop = decode, stop
+    def __init__(self, decode: OutputDecoder, stop: tuple[str, ...] = (),
+                 tool_calls: bool = True):
+        self.decode, self.stop, self.tool_calls = decode, stop, tool_calls
         self.emitted = 0  # characters handed out so far
 
     def text(self, token_ids: list[int]) -> str:
@@ -60,6 +64,9 @@ class Detokenizer:
         elif not final:
             text = text.rstrip("\ufffd") if text.endswith("\ufffd") else text
             text = text[: len(text) - self._held(text)]
+            if self.stop and self.tool_calls and CLOSE in text:
+                unsettled = unsettled_from(text)
+                text = text if unsettled is None else text[:unsettled]
         new = text[self.emitted :]
         self.emitted = max(self.emitted, len(text))
         return new
