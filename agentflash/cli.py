@@ -336,9 +336,9 @@ def run_workflow(
 ) -> None:
     """Run a workflow, with a live view of its steps (on stderr) unless --json."""
 
-    import anyio
     from rich.console import Console
 
+    from agentflash import aio
     from agentflash.runtime.errors import RunError
     from agentflash.runtime.live_view import run_with_view
     from agentflash.runtime.workflow import load_workflow, parse_input_pairs
@@ -350,9 +350,9 @@ def run_workflow(
             wf = load_workflow(file, model)
             values = wf.resolve_inputs(parse_input_pairs(inputs or []))
             if as_json:
-                result = anyio.run(wf.run, values)
+                result = aio.run(wf.run, values)
             else:
-                result = anyio.run(run_with_view, wf, values, Console(stderr=True))
+                result = aio.run(run_with_view, wf, values, Console(stderr=True))
     except UserError as err:
         fail(err)
     except RunError as err:  # on one line, like every error: a tool's message may hold more

@@ -139,7 +139,8 @@ def test_model_text_python_cannot_load_is_a_malformed_call_for_both_parsers():
     from agentflash.tool_format import parse_tool_calls
 
     huge = '{"name": "f", "arguments": {"x": 1' + "0" * 5000 + "}}"  # over int's 4300 digits
-    deep = '{"name": "f", "arguments": ' + '{"a": ' * 2000 + "1" + "}" * 2001
+    deep = '{"name": "f", "arguments": ' + '{"a": ' * 20000 + "1" + "}" * 20001  # (3.13 reads
+    # 2,000 levels)
     nan = '{"name": "f", "arguments": {"x": NaN, "y": -Infinity}}'  # Python reads, JSON has not
     for body in (huge, deep, nan):
         text = f"<tool_call>\n{body}\n</tool_call>"

@@ -554,7 +554,7 @@ def _nested(depth: int) -> dict:
      "tool_choice"),
     # jsonschema's meta-schema walk recursed past Python's stack: a 500, the connection closed
     (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {
-        "type": "object", "properties": {"a": _nested(120)}}}}]), 400, "tools"),
+        "type": "object", "properties": {"a": _nested(180)}}}}]), 400, "tools"),
     (dict(tool_choice="required"), 400, "tool_choice"),
     (dict(temperature="hot"), 400, "temperature"),
     (dict(temperature=0.5, seed=10**23), 400, "seed"),  # beyond what a torch generator takes

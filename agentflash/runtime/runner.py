@@ -25,6 +25,7 @@ from typing import Any, Generic, TypeVar
 import anyio
 import sniffio
 
+from agentflash import aio
 from agentflash.backends import base as model
 from agentflash.backends.base import Backend, ForceTool, ModelRequest, ToolChoice
 from agentflash.errors import UserError, UserErrors
@@ -675,7 +676,7 @@ class Runner:
                 # may name (asyncio.to_thread's: anyio refused, "Already running asyncio")
                 context = contextvars.copy_context()
                 context.run(sniffio.current_async_library_cvar.set, None)
-                return context.run(anyio.run, partial(Runner.run, agent, input, **options))
+                return context.run(aio.run, partial(Runner.run, agent, input, **options))
         raise UserError("Runner.run_sync cannot run inside an event loop (an async function, "
                         "Jupyter): use await Runner.run(...) there")
 

@@ -1072,7 +1072,10 @@ async def run_tool(t: Tool, arguments: dict[str, Any]) -> ToolOutcome:
     except SystemExit as err:  # a tool that wraps a command line's main(): not the run's exit
         return failed(f"{t.name} called exit({err.code!r})", "SystemExit")
     except anyio.get_cancelled_exc_class() as err:
-        if not _raised_by_the_tool():
+        if sys.version_info < (3, 11) and type(err).__module__.startswith("asyncio"):
+            # no Task.cancelling(): a cancel scope around the tool raises here again
+            await anyio.lowlevel.checkpoint_if_cancelled()
+        elif not _raised_by_the_tool():
             raise  # the run (or its caller) is cancelled
         # a task the tool awaited was cancelled under it: its failure, like any other
         return failed(_described(err), type(err).__name__)

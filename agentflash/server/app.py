@@ -36,6 +36,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from agentflash import aio
 from agentflash.engine.async_engine import AsyncEngine, run_in_own_thread
 from agentflash.engine.engine import Engine, EngineConfig
 from agentflash.errors import UserError
@@ -474,7 +475,7 @@ def serve(config: ServerConfig, engine: Engine | None = None, log_level: str = "
     sock = _bind(config.host, config.port)
     if engine is None:  # loaded here, so that a bad model or budget is a clear error, not a
         try:  # failed startup inside uvicorn; in a thread of its own (see ``run_in_own_thread``)
-            engine = anyio.run(run_in_own_thread, load_engine, config)
+            engine = aio.run(run_in_own_thread, load_engine, config)
         except BaseException:
             sock.close()
             raise

@@ -27,6 +27,7 @@ from typing import Any
 
 import anyio
 
+from agentflash import aio
 from agentflash.console import print_whole
 from agentflash.errors import UserError
 
@@ -72,12 +73,12 @@ def run(model: str = "demo", suites: tuple[str, ...] = ("tool_call", "prose"),
     # the main thread (which lives on) followed by steps on the engine thread runs those steps
     # about half as fast here (two OpenMP thread teams on two cores), which would flatter the
     # server path.
-    engine = anyio.run(run_in_own_thread, load_engine, config)
+    engine = aio.run(run_in_own_thread, load_engine, config)
     measured: list[dict[str, Any]] = []
     with server_process(config, max_concurrent=max(concurrency)) as url:
         for _ in range(rounds):
-            anyio.run(_engine_rows, engine, bodies, concurrency, measured)
-            anyio.run(_http_rows, url, bodies, concurrency, measured)
+            aio.run(_engine_rows, engine, bodies, concurrency, measured)
+            aio.run(_http_rows, url, bodies, concurrency, measured)
     rows = _median_rounds(measured)
     _add_overheads(rows)
     return {"config": {"model": model, "suites": list(suites), "num_requests": len(bodies),
