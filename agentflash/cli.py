@@ -478,14 +478,15 @@ def train_target(
 ) -> None:
     """Train the demo tokenizer and target on the synthetic agent corpus."""
     from agentflash.train.runs import check_out_dir
-    from agentflash.train.target import TargetTrainConfig
+    from agentflash.train.target import TargetTrainConfig, target_settings
     from agentflash.train.target import train_target as run
 
     try:
         _out_dir(out)
         _positive(steps=steps, save_every=save_every)
-        check_out_dir(out, "target", steps)
-        run(out, TargetTrainConfig(steps=steps, save_every=save_every))
+        cfg = TargetTrainConfig(steps=steps, save_every=save_every)
+        check_out_dir(out, "target", steps, settings=target_settings(cfg))
+        run(out, cfg)
     except UserError as err:
         fail(str(err))
 
@@ -525,7 +526,7 @@ def train_drafter(
     from agentflash.train.corpus import CorpusConfig
     from agentflash.train.drafter import DrafterTrainConfig
     from agentflash.train.drafter import train_drafter as run
-    from agentflash.train.runs import check_out_dir
+    from agentflash.train.runs import check_out_dir, run_settings
 
     try:
         _out_dir(out)
@@ -538,7 +539,6 @@ def train_drafter(
         if not 0.0 <= constrained_tool_calls <= 1.0:
             raise UserError(f"--constrained-tool-calls must be in [0, 1], got "
                             f"{constrained_tool_calls}")
-        check_out_dir(out, "drafter", steps, str(target))
         shares = _int_list(mix, "--mix")
         if len(shares) != 4:
             raise UserError(f"--mix needs four shares (tool_call,code,math,prose), got {mix!r}")
@@ -563,6 +563,7 @@ def train_drafter(
                                  init=init,
                                  constrained_tool_calls=constrained_tool_calls,
                                  target_layer_ids=layer_ids, save_every=save_every)
+        check_out_dir(out, "drafter", steps, str(target), run_settings(cfg))
         run(target, out, cfg)
     except (UserError, ValueError) as err:
         fail(str(err))

@@ -515,6 +515,10 @@ def _checkpoint(out, **state):
         ("target", "a drafter run", 10, "holds a drafter run (responses.json)"),
         ("target", "a drafter checkpoint", 10, "a drafter run's checkpoint"),
         ("target", "a target checkpoint at 12", 5, "the run is at step 12, past --steps 5"),
+        # its learning rate's schedule ends at the run's own --steps: one spliced on was recorded
+        # as one schedule of the steps asked
+        ("target", "a target checkpoint of --steps 7", 10, "latest.pt: the run was started with "
+         "--steps 7 (the learning rate's schedule ends there), and 10 is asked"),
         ("drafter", "a drafter checkpoint of another target", 10,
          "the drafter was trained for the target /elsewhere"),
         # taken before: the run wrote among them (into assets/demo, the demo's own folder)
@@ -549,6 +553,10 @@ def test_training_refuses_an_out_it_would_spoil_before_any_work(tmp_path, tiny_m
         _checkpoint(out, step=2, drafter={}, target=trained_for)
     elif setup == "a target checkpoint at 12":
         _checkpoint(out, step=12, model={})
+    elif setup == "a target checkpoint of --steps 7":
+        from agentflash.train.target import TargetTrainConfig, target_settings
+
+        _checkpoint(out, step=2, model={}, settings=target_settings(TargetTrainConfig(steps=7)))
     elif setup == "a folder of notes":
         out.mkdir()
         (out / "train_log.jsonl").write_text("")  # a run's own file...

@@ -1,5 +1,6 @@
 """Drafter training on a tiny random target: blocks, a short run, resuming, and tau as decoding."""
 
+import dataclasses
 import json
 import random
 import shutil
@@ -182,9 +183,20 @@ def test_a_rerun_resumes_without_regenerating(run, tiny_model_dir):
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(train_mod, "regenerate", no_regeneration)
-        train_drafter(tiny_model_dir, run, tiny_config(steps=33))
+        train_drafter(tiny_model_dir, run, tiny_config(steps=30))
         steps = [e["step"] for e in read_log(run) if "loss" in e]
-        assert steps == list(range(1, 31)) + [31, 32, 33]
+        assert steps == list(range(1, 31))  # resumed at its end: nothing more to train
+        # other flags than the run's: refused, naming the flag (a schedule spliced at step 30,
+        # answers to another corpus, another learning rate, recorded as if they held throughout)
+        for changed, flag in ((dict(steps=33), "--steps 30 .the learning rate's schedule ends "
+                               "there., and 33 is asked"), (dict(lr=1e-2), "--lr 0.003"),
+                              (dict(num_anchors=4), "--num-anchors 8"),
+                              (dict(init=str(run)), "--init None"),
+                              (dict(loss_gamma=3.0), "loss_gamma 7.0"),
+                              (dict(corpus=dataclasses.replace(tiny_config().corpus, seed=9)),
+                               "--corpus-seed")):
+            with pytest.raises(UserError, match=f"the run was started with {flag}"):
+                train_drafter(tiny_model_dir, run, tiny_config(**changed))
         with pytest.raises(UserError, match="different drafter .*num_layers 1 there, 2 asked"):
             train_drafter(tiny_model_dir, run, tiny_config(steps=40, num_layers=2))
         # with answers to other settings too: refused before the target answers (minutes),

@@ -81,7 +81,7 @@ def test_a_tokenizer_an_earlier_run_left_unreadable_is_named_before_the_corpus(
 import torch
 from agentflash.train.target import _save_checkpoint
 model = torch.nn.Linear(200, 200)
-_save_checkpoint(out / "checkpoints", 1, model, torch.optim.AdamW(model.parameters()))
+_save_checkpoint(out / "checkpoints", 1, model, torch.optim.AdamW(model.parameters()), {})
 """, "checkpoints/latest.pt.tmp: cannot write the checkpoint: "),
     ("""
 from agentflash.train.runs import open_log

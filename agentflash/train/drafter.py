@@ -41,7 +41,14 @@ from agentflash.errors import UserError, expand_user
 from agentflash.models.qwen3 import Qwen3Model
 from agentflash.train import corpus as corpus_mod
 from agentflash.train import tokenizer as tokenizer_mod
-from agentflash.train.runs import make_out_dir, open_log, target_name, writing
+from agentflash.train.runs import (
+    check_settings,
+    make_out_dir,
+    open_log,
+    run_settings,
+    target_name,
+    writing,
+)
 
 IGNORE = -100
 
@@ -492,7 +499,7 @@ def train_drafter(
     initial = _init_from(cfg.init, dcfg) if cfg.init is not None else None
     # a run to resume, checked too: after the answers, a drafter of other settings was found
     # minutes later, and the answers' cache was already rewritten for the new settings
-    saved = _checkpoint(out_dir / "checkpoints", dcfg)
+    saved = _checkpoint(out_dir / "checkpoints", dcfg, run_settings(cfg))
     make_out_dir(out_dir)  # once all is checked: no empty --out left
     train, val = build_samples(target, tokenizer, cfg, out_dir / "responses.json")
     if not train:
@@ -540,7 +547,8 @@ def train_drafter(
                 task, advance=1, info=f"loss {loss:.3f}  acc@1 {acc:.2f}  {seq_s:.1f} seq/s"
             )
             if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
-                _save_checkpoint(ckpt_dir, step + 1, drafter, opt, dcfg, trained_for)
+                _save_checkpoint(ckpt_dir, step + 1, drafter, opt, dcfg, trained_for,
+                                 run_settings(cfg))
             if val and ((step + 1) % cfg.val_every == 0 or step + 1 == cfg.steps):
                 taus = validation_tau(drafter, target, val)
                 log.write(json.dumps({"step": step + 1, "val_tau": _rounded(taus)}) + "\n")
@@ -588,13 +596,14 @@ def _format_taus(taus: dict[str, float]) -> str:
 
 
 def _save_checkpoint(ckpt_dir: Path, step: int, drafter, opt, dcfg: DrafterConfig,
-                     target: str) -> None:
+                     target: str, settings: dict[str, Any]) -> None:
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     state = {
         "step": step,
         "drafter": drafter.state_dict(),
         "opt": opt.state_dict(),
         "drafter_config": asdict(dcfg),
+        "settings": settings,  # a rerun with other flags is refused (runs.check_settings)
         "target": target,  # a rerun on another target is refused (runs.check_out_dir)
     }
     tmp = ckpt_dir / "latest.pt.tmp"
@@ -668,8 +677,10 @@ def widen_context(drafter: DFlashDrafter, layer_ids: tuple[int, ...]) -> DFlashD
     return wide.to(drafter.fc.weight.dtype)
 
 
-def _checkpoint(ckpt_dir: Path, dcfg: DrafterConfig) -> dict[str, Any] | None:
-    """The run's latest checkpoint (None: none yet), if it is of a drafter of ``dcfg``."""
+def _checkpoint(ckpt_dir: Path, dcfg: DrafterConfig, settings: dict[str, Any]
+                ) -> dict[str, Any] | None:
+    """The run's latest checkpoint (None: none yet), if it is of a drafter of ``dcfg`` and of
+    a run of ``settings`` (``run_settings``)."""
     path = ckpt_dir / "latest.pt"
     if not path.exists():
         return None
@@ -680,6 +691,7 @@ def _checkpoint(ckpt_dir: Path, dcfg: DrafterConfig) -> dict[str, Any] | None:
                          for k in asked if had.get(k) != asked[k])
         raise UserError(f"{path}: checkpoint is of a different drafter ({diff}); use another "
                         f"--out or delete it")
+    check_settings(path, state.get("settings"), settings)
     return state
 
 

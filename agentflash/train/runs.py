@@ -9,6 +9,7 @@ overwrote what was there.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -38,9 +39,11 @@ def make_out_dir(out: Path) -> None:
         raise UserError(f"{out}: --out cannot be made: {err.strerror or err}") from None
 
 
-def check_out_dir(out: Path, kind: str, steps: int, target: str | None = None) -> None:
+def check_out_dir(out: Path, kind: str, steps: int, target: str | None = None,
+                  settings: dict[str, Any] | None = None) -> None:
     """Refuse an ``out`` (a directory, or a path to make one at: the CLI's ``_out_dir`` checks
-    that) that this run would spoil, naming why; ``target``: the drafter's target as given."""
+    that) that this run would spoil, naming why; ``target``: the drafter's target as given;
+    ``settings``: the run's (``run_settings``), which a run to resume must have been given."""
     if target is not None and target != "demo" and Path(target).resolve() == out.resolve():
         raise UserError(f"{out}: --out is the target's directory: the drafter would overwrite "
                         f"the target; give another --out")
@@ -64,6 +67,8 @@ def check_out_dir(out: Path, kind: str, steps: int, target: str | None = None) -
     run_kind = "drafter" if "drafter" in state else "target"
     if run_kind != kind:
         raise UserError(f"{path}: a {run_kind} run's checkpoint: give another --out")
+    if settings is not None:
+        check_settings(path, state.get("settings"), settings)
     done = int(state.get("step", 0))
     if done > steps:
         raise UserError(f"{path}: the run is at step {done}, past --steps {steps}: give --steps "
@@ -80,6 +85,60 @@ def _run_file(name: str, kind: str) -> bool:
     # a hidden file (.DS_Store) is the system's, not the user's work a run would write among
     return (name in _RUN_FILES[kind] or name.startswith(".")
             or (kind == "target" and name.startswith("tokenizer")))
+
+
+# what a run's own flags are named on the command line (a field that has none is named as is)
+_FLAGS = {"steps": "--steps", "lr": "--lr", "num_layers": "--num-layers",
+          "block_size": "--block-size", "num_anchors": "--num-anchors", "init": "--init",
+          "target_layer_ids": "--target-layer-ids",
+          "constrained_tool_calls": "--constrained-tool-calls", "corpus.seed": "--corpus-seed"}
+# what does not change the weights a run trains: how often it saves and validates, where
+_NOT_SETTINGS = ("save_every", "val_every", "device", "regen_batch")
+
+
+def run_settings(cfg: Any) -> dict[str, Any]:
+    """What of a training config (a dataclass) shapes the weights its run makes: kept in its
+    checkpoints, and what a resumed run must be given again (``check_settings``)."""
+    fields = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in _NOT_SETTINGS}
+    return json.loads(json.dumps(fields))  # tuples as lists: as a checkpoint's compare
+
+
+def check_settings(path: Path, saved: dict[str, Any] | None, asked: dict[str, Any]) -> None:
+    """Refuse to resume the run whose checkpoint ``path`` keeps ``saved`` (``run_settings``;
+    None: an earlier version's checkpoint, which kept none) with other settings, naming the
+    first flag that differs: its steps would have gone on under another learning rate, other
+    data or another schedule, and its record say the new flags held throughout."""
+    if saved is None:
+        return
+    for key, value in _flat(asked).items():
+        had = _flat(saved).get(key)
+        if had == value:
+            continue
+        if key.startswith("corpus.num_"):
+            flag = "--num-conversations or --mix"
+            had, value = _corpus_counts(saved), _corpus_counts(asked)
+        else:
+            flag = _FLAGS.get(key, key)
+        why = " (the learning rate's schedule ends there)" if key == "steps" else ""
+        raise UserError(f"{path}: the run was started with {flag} {had!r}{why}, and "
+                        f"{value!r} is asked: give the run's own to resume it, or another "
+                        f"--out")
+
+
+def _flat(settings: dict[str, Any], head: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in settings.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{head}{key}."))
+        else:
+            out[head + key] = value
+    return out
+
+
+def _corpus_counts(settings: dict[str, Any]) -> str:
+    corpus = settings.get("corpus", {})
+    return ",".join(str(corpus.get(f"num_{kind}")) for kind in ("tool_call", "code", "math",
+                                                                 "prose"))
 
 
 def read_checkpoint(path: Path) -> dict[str, Any]:

@@ -18,7 +18,7 @@ import torch
 from agentflash.errors import UserError
 from agentflash.train import corpus as corpus_mod
 from agentflash.train import tokenizer as tokenizer_mod
-from agentflash.train.runs import make_out_dir, open_log, writing
+from agentflash.train.runs import check_settings, make_out_dir, open_log, run_settings, writing
 
 
 @dataclass(frozen=True)
@@ -102,6 +102,12 @@ def lr_at(step: int, cfg: TargetTrainConfig) -> float:
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+def target_settings(cfg: TargetTrainConfig,
+                    corpus_cfg: corpus_mod.CorpusConfig = corpus_mod.CorpusConfig()) -> dict:
+    """The run's settings its checkpoints keep (``runs.run_settings``), its corpus' too."""
+    return {**run_settings(cfg), "corpus": run_settings(corpus_cfg)}
+
+
 def train_target(
     out_dir: Path,
     cfg: TargetTrainConfig = TargetTrainConfig(),
@@ -127,7 +133,8 @@ def train_target(
         model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay
     )
     ckpt_dir = out_dir / "checkpoints"
-    start = _resume(ckpt_dir, model, opt)
+    settings = target_settings(cfg, corpus_cfg)
+    start = _resume(ckpt_dir, model, opt, settings)
     order = torch.randperm(num_windows, generator=torch.Generator().manual_seed(cfg.seed))
     log = open_log(out_dir / "train_log.jsonl", start)
     print(
@@ -168,7 +175,7 @@ def train_target(
             )
             progress.update(task, advance=1, info=f"loss {loss.item():.3f}  {tok_s:.0f} tok/s")
             if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
-                _save_checkpoint(ckpt_dir, step + 1, model, opt)
+                _save_checkpoint(ckpt_dir, step + 1, model, opt, settings)
     model.config.dtype = "float32"
     with writing(out_dir, "the model"):
         model.save_pretrained(out_dir, safe_serialization=True)
@@ -178,10 +185,11 @@ def train_target(
     return out_dir
 
 
-def _save_checkpoint(ckpt_dir: Path, step: int, model, opt) -> None:
+def _save_checkpoint(ckpt_dir: Path, step: int, model, opt, settings: dict) -> None:
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     state = {
         "step": step,
+        "settings": settings,  # a rerun with other flags is refused (runs.check_settings)
         "model": model.state_dict(),
         "opt": opt.state_dict(),
         "rng": torch.get_rng_state(),
@@ -193,11 +201,12 @@ def _save_checkpoint(ckpt_dir: Path, step: int, model, opt) -> None:
         tmp.replace(ckpt_dir / "latest.pt")
 
 
-def _resume(ckpt_dir: Path, model, opt) -> int:
+def _resume(ckpt_dir: Path, model, opt, settings: dict) -> int:
     path = ckpt_dir / "latest.pt"
     if not path.exists():
         return 0
     state = torch.load(path, weights_only=False)
+    check_settings(path, state.get("settings"), settings)
     model.load_state_dict(state["model"])
     opt.load_state_dict(state["opt"])
     torch.set_rng_state(state["rng"])
