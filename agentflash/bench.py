@@ -1,8 +1,13 @@
 """``agentflash bench``: decoding modes and their peers side by side, in one run, on one model.
 
-Prompts are held out from the demo model's training corpus (other seeds of the same generators),
-grouped in suites by kind of text. Every row decodes the same prompts greedily; the table reports
-tokens/s, the ratio to plain decoding, tau and whether the output equals plain greedy output.
+Prompts come from the training corpus' generators with other seeds, grouped in suites by kind
+of text. The tool-call, JSON and agent prompts are held out that way; the code, prose and math
+ones are not all: those generators draw from small pools (the standard library's 969 functions
+and 3,130 docstrings, 712 percent questions), so of 16 a suite 12 code, 7 prose and 3 math
+prompts are word for word in the target's corpus (and 16 code, 13 prose answers), and some in
+the drafters' (the README's demo-model section says more). Every row decodes the same prompts
+greedily; the table reports tokens/s, the ratio to plain decoding, tau and whether the output
+equals plain greedy output.
 """
 
 from __future__ import annotations

@@ -300,6 +300,32 @@ class NoCache:
         return k, v
 
 
+def test_no_training_conversation_begins_as_a_validation_one():
+    # the code generator draws from ~1,000 functions: held out by position only, 8 of 16 code
+    # validation prompts were training prompts too (their greedy answers the same)
+    convos = corpus_mod.generate(corpus_mod.CorpusConfig(seed=6, num_tool_call=0, num_code=1200,
+                                                 num_math=0, num_prose=0))
+    train, val = train_mod.split_corpus(convos, 16)
+    assert len(val) == 16 and val == convos[-16:]
+    openings = {train_mod._opening(c) for c in val}
+    assert not openings & {train_mod._opening(c) for c in train}
+    assert len(train) + len(val) < len(convos)  # there were some: now left out of training
+    dropped = [c for c in convos[:-16] if train_mod._opening(c) in openings]
+    assert len(train) == len(convos) - 16 - len(dropped)
+
+
+@pytest.mark.parametrize("share", [0.0, 0.01, 0.5, 0.6, 1.0])
+def test_the_constrained_share_is_spread_over_the_tool_calls_of_each_split(share):
+    # the first of every hundred conversations of any kind: a split of 64 (16 tool calls) had
+    # 14 of 16 constrained for 0.6
+    convos = corpus_mod.generate(corpus_mod.CorpusConfig(seed=1, num_tool_call=16, num_code=16,
+                                                 num_math=16, num_prose=16))
+    grammars = train_mod._served_grammars(convos, share)
+    calls = [g for c, g in zip(convos, grammars, strict=True) if c["kind"] == "tool_call"]
+    assert all(g is None for c, g in zip(convos, grammars) if c["kind"] != "tool_call")
+    assert sum(g is not None for g in calls) == int(16 * share)
+
+
 def test_init_takes_a_directory_under_the_home_directory(tmp_path, monkeypatch):
     # "--init=~/d" (which a shell leaves as it is) was "not a drafter directory"
     monkeypatch.setenv("HOME", str(tmp_path))

@@ -121,7 +121,9 @@ class Sample:
 
 
 def split_corpus(convos: list[dict], num_val_per_kind: int) -> tuple[list[dict], list[dict]]:
-    """The last ``num_val_per_kind`` conversations of each kind are held out."""
+    """The last ``num_val_per_kind`` conversations of each kind are held out, and no training
+    one begins as one of them does (the code, prose and math generators draw from small pools:
+    8 of 16 code validation prompts were training prompts too, their answers the same)."""
     seen: dict[str, int] = defaultdict(int)
     val_ids = set()
     for i in range(len(convos) - 1, -1, -1):
@@ -129,8 +131,17 @@ def split_corpus(convos: list[dict], num_val_per_kind: int) -> tuple[list[dict],
         if seen[kind] < num_val_per_kind:
             seen[kind] += 1
             val_ids.add(i)
-    train = [c for i, c in enumerate(convos) if i not in val_ids]
-    return train, [c for i, c in enumerate(convos) if i in val_ids]
+    val = [c for i, c in enumerate(convos) if i in val_ids]
+    held = {_opening(c) for c in val}
+    train = [c for i, c in enumerate(convos) if i not in val_ids and _opening(c) not in held]
+    return train, val
+
+
+def _opening(convo: dict) -> str:
+    """What a conversation's first answer is to: its tools and the messages before it."""
+    messages = convo["messages"]
+    first = next((j for j, m in enumerate(messages) if m["role"] == "assistant"), len(messages))
+    return json.dumps([convo["tools"], messages[:first]], sort_keys=True)
 
 
 def turn_prompts(convo: dict, chat_prompt: Callable[..., list[int]]) -> list[list[int]]:
@@ -164,14 +175,22 @@ def regenerate(
     return [Sample(ids + list(req.output_ids), len(ids), kind) for req, ids, kind in requests]
 
 
-def _served_grammar(convo: dict, index: int, share: float):
-    """The grammar the engine would serve this conversation's turns under when it has tools
-    (tool_choice auto), for the first ``share`` of every hundred tool-call conversations."""
-    if convo["kind"] != "tool_call" or not convo["tools"] or index % 100 >= round(share * 100):
-        return None
+def _served_grammars(convos: list[dict], share: float) -> list:
+    """The grammar the engine would serve each conversation's turns under when it has tools
+    (tool_choice auto), for ``share`` of the tool-call conversations, spread evenly: the k-th
+    is when ``floor((k + 1) * share)`` steps up (the first of every hundred conversations of
+    any kind took 88% of a validation split's tool calls for a share of 60%); None for others."""
     from agentflash.grammar import assistant_turn
 
-    return assistant_turn(convo["tools"], "auto")
+    out, k = [], 0
+    for convo in convos:
+        grammar = None
+        if convo["kind"] == "tool_call" and convo["tools"]:
+            if math.floor((k + 1) * share) > math.floor(k * share):
+                grammar = assistant_turn(convo["tools"], "auto")
+            k += 1
+        out.append(grammar)
+    return out
 
 
 def target_fingerprint(target: Qwen3Model) -> list[float]:
@@ -188,8 +207,9 @@ def build_samples(
         "target": target_fingerprint(target),
         # the prompts: the target's chat template (edited, the answers are made again), and
         # their layout (2: the template's own rendering of what agents send; before: the demo's)
+        # and split
         "chat_template": getattr(tokenizer, "chat_template", None),
-        "prompts": 2,
+        "prompts": 3,  # (3: no training prompt a validation one; the constrained share spread)
         "corpus": asdict(cfg.corpus),
         "max_response_tokens": cfg.max_response_tokens,
         "max_seq_len": cfg.max_seq_len,
@@ -211,8 +231,8 @@ def build_samples(
     splits = []
     for label, convos in (("train", train_convos), ("val", val_convos)):
         prompts = [
-            (ids, c["kind"], _served_grammar(c, n, cfg.constrained_tool_calls))
-            for n, c in enumerate(convos)
+            (ids, c["kind"], grammar)
+            for c, grammar in zip(convos, _served_grammars(convos, cfg.constrained_tool_calls))
             for ids in turn_prompts(c, engine.chat_prompt)
             if len(ids) <= limit
         ]
