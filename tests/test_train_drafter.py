@@ -173,8 +173,10 @@ def test_training_reduces_loss_and_writes_a_loadable_drafter(run, tiny_model_dir
     assert drafter.cfg.block_size == 4 and drafter.cfg.target_layer_ids == (2,)
     summary = json.loads((run / "train_drafter.json").read_text())
     assert summary["val_tau"] == vals[-1]["val_tau"]
+    assert summary["drafter"]["target_layer_ids"] == [2]  # the default ones, not []
     state = torch.load(run / "checkpoints" / "latest.pt", weights_only=False)
     assert state["step"] == 30 and state["target"] == str(tiny_model_dir.resolve())
+    assert 0 < state["train_seconds"] <= summary["train_seconds"]
 
 
 def test_a_rerun_resumes_without_regenerating(run, tiny_model_dir):
@@ -183,9 +185,13 @@ def test_a_rerun_resumes_without_regenerating(run, tiny_model_dir):
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(train_mod, "regenerate", no_regeneration)
+        seconds = torch.load(run / "checkpoints" / "latest.pt",
+                             weights_only=False)["train_seconds"]
         train_drafter(tiny_model_dir, run, tiny_config(steps=30))
         steps = [e["step"] for e in read_log(run) if "loss" in e]
         assert steps == list(range(1, 31))  # resumed at its end: nothing more to train
+        # its training time is its steps' (it was the last segment's alone: here, none)
+        assert json.loads((run / "train_drafter.json").read_text())["train_seconds"] >= seconds
         # other flags than the run's: refused, naming the flag (a schedule spliced at step 30,
         # answers to another corpus, another learning rate, recorded as if they held throughout)
         for changed, flag in ((dict(steps=33), "--steps 30 .the learning rate's schedule ends "

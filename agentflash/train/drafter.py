@@ -546,7 +546,9 @@ def train_drafter(
         TextColumn("{task.fields[info]}"),
         TimeRemainingColumn(),
     )
+    # training time of the steps kept: the run's earlier segments' (to its checkpoint) and this
     t0, taus = time.time(), {}
+    earlier = float(saved.get("train_seconds", 0.0)) if saved is not None else 0.0
     with Progress(*columns) as progress:
         task = progress.add_task("drafter", total=cfg.steps, completed=start, info="")
         for step in range(start, cfg.steps):
@@ -568,7 +570,7 @@ def train_drafter(
             )
             if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
                 _save_checkpoint(ckpt_dir, step + 1, drafter, opt, dcfg, trained_for,
-                                 run_settings(cfg))
+                                 run_settings(cfg), earlier + time.time() - t0)
             if val and ((step + 1) % cfg.val_every == 0 or step + 1 == cfg.steps):
                 taus = validation_tau(drafter, target, val)
                 log.write(json.dumps({"step": step + 1, "val_tau": _rounded(taus)}) + "\n")
@@ -578,11 +580,12 @@ def train_drafter(
     log.close()
     with writing(out_dir, "the drafter"):
         save_drafter(drafter.eval(), out_dir)
-    summary = {
-        "drafter": asdict(cfg),
+    summary = {  # the target layers it reads, the default ones too (they were [] then)
+        "drafter": {**asdict(cfg), "target_layer_ids": list(dcfg.target_layer_ids)},
         "params": num_params,
         "val_tau": _rounded(taus),
-        "train_seconds": round(time.time() - t0, 1),
+        "train_seconds": round(earlier + time.time() - t0, 1),  # (a resumed run's: its last
+        # segment's alone)
         "mask_token_id": mask_id,
     }
     with writing(out_dir / "train_drafter.json", "the summary"):
@@ -616,7 +619,7 @@ def _format_taus(taus: dict[str, float]) -> str:
 
 
 def _save_checkpoint(ckpt_dir: Path, step: int, drafter, opt, dcfg: DrafterConfig,
-                     target: str, settings: dict[str, Any]) -> None:
+                     target: str, settings: dict[str, Any], seconds: float) -> None:
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     state = {
         "step": step,
@@ -624,6 +627,7 @@ def _save_checkpoint(ckpt_dir: Path, step: int, drafter, opt, dcfg: DrafterConfi
         "opt": opt.state_dict(),
         "drafter_config": asdict(dcfg),
         "settings": settings,  # a rerun with other flags is refused (runs.check_settings)
+        "train_seconds": seconds,  # of the steps to here, over the run's segments
         "target": target,  # a rerun on another target is refused (runs.check_out_dir)
     }
     tmp = ckpt_dir / "latest.pt.tmp"
