@@ -208,15 +208,28 @@ def test_two_tools_anchors_of_one_name_are_each_their_own(tok):
 def test_two_tools_nested_resources_of_one_id_are_one_resource_or_refused(tok):
     # a subschema's own $id names one resource in the union: two tools giving it to unlike
     # subschemas had one's arguments checked against the other's ("red" for an integer)
-    def tool(name, num):
-        return {"type": "function", "function": {"name": name, "parameters": {
+    def tool(name, num, uri="https://e.x/point", **extra):
+        return {"type": "function", "function": {"name": name, **extra, "parameters": {
             "type": "object", "required": ["p"], "properties": {"p": {
-                "$id": "https://e.x/point", "$defs": {"n": {"$anchor": "num", **num}},
+                "$id": uri, "$defs": {"n": {"$anchor": "num", **num}},
                 "type": "object", "properties": {"x": {"$ref": "#num"}}, "required": ["x"]}}}}}
 
-    with pytest.raises(GrammarError, match="tools: tools 'f' and 'g' both hold a subschema with "
-                                           r"\$id 'https://e.x/point', and they differ"):
-        tool_call_body([tool("f", {"type": "integer"}), tool("g", {"enum": ["red", "blue"]})])
+    # (written otherwise, the same URI: an empty fragment, the case of the scheme and host,
+    # dot segments)
+    for uri in ("https://e.x/point", "https://e.x/point#", "HTTPS://E.X/point",
+                "https://e.x/a/../point"):
+        with pytest.raises(GrammarError, match="tools: tools 'f' and 'g' both hold a subschema "
+                                               r"with \$id '.*', and they differ"):
+            tool_call_body([tool("f", {"type": "integer"}),
+                            tool("g", {"enum": ["red", "blue"]}, uri)])
+    with pytest.raises(GrammarError, match="they differ .one tool is strict, the other not"):
+        tool_call_body([tool("f", {"type": "object"}), tool("g", {"type": "object"},
+                                                           strict=False)])
+    within = {"type": "function", "function": {"name": "h", "parameters": {
+        "type": "object", "properties": {"a": {"$id": "https://e.x/q", "type": "integer"},
+                                         "b": {"$id": "https://e.x/q", "type": "string"}}}}}
+    with pytest.raises(GrammarError, match="tool 'h' holds two subschemas with"):
+        tool_call_body([within])
     grammar = compile_grammar(tool_call_body([tool("f", {"type": "integer"}),
                                               tool("g", {"type": "integer"})]), tok)
     for name, x, ok in (("f", 1, True), ("g", 2, True), ("f", "red", False)):

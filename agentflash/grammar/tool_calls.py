@@ -13,7 +13,7 @@ import enum
 import json
 from dataclasses import dataclass, replace
 from typing import Any
-from urllib.parse import urldefrag, urljoin
+from urllib.parse import urldefrag, urljoin, urlsplit, urlunsplit
 
 from agentflash.grammar.checks import check_schema, subschemas
 from agentflash.grammar.constraint import GrammarError
@@ -118,18 +118,37 @@ def _rebase_refs(node: Any, base: str, anchors: str, own_id: str | None = None,
     return out
 
 
-def _check_resources(arguments: Any, tool: str, seen: dict[str, tuple[str, Any]]) -> None:
-    """Refuse, naming both tools, a nested ``$id`` that another tool's parameters give to
-    another subschema: in the union one URI names one resource, and one tool's arguments were
-    checked against the other's (the same subschema in both is one resource, as it should)."""
+def _check_resources(arguments: Any, tool: str, strict: bool,
+                     seen: dict[str, tuple[str, Any, bool]]) -> None:
+    """Refuse, naming the tools, a nested ``$id`` that names another subschema elsewhere in the
+    union (another tool's, or its own): one URI names one resource, and one tool's arguments
+    were checked against the other's; URIs that differ only as RFC 3986 says they are the same
+    (an empty fragment, the scheme's and host's case, dot segments) are one. The same
+    subschema in two tools is one resource, as it should."""
     for _, node in subschemas(arguments, []):
         uri = node.get("$id") if isinstance(node, dict) else None
         if not isinstance(uri, str):
             continue
-        other, subschema = seen.setdefault(uri, (tool, node))
-        if other != tool and subschema != node:
-            raise GrammarError(f"tools: tools {other!r} and {tool!r} both hold a subschema with "
-                               f"$id {uri!r}, and they differ: give one of them another $id")
+        other, subschema, other_strict = seen.setdefault(_resource_key(uri), (tool, node, strict))
+        if subschema is node or subschema == node:
+            continue
+        where = f"tool {tool!r} holds two subschemas" if other == tool else \
+            f"tools {other!r} and {tool!r} both hold a subschema"
+        why = "" if other_strict == strict else \
+            " (one tool is strict, the other not: its objects are closed, the other's open)"
+        raise GrammarError(f"tools: {where} with $id {uri!r}, and they differ{why}: give one "
+                           f"of them another $id")
+
+
+def _resource_key(uri: str) -> str:
+    """``uri`` as the resource it names: no empty fragment, the scheme and host in lower case,
+    dot segments removed (``HTTPS://E.X/a/../point#`` is ``https://e.x/point``)."""
+    uri, _ = urldefrag(uri)
+    parts = urlsplit(uri)
+    path = parts.path
+    if parts.netloc or path.startswith("/"):
+        path = urlsplit(urljoin("http://h/", path.lstrip("/"))).path
+    return urlunsplit((parts.scheme.lower(), parts.netloc.lower(), path, parts.query, ""))
 
 
 def tool_call_schema(
@@ -142,7 +161,7 @@ def tool_call_schema(
     if not specs:
         raise GrammarError("tools: the list is empty")
     branches = []
-    resources: dict[str, tuple[str, Any]] = {}  # a nested $id: the tool and subschema it names
+    resources: dict[str, tuple[str, Any, bool]] = {}  # a nested $id: the tool and subschema
     for i, spec in enumerate(specs):
         base = f"#/anyOf/{i}/properties/arguments"
         parameters = spec.parameters
@@ -152,7 +171,7 @@ def tool_call_schema(
         own_id = parameters.get("$id") if isinstance(parameters.get("$id"), str) else None
         parameters = {k: v for k, v in parameters.items() if k != "$id"}
         arguments = _rebase_refs(copy.deepcopy(parameters), base, f"tool{i}_", own_id)
-        _check_resources(arguments, spec.name, resources)
+        _check_resources(arguments, spec.name, strict and spec.strict, resources)
         branches.append(
             {
                 "type": "object",
