@@ -524,9 +524,9 @@ def train_drafter(
 ) -> None:
     """Train a DFlash drafter on the target's own answers (SpecForge recipe)."""
     from agentflash.train.corpus import CorpusConfig
-    from agentflash.train.drafter import DrafterTrainConfig
+    from agentflash.train.drafter import DrafterTrainConfig, drafter_settings
     from agentflash.train.drafter import train_drafter as run
-    from agentflash.train.runs import check_out_dir, run_settings
+    from agentflash.train.runs import check_out_dir
 
     try:
         _out_dir(out)
@@ -563,7 +563,7 @@ def train_drafter(
                                  init=init,
                                  constrained_tool_calls=constrained_tool_calls,
                                  target_layer_ids=layer_ids, save_every=save_every)
-        check_out_dir(out, "drafter", steps, str(target), run_settings(cfg))
+        check_out_dir(out, "drafter", steps, str(target), drafter_settings(cfg))
         run(target, out, cfg)
     except (UserError, ValueError) as err:
         fail(str(err))

@@ -341,13 +341,25 @@ def test_init_takes_a_directory_under_the_home_directory(tmp_path, monkeypatch):
         tiny_config(init="~/none")
 
 
-def test_init_starts_a_new_run_from_a_trained_drafter(run, tiny_model_dir, tmp_path):
+def test_init_starts_a_new_run_from_a_trained_drafter(run, tiny_model_dir, tmp_path,
+                                                       monkeypatch):
     shutil.copy(run / "responses.json", tmp_path / "responses.json")  # the same answers
     trained_loss = [e["loss"] for e in read_log(run) if "loss" in e][-1]
     fresh_loss = [e["loss"] for e in read_log(run) if "loss" in e][0]
     train_drafter(tiny_model_dir, tmp_path, tiny_config(steps=1, init=str(run), val_every=100))
     first = [e["loss"] for e in read_log(tmp_path) if "loss" in e]
     assert len(first) == 1 and abs(first[0] - trained_loss) < abs(first[0] - fresh_loss)
+    # resumed: its --init however written, or none (its weights are the checkpoint's), and the
+    # default target layers by their numbers; another --init is refused
+    monkeypatch.chdir(run.parent)
+    for init in (run.name, f"./{run.name}", None):
+        train_drafter(tiny_model_dir, tmp_path, tiny_config(steps=1, init=init, val_every=100,
+                                                            target_layer_ids=(2,)))
+    assert json.loads((tmp_path / "train_drafter.json").read_text())["drafter"]["init"] == \
+        str(run.resolve())
+    elsewhere = shutil.copytree(run, tmp_path.parent / f"{tmp_path.name}_copy")
+    with pytest.raises(UserError, match="the run was started with --init"):
+        train_drafter(tiny_model_dir, tmp_path, tiny_config(steps=1, init=str(elsewhere)))
     other = tmp_path / "other"
     with pytest.raises(UserError, match=f"{run}.*block_size"):
         train_drafter(tiny_model_dir, other, tiny_config(steps=1, init=str(run), block_size=8))

@@ -465,6 +465,15 @@ def choose_mask_token(tokenizer, vocab_size: int, override: int | None) -> int:
     )
 
 
+def drafter_settings(cfg: DrafterTrainConfig) -> dict[str, Any]:
+    """The run's settings its checkpoints keep (``runs.run_settings``), ``--init`` as the
+    directory it names wherever the run is started from."""
+    settings = run_settings(cfg)
+    if cfg.init not in (None, "demo"):
+        settings["init"] = str(expand_user(cfg.init).resolve())
+    return settings
+
+
 def new_drafter(cfg: DrafterConfig, seed: int) -> DFlashDrafter:
     torch.manual_seed(seed)
     drafter = DFlashDrafter(cfg)
@@ -519,7 +528,7 @@ def train_drafter(
     initial = _init_from(cfg.init, dcfg) if cfg.init is not None else None
     # a run to resume, checked too: after the answers, a drafter of other settings was found
     # minutes later, and the answers' cache was already rewritten for the new settings
-    saved = _checkpoint(out_dir / "checkpoints", dcfg, run_settings(cfg))
+    saved = _checkpoint(out_dir / "checkpoints", dcfg, drafter_settings(cfg))
     make_out_dir(out_dir)  # once all is checked: no empty --out left
     train, val = build_samples(target, tokenizer, cfg, out_dir / "responses.json")
     if not train:
@@ -570,7 +579,7 @@ def train_drafter(
             )
             if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
                 _save_checkpoint(ckpt_dir, step + 1, drafter, opt, dcfg, trained_for,
-                                 run_settings(cfg), earlier + time.time() - t0)
+                                 drafter_settings(cfg), earlier + time.time() - t0)
             if val and ((step + 1) % cfg.val_every == 0 or step + 1 == cfg.steps):
                 taus = validation_tau(drafter, target, val)
                 log.write(json.dumps({"step": step + 1, "val_tau": _rounded(taus)}) + "\n")
@@ -580,8 +589,13 @@ def train_drafter(
     log.close()
     with writing(out_dir, "the drafter"):
         save_drafter(drafter.eval(), out_dir)
-    summary = {  # the target layers it reads, the default ones too (they were [] then)
-        "drafter": {**asdict(cfg), "target_layer_ids": list(dcfg.target_layer_ids)},
+    # the target layers it reads, the default ones too (they were [] then), and what it was
+    # started from (a resumed run may be given no --init: its weights are the checkpoint's)
+    started_from = cfg.init if cfg.init is not None or saved is None else \
+        (saved.get("settings") or {}).get("init")
+    summary = {
+        "drafter": {**asdict(cfg), "target_layer_ids": list(dcfg.target_layer_ids),
+                    "init": started_from},
         "params": num_params,
         "val_tau": _rounded(taus),
         "train_seconds": round(earlier + time.time() - t0, 1),  # (a resumed run's: its last

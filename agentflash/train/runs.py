@@ -94,6 +94,9 @@ _FLAGS = {"steps": "--steps", "lr": "--lr", "num_layers": "--num-layers",
           "constrained_tool_calls": "--constrained-tool-calls", "corpus.seed": "--corpus-seed"}
 # what does not change the weights a run trains: how often it saves and validates, where
 _NOT_SETTINGS = ("save_every", "val_every", "device", "regen_batch")
+# a drafter's shape: compared as its checkpoint's drafter config, resolved (the default target
+# layers are the ones they stand for, not [])
+_SHAPE = ("num_layers", "target_layer_ids", "block_size", "mask_token_id")
 
 
 def run_settings(cfg: Any) -> dict[str, Any]:
@@ -112,7 +115,7 @@ def check_settings(path: Path, saved: dict[str, Any] | None, asked: dict[str, An
         return
     for key, value in _flat(asked).items():
         had = _flat(saved).get(key)
-        if had == value:
+        if had == value or key in _SHAPE or (key == "init" and _same_init(had, value)):
             continue
         if key.startswith("corpus.num_"):
             flag = "--num-conversations or --mix"
@@ -123,6 +126,17 @@ def check_settings(path: Path, saved: dict[str, Any] | None, asked: dict[str, An
         raise UserError(f"{path}: the run was started with {flag} {had!r}{why}, and "
                         f"{value!r} is asked: give the run's own to resume it, or another "
                         f"--out")
+
+
+def _same_init(had: str | None, asked: str | None) -> bool:
+    """Whether ``asked`` starts the run ``had`` started from: the same directory however it is
+    written (relative, absolute, ``~``), or none (a resumed run's weights are its checkpoint's:
+    its ``--init`` may have gone since)."""
+    if asked is None or had == asked:
+        return True
+    if had is None or "demo" in (had, asked):
+        return False
+    return expand_user(had).resolve() == expand_user(asked).resolve()
 
 
 def _flat(settings: dict[str, Any], head: str = "") -> dict[str, Any]:
