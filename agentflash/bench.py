@@ -463,7 +463,7 @@ def _mode_row(
 
 def _memory_fields(engine: Engine, drafts: bool, parts: list[MemoryUse], held: int
                    ) -> dict[str, Any]:
-    """A mode's memory in MB: the weights it reads (the drafter's too when it drafts) plus the
+    """A mode's memory in MiB: the weights it reads (the drafter's too when it drafts) plus the
     most its requests held at once beyond them (``held``), and each part's own peak."""
     weights = engine.weight_bytes()
     read = weights["target"] + (weights["drafter"] if drafts else 0)
