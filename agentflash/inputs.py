@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from agentflash.engine.request import SamplingParams
     from agentflash.grammar.tool_calls import ToolSpec
 
-ROLES = ("system", "user", "assistant", "tool")
+ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 def _sampling_params(**fields: Any) -> SamplingParams:
@@ -79,6 +79,16 @@ def check_messages(messages: Any, where: str) -> list[dict[str, Any]]:
     return messages
 
 
+def leading_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages as a chat template reads them: the system and developer messages become
+    one leading system message (their texts joined by a blank line), as ``serve`` reads them and
+    OpenAI's API takes them (a template such as the demo's shows only a first system message:
+    a second one, or one later on, was dropped)."""
+    system = [m["content"] for m in messages if m["role"] in ("system", "developer")]
+    rest = [m for m in messages if m["role"] not in ("system", "developer")]
+    return ([{"role": "system", "content": "\n\n".join(system)}] if system else []) + rest
+
+
 def check_unicode(text: str, where: str) -> None:
     """A ``UserError`` naming ``where`` if ``text`` holds a lone surrogate (no character: JSON's
     escape of half a pair, or a byte that was not UTF-8 in a command line or a file name),
@@ -104,6 +114,7 @@ def _check_tool_calls(calls: Any, where: str) -> None:
             raise UserError(f"{where}[{j}] has no arguments (give {{}} for none)")
         arguments = fn["arguments"]
         if isinstance(arguments, str):
+            check_unicode(arguments, f"{where}[{j}].arguments")
             try:
                 arguments = json.loads(arguments)
             except json.JSONDecodeError as err:
@@ -134,7 +145,18 @@ def check_tools(tools: Any, where: str) -> list[dict[str, Any]]:
         params = fn.get("parameters", {"type": "object", "properties": {}})
         if not isinstance(params, dict):
             raise UserError(f"{where}: tools[{i}].function.parameters must be a JSON Schema object")
-    return tools
+        description = fn.get("description")
+        if description is not None and not isinstance(description, str):
+            raise UserError(f"{where}: tools[{i}].function.description must be a string")
+        if description is not None:
+            check_unicode(description, f"{where}: tools[{i}].function.description")
+        check_unicode(json.dumps(params, ensure_ascii=False),
+                      f"{where}: tools[{i}].function.parameters")
+    # as OpenAI's API (and serve) read a tool: its four fields in their order, nothing else
+    # (written as given, another key order or an extra key made another prompt than serve's)
+    return [{"type": "function", "function": {key: tool["function"][key] for key in
+                                              ("name", "description", "parameters", "strict")
+                                              if key in tool["function"]}} for tool in tools]
 
 
 def _tool_specs(tools: list[dict[str, Any]], where: str) -> list[ToolSpec]:
@@ -192,7 +214,7 @@ def make_input(values: dict[str, Any], where: str) -> GenerateInput:
             raise UserError(f"{where}: prompt must be a non-empty string")
         check_unicode(prompt, f"{where}: prompt")
         messages = [{"role": "user", "content": prompt}]
-    messages = check_messages(messages, where)
+    messages = leading_system(check_messages(messages, where))
     tools = check_tools(values.get("tools") or [], where)
     specs = _tool_specs(tools, where)
     params = make_params(values, where)

@@ -110,6 +110,10 @@ def test_requests_file_writes_one_result_per_line(tiny_model_dir, tmp_path):
          '"tool_calls": "f"}]', "messages[1].tool_calls must be a list"),
         ('[{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [5]}]',
          "messages[1].tool_calls[0] must be an object with a function's name"),
+        # half a surrogate pair: named by its field (it was "the chat prompt ... at character 98")
+        ('[{"role": "user", "content": "x"}, {"role": "assistant", "content": null, '
+         '"tool_calls": [{"function": {"name": "f", "arguments": "{\\"a\\": \\"\\ud800\\"}"}}]}]',
+         "messages[1].tool_calls[0].arguments holds '\\ud800'"),
         ('[{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": '
          '[{"function": {"name": "f", "arguments": 3}}]}]',
          "messages[1].tool_calls[0].arguments must be an object or its JSON text"),

@@ -854,9 +854,17 @@ def test_agent_definition_errors():
                         backend=ScriptedBackend([]))
     with pytest.raises(UserError, match="input must be a string or a non-empty list"):
         Runner.run_sync(Agent("a"), [], backend=ScriptedBackend([]))
-    with pytest.raises(UserError, match="must not hold system messages"):
-        Runner.run_sync(Agent("a"), [{"role": "system", "content": "x"}],
-                        backend=ScriptedBackend([]))
+    for role in ("system", "developer"):
+        with pytest.raises(UserError, match="must not hold system or developer messages"):
+            Runner.run_sync(Agent("a"), [{"role": role, "content": "x"}],
+                            backend=ScriptedBackend([]))
+    # a message without a role, or not an object: named by its place (the input was "not a
+    # list of chat messages")
+    for bad, named in (({"content": "x"}, r"messages\[1\]\.role must be one of"),
+                       ("oops", r"messages\[1\] must be an object")):
+        with pytest.raises(UserError, match=f"the run's input: {named}"):
+            Runner.run_sync(Agent("a"), [{"role": "user", "content": "hi"}, bad],
+                            backend=ScriptedBackend([]))
     # found when the agent is built, not at its first turn
     with pytest.raises(UserError, match="tools must be a list, got FunctionTool"):
         Agent("a", tools=get_weather)

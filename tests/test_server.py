@@ -927,6 +927,48 @@ def test_a_participants_name_reaches_the_chat_template(demo_tokenizer_dir):
     assert text == "system: Be brief.\nalice: hi\nbot: hello\nuser: and me?\n"
 
 
+def test_generate_and_serve_read_one_conversation_alike():
+    """The same messages and tools give the same prompt through ``generate`` (its input) and
+    ``serve``: a second or later system message was dropped by the demo's template through
+    generate (serve merged it), ``developer`` was refused there, and serve re-wrote a tool in
+    OpenAI's field order, dropping keys, where generate kept it as written."""
+    from agentflash.engine.engine import Engine
+    from agentflash.inputs import make_input
+    from agentflash.server.chat import chat_messages
+    from agentflash.server.protocol import ChatCompletionRequest
+
+    messages = [{"role": "system", "content": "You are a pirate."},
+                {"role": "developer", "content": "Always answer in French."},
+                {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+                {"role": "system", "content": "From now on, briefly."},
+                {"role": "user", "content": "how are you"}]
+    tools = [{"type": "function", "function": {
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        "x-owner": "team-a", "name": "get_weather", "description": "Weather."}}]
+    engine = Engine.from_pretrained("demo", drafter=None)
+    given = make_input({"messages": messages, "tools": tools}, "command line")
+    request = ChatCompletionRequest.model_validate({"model": "demo", "messages": messages,
+                                                    "tools": tools})
+    served = chat_messages(request.messages)
+    assert given.messages == served
+    assert served[0] == {"role": "system", "content": "You are a pirate.\n\nAlways answer in "
+                                                      "French.\n\nFrom now on, briefly."}
+    assert given.tools == [t.model_dump(exclude_unset=True) for t in request.tools]
+    assert engine.chat_prompt(given.messages, given.tools) == \
+        engine.chat_prompt(served, [t.model_dump(exclude_unset=True) for t in request.tools])
+
+
+def test_a_tool_message_needs_content(client):
+    # OpenAI's API refuses it (an empty <tool_response> went to the model)
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather",
+                                                         "arguments": "{}"}}
+    with pytest.raises(openai.BadRequestError, match="a tool message needs content"):
+        client.chat.completions.create(model="demo", max_tokens=4, messages=[
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1"}])
+
+
 def test_vllm_fields_that_change_nothing_are_taken(client):
     # vLLM's defaults, as its clients send them: the reply they ask for is this server's
     reply = client.chat.completions.create(

@@ -481,14 +481,14 @@ def _input_messages(input: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
 
         check_unicode(input, "the run's input")
         return [{"role": "user", "content": input}]
-    if isinstance(input, list) and input and all(isinstance(m, dict) and "role" in m
-                                                 for m in input):
-        if any(m["role"] == "system" for m in input):
-            raise UserError("the run's input must not hold system messages (the agent's "
-                            "instructions are the system prompt)")
+    if isinstance(input, list) and input:
         from agentflash.inputs import check_messages
 
-        return list(check_messages(input, "the run's input"))
+        messages = list(check_messages(input, "the run's input"))  # (naming a bad one's place)
+        if any(m["role"] in ("system", "developer") for m in messages):
+            raise UserError("the run's input must not hold system or developer messages (the "
+                            "agent's instructions are the system prompt)")
+        return messages
     raise UserError("the run's input must be a string or a non-empty list of chat messages")
 
 

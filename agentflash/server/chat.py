@@ -40,6 +40,7 @@ from agentflash.grammar import (
 )
 from agentflash.grammar.compiler import LRU, MAX_SOURCE_CHARS
 from agentflash.grammar.llguidance_backend import check_schema_supported
+from agentflash.inputs import leading_system
 from agentflash.server.protocol import APIError, ChatCompletionRequest, Message
 from agentflash.tool_format import begun_call
 
@@ -131,10 +132,10 @@ def chat_messages(messages: list[Message]) -> list[dict[str, Any]]:
     """The messages as the chat template reads them: system and developer messages become the one
     leading system message; content parts are joined into text; a user's or assistant's
     ``name`` is passed on (Qwen's template shows none, another may)."""
-    system = [m.text for m in messages if m.role in ("system", "developer")]
-    out: list[dict[str, Any]] = [{"role": "system", "content": "\n\n".join(system)}] if system \
-        else []
+    out: list[dict[str, Any]] = []
     for m in messages:
+        if m.role in ("system", "developer"):
+            out.append({"role": m.role, "content": m.text})
         # a participant's name goes to the template, which shows it where it has a place
         named = {"name": m.name} if m.name is not None else {}
         if m.role == "user":
@@ -146,7 +147,7 @@ def chat_messages(messages: list[Message]) -> list[dict[str, Any]]:
             out.append(msg)
         elif m.role == "tool":
             out.append({"role": "tool", "content": m.text, "tool_call_id": m.tool_call_id})
-    return out
+    return leading_system(out)
 
 
 def _tool_choice(request: ChatCompletionRequest, tools: list[dict[str, Any]]) -> ToolChoice:

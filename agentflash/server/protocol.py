@@ -103,7 +103,7 @@ class Message(_Wire):
             raise ValueError("a tool message needs the tool_call_id of the call it answers")
         if self.role == "assistant" and self.content is None and not self.tool_calls:
             raise ValueError("an assistant message needs content or tool_calls")
-        if self.role in ("system", "developer", "user") and self.content is None:
+        if self.role in ("system", "developer", "user", "tool") and self.content is None:
             raise ValueError(f"a {self.role} message needs content")
         return self
 
