@@ -93,3 +93,25 @@ for step in range(20_000):
 def test_a_write_that_fails_is_named(tmp_path, body, message):
     said = run_limited(body, tmp_path)
     assert said.startswith(f"UserError: {tmp_path}/") and message in said, said
+
+
+def test_a_resumed_run_is_refused_other_settings_by_name(tmp_path):
+    # the target's shape is its settings' to answer for (a drafter's, its checkpoint's drafter
+    # config): another num_layers ended in a state_dict's RuntimeError
+    from agentflash.models.loading import DEMO_DIR
+    from agentflash.train.drafter import DrafterTrainConfig, drafter_settings
+    from agentflash.train.runs import check_settings
+    from agentflash.train.target import TargetTrainConfig, target_settings
+
+    path = tmp_path / "latest.pt"
+    with pytest.raises(UserError, match="started with --num-layers 2, and 3 is asked"):
+        check_settings(path, target_settings(TargetTrainConfig(num_layers=2)),
+                       target_settings(TargetTrainConfig(num_layers=3)))
+    check_settings(path, target_settings(TargetTrainConfig()), target_settings(
+        TargetTrainConfig(save_every=7)))  # how often it saves changes no weight
+    # --init demo is the demo drafter's directory however it is named
+    demo = drafter_settings(DrafterTrainConfig(init="demo"))
+    check_settings(path, demo, drafter_settings(DrafterTrainConfig(init=str(DEMO_DIR / "drafter"))))
+    check_settings(path, demo, drafter_settings(DrafterTrainConfig()))  # none: the checkpoint's
+    with pytest.raises(UserError, match="--init 'demo', and '/"):
+        check_settings(path, demo, drafter_settings(DrafterTrainConfig(init=str(tmp_path))))

@@ -43,6 +43,7 @@ from agentflash.train import corpus as corpus_mod
 from agentflash.train import tokenizer as tokenizer_mod
 from agentflash.train.runs import (
     check_settings,
+    init_dir,
     make_out_dir,
     open_log,
     run_settings,
@@ -467,10 +468,10 @@ def choose_mask_token(tokenizer, vocab_size: int, override: int | None) -> int:
 
 def drafter_settings(cfg: DrafterTrainConfig) -> dict[str, Any]:
     """The run's settings its checkpoints keep (``runs.run_settings``), ``--init`` as the
-    directory it names wherever the run is started from."""
+    directory it names wherever the run is started from (``demo`` as it is)."""
     settings = run_settings(cfg)
     if cfg.init not in (None, "demo"):
-        settings["init"] = str(expand_user(cfg.init).resolve())
+        settings["init"] = init_dir(cfg.init)
     return settings
 
 
@@ -591,8 +592,8 @@ def train_drafter(
         save_drafter(drafter.eval(), out_dir)
     # the target layers it reads, the default ones too (they were [] then), and what it was
     # started from (a resumed run may be given no --init: its weights are the checkpoint's)
-    started_from = cfg.init if cfg.init is not None or saved is None else \
-        (saved.get("settings") or {}).get("init")
+    started_from = drafter_settings(cfg)["init"] if cfg.init is not None or saved is None \
+        else (saved.get("settings") or {}).get("init")
     summary = {
         "drafter": {**asdict(cfg), "target_layer_ids": list(dcfg.target_layer_ids),
                     "init": started_from},
@@ -729,7 +730,7 @@ def _checkpoint(ckpt_dir: Path, dcfg: DrafterConfig, settings: dict[str, Any]
                          for k in asked if had.get(k) != asked[k])
         raise UserError(f"{path}: checkpoint is of a different drafter ({diff}); use another "
                         f"--out or delete it")
-    check_settings(path, state.get("settings"), settings)
+    check_settings(path, state.get("settings"), settings, shape_checked=True)
     return state
 
 

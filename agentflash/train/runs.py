@@ -68,7 +68,7 @@ def check_out_dir(out: Path, kind: str, steps: int, target: str | None = None,
     if run_kind != kind:
         raise UserError(f"{path}: a {run_kind} run's checkpoint: give another --out")
     if settings is not None:
-        check_settings(path, state.get("settings"), settings)
+        check_settings(path, state.get("settings"), settings, shape_checked=kind == "drafter")
     done = int(state.get("step", 0))
     if done > steps:
         raise UserError(f"{path}: the run is at step {done}, past --steps {steps}: give --steps "
@@ -94,8 +94,7 @@ _FLAGS = {"steps": "--steps", "lr": "--lr", "num_layers": "--num-layers",
           "constrained_tool_calls": "--constrained-tool-calls", "corpus.seed": "--corpus-seed"}
 # what does not change the weights a run trains: how often it saves and validates, where
 _NOT_SETTINGS = ("save_every", "val_every", "device", "regen_batch")
-# a drafter's shape: compared as its checkpoint's drafter config, resolved (the default target
-# layers are the ones they stand for, not [])
+# a drafter's shape (``check_settings``' shape_checked)
 _SHAPE = ("num_layers", "target_layer_ids", "block_size", "mask_token_id")
 
 
@@ -106,16 +105,20 @@ def run_settings(cfg: Any) -> dict[str, Any]:
     return json.loads(json.dumps(fields))  # tuples as lists: as a checkpoint's compare
 
 
-def check_settings(path: Path, saved: dict[str, Any] | None, asked: dict[str, Any]) -> None:
+def check_settings(path: Path, saved: dict[str, Any] | None, asked: dict[str, Any],
+                   shape_checked: bool = False) -> None:
     """Refuse to resume the run whose checkpoint ``path`` keeps ``saved`` (``run_settings``;
     None: an earlier version's checkpoint, which kept none) with other settings, naming the
     first flag that differs: its steps would have gone on under another learning rate, other
-    data or another schedule, and its record say the new flags held throughout."""
+    data or another schedule, and its record say the new flags held throughout.
+    ``shape_checked``: a drafter run's, whose shape its checkpoint's drafter config answers for,
+    resolved (its default target layers are the ones they stand for, not [])."""
     if saved is None:
         return
     for key, value in _flat(asked).items():
         had = _flat(saved).get(key)
-        if had == value or key in _SHAPE or (key == "init" and _same_init(had, value)):
+        if had == value or (shape_checked and key in _SHAPE) or \
+                (key == "init" and _same_init(had, value)):
             continue
         if key.startswith("corpus.num_"):
             flag = "--num-conversations or --mix"
@@ -134,9 +137,16 @@ def _same_init(had: str | None, asked: str | None) -> bool:
     its ``--init`` may have gone since)."""
     if asked is None or had == asked:
         return True
-    if had is None or "demo" in (had, asked):
+    if had is None:
         return False
-    return expand_user(had).resolve() == expand_user(asked).resolve()
+    return init_dir(had) == init_dir(asked)
+
+
+def init_dir(init: str) -> str:
+    """The directory ``--init`` names: ``demo`` the demo drafter's, a path resolved."""
+    from agentflash.models.loading import DEMO_DIR
+
+    return str((DEMO_DIR / "drafter" if init == "demo" else expand_user(init)).resolve())
 
 
 def _flat(settings: dict[str, Any], head: str = "") -> dict[str, Any]:
