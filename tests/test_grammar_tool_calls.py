@@ -217,12 +217,13 @@ def test_two_tools_nested_resources_of_one_id_are_one_resource_or_refused(tok):
     # (written otherwise, the same URI: an empty fragment, the case of the scheme and host,
     # dot segments)
     for uri in ("https://e.x/point", "https://e.x/point#", "HTTPS://E.X/point",
-                "https://e.x/a/../point"):
+                "https://e.x/a/../point", "https://e.x/%70oint", "https://%65.x/point"):
         with pytest.raises(GrammarError, match="tools: tools 'f' and 'g' both hold a subschema "
                                                r"with \$id '.*', and they differ"):
             tool_call_body([tool("f", {"type": "integer"}),
                             tool("g", {"enum": ["red", "blue"]}, uri)])
-    with pytest.raises(GrammarError, match="they differ .one tool is strict, the other not"):
+    with pytest.raises(GrammarError, match="they differ .as written they are one, but one "
+                                           "tool is strict, the other not"):
         tool_call_body([tool("f", {"type": "object"}), tool("g", {"type": "object"},
                                                            strict=False)])
     within = {"type": "function", "function": {"name": "h", "parameters": {
@@ -230,6 +231,17 @@ def test_two_tools_nested_resources_of_one_id_are_one_resource_or_refused(tok):
                                          "b": {"$id": "https://e.x/q", "type": "string"}}}}}
     with pytest.raises(GrammarError, match="tool 'h' holds two subschemas with"):
         tool_call_body([within])
+    relative = {"type": "function", "function": {"name": "h", "parameters": {
+        "type": "object", "properties": {"a": {"$id": "q", "type": "integer"},
+                                         "b": {"$id": "./q", "type": "string"}}}}}
+    with pytest.raises(GrammarError, match="tool 'h' holds two subschemas with"):
+        tool_call_body([relative])
+    # one subschema used twice as written (strict mode closes the plain use, not the allOf's)
+    address = {"$id": "https://e.x/address", "type": "object",
+               "properties": {"city": {"type": "string"}}}
+    twice = {"type": "function", "function": {"name": "ship", "parameters": {
+        "type": "object", "properties": {"to": address, "billing": {"allOf": [address]}}}}}
+    compile_grammar(tool_call_body([twice]), tok)
     grammar = compile_grammar(tool_call_body([tool("f", {"type": "integer"}),
                                               tool("g", {"type": "integer"})]), tok)
     for name, x, ok in (("f", 1, True), ("g", 2, True), ("f", "red", False)):

@@ -11,9 +11,10 @@ from __future__ import annotations
 import copy
 import enum
 import json
+import re
 from dataclasses import dataclass, replace
 from typing import Any
-from urllib.parse import urldefrag, urljoin, urlsplit, urlunsplit
+from urllib.parse import urldefrag, urljoin, urlsplit
 
 from agentflash.grammar.checks import check_schema, subschemas
 from agentflash.grammar.constraint import GrammarError
@@ -118,37 +119,79 @@ def _rebase_refs(node: Any, base: str, anchors: str, own_id: str | None = None,
     return out
 
 
-def _check_resources(arguments: Any, tool: str, strict: bool,
-                     seen: dict[str, tuple[str, Any, bool]]) -> None:
+def _check_resources(arguments: Any, given: Any, tool: str, strict: bool,
+                     seen: dict[str, tuple[str, Any, Any, bool]]) -> None:
     """Refuse, naming the tools, a nested ``$id`` that names another subschema elsewhere in the
     union (another tool's, or its own): one URI names one resource, and one tool's arguments
-    were checked against the other's; URIs that differ only as RFC 3986 says they are the same
-    (an empty fragment, the scheme's and host's case, dot segments) are one. The same
-    subschema in two tools is one resource, as it should."""
-    for _, node in subschemas(arguments, []):
+    were checked against the other's; URIs that RFC 3986 says are the same are one
+    (``_resource_key``). The same subschema twice, as the user wrote it (``given``: the
+    parameters before strict mode closed their objects, which it does not do everywhere), is
+    one resource, as it should; twice under tools of other strictness, it is refused saying so."""
+    for path, node in subschemas(arguments, []):
         uri = node.get("$id") if isinstance(node, dict) else None
         if not isinstance(uri, str):
             continue
-        other, subschema, other_strict = seen.setdefault(_resource_key(uri), (tool, node, strict))
+        written = _without_id(_at(given, path))
+        other, subschema, other_written, other_strict = seen.setdefault(
+            _resource_key(uri), (tool, node, written, strict))
         if subschema is node or subschema == node:
+            continue
+        if written == other_written and (other == tool or other_strict == strict):
             continue
         where = f"tool {tool!r} holds two subschemas" if other == tool else \
             f"tools {other!r} and {tool!r} both hold a subschema"
-        why = "" if other_strict == strict else \
-            " (one tool is strict, the other not: its objects are closed, the other's open)"
+        why = "" if written != other_written else \
+            " (as written they are one, but one tool is strict, the other not: its objects " \
+            "closed, the other's open)"
         raise GrammarError(f"tools: {where} with $id {uri!r}, and they differ{why}: give one "
                            f"of them another $id")
 
 
+def _at(schema: Any, path: list) -> Any:
+    for key in path:
+        if isinstance(schema, dict) and key in schema:
+            schema = schema[key]
+        elif isinstance(schema, list) and isinstance(key, int) and key < len(schema):
+            schema = schema[key]
+        else:
+            return None
+    return schema
+
+
+def _without_id(node: Any) -> Any:
+    return {k: v for k, v in node.items() if k != "$id"} if isinstance(node, dict) else node
+
+
+_UNRESERVED = re.compile(r"[A-Za-z0-9._~-]")
+
+
 def _resource_key(uri: str) -> str:
-    """``uri`` as the resource it names: no empty fragment, the scheme and host in lower case,
-    dot segments removed (``HTTPS://E.X/a/../point#`` is ``https://e.x/point``)."""
-    uri, _ = urldefrag(uri)
+    """``uri`` as the resource it names, normalized as RFC 3986's section 6.2.2 says: no empty
+    fragment, the scheme and host in lower case, percent-encoding's hex in upper case and the
+    unreserved characters it encodes decoded, dot segments removed (``HTTPS://E.X/a/../%70oint#``
+    and ``./point`` relative to it are ``https://e.x/point``)."""
+    uri = re.sub(r"%[0-9a-fA-F]{2}", lambda m: chr(int(m[0][1:], 16))
+                 if _UNRESERVED.fullmatch(chr(int(m[0][1:], 16))) else m[0].upper(),
+                 urldefrag(uri)[0])
     parts = urlsplit(uri)
-    path = parts.path
-    if parts.netloc or path.startswith("/"):
-        path = urlsplit(urljoin("http://h/", path.lstrip("/"))).path
-    return urlunsplit((parts.scheme.lower(), parts.netloc.lower(), path, parts.query, ""))
+    user, at, host = parts.netloc.rpartition("@")
+    key = f"{parts.scheme.lower()}:" if parts.scheme else ""
+    if parts.netloc or uri.startswith(f"{key}//"):
+        key += f"//{user}{at}{host.lower()}"
+    key += _remove_dot_segments(parts.path)
+    return key + (f"?{parts.query}" if "?" in uri else "")
+
+
+def _remove_dot_segments(path: str) -> str:
+    segments = path.split("/")
+    kept: list[str] = []
+    for segment in segments:
+        if segment == "..":
+            if kept and kept[-1] != "":
+                kept.pop()
+        elif segment != ".":
+            kept.append(segment)
+    return "/".join(kept) + ("/" if segments[-1] in (".", "..") and kept else "")
 
 
 def tool_call_schema(
@@ -161,7 +204,7 @@ def tool_call_schema(
     if not specs:
         raise GrammarError("tools: the list is empty")
     branches = []
-    resources: dict[str, tuple[str, Any, bool]] = {}  # a nested $id: the tool and subschema
+    resources: dict[str, tuple[str, Any, Any, bool]] = {}  # a nested $id: where it is
     for i, spec in enumerate(specs):
         base = f"#/anyOf/{i}/properties/arguments"
         parameters = spec.parameters
@@ -171,7 +214,8 @@ def tool_call_schema(
         own_id = parameters.get("$id") if isinstance(parameters.get("$id"), str) else None
         parameters = {k: v for k, v in parameters.items() if k != "$id"}
         arguments = _rebase_refs(copy.deepcopy(parameters), base, f"tool{i}_", own_id)
-        _check_resources(arguments, spec.name, strict and spec.strict, resources)
+        _check_resources(arguments, spec.parameters, spec.name, strict and spec.strict,
+                         resources)
         branches.append(
             {
                 "type": "object",
