@@ -277,3 +277,25 @@ def test_an_error_past_the_commands_own_handling_while_a_model_loads_exits(tmp_p
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 1 and done.stderr.endswith("RuntimeError: boom\n"), done.stderr
+
+
+def test_bench_server_compares_the_tokens_of_every_round_and_shows_a_middle_one():
+    """A round that stopped early is the fastest and never the median round: "same tokens"
+    compared that round alone and said yes. Of two rounds the faster is shown (the slower was)."""
+    from agentflash.server.bench import _add_overheads, _median_rounds
+
+    def row(path, latency, tokens):
+        return {"path": path, "concurrency": 1, "latency_mean_ms": latency,
+                "completion_tokens": tokens}
+
+    measured = []
+    for engine, http, tokens in ((100, 110, [32, 32]), (101, 60, [32, 7]), (99, 109, [32, 32])):
+        measured += [row("engine", engine, [32, 32]), row("http", http, tokens),
+                     row("http-stream", 112, [32, 32])]
+    rows = _median_rounds(measured)
+    _add_overheads(rows)
+    assert [(r["path"], r["latency_mean_ms"], r["same_tokens"]) for r in rows] == [
+        ("engine", 100, True), ("http", 109, False), ("http-stream", 112, True)]
+    assert all("every_round_tokens" not in r for r in rows)
+    two = _median_rounds([row("engine", 100, [1]), row("engine", 200, [1])])
+    assert two[0]["latency_mean_ms"] == 100 and two[0]["rounds"] == 2
