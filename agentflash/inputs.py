@@ -69,6 +69,9 @@ def check_messages(messages: Any, where: str) -> list[dict[str, Any]]:
                 f"got {msg.get('role')!r}"
             )
         if "tool_calls" in msg:
+            if msg["role"] != "assistant":  # (a system message's read as its text: none)
+                raise UserError(f"{where}: messages[{i}].tool_calls: only an assistant message "
+                                f"makes tool calls")
             _check_tool_calls(msg["tool_calls"], f"{where}: messages[{i}].tool_calls")
         content = msg.get("content")
         if content is None and msg.get("tool_calls"):

@@ -110,6 +110,9 @@ def test_requests_file_writes_one_result_per_line(tiny_model_dir, tmp_path):
          '"tool_calls": "f"}]', "messages[1].tool_calls must be a list"),
         ('[{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [5]}]',
          "messages[1].tool_calls[0] must be an object with a function's name"),
+        ('[{"role": "developer", "tool_calls": [{"function": {"name": "f", "arguments": {}}}]}, '
+         '{"role": "user", "content": "hi"}]',
+         "messages[0].tool_calls: only an assistant message makes tool calls"),  # (a traceback)
         # half a surrogate pair: named by its field (it was "the chat prompt ... at character 98")
         ('[{"role": "user", "content": "x"}, {"role": "assistant", "content": null, '
          '"tool_calls": [{"function": {"name": "f", "arguments": "{\\"a\\": \\"\\ud800\\"}"}}]}]',
