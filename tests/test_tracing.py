@@ -85,7 +85,7 @@ def test_a_run_the_backend_refuses_keeps_its_trace_on_the_error():
     assert "chat scripted  FAILED" in lines[-1]
 
 
-def test_every_failed_or_cancelled_run_keeps_its_trace_on_the_error():
+def test_every_failed_or_cancelled_run_keeps_its_trace_on_the_error(tmp_path):
     """Only a RunError or a UserError carried it: a guardrail of the user's that raised, a
     backend's own exception and a cancelled run (RunCancelled) had none."""
     from agentflash.runtime import Guardrail, RunCancelled
@@ -118,6 +118,24 @@ def test_every_failed_or_cancelled_run_keeps_its_trace_on_the_error():
     # its spans say it was cancelled, not which of anyio's scopes and tasks did it
     failed = [s.error for s in err.value.tracer.spans if s.error]
     assert failed and all(e == "CancelledError: cancelled" for e in failed), failed
+    # a workflow's too (its RunCancelled had none: its tracer was made inside the run's task)
+    from agentflash.runtime.workflow import load_workflow
+
+    (tmp_path / "w.yaml").write_text("version: 1\nname: w\nagents: {a: {instructions: hi}}\n"
+                                     "steps: [{id: s, agent: a, input: go}]\n")
+    flow = load_workflow(tmp_path / "w.yaml")
+
+    async def cancelled_flow():
+        async with flow.run_streamed(backend=ScriptedBackend(
+                [ScriptedTurn("slow", delay_s=5)])) as run:
+            await anyio.sleep(0.2)
+            run.cancel()
+        return run
+
+    run = anyio.run(cancelled_flow)
+    with pytest.raises(RunCancelled) as err:
+        print(run.result)
+    assert "invoke_workflow w" in err.value.tracer.timeline()
     # and a run whose block was left before its events were read says so when iterated
     async def iterate_late():
         async with Runner.run_streamed(Agent("a"), "hi", backend=ScriptedBackend(["ok"])) as run:

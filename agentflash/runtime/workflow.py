@@ -141,12 +141,13 @@ class Workflow:
                         backend = await stack.enter_async_context(made)
                     except UserError as err:
                         raise self._at_model(err) from None
-                chosen = backend
+                chosen, tracer = backend, Tracer()
 
                 async def work(emit: Callable[[WorkflowEvent], None]) -> WorkflowResult:
-                    return await _WorkflowRun(self, values, chosen, emit).run()
+                    return await _WorkflowRun(self, values, chosen, emit, tracer).run()
 
                 async with streaming(work) as run:
+                    run.trace = tracer  # a run cancelled keeps it too (its RunCancelled's)
                     yield run
 
 
@@ -220,9 +221,9 @@ class WorkflowResult:
 
 class _WorkflowRun:
     def __init__(self, wf: Workflow, inputs: dict[str, Any], backend: Backend,
-                 emit: Callable[[WorkflowEvent], None]):
+                 emit: Callable[[WorkflowEvent], None], tracer: Tracer):
         self.wf, self.inputs, self.backend, self.emit = wf, inputs, backend, emit
-        self.tracer = Tracer()
+        self.tracer = tracer
         self.results: dict[str, StepResult] = {}
         self.failure: StepFailed | None = None
 
