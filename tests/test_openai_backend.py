@@ -320,6 +320,17 @@ def test_streamed_events_carry_calls_as_they_close_and_the_engine_stats(server):
     assert all(isinstance(e, (TextDelta, ModelFinish)) for e in plain)
 
 
+def test_a_base_url_with_a_query_keeps_it_after_the_path(server):
+    # an Azure-style base URL (".../v1?api-version=..."): "/chat/completions" was appended to
+    # the text, so the request went to "/v1" with the path in its query (a 404)
+    url, app = server
+    before = app.attempts
+    events = stream(OpenAIBackend(f"{url}?api-version=2024-06-01", "demo"), ModelRequest(
+        [{"role": "user", "content": "Hello"}], [], ToolChoice.NONE,
+        decoding=Decoding(max_tokens=4)))
+    assert isinstance(events[-1], ModelFinish) and app.attempts == before + 1
+
+
 def test_a_call_cut_by_max_tokens_runs_no_tool_as_on_the_embedded_engine(server):
     """The embedded engine runs a call once its </tool_call> is written; through the server,
     a call cut by max_tokens before it was no call either, though its arguments were already a

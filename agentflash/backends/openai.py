@@ -28,6 +28,7 @@ from collections.abc import AsyncIterator, Iterable
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, replace
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import anyio
 import httpx
@@ -124,6 +125,14 @@ def base_url_problem(base_url: Any) -> str | None:
     except httpx.InvalidURL as err:
         return f"{shown_url(base_url)!r} is not a valid URL: {err}"
     return None
+
+
+def completions_url(base_url: str) -> str:
+    """``/chat/completions`` under ``base_url``, its query kept after it (an Azure-style
+    ``...?api-version=...``: appended to the text, the path landed in the query)."""
+    parts = urlsplit(base_url)
+    return urlunsplit((parts.scheme, parts.netloc, parts.path.rstrip("/") + "/chat/completions",
+                       parts.query, ""))
 
 
 class OpenAIBackend(Backend):
@@ -325,7 +334,7 @@ class OpenAIBackend(Backend):
         """The streamed response of ``/chat/completions`` once it answered 200, retrying
         connection errors, timeouts and the statuses of ``RETRY_STATUS`` while ``tries`` lasts."""
         assert self._client is not None
-        url = f"{self.base_url}/chat/completions"
+        url = completions_url(self.base_url)
         shown = f"{self.shown_url}/chat/completions"
         while True:
             tries.made += 1
