@@ -293,7 +293,7 @@ class _Loop:
             outcome = await run_tool(t, call.arguments)
             tool_span.attributes["agentflash.tool.is_error"] = outcome.is_error
             if outcome.is_error:  # "type: message", as a span that raised says it
-                tool_span.error = f"{outcome.error_type or 'tool_error'}: {outcome.output}"
+                tool_span.error = _span_error(outcome.error_type or "tool_error", outcome.output)
         turn.outcomes[call.id] = outcome
         self.emit(ev.ToolResult(agent, call.id, call.name, call.arguments, outcome.output,
                                 outcome.is_error, outcome.duration_s))
@@ -361,8 +361,9 @@ class _Loop:
         else:
             why = "unknown_tool"
         with self.tracer.span(SpanKind.TOOL, f"execute_tool {name}", turn.span, attrs) as span:
+            span.attributes["agentflash.tool.is_error"] = is_error  # as a tool's that ran
             if is_error:  # every call has its span, those that ran no tool too
-                span.error = f"{why}: {output}"
+                span.error = _span_error(why, output)
         self._record(call.id, name, arguments, output, is_error, 0.0)
         self.emit(ev.ToolResult(self.agent.name, call.id, name, arguments, output, is_error, 0.0))
         return output, is_error
@@ -471,6 +472,18 @@ def _message_call(call: model.ToolCall | model.MalformedToolCall) -> dict[str, A
 def _clip(text: str, limit: int = 200) -> str:
     text = text.replace("\n", " ")
     return repr(text if len(text) <= limit else text[:limit] + "...")
+
+
+def _span_error(kind: str, output: str) -> str:
+    """A failed call's span error, "kind: message": the message of the result the model reads
+    (``{"status": "error", "error": "RuntimeError: down"}``), not that JSON, nor its type twice."""
+    try:
+        message = json.loads(output).get("error")
+    except (ValueError, AttributeError):
+        message = None
+    if not isinstance(message, str):
+        return f"{kind}: {output}"
+    return message if message.startswith(f"{kind}: ") else f"{kind}: {message}"
 
 
 def _input_messages(input: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
