@@ -569,11 +569,8 @@ def print_table(report: dict[str, Any]) -> None:
 
 
 def eval_tool_calls(model: str, num: int, max_tokens: int = 256) -> dict[str, Any]:
-    """Unconstrained greedy replies to held-out tool requests, scored by what they get right."""
-    import jsonschema
-
-    from agentflash.tool_format import parse_tool_calls
-
+    """Unconstrained greedy replies to held-out tool requests, scored by what they get right
+    (``scored_call``)."""
     engine = Engine.from_pretrained(model)
     counts = {
         "prompts": 0,
@@ -587,22 +584,51 @@ def eval_tool_calls(model: str, num: int, max_tokens: int = 256) -> dict[str, An
         result = engine.generate(
             engine.chat_prompt(p.messages, p.tools), SamplingParams(max_tokens=max_tokens)
         )
-        calls, bad = parse_tool_calls(result.text)
-        schemas = {t["function"]["name"]: t["function"]["parameters"] for t in p.tools}
         counts["prompts"] += 1
-        counts["wrote_call"] += bool(calls or bad)
-        counts["valid_json"] += bool(calls) and not bad
-        known = bool(calls) and not bad and all(c.name in schemas for c in calls)
-        counts["known_name"] += known
-        if known:
-            valid = all(
-                jsonschema.Draft202012Validator(schemas[c.name]).is_valid(c.arguments)
-                for c in calls
-            )
-            counts["arguments_valid"] += valid
-            counts["exact_match"] += [c.to_dict() for c in calls] == p.expected
+        for key, hit in scored_call(result.text, p).items():
+            counts[key] += hit
     rates = {k: round(v / counts["prompts"], 3) for k, v in counts.items() if k != "prompts"}
     return {"model": model, "counts": counts, "rates": rates}
+
+
+def scored_call(text: str, prompt: Prompt) -> dict[str, bool]:
+    """How far a reply to a tool-call ``prompt`` went: it wrote a call, every call's body is
+    JSON, every call is well formed and names one of the prompt's tools, their arguments are
+    valid under its schemas, and they are the calls the corpus made (``same_json``)."""
+    import jsonschema
+
+    from agentflash.tool_format import load_body, parse_tool_calls
+
+    calls, bad = parse_tool_calls(text)
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in prompt.tools}
+    known = bool(calls) and not bad and all(c.name in schemas for c in calls)
+    valid = known and all(jsonschema.Draft202012Validator(schemas[c.name]).is_valid(c.arguments)
+                          for c in calls)
+    return {
+        "wrote_call": bool(calls or bad),
+        # (a body that is JSON but no call, its arguments as a string say, is valid JSON: it
+        # was counted out here, as a call that names no tool is below)
+        "valid_json": bool(calls or bad) and all(load_body(b.body)[1] is None for b in bad),
+        "known_name": known,
+        "arguments_valid": valid,
+        # value for value as JSON tells them apart (Python's == took 0 for false: a call its
+        # schema refuses matched)
+        "exact_match": valid and same_json([c.to_dict() for c in calls], prompt.expected),
+    }
+
+
+def same_json(a: Any, b: Any) -> bool:
+    """Whether ``a`` and ``b`` are the same JSON value: a boolean is no number (Python's ``==``
+    has ``False == 0``), numbers compare by value (``1 == 1.0``, as JSON Schema's ``const``)."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return type(a) is type(b) and a == b
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same_json(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(same_json(x, y) for x, y in zip(a, b))
+    if isinstance(a, (dict, list)) or isinstance(b, (dict, list)):
+        return False
+    return a == b
 
 
 MODES = {"plain": "off", "dflash": "dflash", "auto": "auto"}

@@ -362,3 +362,37 @@ def test_concurrency_row_latencies_are_the_median_and_the_nearest_rank_p95():
     lat = [float(n) for n in range(1, 21)]
     row = _concurrency_row("prose", 4, "plain", [[1]] * 20, [[1]] * 20, 1.0, lat, 20)
     assert (row["latency_median_s"], row["latency_p95_s"]) == (10.5, 19.0)
+
+
+def test_a_reply_to_a_tool_call_prompt_is_scored_as_its_labels_say():
+    """"valid json" is every body JSON (a call's arguments given as a string is JSON, and was
+    counted out), "exact match" a valid call whose values JSON holds equal (0 matched false)."""
+    import json
+
+    prompt = bench.held_out_prompts("tool_call", 1)[0]
+    (expected,) = prompt.expected
+
+    def text(body):
+        return f"<tool_call>\n{json.dumps(body)}\n</tool_call>"
+
+    scored = bench.scored_call(text(expected), prompt)
+    assert all(scored.values()), scored
+    as_string = {"name": expected["name"], "arguments": json.dumps(expected["arguments"])}
+    assert bench.scored_call(text(as_string), prompt) == {
+        "wrote_call": True, "valid_json": True, "known_name": False, "arguments_valid": False,
+        "exact_match": False}
+    cut = "<tool_call>\n{\"name\": \n</tool_call>"
+    assert bench.scored_call(cut, prompt)["valid_json"] is False
+    assert not any(bench.scored_call("no call", prompt).values())
+    # a boolean written as its number (Python's == took them as equal): the schema refuses it
+    prompt, flag = next((p, k) for p in bench.held_out_prompts("tool_call", 50)
+                        for k, v in p.expected[0]["arguments"].items() if isinstance(v, bool))
+    (expected,) = prompt.expected[:1]
+    number = {**expected, "arguments": {**expected["arguments"],
+                                        flag: int(expected["arguments"][flag])}}
+    calls = [number] + prompt.expected[1:]
+    scored = bench.scored_call("".join(text(c) for c in calls), prompt)
+    assert scored["known_name"] and not scored["arguments_valid"] and not scored["exact_match"]
+    assert bench.same_json([{"a": 1, "b": [True]}], [{"a": 1.0, "b": [True]}])
+    assert not bench.same_json({"a": False}, {"a": 0}) and not bench.same_json([1], [True])
+    assert not bench.same_json({"a": 1}, {"a": 1, "b": 2}) and not bench.same_json([1], 1)
