@@ -130,11 +130,12 @@ class Flaky:
     the real app; it counts the attempts."""
 
     def __init__(self, app):
-        self.app, self.failures, self.attempts = app, [], 0
+        self.app, self.failures, self.attempts, self.query = app, [], 0, b""
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["path"].endswith("/chat/completions"):
             self.attempts += 1
+            self.query = scope["query_string"]
             if self.failures:
                 failure = self.failures.pop(0)
                 if failure == "cut":  # a stream that ends, cleanly, in the middle of the reply
@@ -325,10 +326,12 @@ def test_a_base_url_with_a_query_keeps_it_after_the_path(server):
     # the text, so the request went to "/v1" with the path in its query (a 404)
     url, app = server
     before = app.attempts
-    events = stream(OpenAIBackend(f"{url}?api-version=2024-06-01", "demo"), ModelRequest(
-        [{"role": "user", "content": "Hello"}], [], ToolChoice.NONE,
-        decoding=Decoding(max_tokens=4)))
+    backend = OpenAIBackend(f"{url}/?api-version=2024-06-01&next=/", "demo")
+    events = stream(backend, ModelRequest([{"role": "user", "content": "Hello"}], [],
+                                          ToolChoice.NONE, decoding=Decoding(max_tokens=4)))
     assert isinstance(events[-1], ModelFinish) and app.attempts == before + 1
+    assert app.query == b"api-version=2024-06-01&next=/"  # (its "/" the query's, kept)
+    assert backend.shown_url == url  # in messages: no query, no trailing "/"
 
 
 def test_a_call_cut_by_max_tokens_runs_no_tool_as_on_the_embedded_engine(server):

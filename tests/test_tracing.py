@@ -5,6 +5,7 @@ import pytest
 
 from agentflash.backends.scripted import ScriptedBackend, ScriptedTurn
 from agentflash.runtime import Agent, Runner, tool
+from agentflash.runtime.runner import _span_error
 from agentflash.runtime.tracing import SpanKind, Tracer
 
 
@@ -52,6 +53,8 @@ def test_spans_form_a_tree_with_timings_and_stats():
     assert ok_tool.attributes["gen_ai.tool.name"] == "get_weather" and ok_tool.error is None
     # the failure as the model reads it, not that JSON with its type again
     assert bad_tool.error == "RuntimeError: down", bad_tool.error
+    assert _span_error("RuntimeError", '{"status": "error", "error": "RuntimeError"}') == \
+        "RuntimeError"  # (an exception without a message: its type once)
     timeline = tracer.timeline()
     assert timeline.splitlines()[0].endswith("run forecaster")
     assert "      execute_tool broken  [error=True]  FAILED" in timeline

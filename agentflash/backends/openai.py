@@ -162,7 +162,11 @@ class OpenAIBackend(Backend):
             api_key = os.environ.get(api_key_env)
             if not api_key:
                 raise UserError(f"model.api_key_env names {api_key_env}, which is not set")
-        self.base_url, self.model_name = base_url.rstrip("/"), model
+        # its path without a trailing "/" (its query as it is: a "/" there is the query's)
+        parts = urlsplit(base_url)
+        self.base_url = urlunsplit((parts.scheme, parts.netloc, parts.path.rstrip("/"),
+                                    parts.query, ""))
+        self.model_name = model
         self.shown_url = shown_url(self.base_url)  # in messages: no user, password or query
         self.timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s)
         self.retry = retry
@@ -335,7 +339,7 @@ class OpenAIBackend(Backend):
         connection errors, timeouts and the statuses of ``RETRY_STATUS`` while ``tries`` lasts."""
         assert self._client is not None
         url = completions_url(self.base_url)
-        shown = f"{self.shown_url}/chat/completions"
+        shown = shown_url(url)
         while True:
             tries.made += 1
             try:

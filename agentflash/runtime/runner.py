@@ -483,7 +483,8 @@ def _span_error(kind: str, output: str) -> str:
         message = None
     if not isinstance(message, str):
         return f"{kind}: {output}"
-    return message if message.startswith(f"{kind}: ") else f"{kind}: {message}"
+    return message if message == kind or message.startswith(f"{kind}: ") \
+        else f"{kind}: {message}"
 
 
 def _input_messages(input: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
