@@ -149,9 +149,9 @@ def check_tools(tools: Any, where: str) -> list[dict[str, Any]]:
         if not isinstance(params, dict):
             raise UserError(f"{where}: tools[{i}].function.parameters must be a JSON Schema object")
         description = fn.get("description")
-        if description is not None and not isinstance(description, str):
-            raise UserError(f"{where}: tools[{i}].function.description must be a string")
         if description is not None:
+            if not isinstance(description, str):
+                raise UserError(f"{where}: tools[{i}].function.description must be a string")
             check_unicode(description, f"{where}: tools[{i}].function.description")
         check_unicode(json.dumps(params, ensure_ascii=False),
                       f"{where}: tools[{i}].function.parameters")

@@ -168,6 +168,7 @@ class OpenAIBackend(Backend):
                                     parts.query, ""))
         self.model_name = model
         self.shown_url = shown_url(self.base_url)  # in messages: no user, password or query
+        self._completions = completions_url(self.base_url)  # made once, not a request each
         self.timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s)
         self.retry = retry
         if api_key and not (api_key.isascii() and api_key.isprintable()
@@ -338,8 +339,7 @@ class OpenAIBackend(Backend):
         """The streamed response of ``/chat/completions`` once it answered 200, retrying
         connection errors, timeouts and the statuses of ``RETRY_STATUS`` while ``tries`` lasts."""
         assert self._client is not None
-        url = completions_url(self.base_url)
-        shown = shown_url(url)
+        url, shown = self._completions, shown_url(self._completions)
         while True:
             tries.made += 1
             try:

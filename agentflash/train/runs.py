@@ -115,8 +115,9 @@ def check_settings(path: Path, saved: dict[str, Any] | None, asked: dict[str, An
     resolved (its default target layers are the ones they stand for, not [])."""
     if saved is None:
         return
+    kept = _flat(saved)
     for key, value in _flat(asked).items():
-        had = _flat(saved).get(key)
+        had = kept.get(key)
         if had == value or (shape_checked and key in _SHAPE) or \
                 (key == "init" and _same_init(had, value)):
             continue
