@@ -58,8 +58,11 @@ def read_json_file(path: Path, what: str) -> Any:
 
 
 def check_messages(messages: Any, where: str) -> list[dict[str, Any]]:
+    """The messages, checked; a content given as OpenAI's text parts (``[{"type": "text",
+    "text": ...}]``) is joined into one string, as ``serve`` reads it."""
     if not isinstance(messages, list) or not messages:
         raise UserError(f"{where}: messages must be a non-empty JSON list")
+    messages = [_joined_parts(msg, f"{where}: messages[{i}]") for i, msg in enumerate(messages)]
     for i, msg in enumerate(messages):
         if not isinstance(msg, dict):
             raise UserError(f"{where}: messages[{i}] must be an object")
@@ -77,9 +80,25 @@ def check_messages(messages: Any, where: str) -> list[dict[str, Any]]:
         if content is None and msg.get("tool_calls"):
             continue
         if not isinstance(content, str):
-            raise UserError(f"{where}: messages[{i}].content must be a string")
+            raise UserError(f"{where}: messages[{i}].content must be a string or a list of "
+                            f"text parts")
         check_unicode(content, f"{where}: messages[{i}].content")
     return messages
+
+
+def _joined_parts(msg: Any, where: str) -> Any:
+    """``msg`` with a list of text parts as its content joined into one string (a copy)."""
+    if not isinstance(msg, dict) or not isinstance(msg.get("content"), list):
+        return msg
+    parts = msg["content"]
+    if not parts:  # as OpenAI's API and serve refuse it
+        raise UserError(f"{where}.content must be a string or a non-empty list of text parts")
+    for j, part in enumerate(parts):
+        if (not isinstance(part, dict) or part.get("type") != "text"
+                or not isinstance(part.get("text"), str)):
+            raise UserError(f'{where}.content[{j}] must be a text part {{"type": "text", '
+                            f'"text": "..."}}')
+    return {**msg, "content": "".join(part["text"] for part in parts)}
 
 
 def leading_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

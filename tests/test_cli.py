@@ -103,6 +103,15 @@ def test_requests_file_writes_one_result_per_line(tiny_model_dir, tmp_path):
     "content, message",
     [
         ('[{"role": "user"}]', "messages[0].content must be a string"),
+        # text parts are joined, as serve joins them; another part is named
+        ('[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]',
+         'messages[0].content[0] must be a text part {"type": "text", "text": "..."}'),
+        ('[{"role": "user", "content": [{"type": "text", "text": 3}]}]',
+         "messages[0].content[0] must be a text part"),
+        ('[{"role": "user", "content": []}]',
+         "messages[0].content must be a string or a non-empty list of text parts"),
+        ('[{"role": "user", "content": [{"type": "text", "text": "\\ud800"}]}]',
+         "messages[0].content holds '\\ud800'"),
         ('[{"role": "robot", "content": "x"}]', "messages[0].role must be one of"),
         ('{"role": "user"}', "must be a non-empty JSON list"),
         ('[{"role": "user",\n "content": }]', ":2:13: malformed JSON"),

@@ -67,6 +67,17 @@ def test_text_reply_is_the_final_output():
     assert result.messages[-1] == {"role": "assistant", "content": "Hello there."}
 
 
+def test_an_inputs_text_parts_are_joined():
+    # OpenAI's content parts, as serve and generate read them (the run refused them)
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Use get_weather "},
+                                          {"type": "text", "text": "with city Oslo."}]}]
+    result, _, backend = run(Agent("a"), ["Hello there."], input=parts)
+    assert backend.requests[0].messages[1:] == [
+        {"role": "user", "content": "Use get_weather with city Oslo."}]
+    assert result.messages[0]["content"] == "Use get_weather with city Oslo."
+    assert parts[0]["content"][0]["text"] == "Use get_weather "  # (the caller's list kept)
+
+
 def test_a_run_on_a_backend_without_torch_does_not_import_it():
     # the first turn imported torch (checking its messages), seconds inside the step's time
     import subprocess
