@@ -930,8 +930,9 @@ def test_a_participants_name_reaches_the_chat_template(demo_tokenizer_dir):
 def test_generate_and_serve_read_one_conversation_alike():
     """The same messages and tools give the same prompt through ``generate`` (its input) and
     ``serve``: a second or later system message was dropped by the demo's template through
-    generate (serve merged it), ``developer`` was refused there, and serve re-wrote a tool in
-    OpenAI's field order, dropping keys, where generate kept it as written."""
+    generate (serve merged it), ``developer`` was refused there, text parts too (serve joins
+    them), and serve re-wrote a tool in OpenAI's field order, dropping keys, where generate kept
+    it as written."""
     from agentflash.engine.engine import Engine
     from agentflash.inputs import make_input
     from agentflash.server.chat import chat_messages
@@ -941,7 +942,8 @@ def test_generate_and_serve_read_one_conversation_alike():
                 {"role": "developer", "content": "Always answer in French."},
                 {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
                 {"role": "system", "content": "From now on, briefly."},
-                {"role": "user", "content": "how are you"}]
+                {"role": "user", "content": [{"type": "text", "text": "how "},
+                                             {"type": "text", "text": "are you"}]}]
     tools = [{"type": "function", "function": {
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
         "x-owner": "team-a", "name": "get_weather", "description": "Weather."}}]
@@ -953,6 +955,8 @@ def test_generate_and_serve_read_one_conversation_alike():
     assert given.messages == served
     assert served[0] == {"role": "system", "content": "You are a pirate.\n\nAlways answer in "
                                                       "French.\n\nFrom now on, briefly."}
+    assert served[-1] == {"role": "user", "content": "how are you"}
+    assert messages[-1]["content"][0] == {"type": "text", "text": "how "}  # (not rewritten)
     assert given.tools == [t.model_dump(exclude_unset=True) for t in request.tools]
     assert engine.chat_prompt(given.messages, given.tools) == \
         engine.chat_prompt(served, [t.model_dump(exclude_unset=True) for t in request.tools])
@@ -967,6 +971,17 @@ def test_a_tool_message_needs_content(client):
             {"role": "user", "content": "hi"},
             {"role": "assistant", "content": None, "tool_calls": [call]},
             {"role": "tool", "tool_call_id": "c1"}])
+
+
+def test_a_called_function_needs_a_name(client):
+    # as generate refuses it: a call to no function went into the prompt
+    call = {"id": "c1", "type": "function", "function": {"name": "", "arguments": "{}"}}
+    with pytest.raises(openai.BadRequestError,
+                       match=r"messages\[1\]\.tool_calls\[0\]\.function\.name: String should"):
+        client.chat.completions.create(model="demo", max_tokens=4, messages=[
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "{}"}])
 
 
 def test_vllm_fields_that_change_nothing_are_taken(client):

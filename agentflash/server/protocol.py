@@ -77,7 +77,7 @@ Content = str | Annotated[list[TextPart], Field(min_length=1)] | None  # [] as O
 
 
 class CalledFunction(_Wire):
-    name: str
+    name: Annotated[str, Field(min_length=1)]  # (generate refuses a call to no function too)
     # any text, as OpenAI's API takes it: rendered into the prompt as the model wrote it, which
     # a call cut by max_tokens leaves unfinished (this server's replies too)
     arguments: str
