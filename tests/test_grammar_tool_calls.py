@@ -539,6 +539,12 @@ def test_tool_choice_parsing_and_errors():
         assistant_turn(TOOLS, "sub")
     with pytest.raises(GrammarError, match="no tools were given"):
         assistant_turn([], "required")
+    # with an output schema too (the answer alone was the grammar: a required call never came)
+    answer = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    for choice in ("required", "add", {"type": "function", "function": {"name": "add"}}):
+        with pytest.raises(GrammarError, match="no tools were given"):
+            assistant_turn([], choice, output_schema=answer)
+    assert assistant_turn([], "auto", output_schema=answer).origin == "output schema"
     with pytest.raises(GrammarError, match="tool_choice: expected"):
         assistant_turn(TOOLS, {"type": "function"})
     with pytest.raises(GrammarError, match="tool_choice: expected"):

@@ -375,7 +375,7 @@ def _answer_turn(specs: list[ToolSpec], choice: ToolChoice, parallel: bool, stri
     check_schema_supported(schema, "output schema")
     answer = {**schema, "x-guidance": JSON_STYLE_OPTIONS[JsonStyle.DUMPS]}
     answer_rule = f"answer: %json {json.dumps(answer, ensure_ascii=False)}"
-    if choice.mode is ToolChoiceMode.NONE or not specs:
+    if choice.mode is ToolChoiceMode.NONE or (not specs and choice.mode is ToolChoiceMode.AUTO):
         return replace(lark(f"start: answer\n{answer_rule}\n", origin="output schema"),
                        answers_in_schema=True)
     calls = assistant_turn(specs, choice, parallel, strict)
