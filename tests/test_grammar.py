@@ -481,6 +481,32 @@ def test_rollback_restores_the_exact_state(tok, closers, backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_a_rollback_past_a_thousand_tokens(tok, backend):
+    # outlines-core's Guide keeps 1,024 states: reset after a longer output raised
+    pytest.importorskip("outlines_core")
+    grammar = compile_grammar(regex("(ab )+x"), tok, backend=backend)
+    ids = tok.encode("ab " * 1500 + "x", add_special_tokens=False)
+    assert len(ids) > 1100
+    constraint = grammar.new_constraint()
+    constraint.advance(ids)
+    states = {n: None for n in (0, len(ids) - 1100, len(ids))}
+    for n in states:
+        probe = grammar.new_constraint()
+        probe.advance(ids[:n])
+        states[n] = snapshot(probe)
+    assert snapshot(constraint) == states[len(ids)]
+    constraint.rollback(1100)
+    assert constraint.num_tokens == len(ids) - 1100
+    assert snapshot(constraint) == states[len(ids) - 1100]
+    constraint.advance(ids[-1100:])
+    assert snapshot(constraint) == states[len(ids)]
+    constraint.reset()
+    assert constraint.num_tokens == 0 and snapshot(constraint) == states[0]
+    constraint.advance(ids)  # (a Guide that goes on as the first)
+    assert snapshot(constraint) == states[len(ids)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_validate_draft_cuts_at_the_first_illegal_token(tok, closers, backend):
     pytest.importorskip("outlines_core")
     schema = {

@@ -46,7 +46,7 @@ WHITESPACE_PATTERNS: dict[JsonStyle, str | None] = {
     JsonStyle.COMPACT: "",
     JsonStyle.FLEXIBLE: None,  # outlines-core's default
 }
-MAX_ROLLBACK = 1024  # committed tokens a constraint can undo
+MAX_ROLLBACK = 1024  # committed tokens a Guide can undo; past them a new one replays the rest
 MAX_FORCED = 64  # forced tokens returned at once
 MAX_CONTINUATION_CHECKS = 64  # complete matches check_continuations compares, shallowest first
 
@@ -270,6 +270,7 @@ class OutlinesConstraint(Constraint):
     def __init__(self, grammar: OutlinesGrammar, guide: Any):
         super().__init__(grammar.vocab_size, grammar.eos_token_id)
         self._grammar, self._index, self._guide = grammar, grammar.index, guide
+        self._tokens: list[int] = []  # committed, for a rollback past the Guide's states
 
     def _validate(self, tokens: Sequence[int]) -> int:
         state = self._guide.get_state()
@@ -282,9 +283,18 @@ class OutlinesConstraint(Constraint):
     def _consume(self, tokens: Sequence[int]) -> None:
         for token in tokens:
             self._guide.advance(token, return_tokens=False)
+        self._tokens.extend(tokens)
 
     def _rollback(self, num_tokens: int) -> None:
-        self._guide.rollback_state(num_tokens)
+        del self._tokens[len(self._tokens) - num_tokens :]
+        if num_tokens <= MAX_ROLLBACK:
+            self._guide.rollback_state(num_tokens)
+            return
+        # the Guide keeps the last MAX_ROLLBACK states (``reset`` after a long output raised
+        # "only 1024 states stored"): a new one walks what stays
+        self._guide = _outlines().Guide(self._index, max_rollback=MAX_ROLLBACK)
+        for token in self._tokens:
+            self._guide.advance(token, return_tokens=False)
 
     def _is_accepting(self) -> bool:
         return self._index.is_final_state(self._guide.get_state())
