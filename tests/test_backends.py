@@ -34,8 +34,8 @@ REPLY = ('Checking both.\n<tool_call>\n{"name": "get_weather", "arguments": {"ci
          '<tool_call>\n{"name": "book_hotel", "arguments": {"guests": 2}}\n</tool_call> Done.')
 
 
-def parse(text: str, chunk: int) -> list:
-    parser = HermesStreamParser("c")
+def parse(text: str, chunk: int, answers: bool = False) -> list:
+    parser = HermesStreamParser("c", answers=answers)
     events = []
     for i in range(0, len(text), chunk):
         events += parser.feed(text[i : i + chunk])
@@ -180,6 +180,18 @@ def test_both_parsers_end_a_call_at_its_closing_tag_outside_strings(reply, expec
     assert len(bad) == expected.count(None) and text_outside_calls(reply) == outside
     text, _, streamed = summary(parse(reply, chunk))
     assert [named(c) for c in streamed] == expected and text.strip() == outside
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 64])
+def test_a_reply_that_answers_in_a_schema_may_quote_the_tag(chunk):
+    # under an output schema the reply is calls or one answer: an answer's string that spelled
+    # <tool_call> was read as a broken call, the answer cut before it
+    answer = '{"note": "wrap calls in <tool_call>{\\"name\\": \\"f\\"} tags"}'
+    assert summary(parse(answer, chunk, answers=True)) == (answer, {}, [])
+    assert isinstance(summary(parse(answer, chunk))[2][0], MalformedToolCall)  # (no schema)
+    call = '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'
+    assert summary(parse(call, chunk, answers=True)) == summary(parse(call, chunk))
+    assert summary(parse(call, chunk, answers=True))[2] == [ToolCall("c_0", "f", {"a": 1})]
 
 
 def test_parser_handles_arguments_written_before_the_name():

@@ -136,14 +136,25 @@ class HermesStreamParser:
     """Turns a Hermes-format reply, fed in chunks of any size, into model events: prose outside
     ``<tool_call>`` blocks, argument deltas inside them, and each call as its block closes."""
 
-    def __init__(self, id_prefix: str = "call"):
+    def __init__(self, id_prefix: str = "call", answers: bool = False):
         self._ids = (f"{id_prefix}_{n}" for n in itertools.count())
         self._buf = ""  # text not yet handed out (a tag may be starting at its end)
         self._call: _OpenCall | None = None
         self._num_calls = 0
+        # ``answers``: the turn's grammar makes the reply calls or one answer in a schema
+        # (``assistant_turn``'s ``output_schema``), so a reply that does not begin with the
+        # opening tag is the answer, whole: its strings may spell the tag (an answer that
+        # quoted "<tool_call>" was read as a broken call)
+        self._answers = answers
+        self._answering = False
 
     def feed(self, text: str) -> list[ModelEvent]:
         self._buf += text
+        if self._answers and not self._num_calls and self._buf[:1] not in ("", OPEN[0]):
+            self._answering = True
+        if self._answering:
+            text, self._buf = self._buf, ""
+            return [TextDelta(text)] if text else []
         events: list[ModelEvent] = []
         while True:
             if self._call is not None:  # the call ends at its first closing tag outside a string
@@ -341,7 +352,8 @@ class LocalBackend(Backend):
                             "`async with LocalBackend(...) as backend:`")
         # calls are read from the text, in a turn without tools too (a model trained on tool
         # use writes them anyway: a call of a tool the agent lacks goes back as an error)
-        parser = HermesStreamParser(f"call_{uuid.uuid4().hex[:8]}")
+        parser = HermesStreamParser(f"call_{uuid.uuid4().hex[:8]}",
+                                    answers=request.output_schema is not None)
         prompt_ids = await self._prompt_ids(request)
         async with aclosing(self._engine_stream(request, prompt_ids)) as tokens:
             async for event in tokens:

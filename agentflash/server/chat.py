@@ -242,7 +242,9 @@ async def reply_events(aengine: AsyncEngine, job: ChatJob
                        ) -> AsyncIterator[ModelEvent | Finished]:
     """Text, tool-call deltas and closed calls as the engine decodes them, then ``Finished``.
     Leaving the iteration early (a client that went away) cancels the request in the engine."""
-    parser = HermesStreamParser() if job.parses_tool_calls else None
+    grammar = job.params.grammar
+    parser = HermesStreamParser(answers=grammar is not None and grammar.answers_in_schema) if (
+        job.parses_tool_calls) else None
     async with aclosing(aengine.stream(job.prompt_ids, job.params)) as tokens:
         async for event in tokens:
             if isinstance(event, FinishEvent):
