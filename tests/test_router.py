@@ -185,8 +185,8 @@ def verify(cost, routing, kind, accepted, drafted):
     cost.observe_draft(routing, kind, accepted, drafted)
 
 
-def choose(cost, routing, kind, rows=1, slots=15):
-    return cost.plan(rows, [Candidate(routing, kind, slots)])[0]
+def choose(cost, routing, kind, rows=1, slots=15, lookup=0):
+    return cost.plan(rows, [Candidate(routing, kind, slots, lookup=lookup)])[0]
 
 
 def test_cost_model_follows_measurements_and_probes_plain_kinds():
@@ -482,11 +482,15 @@ def test_a_row_drafts_from_its_own_text_where_the_drafter_fails_and_the_text_rep
     assert cost.lookup_slots(routing, SegmentKind.TOOL_CALL, 3, 15) > 3  # past the drafter's
     # the plan counts on the lookup too: a row whose drafter fails but whose text repeats
     # keeps drafting, where one without a lookup record goes plain
-    assert choose(cost, routing, SegmentKind.TOOL_CALL, rows=1, slots=7)
+    assert choose(cost, routing, SegmentKind.TOOL_CALL, rows=1, slots=7, lookup=15)
     untried = RequestRouting()
     for _ in range(8):
         verify(cost, untried, SegmentKind.TOOL_CALL, 0, 7)
-    assert not choose(cost, untried, SegmentKind.TOOL_CALL, rows=1, slots=7)
+    assert not choose(cost, untried, SegmentKind.TOOL_CALL, rows=1, slots=7, lookup=15)
+    # ...but only in a step whose text offers a lookup: with none the drafter's block would be
+    # verified, which its record says fails (the loop's record kept a row drafting at a loss,
+    # step after step, once the text had moved on)
+    assert not choose(cost, routing, SegmentKind.TOOL_CALL, rows=1, slots=7, lookup=0)
     for _ in range(12):
         cost.observe_lookup(routing, 0, 15)  # the text moved on...
         verify(cost, routing, SegmentKind.TOOL_CALL, 7, 7)  # ...where the drafter lands

@@ -386,9 +386,10 @@ class Engine:
         kinds = {r.id: r.segments.kind for r in decoding}
         drafting = [r for r in decoding if r.draft_context is not None]
         sizes = {r.id: self._draft_len(r, kinds[r.id]) for r in drafting}
-        speculating = self._route(decoding, kinds, sizes)
+        found = self._lookups(decoding, kinds, sizes)
+        speculating = self._route(decoding, kinds, sizes, found)
         routed = {r.id for r in speculating}
-        drafts = self._draft(speculating, sizes, kinds)
+        drafts = self._draft(speculating, sizes, kinds, found)
         drafts.update(self._forced_runs([r for r in decoding if r.id not in drafts]))
         # their grammar failed
         failed = [StepOutput(r, []) for r in decoding + admitted if r.is_finished]
@@ -672,11 +673,28 @@ class Engine:
             if mask is not None:
                 apply_bitmask_(logits[i, : mask.shape[0]], mask)
 
+    def _lookups(self, decoding: list[Request], kinds: dict[int, SegmentKind],
+                 sizes: dict[int, int]) -> dict[int, list[int]]:
+        """Each row's own text as a draft (``lookup_draft``), for the rows where the router
+        would verify one rather than the drafter's block if found: found before the plan, which
+        prices a row by the draft it would verify."""
+        found = {}
+        for r in decoding:
+            size = sizes.get(r.id, 0)
+            if size <= 0 or r.draft_context is None:
+                continue
+            longest = self._lookup_limit(r, size)
+            # no search when even the longest lookup would lose to the drafter (the common case)
+            if self.cost.lookup_slots(r.routing, kinds[r.id], size, longest) > 0:
+                found[r.id] = lookup_draft(r.all_ids, longest)
+        return found
+
     def _route(
         self,
         decoding: list[Request],
         kinds: dict[int, SegmentKind],
         sizes: dict[int, int],
+        found: dict[int, list[int]],
     ) -> list[Request]:
         """The rows that draft this step: those that asked for DFlash, and those whose drafts
         the router expects to save the batch more time than they add to its step."""
@@ -686,7 +704,8 @@ class Engine:
         candidates = [
             Candidate(r.routing, kinds[r.id], sizes[r.id],
                       forced=r.params.speculation is Speculation.DFLASH,
-                      backlog=r.num_cached - r.draft_context.length)  # positions to project
+                      backlog=r.num_cached - r.draft_context.length,  # positions to project
+                      lookup=len(found.get(r.id, ())))
             for r in able
         ]
         chosen = self.cost.plan(len(decoding), candidates)
@@ -716,7 +735,8 @@ class Engine:
         req.segments.feed(self.decode_output(committed))
 
     def _draft(
-        self, reqs: list[Request], sizes: dict[int, int], kinds: dict[int, SegmentKind]
+        self, reqs: list[Request], sizes: dict[int, int], kinds: dict[int, SegmentKind],
+        found: dict[int, list[int]],
     ) -> dict[int, BlockDraft]:
         """One drafter forward for the requests that speculate this step.
 
@@ -739,7 +759,7 @@ class Engine:
                 drafts[r.id] = BlockDraft(run, len(run), False)
         reqs = [r for r in reqs if sizes[r.id] > 0 and r.id not in drafts and not r.is_finished]
         for r in reqs:
-            looked_up = self._lookup(r, sizes[r.id], kinds[r.id])
+            looked_up = self._lookup(r, sizes[r.id], kinds[r.id], found.get(r.id, []))
             if looked_up is not None:
                 drafts[r.id] = looked_up
         reqs = [r for r in reqs if r.id not in drafts and not r.is_finished]
@@ -788,15 +808,11 @@ class Engine:
                 logits[i])
         return drafts
 
-    def _lookup(self, req: Request, size: int, kind: SegmentKind) -> BlockDraft | None:
-        """The request's own text as its draft (``lookup_draft``), as many tokens as the router
-        finds best, when it expects them to commit more per second than the drafter's
+    def _lookup(self, req: Request, size: int, kind: SegmentKind, found: list[int]
+                ) -> BlockDraft | None:
+        """The request's own text as its draft (``found``, ``_lookups``), as many tokens as the
+        router finds best, when it expects them to commit more per second than the drafter's
         (cut at the first token the grammar forbids)."""
-        longest = self._lookup_limit(req, size)
-        # no search when even the longest lookup would lose to the drafter (the common case)
-        if self.cost.lookup_slots(req.routing, kind, size, longest) == 0:
-            return None
-        found = lookup_draft(req.all_ids, longest)
         take = self.cost.lookup_slots(req.routing, kind, size, len(found))
         if take == 0:
             return None

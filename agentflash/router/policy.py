@@ -229,6 +229,7 @@ class Candidate:
     slots: int  # draft tokens it would verify (block size - 1)
     forced: bool = False  # the request asked for DFlash: it drafts whatever the cost
     backlog: int = 0  # target positions its drafter has yet to take in (the cost of a probe)
+    lookup: int = 0  # tokens its own text offers as a draft this step (``lookup_draft``)
 
 
 def priors_from_validation(val_tau: dict[str, float]) -> dict[SegmentKind, float]:
@@ -478,8 +479,10 @@ class CostModel:
         fixed cost and a one-token row (``worth``). Drafting a candidate gains it ``tau - 1``
         tokens for the time its block adds to the step; the drafter's fixed cost is paid once,
         by however many rows draft. Candidates are ranked (those that asked for DFlash, then by
-        that gain, from expected tau: the drafter's, or the lookup's where the request has
-        drafted from its own text) and the step drafts the top ``m`` for the ``m`` that gains
+        that gain, from expected tau: the drafter's, or the lookup's where the request's text
+        offers one this step that it would verify, ``lookup_slots``; a record of loops earlier
+        in the text priced every later step, where the drafter's blocks failed with no lookup
+        to be found) and the step drafts the top ``m`` for the ``m`` that gains
         the most time. Pricing a token by the batch, not by the step's own tokens per second, is
         what a batch that keeps its rows costs: each row holds its place for as many steps as it
         takes, so a row left plain beside rows that draft costs the batch its steps, however
@@ -496,11 +499,12 @@ class CostModel:
             """Seconds drafting ``x`` saves the batch (the drafter's launch aside)."""
             return (tau - 1) * worth - (block - single + x.slots * (token + slot))
 
-        gains = [
-            gain(x, max(self.expected_tau(x.routing, x.kind, x.slots),
-                        self._lookup_tau(x.routing, x.slots)))
-            for x in candidates
-        ]
+        def tau(x: Candidate) -> float:
+            drafted = self.expected_tau(x.routing, x.kind, x.slots)
+            looked_up = self.lookup_slots(x.routing, x.kind, x.slots, x.lookup)
+            return max(drafted, self._lookup_tau(x.routing, looked_up)) if looked_up else drafted
+
+        gains = [gain(x, tau(x)) for x in candidates]
         order = sorted(range(len(candidates)), key=lambda i: (not candidates[i].forced, -gains[i]))
         must = sum(x.forced for x in candidates)
         gained, best_m, best = 0.0, 0, 0.0
