@@ -479,6 +479,26 @@ def test_a_pool_grows_by_a_quarter_at_least_to_max_len_and_no_further():
         cache.ensure(1025)
 
 
+def test_a_growth_that_fails_leaves_the_pool_as_it_was(monkeypatch):
+    # an allocation that fails (out of memory) while the values grow: the keys were grown and
+    # kept, the capacity (read from them) said grown, and the values were never grown after
+    cfg = type("Cfg", (), {"num_kv_heads": 2, "head_dim": 8, "num_layers": 2})()
+    cache = KVCache(cfg, 2, 1000, torch.device("cpu"), torch.float32, capacity=64)
+    cache.lay_out_for_exact_attention_()
+    grow = KVCache._grown_values
+
+    def fails_once(self, v, capacity):
+        monkeypatch.setattr(KVCache, "_grown_values", grow)
+        raise torch.OutOfMemoryError("out of memory")
+
+    monkeypatch.setattr(KVCache, "_grown_values", fails_once)
+    with pytest.raises(torch.OutOfMemoryError):
+        cache.ensure(300)
+    assert cache.capacity == 64 and cache.v[0].shape[0] == 1
+    cache.ensure(300)  # memory free again
+    assert cache.capacity == 320 and all(v.shape[0] == 320 // 64 for v in cache.v)
+
+
 def test_the_probe_names_a_projection_whose_rows_change_with_their_batch(tiny_model_dir):
     """A projection that rounds a row by the rows beside it (as MKL's AVX2 kernels do: a
     block's last rows their own way) fails the probe at every row multiple; the runner then

@@ -61,8 +61,11 @@ class KVCache:
         if length <= self.capacity:
             return
         capacity = min(self.max_capacity, whole_chunks(max(self.capacity * 5 // 4, length)))
-        self.k = [self._grown_keys(k, capacity) for k in self.k]
-        self.v = [self._grown_values(v, capacity) for v in self.v]
+        # both grown before either is kept: a failed allocation (out of memory) left the keys
+        # grown and the values not, and every later request past the old capacity failed
+        k = [self._grown_keys(k, capacity) for k in self.k]
+        v = [self._grown_values(v, capacity) for v in self.v]
+        self.k, self.v = k, v
 
     def _grown_keys(self, k: torch.Tensor, capacity: int) -> torch.Tensor:
         slots, kv, old, d = k.shape
