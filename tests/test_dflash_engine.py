@@ -288,6 +288,17 @@ def test_memory_in_use_counts_what_live_requests_hold_and_nothing_after(engine):
     assert engine.peak_total_bytes <= peak.total
     done = engine.memory_in_use()
     assert (done.kv, done.draft) == (0, 0)  # finished requests hold nothing
+    # ...nor does a request its caller keeps for its result (its drafter context outlived it,
+    # 11 times the engine's peak in a bench round)
+    assert drafting.draft_context is None and drafting.kept_hidden is None
+    assert drafting.pending_hidden == []
+    cancelled = engine.submit(list(range(10, 50)), SamplingParams(max_tokens=20, ignore_eos=True,
+                                                                   speculation="dflash"))
+    engine.step()
+    assert cancelled.draft_context is not None
+    engine.cancel(cancelled)
+    engine.step()
+    assert cancelled.is_finished and cancelled.draft_context is None
     assert done.prefix == engine.prefix_cache.num_bytes > 0  # the cache keeps their sequences
     # the entries kept in the requests' last steps, beside their slots: in the peak too
     assert peak.prefix == done.prefix and engine.peak_total_bytes > done.prefix + now.kv

@@ -967,6 +967,10 @@ class Engine:
         if req.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
             self._keep_sequence(req)
         self.scheduler.finish(req)
+        # the drafter's state goes with the slot: a caller keeps its requests for their results
+        # (a round of the bench, a batch), and their contexts outgrew the engine's own count
+        req.draft_context, req.kept_hidden = None, None
+        req.pending_hidden.clear()
 
     # --- memory ----------------------------------------------------------------------------
 
