@@ -35,7 +35,7 @@ from agentflash.grammar import (
     regex,
     unpack_bitmask,
 )
-from agentflash.grammar.bench import allowed_array, closing_tokens, measure, random_output
+from agentflash.grammar.bench import closing_tokens, random_output
 
 BACKENDS = [Backend.LLGUIDANCE, Backend.OUTLINES]
 KINDS = [
@@ -1283,18 +1283,6 @@ def test_compile_cache_keys_on_source_and_tokenizer(tok, demo_tokenizer_dir):
     other.add_tokens(["<extra_token>"])
     assert compile_grammar(json_schema(schema), other) is not first
     assert compile_grammar(json_schema(schema), tok, use_cache=False) is not first
-
-
-def test_measure_reports_compile_and_draft_times(tok):
-    report = measure(
-        tok,
-        {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
-        draft_len=4,
-    )
-    assert report["vocab_size"] == len(tok) and report["output_tokens"] >= 4
-    for key in ("compile_ms", "draft_step_ms", "mask_ms", "constrained_draft_ms"):
-        assert report[key]["mean"] > 0, key
-    assert allowed_array(compile_grammar(regex("x"), tok).new_constraint()).sum() >= 1
 
 
 # --- the pieces compose into lossless constrained speculation ----------------------------------

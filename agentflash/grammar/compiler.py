@@ -308,6 +308,11 @@ def cache_info() -> dict[str, int]:
     }
 
 
-def clear_cache() -> None:
+def clear_cache(*, tokenizers: bool = True) -> None:
+    """Empty the compile caches: the compiled grammars, the patterns' probes and, unless
+    ``tokenizers`` is False, the converted tokenizers (a new schema's first compile, timed
+    without the tokenizer's one-time conversion)."""
     _grammars.clear()
-    _tokenizers.clear()
+    _patterns.clear()
+    if tokenizers:
+        _tokenizers.clear()
