@@ -121,6 +121,9 @@ QUIRKS = {
     "text-200": (b"text/plain", [b"upstream request timeout: model worker\noverloaded"]),
     "bad-arguments": (SSE, [_chunk({"tool_calls": [{"index": 0, "id": "c", "function": {
         "name": "f", "arguments": {"x": 1}}}]}), _chunk(finish="tool_calls")]),
+    # an output schema's answer that quotes the tag, as serve sends it
+    "answer-quoting-the-tag": (SSE, [_chunk({"content": '{"tip": "wrap calls in <tool_'}),
+                                     _chunk({"content": 'call> tags"}'}), _chunk(finish="stop")]),
 }
 
 
@@ -488,6 +491,24 @@ def test_a_reply_whole_before_the_connection_ends_badly_is_the_answer(server, qu
     assert [e.text for e in events if isinstance(e, TextDelta)] == ["Hi"]
     assert isinstance(events[-1], ModelFinish) and events[-1].finish_reason == "stop"
     assert app.attempts == 1
+
+
+def test_an_answer_in_its_schema_may_quote_the_tag(server):
+    # as the embedded backend reads it: it was a cut answer and a broken call, and the run
+    # spent every turn on it
+    url, app = server
+    schema = {"type": "object", "properties": {"tip": {"type": "string"}}, "required": ["tip"]}
+    request = ModelRequest([{"role": "user", "content": "tip?"}], output_schema=schema)
+    texts = []
+    for given in (request, replace(request, output_schema=None)):
+        app.failures = ["answer-quoting-the-tag"]
+        events = stream(OpenAIBackend(url, "demo", retry=FAST_RETRY), given)
+        texts.append(("".join(e.text for e in events if isinstance(e, TextDelta)),
+                      [e.call for e in events if isinstance(e, ToolCallReady)]))
+    app.failures = []
+    assert texts[0] == ('{"tip": "wrap calls in <tool_call> tags"}', [])
+    assert texts[1][0] == '{"tip": "wrap calls in '  # (no schema: a call, as the model's)
+    assert isinstance(texts[1][1][0], MalformedToolCall)
 
 
 def test_calls_go_back_in_the_order_the_model_wrote_them(server):

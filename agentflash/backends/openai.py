@@ -220,7 +220,8 @@ class OpenAIBackend(Backend):
             reader = _ChunkReader(_tool_names(request.tools),
                                   text_calls=request.tool_choice is not ToolChoice.NONE,
                                   parsed_calls=bool(request.tools)
-                                  and request.tool_choice is not ToolChoice.NONE)
+                                  and request.tool_choice is not ToolChoice.NONE,
+                                  answers=request.output_schema is not None)
             try:
                 async with aclosing(self._reply(body, reader, tries)) as events:
                     async for event in events:
@@ -548,13 +549,14 @@ class _ChunkReader:
     """``chat.completion.chunk`` objects in, model events out."""
 
     def __init__(self, tool_names: Iterable[str] = (), text_calls: bool = False,
-                 parsed_calls: bool = False) -> None:
+                 parsed_calls: bool = False, answers: bool = False) -> None:
         self.tool_names = set(tool_names)  # the request's tools: a name streamed in pieces
         # a server without a tool-call parser (or whose parser gave up) sends the model's
         # Hermes calls as text: with ``text_calls`` (the request's tools may be called) they
         # are read from it, as the embedded engine reads them (the reply's text was the
         # agent's answer, its <tool_call> markup and all, and no tool ran)
-        self._text_calls = HermesStreamParser(f"call_{uuid.uuid4().hex[:8]}") if (
+        # (``answers``: an output schema's answer is the reply whole, ``HermesStreamParser``)
+        self._text_calls = HermesStreamParser(f"call_{uuid.uuid4().hex[:8]}", answers) if (
             text_calls) else None
         self.calls: dict[int, _RemoteCall] = {}  # by index in the reply, in the order begun
         self._slots: dict[Any, int] = {}  # the server's index of a call -> its index here
