@@ -169,15 +169,21 @@ def test_tool_errors_timeouts_bad_calls_go_back_to_the_model():
     script = [ScriptedTurn(tool_call_text("hang") + tool_call_text("explode", {"x": 1})
                            + tool_call_text("explode", {"x": "one"}) + tool_call_text("nope")
                            + '<tool_call>{"name": "explode", "arguments": {"x": </tool_call>'
-                           + '<tool_call>{"name": "expl</tool_call>'),
+                           + '<tool_call>{"name": "expl</tool_call>'
+                           + '<tool_call>{"name": "", "arguments": {}}</tool_call>'),
               "Sorry, the tools failed."]
     result, events, backend = run(agent, script)
     assert result.final_output == "Sorry, the tools failed."
     errors = [json.loads(c.result)["error"] for c in result.tool_calls]
-    assert all(c.is_error for c in result.tool_calls) and len(errors) == 6
-    # a call that breaks off after its name keeps the name (it was 'invalid')
+    assert all(c.is_error for c in result.tool_calls) and len(errors) == 7
+    # a call that breaks off after its name keeps the name (it was 'invalid'); a call of no
+    # name goes back as 'invalid' (a call of "" is refused by serve and OpenAI: the next turn
+    # failed there)
     assert [c.name for c in result.tool_calls] == ["hang", "explode", "explode", "nope",
-                                                   "explode", "invalid"]
+                                                   "explode", "invalid", "invalid"]
+    called = [c["function"]["name"] for c in backend.requests[1].messages[-8]["tool_calls"]]
+    assert called == [c.name for c in result.tool_calls]
+    assert "unknown tool ''" in errors[6]
     assert "hang timed out after 0.1 s" in errors[0]
     assert "RuntimeError: the service is down" in errors[1]
     assert "invalid arguments for explode: x:" in errors[2]
@@ -189,7 +195,7 @@ def test_tool_errors_timeouts_bad_calls_go_back_to_the_model():
     assert [json.loads(m["content"])["error"] for m in tool_messages] == errors
     # the conversation the run leaves is one a next run takes as its input
     Runner.run_sync(agent, result.messages, backend=ScriptedBackend(["again"]))
-    assert sum(isinstance(e, ToolResult) for e in events) == 6
+    assert sum(isinstance(e, ToolResult) for e in events) == 7
     started = [e.call_id for e in events if isinstance(e, ToolStarted)]
     results = [e.call_id for e in events if isinstance(e, ToolResult)]
     assert sorted(started) == sorted(results)  # each result pairs with its start

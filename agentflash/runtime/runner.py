@@ -412,15 +412,19 @@ def _choice_name(choice: Any) -> str:
 
 
 def _call_name(call: model.ToolCall | model.MalformedToolCall) -> str:
+    """The name a call goes back to the model under in the conversation: what it wrote, or
+    ``invalid`` where that is no name (an empty one too: serve and OpenAI refuse a call of
+    ``""``, and the turn after it failed there)."""
     if isinstance(call, model.ToolCall):
-        return call.name
-    body, problem = load_body(call.body)  # whatever the model wrote: 5,000 digits, too deep
-    if problem is None and isinstance(body, dict):
-        name = body.get("name")
-    else:  # cut short: the name it began with (the name the stream's deltas gave it)
-        begun = begun_call(call.body)
-        name = begun[0] if begun else None
-    return name if isinstance(name, str) else "invalid"
+        name = call.name
+    else:
+        body, problem = load_body(call.body)  # whatever the model wrote: 5,000 digits, too deep
+        if problem is None and isinstance(body, dict):
+            name = body.get("name")
+        else:  # cut short: the name it began with (the name the stream's deltas gave it)
+            begun = begun_call(call.body)
+            name = begun[0] if begun else None
+    return name if isinstance(name, str) and name else "invalid"
 
 
 def _handoff_arguments_problem(call: model.ToolCall) -> str | None:
