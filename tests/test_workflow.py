@@ -676,6 +676,42 @@ def test_names_of_dict_methods_off_as_a_word_and_json_booleans_in_templates(tmp_
     assert result.outputs == {"given": "1,2,3 false"}
 
 
+def test_whitespace_control_and_characters_in_templates(tmp_path):
+    # {{- x }} was read as minus x (-3), {{ x -}} failed at the run's end after validate passed;
+    # a step's structured output went into the next prompt as Z\u00fcrich
+    wf = load_workflow(write(tmp_path, """\
+        version: 1
+        name: t
+        inputs:
+          n: {type: integer, default: 3}
+        agents:
+          planner:
+            instructions: PLAN
+            output_schema:
+              type: object
+              properties: {city: {type: string}}
+              required: [city]
+          booker: {instructions: BOOK}
+        steps:
+          - {id: plan, agent: planner, input: "Pick {{- inputs.n }} cities."}
+          - {id: book, agent: booker, input: "Book: {{ steps.plan.output }}", needs: [plan]}
+        outputs:
+          count: "{{- inputs.n }}"
+          trimmed: "{{ inputs.n -}}"
+          negated: "{{ -inputs.n }}"
+          less: "{{ inputs.n - 1 }}"
+          plan: "{{- steps.plan.output -}}"
+          text: "Plan: {{ steps.plan.output }}"
+        """))
+    backend = ScriptedBackend(lambda request: '{"city": "Zürich"}' if (
+        request.messages[0]["content"].startswith("PLAN")) else "ok")
+    result = anyio.run(lambda: wf.run(backend=backend))
+    assert result.outputs == {"count": 3, "trimmed": 3, "negated": -3, "less": 2,
+                              "plan": {"city": "Zürich"}, "text": 'Plan: {"city": "Zürich"}'}
+    prompts = [r.messages[-1]["content"] for r in backend.requests]
+    assert sorted(prompts) == ['Book: {"city": "Zürich"}', "Pick3 cities."]
+
+
 def test_a_step_reads_steps_only_through_their_ids(tmp_path):
     """``{{ steps }}`` whole, or by another name, read whatever steps had run by then (validate
     passed it); the workflow's outputs, made once all ran, may read it whole."""

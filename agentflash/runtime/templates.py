@@ -20,7 +20,9 @@ from jinja2.sandbox import SandboxedEnvironment
 
 def _finalize(value: Any) -> Any:
     """Values are written as JSON writes them (true, null, objects), not as Python reprs."""
-    return json.dumps(value) if isinstance(value, (dict, list, bool)) or value is None else value
+    # characters as they are (Zürich, not Z\u00fcrich), as the runtime writes JSON for a model
+    return json.dumps(value, ensure_ascii=False) if isinstance(value, (dict, list, bool)) or (
+        value is None) else value
 
 
 class _Environment(SandboxedEnvironment):
@@ -35,7 +37,10 @@ class _Environment(SandboxedEnvironment):
 
 ENV = _Environment(undefined=StrictUndefined, autoescape=False, finalize=_finalize,
                    keep_trailing_newline=True)
-_ONE_EXPRESSION = re.compile(r"^\s*\{\{(?P<expr>(?:(?!\}\}|\{\{|\{%|\{#).)*)\}\}\s*$", re.DOTALL)
+# one ``{{ expression }}``, Jinja's whitespace control (``{{- x -}}``) not part of it: it was
+# read as a minus (``{{- inputs.n }}`` gave -3)
+_ONE_EXPRESSION = re.compile(
+    r"^\s*\{\{-?(?P<expr>(?:(?!\}\}|\{\{|\{%|\{#).)*?)-?\}\}\s*$", re.DOTALL)
 
 
 @dataclass(frozen=True)
