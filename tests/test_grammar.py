@@ -504,6 +504,14 @@ def test_a_rollback_past_a_thousand_tokens(tok, backend):
     assert constraint.num_tokens == 0 and snapshot(constraint) == states[0]
     constraint.advance(ids)  # (a Guide that goes on as the first)
     assert snapshot(constraint) == states[len(ids)]
+    # rollbacks in a row: the second past what the Guide keeps after the first (it compared
+    # with 1,024, not with the states left: "only 424 states stored")
+    for back in (600, 600, len(ids) - 1200):
+        constraint.rollback(back)
+        probe = grammar.new_constraint()
+        probe.advance(ids[: constraint.num_tokens])
+        assert snapshot(constraint) == snapshot(probe)
+    assert constraint.num_tokens == 0
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

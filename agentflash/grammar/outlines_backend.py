@@ -271,6 +271,7 @@ class OutlinesConstraint(Constraint):
         super().__init__(grammar.vocab_size, grammar.eos_token_id)
         self._grammar, self._index, self._guide = grammar, grammar.index, guide
         self._tokens: list[int] = []  # committed, for a rollback past the Guide's states
+        self._stored = 0  # states the Guide holds to roll back to (the last MAX_ROLLBACK)
 
     def _validate(self, tokens: Sequence[int]) -> int:
         state = self._guide.get_state()
@@ -284,17 +285,20 @@ class OutlinesConstraint(Constraint):
         for token in tokens:
             self._guide.advance(token, return_tokens=False)
         self._tokens.extend(tokens)
+        self._stored = min(self._stored + len(tokens), MAX_ROLLBACK)
 
     def _rollback(self, num_tokens: int) -> None:
-        del self._tokens[len(self._tokens) - num_tokens :]
-        if num_tokens <= MAX_ROLLBACK:
+        if num_tokens <= self._stored:
             self._guide.rollback_state(num_tokens)
+            self._stored -= num_tokens
+            del self._tokens[len(self._tokens) - num_tokens :]
             return
-        # the Guide keeps the last MAX_ROLLBACK states (``reset`` after a long output raised
-        # "only 1024 states stored"): a new one walks what stays
+        # past the states the Guide keeps (``reset`` after a long output raised "only 1024
+        # states stored"): a new one walks what stays
+        kept = self._tokens[: len(self._tokens) - num_tokens]
         self._guide = _outlines().Guide(self._index, max_rollback=MAX_ROLLBACK)
-        for token in self._tokens:
-            self._guide.advance(token, return_tokens=False)
+        self._tokens, self._stored = [], 0
+        self._consume(kept)
 
     def _is_accepting(self) -> bool:
         return self._index.is_final_state(self._guide.get_state())
