@@ -497,6 +497,26 @@ def test_a_row_drafts_from_its_own_text_where_the_drafter_fails_and_the_text_rep
     assert cost.lookup_slots(routing, SegmentKind.TOOL_CALL, 7, 15) == 0
 
 
+def test_a_lookup_is_priced_at_its_own_length_and_needs_no_drafter():
+    # a loop whose 63-token lookups mostly stand, a drafter that fails: the engine verifies a
+    # 40-token lookup, which was charged as the drafter's 3 slots (chosen at a loss in wide
+    # steps) and with the drafter's launch, which it does not run
+    cost, routing = CostModel(), RequestRouting()
+    for _ in range(10):
+        cost.observe_lookup(routing, 40, 63)
+        verify(cost, routing, SegmentKind.TOOL_CALL, 0, 3)
+    fixed, single, token, drafter, block, slot = cost.step_cost()
+    take = cost.lookup_slots(routing, SegmentKind.TOOL_CALL, 3, 63)
+    tau = cost._lookup_tau(routing, take)
+    assert take > 3
+    for rows in (1, 8, 32, 64):
+        saved = (tau - 1) * (fixed / rows + single) - (block - single + take * token)
+        chosen = choose(cost, routing, SegmentKind.TOOL_CALL, rows=rows, slots=3, lookup=63)
+        assert chosen == (saved > 0), (rows, saved)
+    assert not choose(cost, routing, SegmentKind.TOOL_CALL, rows=64, slots=3, lookup=63)
+    assert choose(cost, routing, SegmentKind.TOOL_CALL, rows=1, slots=3, lookup=63)
+
+
 def test_the_draft_not_verified_is_counted_as_far_as_the_target_shows_it():
     cost = CostModel()
     block = [5, 6, 7, 8]

@@ -499,19 +499,26 @@ class CostModel:
             """Seconds drafting ``x`` saves the batch (the drafter's launch aside)."""
             return (tau - 1) * worth - (block - single + x.slots * (token + slot))
 
-        def tau(x: Candidate) -> float:
-            drafted = self.expected_tau(x.routing, x.kind, x.slots)
+        def priced(x: Candidate) -> tuple[float, bool]:
+            """``gain``, and whether the row needs the drafter's forward: not where the engine
+            verifies the lookup its text offers instead, whose verify row is as long as the
+            lookup (it was charged as the drafter's block: a 40-token lookup as 3 slots, chosen
+            at a loss in wide steps) and which no drafter slot costs."""
             looked_up = self.lookup_slots(x.routing, x.kind, x.slots, x.lookup)
-            return max(drafted, self._lookup_tau(x.routing, looked_up)) if looked_up else drafted
+            if not looked_up:
+                return gain(x, self.expected_tau(x.routing, x.kind, x.slots)), True
+            tau = self._lookup_tau(x.routing, looked_up)
+            return (tau - 1) * worth - (block - single + looked_up * token), False
 
-        gains = [gain(x, tau(x)) for x in candidates]
+        gains, launches = zip(*map(priced, candidates)) if candidates else ((), ())
         order = sorted(range(len(candidates)), key=lambda i: (not candidates[i].forced, -gains[i]))
         must = sum(x.forced for x in candidates)
-        gained, best_m, best = 0.0, 0, 0.0
+        gained, best_m, best, launch = 0.0, 0, 0.0, False
         for m, i in enumerate(order, start=1):
             gained += gains[i]
-            if m <= must or gained - drafter > best:
-                best_m, best = m, gained - drafter
+            launch = launch or launches[i]  # the drafter's fixed cost, once, if any row drafts
+            if m <= must or gained - drafter * launch > best:
+                best_m, best = m, gained - drafter * launch
         chosen = [False] * len(candidates)
         for rank, i in enumerate(order):
             chosen[i] = rank < best_m
