@@ -95,6 +95,7 @@ def test_every_failed_or_cancelled_run_keeps_its_trace_on_the_error(tmp_path):
     """Only a RunError or a UserError carried it: a guardrail of the user's that raised, a
     backend's own exception and a cancelled run (RunCancelled) had none."""
     from agentflash.runtime import Guardrail, RunCancelled
+    from agentflash.runtime.errors import ModelBehaviorError
 
     def broken(text):
         raise ValueError("guardrail bug")
@@ -117,13 +118,25 @@ def test_every_failed_or_cancelled_run_keeps_its_trace_on_the_error(tmp_path):
             run.cancel()
         return run
 
-    run = anyio.run(cancelled)
-    with pytest.raises(RunCancelled) as err:
-        print(run.result)
-    assert err.value.tracer is not None
-    # its spans say it was cancelled, not which of anyio's scopes and tasks did it
-    failed = [s.error for s in err.value.tracer.spans if s.error]
-    assert failed and all(e == "CancelledError: cancelled" for e in failed), failed
+    for loop, cancellation in (("asyncio", "CancelledError"), ("trio", "Cancelled")):
+        run = anyio.run(cancelled, backend=loop)
+        with pytest.raises(RunCancelled) as err:
+            print(run.result)
+        assert err.value.tracer is not None
+        # its spans say it was cancelled, not which of anyio's scopes and tasks did it (trio's
+        # said "cancelled due to explicit from task <Task ...>")
+        failed = [s.error for s in err.value.tracer.spans if s.error]
+        assert failed and all(e == f"{cancellation}: cancelled" for e in failed), failed
+    # a run's own trace where a run inside it (a guardrail's agent) raised the error first:
+    # the inner run's was kept, and the outer run's was lost
+    async def judged(text):
+        await Runner.run(Agent("checker", output_type=int), text,
+                         backend=ScriptedBackend(["not a number"]))
+
+    with pytest.raises(ModelBehaviorError, match="'checker' must answer") as err:
+        Runner.run_sync(Agent("outer", input_guardrails=[Guardrail(judged)]), "hi",
+                        backend=ScriptedBackend(["ok"]))
+    assert [s.name for s in err.value.tracer.spans][0] == "run outer"
     # a workflow's too (its RunCancelled had none: its tracer was made inside the run's task)
     from agentflash.runtime.workflow import load_workflow
 

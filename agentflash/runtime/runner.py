@@ -760,9 +760,10 @@ async def _run_streamed(agent: Agent, input: str | list[dict[str, Any]], *,
                 try:
                     return await _Loop(agent, input, chosen, trace, trace_parent, emit).run()
                 except Exception as err:  # its trace, as a result's: what ran, and where it
-                    # broke (a turn the backend refused, a guardrail of the user's that raised)
+                    # broke (a turn the backend refused, a guardrail of the user's that raised);
+                    # this run's, where a run inside it (a guardrail's agent) raised it first
                     with suppress(AttributeError):  # (an exception with slots)
-                        err.tracer = getattr(err, "tracer", None) or trace
+                        err.tracer = trace
                     raise
 
             async with streaming(work) as run:

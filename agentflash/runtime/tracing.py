@@ -95,7 +95,7 @@ class Tracer:
         except BaseException as err:
             # a cancellation's text is anyio's scope and task (a line of internals); asked of
             # asyncio's class, not anyio's, which needs a running loop (a span of sync code)
-            said = "cancelled" if isinstance(err, asyncio.CancelledError) else str(err)
+            said = "cancelled" if _is_cancellation(err) else str(err)
             span.error = span.error or f"{type(err).__name__}: {said}"
             raise
         finally:
@@ -115,6 +115,14 @@ class Tracer:
             lines.append(f"{span.start - origin:8.3f}s {span.duration_s * 1000:9.1f} ms  "
                          f"{'  ' * span.depth}{span.name}{figures}{status}")
         return "\n".join(lines)
+
+
+def _is_cancellation(err: BaseException) -> bool:
+    """Whether ``err`` is the event loop's cancellation: asyncio's, or trio's (anyio runs on
+    either; its own ``get_cancelled_exc_class`` needs a running loop)."""
+    kind = type(err)
+    return isinstance(err, asyncio.CancelledError) or (
+        kind.__name__ == "Cancelled" and kind.__module__.split(".")[0] == "trio")
 
 
 def _tree_order(spans: list[Span]) -> list[Span]:
