@@ -202,6 +202,22 @@ def test_live_view_follows_the_run():
     assert row.tools == ["transfer_to_forecaster ok"] and row.new_tokens > 0
 
 
+def test_live_view_marks_each_call_of_a_tool_by_its_own_result():
+    # two calls of one tool finishing out of order: the first result marked the first cell
+    from agentflash.runtime import events as ev
+    from agentflash.runtime.live_view import WorkflowView
+    from agentflash.runtime.workflow import StepEvent
+
+    view = WorkflowView(load_workflow(EXAMPLES / "handoff.yaml"))
+    step = next(iter(view.rows))
+    for call_id, seconds in (("c0", 1.0), ("c1", 0.0)):
+        view.update(StepEvent(step, ev.ToolStarted("a", call_id, "wait", {"s": seconds})))
+    view.update(StepEvent(step, ev.ToolResult("a", "c1", "wait", {"s": 0.0}, "{}", False, 0.0)))
+    view.update(StepEvent(step, ev.ToolResult("a", "c0", "wait", {"s": 1.0}, "{}", True, 0.1)))
+    view.update(StepEvent(step, ev.ToolResult("a", "c2", "nope", {}, "{}", True, 0.0)))
+    assert view.rows[step].tools == ["wait failed", "wait ok", "nope failed"]
+
+
 def test_live_view_marks_the_failed_step_and_the_cancelled_ones_apart():
     from agentflash.runtime.errors import MaxTurnsExceeded, StepFailed
     from agentflash.runtime.live_view import WorkflowView, _Row

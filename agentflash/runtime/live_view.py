@@ -26,6 +26,7 @@ class _Row:
     wall_s: float = 0.0
     writing: str = ""  # the tail of what the model is writing now
     call: tuple[int, str] | None = None  # the tool call being written (index, arguments so far)
+    started: dict[str, int] = field(default_factory=dict)  # a running call's id -> its cell
 
     @property
     def tokens_per_s(self) -> str:
@@ -77,14 +78,16 @@ class WorkflowView:
             row.call = (event.index, so_far + event.arguments_delta)
             row.writing = f"{event.name}({row.call[1][-30:]}"
         elif isinstance(event, ev.ToolStarted):
+            row.started[event.call_id] = len(row.tools)
             row.tools.append(f"{event.name} ...")
         elif isinstance(event, ev.ToolResult):
-            mark = "failed" if event.is_error else "ok"
-            pending = f"{event.name} ..."
-            if pending in row.tools:
-                row.tools[row.tools.index(pending)] = f"{event.name} {mark}"
+            # the cell of the call it answers (two calls of one tool finish in either order)
+            done = f"{event.name} {'failed' if event.is_error else 'ok'}"
+            at = row.started.pop(event.call_id, None)
+            if at is None:  # a call the runtime answered: it never started
+                row.tools.append(done)
             else:
-                row.tools.append(f"{event.name} {mark}")
+                row.tools[at] = done
         elif isinstance(event, ev.GenerationStats):
             row.new_tokens += event.stats.get("new_tokens", 0)
             row.wall_s += event.stats.get("wall_s", 0.0)
