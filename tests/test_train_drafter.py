@@ -214,6 +214,26 @@ def test_a_rerun_resumes_without_regenerating(run, tiny_model_dir):
         assert (run / "responses.json").read_bytes() == cached
 
 
+def test_a_run_checkpointed_on_a_gpu_resumes_on_the_cpu(run, tiny_model_dir, tmp_path):
+    # torch.save records a CUDA tensor's device: the load had no map_location, and a machine
+    # without one raised "Attempting to deserialize object on a CUDA device"
+    import torch.serialization as serialization
+
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    checkpoint = copy / "checkpoints" / "latest.pt"
+    state = torch.load(checkpoint, weights_only=False)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(serialization, "location_tag", lambda storage: "cuda:0")
+        torch.save(state, checkpoint)
+    with pytest.raises(RuntimeError, match="CUDA"):
+        torch.load(checkpoint, weights_only=False)  # (what a CUDA run leaves)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(train_mod, "regenerate", lambda *args: pytest.fail("answers made again"))
+        train_drafter(tiny_model_dir, copy, tiny_config(steps=30))
+    assert [e["step"] for e in read_log(copy) if "loss" in e] == list(range(1, 31))
+
+
 def test_cached_answers_of_another_target_are_regenerated(run, tiny_model_dir):
     from agentflash.models.loading import load_tokenizer
     from agentflash.models.qwen3 import Qwen3Model
@@ -236,10 +256,18 @@ def test_cached_answers_of_another_target_are_regenerated(run, tiny_model_dir):
             assert calls == []
             train_mod.build_samples(other, load_tokenizer(tiny_model_dir), tiny_config(), cache)
             assert calls == ["train", "val"]
+            # a fine-tune of the same base, its embeddings, final norm and lm_head untouched
+            # (LoRA's): the base's answers were reused
+            cache.write_text(kept)
+            tuned, _, _ = load_model(tiny_model_dir)
+            with torch.no_grad():
+                tuned.model.layers[0].mlp.down_proj.weight.mul_(1.01)  # (a layer only)
+            train_mod.build_samples(tuned, load_tokenizer(tiny_model_dir), tiny_config(), cache)
+            assert calls == ["train", "val"] * 2
             # a cache cut short (its write interrupted) is made again, not an error each rerun
             cache.write_text(kept[:100])
             train_mod.build_samples(target, load_tokenizer(tiny_model_dir), tiny_config(), cache)
-            assert calls == ["train", "val"] * 2
+            assert calls == ["train", "val"] * 3
             assert json.loads(cache.read_text())["train"] == []
         finally:
             cache.write_text(kept)

@@ -21,6 +21,7 @@ losses go to ``OUT/train_log.jsonl``; the drafter is saved in z-lab's format int
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import random
@@ -194,10 +195,17 @@ def _served_grammars(convos: list[dict], share: float) -> list:
     return out
 
 
-def target_fingerprint(target: Qwen3Model) -> list[float]:
-    """A few sums of the target's weights: cached answers of another target are not reused."""
-    tensors = (target.model.embed_tokens.weight, target.model.norm.weight, target.lm_head.weight)
-    return [round(float(t.detach().double().sum()), 6) for t in tensors]
+def target_fingerprint(target: Qwen3Model) -> str:
+    """A digest of every weight's sum and sum of magnitudes: cached answers of another target
+    are not reused (the embeddings, final norm and lm_head alone took a fine-tune of the same
+    base that left them as they were, LoRA's, for the base: its drafter learned the base's
+    answers)."""
+    digest = hashlib.sha256()
+    with torch.no_grad():
+        for name, t in target.state_dict().items():
+            total, size = t.sum(dtype=torch.float64), t.abs().sum(dtype=torch.float64)
+            digest.update(f"{name} {float(total):.9e} {float(size):.9e};".encode())
+    return digest.hexdigest()[:32]
 
 
 def build_samples(
@@ -723,7 +731,9 @@ def _checkpoint(ckpt_dir: Path, dcfg: DrafterConfig, settings: dict[str, Any]
     path = ckpt_dir / "latest.pt"
     if not path.exists():
         return None
-    state: dict[str, Any] = torch.load(path, weights_only=False)
+    # on the CPU whatever device wrote it (the optimizer's state moves to the parameters'):
+    # a run checkpointed on a GPU did not resume on a machine without one
+    state: dict[str, Any] = torch.load(path, map_location="cpu", weights_only=False)
     if state["drafter_config"] != asdict(dcfg):
         had, asked = state["drafter_config"], asdict(dcfg)
         diff = ", ".join(f"{k} {had.get(k)!r} there, {asked[k]!r} asked"

@@ -205,7 +205,7 @@ def _resume(ckpt_dir: Path, model, opt, settings: dict) -> int:
     path = ckpt_dir / "latest.pt"
     if not path.exists():
         return 0
-    state = torch.load(path, weights_only=False)
+    state = torch.load(path, map_location="cpu", weights_only=False)  # (a GPU's run too)
     check_settings(path, state.get("settings"), settings)
     model.load_state_dict(state["model"])
     opt.load_state_dict(state["opt"])
