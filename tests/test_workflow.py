@@ -917,6 +917,28 @@ def test_an_alias_of_a_mapping_that_merges_keeps_the_merged_keys(tmp_path):
     assert [(s.id, s.agent) for s in wf.steps] == [("first", "planner"), ("again", "planner")]
 
 
+def test_of_mappings_merged_together_the_first_listed_wins(tmp_path):
+    # YAML's merge key: PyYAML took a one-letter key from the first and a longer one from the
+    # second (it dropped repeats by object identity); a plain = was refused (YAML 1.1's value)
+    wf = load_workflow(write(tmp_path, """\
+        version: 1
+        name: t
+        agents:
+          a: &a {instructions: from a, max_turns: 2}
+          b: &b {instructions: from b, max_turns: 3}
+          first: {<<: [*a, *b]}
+          second: {<<: [*b, *a]}
+          own: {<<: [*a, *b], max_turns: 4}
+          equals: {instructions: =}
+        steps:
+          - {id: s, agent: first, input: hi}
+        """))
+    assert (wf.agents["first"].instructions, wf.agents["first"].max_turns) == ("from a", 2)
+    assert (wf.agents["second"].instructions, wf.agents["second"].max_turns) == ("from b", 3)
+    assert (wf.agents["own"].instructions, wf.agents["own"].max_turns) == ("from a", 4)
+    assert wf.agents["equals"].instructions == "="
+
+
 def test_aliases_of_anchors_that_hold_aliases_are_refused_before_they_blow_up(tmp_path):
     # each level repeats the one before ten times: 450 bytes took 3.5 GB and over a minute
     levels = "".join(f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]\n" for i in range(1, 8))

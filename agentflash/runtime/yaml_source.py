@@ -72,8 +72,9 @@ def _compose_alias(self: _Loader, parent: Any, index: Any) -> yaml.Node:
 _Loader.compose_node = _compose_alias
 
 
+# (``value``: YAML 1.1's ``=``, which no constructor builds: a plain ``=`` was refused)
 _YAML_1_1_ONLY = ("tag:yaml.org,2002:bool", "tag:yaml.org,2002:timestamp",
-                  "tag:yaml.org,2002:int", "tag:yaml.org,2002:float")
+                  "tag:yaml.org,2002:int", "tag:yaml.org,2002:float", "tag:yaml.org,2002:value")
 _Loader.yaml_implicit_resolvers = {
     first: [(tag, regexp) for tag, regexp in resolvers if tag not in _YAML_1_1_ONLY]
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
@@ -154,6 +155,35 @@ def load_yaml(path: str | Path) -> YamlDoc:
         loader.dispose()
 
 
+_MERGE = "tag:yaml.org,2002:merge"
+
+
+def _flatten(node: yaml.MappingNode) -> None:
+    """``node``'s merge keys (``<<``) replaced, in place, by the pairs of the mappings they
+    merge, in the order listed (``_build`` keeps a key's first: YAML's merge key says the first
+    mapping listed wins) and before the mapping's own. PyYAML's ``flatten_mapping`` listed the
+    later mappings first and dropped repeated keys by object identity, so of ``<<: [*a, *b]``
+    a one-letter key (an interned string) came from ``a`` and a longer one from ``b``."""
+    if getattr(node, "flattened", False):
+        return
+    merged, own = [], []
+    for key_node, value_node in node.value:
+        if key_node.tag != _MERGE:
+            own.append((key_node, value_node))
+            continue
+        sources = value_node.value if isinstance(value_node, yaml.SequenceNode) else [value_node]
+        for source in sources:
+            if not isinstance(source, yaml.MappingNode):
+                raise yaml.constructor.ConstructorError(
+                    "while constructing a mapping", node.start_mark,
+                    f"expected a mapping or a list of mappings to merge (<<), found "
+                    f"{source.id}", source.start_mark)
+            _flatten(source)
+            merged.extend(source.value)
+    node.value = merged + own
+    node.flattened = True
+
+
 def _build(loader: _Loader, node: yaml.Node, keys: Keys, doc: YamlDoc,
            at: int | None = None) -> Any:
     """``node`` as plain data, with the line of every key in ``doc``: ``at`` for all of it
@@ -170,7 +200,7 @@ def _build(loader: _Loader, node: yaml.Node, keys: Keys, doc: YamlDoc,
         if not hasattr(node, "own_keys"):
             node.own_keys = {id(k) for k, _ in node.value if k.tag != "tag:yaml.org,2002:merge"}
         own = node.own_keys
-        loader.flatten_mapping(node)  # YAML merge keys (<<): the merged pairs come first
+        _flatten(node)  # YAML merge keys (<<): the merged pairs come first
         out: dict[str, Any] = {}
         written: set[str] = set()  # the keys this mapping writes itself
         for key_node, value_node in node.value:
@@ -184,6 +214,8 @@ def _build(loader: _Loader, node: yaml.Node, keys: Keys, doc: YamlDoc,
                     raise UserError(f"{doc.path}:{line}: {dotted((*keys, key))}: the key "
                                     f"appears twice (first on line {doc.lines[(*keys, key)]})")
                 written.add(key)
+            elif key in out:  # merged already, from a mapping listed before: that one's
+                continue
             doc.lines[(*keys, key)] = line
             out[key] = _build(loader, value_node, (*keys, key), doc, at)
         return out
