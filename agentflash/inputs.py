@@ -322,6 +322,18 @@ def flags_input(defaults: dict[str, Any]) -> GenerateInput:
     return make_input({**flags, "prompt": "-"}, "command line")
 
 
+def _blame_the_flags(defaults: dict[str, Any], problem: str) -> None:
+    """The command line's error where a line's ``problem`` is the flags' own (a bad flag, or
+    pair of flags, is not the line's fault); where the flags fail only without the lines'
+    fields (``--tool-choice required`` with the tools in the lines), the line's error stands:
+    it was blamed on the flags, which were fine."""
+    try:
+        flags_input(defaults)
+    except UserError as err:
+        if str(err).removeprefix("command line: ") == problem:
+            raise
+
+
 def load_requests(path: Path, defaults: dict[str, Any]) -> list[GenerateInput]:
     """One request per JSON line; ``defaults`` fill the fields a line does not set."""
     # JSON lines end at "\n" alone: str.splitlines also broke at U+2028, U+0085 or a form
@@ -339,6 +351,9 @@ def load_requests(path: Path, defaults: dict[str, Any]) -> list[GenerateInput]:
             raise UserError(f"{where}: malformed JSON: {err.msg}") from None
         if not isinstance(obj, dict):
             raise UserError(f"{where}: each line must be a JSON object")
+        # a field set to null is left out, and the flags fill it (it dropped the flag's value:
+        # "max_tokens": null ran 256 tokens under --max-tokens 3)
+        obj = {k: v for k, v in obj.items() if v is not None}
         if isinstance(obj.get("schema"), str):  # a schema file named beside the requests
             obj["schema"] = str(path.parent / obj["schema"])
         merged = {k: v for k, v in defaults.items() if v is not None and k not in obj}
@@ -348,8 +363,8 @@ def load_requests(path: Path, defaults: dict[str, Any]) -> list[GenerateInput]:
                     merged.pop(k, None)
         try:
             requests.append(make_input({**merged, **obj}, where))
-        except UserError:
-            flags_input(defaults)  # a bad flag (or pair of flags) is not the line's fault
+        except UserError as err:
+            _blame_the_flags(defaults, str(err).removeprefix(f"{where}: "))
             raise
     if not requests:
         raise UserError(f"{path}: no requests in the file")

@@ -97,6 +97,11 @@ def test_requests_file_writes_one_result_per_line(tiny_model_dir, tmp_path):
     results = [json.loads(x) for x in out.splitlines()]
     assert len(results) == 3
     assert results[0]["stats"]["new_tokens"] <= 5 and results[1]["stats"]["new_tokens"] <= 3
+    # a field set to null is left out, and the flag fills it (the flag's value was dropped)
+    (tmp_path / "n.jsonl").write_text('{"prompt": "a", "max_tokens": null}\n')
+    code, out, _ = run("generate", "--model", str(tiny_model_dir), "--requests",
+                       str(tmp_path / "n.jsonl"), "--max-tokens", "2", "--json")
+    assert code == 0 and json.loads(out)["stats"]["new_tokens"] <= 2
 
 
 @pytest.mark.parametrize(
@@ -308,6 +313,13 @@ def test_a_bad_flag_is_not_blamed_on_a_requests_line(tiny_model_dir, tmp_path):
         code, _, err = run("generate", "--model", str(tiny_model_dir), "--requests", str(path),
                            *flags)
         assert code == 2 and err.startswith(f"error: command line: {message}"), (flags, err)
+    # flags that hold only with the lines' fields (the tools in each line): a line's own
+    # error is the line's (it was "command line: tool_choice 'required' needs tools")
+    path.write_text("".join(json.dumps({"prompt": "x", "tools": TOOLS, **extra}) + "\n"
+                            for extra in ({}, {"max_tokens": 0})))
+    code, _, err = run("generate", "--model", str(tiny_model_dir), "--requests", str(path),
+                       "--tool-choice", "required")
+    assert code == 2 and err.startswith(f"error: {path}:2: max_tokens must be a positive"), err
 
 
 def test_requests_lines_end_at_newlines_alone(tiny_model_dir, tmp_path):
