@@ -418,9 +418,9 @@ def serve(
                                   max_running=max_running, max_len=max_len,
                                   kv_budget_mb=kv_budget_mb)
         except UserError as err:  # "server max_len ...": the flag it came from
-            raise UserError(re.sub(r"^server (\w+)",
-                                   lambda m: "--" + m.group(1).replace("_", "-"), str(err))
-                            ) from None
+            flags = {"served_name": "served_model_name"}
+            raise UserError(re.sub(r"^server (\w+)", lambda m: "--" + flags.get(
+                m.group(1), m.group(1)).replace("_", "-"), str(err))) from None
         where = f"http://{host}:{port}/v1" if port else f"a free port of {host}"
         typer.echo(f"agentflash serve: loading {config.name}, to serve on {where}"
                    f"{' (API key required)' if api_key else ''}", err=True)

@@ -103,6 +103,12 @@ def test_serve_names_a_bad_flag(tiny_model_dir):
     assert result.exit_code == 2 and "--max-running must be a positive integer" in result.stderr
     result = CliRunner().invoke(app, ["serve", "--model", "demo", "--kv-budget-mb", "0"])
     assert result.exit_code == 2 and "--kv-budget-mb must be positive" in result.stderr
+    # an unset variable's value: "" bound every interface, and an empty name served the
+    # model's (as an empty --api-key is refused)
+    result = CliRunner().invoke(app, ["serve", "--model", "demo", "--host", ""])
+    assert result.exit_code == 2 and "--host is empty" in result.stderr, result.stderr
+    result = CliRunner().invoke(app, ["serve", "--model", "demo", "--served-model-name", " "])
+    assert result.exit_code == 2 and "--served-model-name is empty" in result.stderr
     # the engine's own limit, before the model loads (it was said after "loading")
     result = CliRunner().invoke(app, ["serve", "--model", "demo", "--max-len", "1"])
     assert result.exit_code == 2 and "loading" not in result.stderr

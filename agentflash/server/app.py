@@ -104,6 +104,14 @@ class ServerConfig:
             raise UserError(f"server port must be in [0, 65535], got {self.port}")
         if self.api_key is not None and not self.api_key.strip():
             raise UserError("server api_key is empty (leave it out to serve without a key)")
+        # an unset variable's value ("--host $HOST"): "" binds every interface, as 0.0.0.0 says
+        # out loud (the banner read http://:8000)
+        if not isinstance(self.host, str) or not self.host.strip():
+            raise UserError(f"server host is empty, got {self.host!r} (127.0.0.1 by default; "
+                            f"0.0.0.0 for every interface)")
+        if self.served_name is not None and not self.served_name.strip():
+            raise UserError("server served_name is empty (leave it out to serve the model's "
+                            "name)")
 
     @property
     def name(self) -> str:
