@@ -192,6 +192,12 @@ def test_a_reply_that_answers_in_a_schema_may_quote_the_tag(chunk):
     call = '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'
     assert summary(parse(call, chunk, answers=True)) == summary(parse(call, chunk))
     assert summary(parse(call, chunk, answers=True))[2] == [ToolCall("c_0", "f", {"a": 1})]
+    # a server that binds no grammar may write a call after a blank line or a few words: still
+    # a call (it was the answer); an answer after blanks is the answer
+    for reply in ("\n" + call, "Let me check. " + call, "  \n" + call):
+        assert summary(parse(reply, chunk, answers=True)) == summary(parse(reply, chunk))
+    assert summary(parse("\n " + answer, chunk, answers=True)) == ("\n " + answer, {}, [])
+    assert summary(parse(" \n", chunk, answers=True)) == (" \n", {}, [])
 
 
 def test_parser_handles_arguments_written_before_the_name():

@@ -142,16 +142,22 @@ class HermesStreamParser:
         self._call: _OpenCall | None = None
         self._num_calls = 0
         # ``answers``: the turn's grammar makes the reply calls or one answer in a schema
-        # (``assistant_turn``'s ``output_schema``), so a reply that does not begin with the
-        # opening tag is the answer, whole: its strings may spell the tag (an answer that
-        # quoted "<tool_call>" was read as a broken call)
+        # (``assistant_turn``'s ``output_schema``), so a reply that begins as a JSON object,
+        # array or string is the answer, whole: its strings may spell the tag (an answer that
+        # quoted "<tool_call>" was read as a broken call). Decided at its first character that
+        # is not blank: a server that binds no grammar may write calls after a blank line or
+        # a few words
         self._answers = answers
         self._answering = False
 
     def feed(self, text: str) -> list[ModelEvent]:
         self._buf += text
-        if self._answers and not self._num_calls and self._buf[:1] not in ("", OPEN[0]):
-            self._answering = True
+        if self._answers and not self._num_calls and not self._answering:
+            head = self._buf.lstrip()
+            if not head:  # blank so far: undecided
+                return []
+            self._answers = False  # decided
+            self._answering = head[0] in '{["'
         if self._answering:
             text, self._buf = self._buf, ""
             return [TextDelta(text)] if text else []
