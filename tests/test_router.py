@@ -517,6 +517,41 @@ def test_a_lookup_is_priced_at_its_own_length_and_needs_no_drafter():
     assert choose(cost, routing, SegmentKind.TOOL_CALL, rows=1, slots=3, lookup=63)
 
 
+def test_a_lookup_row_that_pays_drafts_beside_a_drafter_row_that_does_not():
+    # the plan took the best prefix of the rows by gain: a drafter row ranked above a lookup
+    # row took the drafter's launch into every choice holding the lookup; and a probe fired
+    # where the lookup row, which launches no drafter, was all that drafted
+    kind = SegmentKind.TOOL_CALL
+    cost = CostModel(probe_every=10**9, max_probe_every=10**9)
+    looping = RequestRouting()
+    for _ in range(10):
+        cost.observe_lookup(looping, 40, 63)
+        verify(cost, looping, kind, 0, 3)
+    standing = RequestRouting()
+    for _ in range(30):
+        verify(cost, standing, kind, 15, 15)
+    fixed, single, token, drafter, block, slot = cost.step_cost()
+    rows = 7
+    worth = fixed / rows + single
+    take = cost.lookup_slots(looping, kind, 3, 4)
+    lookup_gain = (cost._lookup_tau(looping, take) - 1) * worth - (block - single + take * token)
+    drafter_gain = (cost.expected_tau(standing, kind, 3) - 1) * worth - (
+        block - single + 3 * (token + slot))
+    assert take and 0 < lookup_gain < drafter_gain and lookup_gain + drafter_gain < drafter
+    assert cost.plan(rows, [Candidate(looping, kind, 3, lookup=4),
+                            Candidate(standing, kind, 3)]) == [True, False]
+    probed = CostModel(probe_every=4)
+    for _ in range(10):
+        probed.observe_lookup(looping, 40, 63)
+        verify(probed, looping, kind, 0, 3)
+    failing = RequestRouting()
+    for _ in range(20):
+        verify(probed, failing, SegmentKind.PROSE, 0, 3)
+    steps = [probed.plan(12, [Candidate(looping, kind, 3, lookup=63),
+                              Candidate(failing, SegmentKind.PROSE, 3)]) for _ in range(8)]
+    assert all(chosen == [True, False] for chosen in steps), steps
+
+
 def test_the_draft_not_verified_is_counted_as_far_as_the_target_shows_it():
     cost = CostModel()
     block = [5, 6, 7, 8]

@@ -511,22 +511,25 @@ class CostModel:
             return (tau - 1) * worth - (block - single + looked_up * token), False
 
         gains, launches = zip(*map(priced, candidates)) if candidates else ((), ())
-        order = sorted(range(len(candidates)), key=lambda i: (not candidates[i].forced, -gains[i]))
-        must = sum(x.forced for x in candidates)
-        gained, best_m, best, launch = 0.0, 0, 0.0, False
-        for m, i in enumerate(order, start=1):
-            gained += gains[i]
-            launch = launch or launches[i]  # the drafter's fixed cost, once, if any row drafts
-            if m <= must or gained - drafter * launch > best:
-                best_m, best = m, gained - drafter * launch
-        chosen = [False] * len(candidates)
-        for rank, i in enumerate(order):
-            chosen[i] = rank < best_m
+
+        def net(rows: list[int]) -> float:
+            """What drafting ``rows`` saves: their gains, less the drafter's fixed cost, once,
+            if any of them drafts with it."""
+            return sum(gains[i] for i in rows) - drafter * any(launches[i] for i in rows)
+
+        forced = [i for i, x in enumerate(candidates) if x.forced]
+        paying = [i for i, x in enumerate(candidates) if not x.forced and gains[i] > 0]
+        # with the drafter launched, every row that pays drafts; without, only lookups (a
+        # drafter row ranked first took its launch into every choice that held a lookup row)
+        options = [forced, forced + [i for i in paying if not launches[i]], forced + paying]
+        drafts = set(max(options, key=net))  # (a tie: the fewest rows)
+        chosen = [i in drafts for i in range(len(candidates))]
+        launched = any(launches[i] for i in drafts)
 
         def could_pay(x: Candidate) -> bool:
             """Whether drafting ``x`` would pay in this step if every draft stood (the drafter's
-            launch paid already where rows were chosen)."""
-            return gain(x, x.slots + 1) > drafter * (best_m == 0)
+            launch paid already where a row drafts with it: a lookup row launches none)."""
+            return gain(x, x.slots + 1) > drafter * (not launched)
 
         self._probe(candidates, chosen, could_pay)
         return chosen
