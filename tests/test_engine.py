@@ -257,6 +257,21 @@ def test_stop_at_skips_tool_calls_and_a_character_still_coming():
     assert stop_at("e\ufffdx", ["\ufffd"]) == 1
 
 
+def test_a_reply_without_tools_reports_no_calls(engine):
+    # generate --json listed the calls of a reply to a prompt with no tools (serve lists none:
+    # there a <tool_call> is text like any)
+    from agentflash.engine.engine import GenerationResult
+
+    call = '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'
+    with_tools = GenerationResult(call, [], "stop", {})
+    assert with_tools.to_dict()["tool_calls"] == [{"name": "f", "arguments": {}}]
+    assert GenerationResult(call, [], "stop", {}, calls_in_text=False).to_dict()[
+        "tool_calls"] == []
+    for given in (True, False):
+        result = engine.generate([5, 6, 7], SamplingParams(max_tokens=2, tool_calls=given))
+        assert result.calls_in_text is given
+
+
 def test_prompt_longer_than_a_slot_is_a_user_error(engine):
     with pytest.raises(UserError, match="holds 512"):
         engine.submit(list(range(10, 700)), SamplingParams())

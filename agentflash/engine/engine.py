@@ -151,9 +151,12 @@ class GenerationResult:
     stats: dict[str, Any]
     error: str | None = None  # why the engine failed the request (finish_reason "error")
     grammar_limit: bool = False  # ...its grammar reached a limit (``GrammarFailed.limit``)
+    # the reply may hold tool calls (``SamplingParams.tool_calls``): without tools a
+    # <tool_call> is text like any, and no call (as serve reads it)
+    calls_in_text: bool = True
 
     def to_dict(self) -> dict[str, Any]:
-        calls, _ = parse_tool_calls(self.text)
+        calls, _ = parse_tool_calls(self.text) if self.calls_in_text else ([], [])
         out = {
             "text": self.text,
             "token_ids": self.token_ids,
@@ -1024,7 +1027,7 @@ class Engine:
             text = text[: req.stop_text_len]
         return GenerationResult(
             text, list(req.output_ids), req.finish_reason.value, request_stats(req), req.error,
-            req.grammar_limit,
+            req.grammar_limit, req.params.tool_calls,
         )
 
     def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationResult:
