@@ -109,7 +109,9 @@ def test_inputs_are_converted_defaulted_and_checked(tmp_path):
                 ({"days": "2.0"}, "input 'days' must be of type integer, got '2.0'"),
                 ({"days": "١٢"}, "input 'days' must be of type integer, got '١٢'"),
                 ({"days": "0"}, "input 'days': 0 is less than the minimum of 1"),
-                ({"days": "1", "direct": "maybe"}, "input 'direct' must be of type boolean")]
+                ({"days": "1", "direct": "maybe"}, "input 'direct' must be of type boolean"),
+                # no JSON (Python's json read NaN as a number, its output a string "nan")
+                ({"days": "1", "tags": "[NaN]"}, "input 'tags' must be of type array")]
     for values, message in problems:
         with pytest.raises(UserError, match=re.escape(message)) as caught:
             wf.resolve_inputs(values)

@@ -405,6 +405,10 @@ def _json_kind(value: Any) -> str:
     return {list: "array", dict: "object"}.get(type(value), "string")
 
 
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is no JSON value")  # (Python's json reads it as a float)
+
+
 def _convert_one(kind: str, text: str) -> Any:
     """``text`` as one JSON type (``ValueError`` if it is not one)."""
     if kind in ("integer", "number"):  # as JSON writes numbers: no 1_0, nan or inf
@@ -428,7 +432,7 @@ def _convert_one(kind: str, text: str) -> Any:
             raise ValueError
         return None
     if kind in ("array", "object"):
-        value = json.loads(text)
+        value = json.loads(text, parse_constant=_no_constant)  # JSON's: no NaN or Infinity
         if not isinstance(value, list if kind == "array" else dict):
             raise ValueError
         return value
