@@ -160,10 +160,12 @@ _MERGE = "tag:yaml.org,2002:merge"
 
 def _flatten(node: yaml.MappingNode) -> None:
     """``node``'s merge keys (``<<``) replaced, in place, by the pairs of the mappings they
-    merge, in the order listed (``_build`` keeps a key's first: YAML's merge key says the first
-    mapping listed wins) and before the mapping's own. PyYAML's ``flatten_mapping`` listed the
-    later mappings first and dropped repeated keys by object identity, so of ``<<: [*a, *b]``
-    a one-letter key (an interned string) came from ``a`` and a longer one from ``b``."""
+    merge that it does not write itself, each key once: from the first mapping listed that has
+    it (YAML's merge key), before the mapping's own pairs. PyYAML's ``flatten_mapping`` listed
+    the later mappings first and dropped repeated keys by object identity, so of
+    ``<<: [*a, *b]`` a one-letter key (an interned string) came from ``a`` and a longer one
+    from ``b``. A merged mapping that merges is flattened first: its own pairs over its merged
+    ones, and no key twice (repeats multiplied through merges of merges)."""
     if getattr(node, "flattened", False):
         return
     merged, own = [], []
@@ -180,8 +182,20 @@ def _flatten(node: yaml.MappingNode) -> None:
                     f"{source.id}", source.start_mark)
             _flatten(source)
             merged.extend(source.value)
-    node.value = merged + own
+    taken = {_key_of(k) for k, _ in own}
+    kept = []
+    for key_node, value_node in merged:
+        key = _key_of(key_node)
+        if key not in taken:
+            taken.add(key)
+            kept.append((key_node, value_node))
+    node.value = kept + own
     node.flattened = True
+
+
+def _key_of(node: yaml.Node) -> Any:
+    """A key node as merging compares it: a scalar by its tag and text."""
+    return (node.tag, node.value) if isinstance(node, yaml.ScalarNode) else id(node)
 
 
 def _build(loader: _Loader, node: yaml.Node, keys: Keys, doc: YamlDoc,
@@ -214,8 +228,6 @@ def _build(loader: _Loader, node: yaml.Node, keys: Keys, doc: YamlDoc,
                     raise UserError(f"{doc.path}:{line}: {dotted((*keys, key))}: the key "
                                     f"appears twice (first on line {doc.lines[(*keys, key)]})")
                 written.add(key)
-            elif key in out:  # merged already, from a mapping listed before: that one's
-                continue
             doc.lines[(*keys, key)] = line
             out[key] = _build(loader, value_node, (*keys, key), doc, at)
         return out
