@@ -406,7 +406,14 @@ def _json_kind(value: Any) -> str:
 
 
 def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is no JSON value")  # (Python's json reads it as a float)
+    raise ValueError(f"{name} is no JSON value")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} is past a float's range")
+    return value
 
 
 def _convert_one(kind: str, text: str) -> Any:
@@ -432,7 +439,8 @@ def _convert_one(kind: str, text: str) -> Any:
             raise ValueError
         return None
     if kind in ("array", "object"):
-        value = json.loads(text, parse_constant=_no_constant)  # JSON's: no NaN or Infinity
+        # JSON's numbers: no NaN or Infinity, nor 1e999 (Python's json reads them as floats)
+        value = json.loads(text, parse_constant=_no_constant, parse_float=_finite)
         if not isinstance(value, list if kind == "array" else dict):
             raise ValueError
         return value
