@@ -221,13 +221,17 @@ def make_params(values: dict[str, Any], where: str) -> SamplingParams:
         raise UserError(f"{where}: {err}") from None
 
 
-def make_input(values: dict[str, Any], where: str) -> GenerateInput:
-    """A request from ``prompt`` or ``messages``, ``tools`` and sampling fields."""
+def _check_fields(values: dict[str, Any], where: str) -> None:
     unknown = sorted(set(values) - set(REQUEST_FIELDS))
     if unknown:
         raise UserError(
             f"{where}: unknown field {unknown[0]!r} (known: {', '.join(REQUEST_FIELDS)})"
         )
+
+
+def make_input(values: dict[str, Any], where: str) -> GenerateInput:
+    """A request from ``prompt`` or ``messages``, ``tools`` and sampling fields."""
+    _check_fields(values, where)
     prompt, messages = values.get("prompt"), values.get("messages")
     if (prompt is None) == (messages is None):
         raise UserError(f"{where}: give exactly one of 'prompt' and 'messages'")
@@ -352,7 +356,9 @@ def load_requests(path: Path, defaults: dict[str, Any]) -> list[GenerateInput]:
         if not isinstance(obj, dict):
             raise UserError(f"{where}: each line must be a JSON object")
         # a field set to null is left out, and the flags fill it (it dropped the flag's value:
-        # "max_tokens": null ran 256 tokens under --max-tokens 3)
+        # "max_tokens": null ran 256 tokens under --max-tokens 3); a field of no name is
+        # named first, null or not
+        _check_fields(obj, where)
         obj = {k: v for k, v in obj.items() if v is not None}
         if isinstance(obj.get("schema"), str):  # a schema file named beside the requests
             obj["schema"] = str(path.parent / obj["schema"])

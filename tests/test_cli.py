@@ -102,6 +102,10 @@ def test_requests_file_writes_one_result_per_line(tiny_model_dir, tmp_path):
     code, out, _ = run("generate", "--model", str(tiny_model_dir), "--requests",
                        str(tmp_path / "n.jsonl"), "--max-tokens", "2", "--json")
     assert code == 0 and json.loads(out)["stats"]["new_tokens"] <= 2
+    (tmp_path / "n.jsonl").write_text('{"prompt": "a", "max_tokns": null}\n')  # (a typo)
+    code, _, err = run("generate", "--model", str(tiny_model_dir), "--requests",
+                       str(tmp_path / "n.jsonl"))
+    assert code == 2 and "n.jsonl:1: unknown field 'max_tokns'" in err
 
 
 @pytest.mark.parametrize(
