@@ -477,20 +477,21 @@ class CostModel:
 
         A token is worth the time it takes plain in a batch of ``rows``: its share of a step's
         fixed cost and a one-token row (``worth``). Drafting a candidate gains it ``tau - 1``
-        tokens for the time its block adds to the step; the drafter's fixed cost is paid once,
-        by however many rows draft. Candidates are ranked (those that asked for DFlash, then by
-        that gain, from expected tau: the drafter's, or the lookup's where the request's text
-        offers one this step that it would verify, ``lookup_slots``; a record of loops earlier
-        in the text priced every later step, where the drafter's blocks failed with no lookup
-        to be found) and the step drafts the top ``m`` for the ``m`` that gains
-        the most time. Pricing a token by the batch, not by the step's own tokens per second, is
-        what a batch that keeps its rows costs: each row holds its place for as many steps as it
-        takes, so a row left plain beside rows that draft costs the batch its steps, however
-        fast those others make the step (the demo model, ``agentflash bench --concurrency 8,32
-        --suites mixed --rounds 6``, router over the better fixed mode, median of the rounds:
-        0.89 -> 0.96 at 8 streams, 0.93 -> 0.94 at 32). A prompt
-        prefilled in the step changes nothing here: it costs the same with or without a draft.
-        Kinds left out are probed now and then.
+        tokens for the time its block adds to the step (its expected tau: the drafter's, or the
+        lookup's where the request's text offers one this step that it would verify,
+        ``lookup_slots``, for a row of the lookup's length; a record of loops earlier in the
+        text priced every later step, where the drafter's blocks failed with no lookup to be
+        found); the drafter's fixed cost is paid once, by however many rows draft with it, and
+        by none that verify a lookup. The rows that asked for DFlash draft; of the rest, with
+        the drafter launched every row that gains drafts, without it every lookup that gains:
+        the step takes whichever saves more. Pricing a token by the batch, not by the step's
+        own tokens per second, is what a batch that keeps its rows costs: each row holds its
+        place for as many steps as it takes, so a row left plain beside rows that draft costs
+        the batch its steps, however fast those others make the step (the demo model,
+        ``agentflash bench --concurrency 8,32 --suites mixed --rounds 6``, router over the
+        better fixed mode, median of the rounds: 0.89 -> 0.96 at 8 streams, 0.93 -> 0.94 at
+        32). A prompt prefilled in the step changes nothing here: it costs the same with or
+        without a draft. Kinds left out are probed now and then.
         """
         fixed, single, token, drafter, block, slot = self.step_cost()
         worth = fixed / max(rows, 1) + single  # seconds a token takes plain in this batch
