@@ -1203,6 +1203,25 @@ def test_a_request_that_reaches_a_lexer_limit_fails_alone(tok):
     assert write(compile_grammar(json_schema(schema), tok).new_constraint(), '{"n": 2}')
 
 
+def test_a_lexer_limit_met_while_validating_is_a_limit_not_a_refused_token(tok):
+    # llguidance's validate_tokens says "0 valid", no error, where its lexer meets the limit:
+    # the token was refused (GrammarViolation; a 500 in serve), and the retry on a lexer of
+    # the request's own never ran
+    schema = {"type": "object", "properties": {"a": {"type": "string",
+                                                      "pattern": "^([a-z]{1,50}){1,50}$"}},
+              "required": ["a"]}
+    grammar = compile_grammar(json_schema(schema), tok)
+    constraint = grammar.new_constraint()
+    constraint.advance(tok.encode('{"a": "', add_special_tokens=False))
+    name = tok.encode("name", add_special_tokens=False)
+    written = 0
+    with pytest.raises(GrammarFailed, match="too many expressions") as failed:
+        while written < 200:
+            constraint.advance(name)
+            written += 1
+    assert failed.value.limit and written > 20  # (the shared lexer's limit came at 15)
+
+
 def test_threads_compiling_one_new_grammar_at_once_compile_it_once(tok, monkeypatch):
     """The server prepares requests in worker threads: a burst of first requests with the same
     tools compiled them (and converted a 151k-token tokenizer) once per thread."""

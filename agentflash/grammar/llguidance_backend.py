@@ -190,7 +190,32 @@ class LLGuidanceConstraint(Constraint):
         return getattr(self._matcher, method)(*args)
 
     def _validate(self, tokens: Sequence[int]) -> int:
-        return self._run("validate_tokens", list(tokens))
+        tokens = list(tokens)
+        valid = self._run("validate_tokens", tokens)
+        if valid == len(tokens):
+            return valid
+        # llguidance (1.9.1) reports a lexer limit met while validating as a refusal (fewer
+        # valid, no error): the token was taken as illegal, and the request failed as a fault
+        # (a 500) where a limit is the request's (a 400). Consuming on a copy says which
+        limit = self._limit_met(tokens[: valid + 1])
+        if limit is None:
+            return valid
+        if self._generation is None:  # its own lexer: the request's own limit
+            raise limit
+        self._grammar.lexer_failed(self._generation)  # the shared one: again on its own
+        self._own_matcher()
+        valid = self._matcher.validate_tokens(tokens)
+        limit = self._limit_met(tokens[: valid + 1]) if valid < len(tokens) else None
+        if limit is not None:
+            raise limit
+        return valid
+
+    def _limit_met(self, tokens: list[int]) -> GrammarFailed | None:
+        """The lexer limit that consuming ``tokens`` meets, on a copy (None: none)."""
+        probe = self._m.deep_copy()
+        if probe.consume_tokens(tokens) or "lexer error" not in probe.get_error():
+            return None
+        return _matcher_failed(probe)
 
     def _consume(self, tokens: Sequence[int]) -> None:
         if not self._run("consume_tokens", list(tokens)):
