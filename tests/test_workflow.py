@@ -964,6 +964,40 @@ def test_of_mappings_merged_together_the_first_listed_wins(tmp_path):
     from agentflash.runtime.yaml_source import load_yaml
 
     assert load_yaml(path).data["l9"] == {"a": 1}
+    # ...and each anchor flattened once for all its aliases (each alias flattened its own
+    # copy: 300 aliases of 1,000 keys, 4 levels, took 68 s)
+    keys = ", ".join(f"k{i}: {i}" for i in range(1000))
+    path.write_text(f"l0: &l0 {{{keys}}}\n" + "".join(
+        f"l{k}: &l{k} {{<<: [{', '.join([f'*l{k - 1}'] * 300)}]}}\n" for k in range(1, 5)))
+    assert len(load_yaml(path).data["l4"]) == 1000
+    # what is refused: two merge keys in one mapping, a key twice in a mapping merged inline,
+    # a merge of a scalar; a plain << that is no key is text; a merged key is named at the
+    # alias's line (as a plain alias's are), not the anchor's
+    for text, message in (
+            ("a: &a {k: 1}\nb: &b {j: 2}\nm:\n  <<: *a\n  x: 1\n  <<: *b\n",
+             "m.yaml:6: m: the merge key (<<) appears twice (first on line 4)"),
+            ("m:\n  <<:\n    k: 1\n    k: 2\n",
+             "m.yaml:4: m: the key 'k' appears twice in a mapping it merges (first on line 3)"),
+            ("m: {<<: 3}\n", "m.yaml:1: m: << merges a mapping or a list of mappings, not a "
+                             "scalar")):
+        (tmp_path / "m.yaml").write_text(text)
+        with pytest.raises(UserError, match=re.escape(message)):
+            load_yaml(tmp_path / "m.yaml")
+    (tmp_path / "m.yaml").write_text("m: {text: <<}\n")
+    assert load_yaml(tmp_path / "m.yaml").data == {"m": {"text": "<<"}}
+    with pytest.raises(UserError) as err:
+        load_workflow(write(tmp_path, """\
+            version: 1
+            name: t
+            agents:
+              bad: &bad {instructions: hi, max_turns: -1}
+              x:
+                <<: *bad
+                instructions: own
+            steps:
+              - {id: s, agent: x, input: hi}
+            """))
+    assert "wf.yaml:6: agents.x.max_turns: -1 is less than the minimum" in str(err.value)
 
 
 def test_aliases_of_anchors_that_hold_aliases_are_refused_before_they_blow_up(tmp_path):

@@ -62,9 +62,11 @@ def _compose_alias(self: _Loader, parent: Any, index: Any) -> yaml.Node:
         self.written = getattr(self, "written", 0) + 1  # the nodes the file writes out
         return yaml.SafeLoader.compose_node(self, parent, index)
     line = self.peek_event().start_mark.line + 1
-    here = copy.copy(yaml.SafeLoader.compose_node(self, parent, index))
+    anchor = yaml.SafeLoader.compose_node(self, parent, index)
+    here = copy.copy(anchor)
     if isinstance(here, yaml.CollectionNode):  # its own list: flattening the anchor's merge
         here.value = list(here.value)          # keys (<<) in place must not empty this one's
+        here.origin = anchor  # whose merge keys are flattened once for all its aliases
     here.alias_line = line
     return here
 
@@ -158,39 +160,68 @@ def load_yaml(path: str | Path) -> YamlDoc:
 _MERGE = "tag:yaml.org,2002:merge"
 
 
-def _flatten(node: yaml.MappingNode) -> None:
+def _flatten(node: yaml.MappingNode, doc: YamlDoc, keys: Keys, source: bool = False) -> None:
     """``node``'s merge keys (``<<``) replaced, in place, by the pairs of the mappings they
     merge that it does not write itself, each key once: from the first mapping listed that has
     it (YAML's merge key), before the mapping's own pairs. PyYAML's ``flatten_mapping`` listed
     the later mappings first and dropped repeated keys by object identity, so of
     ``<<: [*a, *b]`` a one-letter key (an interned string) came from ``a`` and a longer one
-    from ``b``. A merged mapping that merges is flattened first: its own pairs over its merged
-    ones, and no key twice (repeats multiplied through merges of merges)."""
+    from ``b``. A merged mapping that merges is flattened first, once for all the aliases of
+    its anchor (each flattened its own copy: merges of merges took time as the square of the
+    aliases). ``node.merged_at``: the line a merged pair is named at, where it came through
+    an alias (the alias's, as inside an alias). ``source``: ``node`` is merged (``keys`` are
+    those of the mapping merging it), and no other check sees its own keys."""
     if getattr(node, "flattened", False):
         return
-    merged, own = [], []
+    origin = getattr(node, "origin", None)
+    if origin is not None:  # an alias's copy: its anchor's pairs
+        _flatten(origin, doc, keys, source)
+        node.value, node.merged_at, node.flattened = list(origin.value), origin.merged_at, True
+        return
+    merged, own, merged_at, merging = [], [], {}, None
     for key_node, value_node in node.value:
         if key_node.tag != _MERGE:
             own.append((key_node, value_node))
             continue
+        if merging is not None:
+            raise UserError(f"{doc.path}:{key_node.start_mark.line + 1}: {dotted(keys)}: the "
+                            f"merge key (<<) appears twice (first on line {merging}): merge "
+                            f"the mappings as one list, <<: [*a, *b]")
+        merging = key_node.start_mark.line + 1
         sources = value_node.value if isinstance(value_node, yaml.SequenceNode) else [value_node]
-        for source in sources:
-            if not isinstance(source, yaml.MappingNode):
-                raise yaml.constructor.ConstructorError(
-                    "while constructing a mapping", node.start_mark,
-                    f"expected a mapping or a list of mappings to merge (<<), found "
-                    f"{source.id}", source.start_mark)
-            _flatten(source)
-            merged.extend(source.value)
-    taken = {_key_of(k) for k, _ in own}
+        done = set()
+        for merged_node in sources:
+            line = getattr(merged_node, "alias_line", merged_node.start_mark.line + 1)
+            if not isinstance(merged_node, yaml.MappingNode):
+                kind = "list" if isinstance(merged_node, yaml.SequenceNode) else "scalar"
+                raise UserError(f"{doc.path}:{line}: {dotted(keys)}: << merges a mapping or a "
+                                f"list of mappings, not a {kind}")
+            anchor = getattr(merged_node, "origin", merged_node)
+            if id(anchor) in done:  # listed again: its keys are taken already
+                continue
+            done.add(id(anchor))
+            _flatten(merged_node, doc, keys, source=True)
+            alias = getattr(merged_node, "alias_line", None)
+            for key_node_, value_node_ in merged_node.value:
+                merged.append((key_node_, value_node_))
+                at = alias or merged_node.merged_at.get(id(key_node_))
+                if at is not None:
+                    merged_at[id(key_node_)] = at
+    taken: dict[Any, int] = {}
+    for key_node, _ in own:
+        key = _key_of(key_node)
+        if source and key in taken:  # (a mapping built is checked where it is built)
+            raise UserError(f"{doc.path}:{key_node.start_mark.line + 1}: {dotted(keys)}: the "
+                            f"key {key_node.value!r} appears twice in a mapping it merges "
+                            f"(first on line {taken[key]})")
+        taken[key] = key_node.start_mark.line + 1
     kept = []
     for key_node, value_node in merged:
         key = _key_of(key_node)
         if key not in taken:
-            taken.add(key)
+            taken[key] = 0
             kept.append((key_node, value_node))
-    node.value = kept + own
-    node.flattened = True
+    node.value, node.merged_at, node.flattened = kept + own, merged_at, True
 
 
 def _key_of(node: yaml.Node) -> Any:
@@ -214,12 +245,13 @@ def _build(loader: _Loader, node: yaml.Node, keys: Keys, doc: YamlDoc,
         if not hasattr(node, "own_keys"):
             node.own_keys = {id(k) for k, _ in node.value if k.tag != "tag:yaml.org,2002:merge"}
         own = node.own_keys
-        _flatten(node)  # YAML merge keys (<<): the merged pairs come first
+        _flatten(node, doc, keys)  # YAML merge keys (<<): the merged pairs come first
         out: dict[str, Any] = {}
         written: set[str] = set()  # the keys this mapping writes itself
         for key_node, value_node in node.value:
-            key = _construct(loader, key_node, keys, doc, at)
-            line = at or key_node.start_mark.line + 1
+            inside = at or node.merged_at.get(id(key_node))  # an alias's line, if merged by one
+            key = _construct(loader, key_node, keys, doc, inside)
+            line = inside or key_node.start_mark.line + 1
             if not isinstance(key, str):
                 raise UserError(f"{doc.path}:{line}: {dotted(keys)}: keys must be strings, "
                                 f"got {key!r}")
@@ -229,7 +261,7 @@ def _build(loader: _Loader, node: yaml.Node, keys: Keys, doc: YamlDoc,
                                     f"appears twice (first on line {doc.lines[(*keys, key)]})")
                 written.add(key)
             doc.lines[(*keys, key)] = line
-            out[key] = _build(loader, value_node, (*keys, key), doc, at)
+            out[key] = _build(loader, value_node, (*keys, key), doc, inside)
         return out
     if isinstance(node, yaml.SequenceNode):
         items = []
@@ -237,6 +269,8 @@ def _build(loader: _Loader, node: yaml.Node, keys: Keys, doc: YamlDoc,
             doc.lines[(*keys, i)] = at or getattr(item, "alias_line", item.start_mark.line + 1)
             items.append(_build(loader, item, (*keys, i), doc, at))
         return items
+    if node.tag == _MERGE:  # a plain << that is no key: the text (it was refused)
+        return node.value
     value = _construct(loader, node, keys, doc, at)
     if value is not None and not isinstance(value, (str, int, float)):  # bool is an int
         # an explicit tag (!!binary, !!timestamp): a value JSON has no form for
