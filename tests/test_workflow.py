@@ -117,6 +117,12 @@ def test_inputs_are_converted_defaulted_and_checked(tmp_path):
         with pytest.raises(UserError, match=re.escape(message)) as caught:
             wf.resolve_inputs(values)
         assert str(caught.value).startswith(f"{wf.path}: ")  # every one names the file
+    with pytest.raises(UserError, match="input 'tags' holds NaN or an infinity"):
+        wf.resolve_inputs({"days": 1, "tags": [float("nan")]})  # (in Python: no string)
+    nan_default = load_workflow(write(tmp_path, BASIC.replace(
+        "items: {type: string}, default: []", "default: [.inf]")))
+    with pytest.raises(UserError, match="input 'tags' holds NaN or an infinity"):
+        nan_default.resolve_inputs({"days": "1"})
     with pytest.raises(UserError, match="--input expects KEY=VALUE, got 'days'"):
         parse_input_pairs(["days"])
     with pytest.raises(UserError, match="--input days is given twice"):

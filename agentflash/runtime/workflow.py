@@ -109,6 +109,9 @@ class Workflow:
             else:
                 raise UserError(f"{self.path}: input {name!r} is required: give "
                                 f"--input {name}=VALUE")
+            if not _finite_json(value):  # a default of .nan or [.inf], a value given in Python
+                raise UserError(f"{self.path}: input {name!r} holds NaN or an infinity, which "
+                                f"JSON has no number for")
             errors = list(Draft202012Validator(schema).iter_errors(value))
             if errors:
                 raise UserError(f"{self.path}: input {name!r}: {errors[0].message}")
@@ -403,6 +406,17 @@ def _json_kind(value: Any) -> str:
     if isinstance(value, float):
         return "number"
     return {list: "array", dict: "object"}.get(type(value), "string")
+
+
+def _finite_json(value: Any) -> bool:
+    """Whether every number in ``value`` is finite."""
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, dict):
+        return all(_finite_json(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return all(_finite_json(v) for v in value)
+    return True
 
 
 def _no_constant(name: str) -> Any:
