@@ -124,6 +124,11 @@ class Constraint(abc.ABC):
 
     # --- backend primitives ----------------------------------------------------------------
 
+    def _recheck(self, tokens: list[int], legal: int) -> int:
+        """``legal`` of ``tokens`` as ``advance`` takes them, where the backend's validation
+        may have refused one for a limit of its own (``GrammarFailed``); by default as is."""
+        return legal
+
     @abc.abstractmethod
     def _validate(self, tokens: Sequence[int]) -> int:
         """How many leading ``tokens`` (none of them the end token) are legal; no state change."""
@@ -183,6 +188,8 @@ class Constraint(abc.ABC):
             if all(t == self.eos_token_id for t in tokens[end:]):
                 tokens = tokens[:end]
         legal = self.validate_draft(tokens)
+        if legal < len(tokens):
+            legal = self._recheck(tokens, legal)
         if legal < len(tokens):
             raise GrammarViolation(
                 f"token {tokens[legal]} at draft position {legal} is not allowed by the grammar "

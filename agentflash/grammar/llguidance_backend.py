@@ -190,25 +190,26 @@ class LLGuidanceConstraint(Constraint):
         return getattr(self._matcher, method)(*args)
 
     def _validate(self, tokens: Sequence[int]) -> int:
-        tokens = list(tokens)
-        valid = self._run("validate_tokens", tokens)
-        if valid == len(tokens):
-            return valid
+        return self._run("validate_tokens", list(tokens))
+
+    def _recheck(self, tokens: list[int], legal: int) -> int:
         # llguidance (1.9.1) reports a lexer limit met while validating as a refusal (fewer
-        # valid, no error): the token was taken as illegal, and the request failed as a fault
-        # (a 500) where a limit is the request's (a 400). Consuming on a copy says which
-        limit = self._limit_met(tokens[: valid + 1])
+        # valid, no error): ``advance`` raised GrammarViolation, a fault (a 500 in serve),
+        # where a limit is the request's (a 400), and the retry on a lexer of the request's
+        # own never ran. Consuming on a copy says which (only here: a refusal in a walk is
+        # routine, and this costs a hundred times a check)
+        limit = self._limit_met(tokens[: legal + 1])
         if limit is None:
-            return valid
+            return legal
         if self._generation is None:  # its own lexer: the request's own limit
             raise limit
         self._grammar.lexer_failed(self._generation)  # the shared one: again on its own
         self._own_matcher()
-        valid = self._matcher.validate_tokens(tokens)
-        limit = self._limit_met(tokens[: valid + 1]) if valid < len(tokens) else None
+        legal = self._matcher.validate_tokens(tokens)
+        limit = self._limit_met(tokens[: legal + 1]) if legal < len(tokens) else None
         if limit is not None:
             raise limit
-        return valid
+        return legal
 
     def _limit_met(self, tokens: list[int]) -> GrammarFailed | None:
         """The lexer limit that consuming ``tokens`` meets, on a copy (None: none)."""
