@@ -119,6 +119,13 @@ def test_inputs_are_converted_defaulted_and_checked(tmp_path):
         assert str(caught.value).startswith(f"{wf.path}: ")  # every one names the file
     with pytest.raises(UserError, match="input 'tags' holds NaN or an infinity"):
         wf.resolve_inputs({"days": 1, "tags": [float("nan")]})  # (in Python: no string)
+    from decimal import Decimal
+
+    import numpy as np
+
+    for given in (np.float32("nan"), Decimal("NaN"), {float("inf"): 1}):
+        with pytest.raises(UserError, match="input 'tags' holds NaN or an infinity"):
+            wf.resolve_inputs({"days": 1, "tags": [given]})
     nan_default = load_workflow(write(tmp_path, BASIC.replace(
         "items: {type: string}, default: []", "default: [.inf]")))
     with pytest.raises(UserError, match="input 'tags' holds NaN or an infinity"):

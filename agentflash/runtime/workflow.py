@@ -16,6 +16,7 @@ import dataclasses
 import importlib
 import json
 import math
+import numbers
 import re
 import sys
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -409,11 +410,15 @@ def _json_kind(value: Any) -> str:
 
 
 def _finite_json(value: Any) -> bool:
-    """Whether every number in ``value`` is finite."""
-    if isinstance(value, float):
-        return math.isfinite(value)
+    """Whether every number in ``value`` (its keys too) is finite: numpy's and Decimal's
+    NaN as well as Python's."""
+    if isinstance(value, numbers.Number) and not isinstance(value, numbers.Integral):
+        try:
+            return math.isfinite(float(value))  # type: ignore[arg-type]
+        except (TypeError, ValueError):  # a complex number, Decimal's signalling NaN
+            return False
     if isinstance(value, dict):
-        return all(_finite_json(v) for v in value.values())
+        return all(_finite_json(k) and _finite_json(v) for k, v in value.items())
     if isinstance(value, list | tuple):
         return all(_finite_json(v) for v in value)
     return True
