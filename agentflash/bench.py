@@ -742,8 +742,11 @@ def run_concurrency(
                 # the lower middle round's)
                 spread = [r["tokens_per_s"] for r in tries]
                 middle = sorted(tries, key=lambda r: r["tokens_per_s"])[(len(tries) - 1) // 2]
+                # every round's outputs against the alone run's (the shown round's were: a
+                # round that stopped early, the fastest, was never it)
                 rows.append({**middle, "tokens_per_s": round(statistics.median(spread), 2),
-                             "rounds": rounds, "tokens_per_s_rounds": spread})
+                             "rounds": rounds, "tokens_per_s_rounds": spread,
+                             "identical_to_alone": all(r["identical_to_alone"] for r in tries)})
             # the router against the better fixed mode round by round: the three runs of a
             # round are minutes closer in time than the rounds' medians, so the machine's drift
             # weighs less on the ratio

@@ -262,6 +262,26 @@ def test_concurrency_rows_match_outputs_run_alone(tiny_model_dir, tmp_path, monk
 
 
 
+def test_a_concurrency_row_is_identical_only_if_every_round_is(monkeypatch):
+    # a row shows its median round: a round whose outputs differed and stopped early (the
+    # fastest) was never it, and the row said identical
+    run_at, seen = bench._run_at, {}
+
+    def one_round_differs(engine, convos, level, max_tokens, speculation, grammars=None):
+        outs, wall, latencies, forwards = run_at(engine, convos, level, max_tokens, speculation,
+                                                 grammars)
+        if max_tokens == 6:  # (not the allocator's warm-up)
+            seen[speculation] = seen.get(speculation, -1) + 1
+            if seen[speculation] == 0:  # a token short, and the fastest
+                outs, wall = [outs[0][:-1], *outs[1:]], wall / 3
+        return outs, wall, latencies, forwards
+
+    monkeypatch.setattr(bench, "_run_at", one_round_differs)
+    report = bench.run_concurrency("demo", ["prose"], [1], 6, "auto", num_prompts=1, rounds=3)
+    assert seen == {"off": 2, "dflash": 2, "auto": 2}
+    assert not any(r["identical_to_alone"] for r in report["rows"])
+
+
 def test_each_mode_keeps_its_own_router_state(tiny_model_dir):
     from conftest import tiny_dflash_engine
 
