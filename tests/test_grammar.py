@@ -1222,6 +1222,26 @@ def test_a_lexer_limit_met_while_validating_is_a_limit_not_a_refused_token(tok):
     assert failed.value.limit and written > 20  # (the shared lexer's limit came at 15)
 
 
+def test_a_shared_matcher_that_refuses_what_the_grammar_allows_is_left_for_one_of_its_own(tok):
+    # where another path's limit (a walk's validation, which says only "fewer valid") left the
+    # shared lexer refusing, the consume failed as "doesn't satisfy the grammar": a fault, a
+    # 500 in serve (seen under load). Here the shared matcher is made to fail by a bad token
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}}
+    grammar = compile_grammar(json_schema(schema), tok)
+    constraint = grammar.new_constraint()
+    start = tok.encode('{"n": ', add_special_tokens=False)
+    constraint.advance(start)
+    assert not constraint._matcher.consume_tokens(tok.encode("}}", add_special_tokens=False))
+    # the engine commits what verification found legal (``greedy_verify``): on one of its own
+    constraint._commit(tok.encode("12}", add_special_tokens=False))
+    assert constraint.is_accepting() and constraint._generation is None
+    truly = grammar.new_constraint()  # a token no matcher takes: still the request's fault
+    truly.advance(start)
+    with pytest.raises(GrammarFailed) as failed:
+        truly._consume(tok.encode("x", add_special_tokens=False))
+    assert not failed.value.limit
+
+
 def test_threads_compiling_one_new_grammar_at_once_compile_it_once(tok, monkeypatch):
     """The server prepares requests in worker threads: a burst of first requests with the same
     tools compiled them (and converted a 151k-token tokenizer) once per thread."""

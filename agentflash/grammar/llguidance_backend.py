@@ -219,9 +219,27 @@ class LLGuidanceConstraint(Constraint):
         return _matcher_failed(probe)
 
     def _consume(self, tokens: Sequence[int]) -> None:
-        if not self._run("consume_tokens", list(tokens)):
+        tokens = list(tokens)
+        if not self._run("consume_tokens", tokens) and not self._consumed_on_own(tokens):
             raise self._failed()
         self._fed += tokens
+
+    def _consumed_on_own(self, tokens: list[int]) -> bool:
+        """Whether a matcher with a lexer of the request's own takes ``tokens`` that the shared
+        lexer refused, and the request now uses it: a limit met on another path (a walk's
+        validation, which says only "fewer valid") leaves the shared lexer refusing what the
+        grammar allows, as "doesn't satisfy the grammar" (a fault, a 500, where a limit is the
+        request's). A limit met on its own is the request's (``GrammarFailed.limit``)."""
+        if self._generation is None:
+            return False
+        fresh = self._grammar.fresh_matcher()
+        if not fresh.consume_tokens(self._fed + tokens):
+            if "lexer error" in fresh.get_error():
+                raise _matcher_failed(fresh)
+            return False  # refused there too: the shared lexer's error stands
+        self._grammar.lexer_failed(self._generation)
+        self._matcher, self._generation = fresh, None
+        return True
 
     def _rollback(self, num_tokens: int) -> None:
         if not self._m.rollback(num_tokens):
