@@ -517,6 +517,17 @@ def test_a_lookup_is_priced_at_its_own_length_and_needs_no_drafter():
     assert choose(cost, routing, SegmentKind.TOOL_CALL, rows=1, slots=3, lookup=63)
 
 
+def test_a_lookup_not_tried_yet_is_priced_as_the_drafter_s_block():
+    # priced at none (a lookup's tau before the request has tried one), the row stayed plain
+    # for good, its lookup never tried: a JSON answer's tau fell from 7.6 to 3.6 under auto
+    cost, routing = CostModel(), RequestRouting()
+    for _ in range(6):
+        verify(cost, routing, SegmentKind.TOOL_CALL, 1, 3)
+    assert cost.lookup_slots(routing, SegmentKind.TOOL_CALL, 3, 63) > 0
+    assert routing.lookup.steps == 0
+    assert choose(cost, routing, SegmentKind.TOOL_CALL, rows=1, slots=3, lookup=63)
+
+
 def test_a_lookup_row_that_pays_drafts_beside_a_drafter_row_that_does_not():
     # the plan took the best prefix of the rows by gain: a drafter row ranked above a lookup
     # row took the drafter's launch into every choice holding the lookup; and a probe fired

@@ -506,7 +506,10 @@ class CostModel:
             lookup (it was charged as the drafter's block: a 40-token lookup as 3 slots, chosen
             at a loss in wide steps) and which no drafter slot costs."""
             looked_up = self.lookup_slots(x.routing, x.kind, x.slots, x.lookup)
-            if not looked_up:
+            # a lookup the request has not tried is priced as the drafter's block: its prior
+            # alone must not decide (``_lookup_tau``), and priced at none it left the row plain
+            # for good, never tried (a JSON answer's tau 7.6 -> 3.6 under the router)
+            if not looked_up or not x.routing.lookup.steps:
                 return gain(x, self.expected_tau(x.routing, x.kind, x.slots)), True
             tau = self._lookup_tau(x.routing, looked_up)
             return (tau - 1) * worth - (block - single + looked_up * token), False
