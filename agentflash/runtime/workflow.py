@@ -718,6 +718,10 @@ class _Builder:
                                   f"checked)")
                 continue
             if "default" in schema:
+                if not _finite_json(schema["default"]):  # YAML's .nan, .inf: JSON has none
+                    self.problems.add(("inputs", name, "default"), "holds NaN or an infinity, "
+                                      "which JSON has no number for")
+                    continue
                 for err in Draft202012Validator(schema).iter_errors(schema["default"]):
                     self.problems.add(("inputs", name, "default"), err.message)
         return inputs
