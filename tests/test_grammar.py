@@ -1326,6 +1326,9 @@ def test_compile_cache_keys_on_source_and_tokenizer(tok, demo_tokenizer_dir):
     assert compile_grammar(json_schema(schema), same_files) is first
     assert compile_grammar(json_schema(schema), tok, vocab_size=len(tok) + 8) is not first
     assert compile_grammar(json_schema(schema, json_style=JsonStyle.COMPACT), tok) is not first
+    probes = cache_info()["patterns"]  # a pattern is probed once per tokenizer, and counted
+    compile_grammar(json_schema({"type": "string", "pattern": "^[a-c]{2,9}z$"}), tok)
+    assert cache_info()["patterns"] == probes + 1
     other = AutoTokenizer.from_pretrained(demo_tokenizer_dir)
     other.add_tokens(["<extra_token>"])
     assert compile_grammar(json_schema(schema), other) is not first

@@ -304,6 +304,7 @@ def cache_info() -> dict[str, int]:
         "source_chars": _grammars.weight,
         "hits": _grammars.hits,
         "misses": _grammars.misses,
+        "patterns": len(_patterns),  # the patterns' probes (a problem or none, per tokenizer)
         "tokenizers": len(_tokenizers),
     }
 
