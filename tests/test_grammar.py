@@ -867,6 +867,12 @@ def test_apply_bitmask_masks_exactly_the_disallowed_tokens():
             "#/properties/x",
             "minItems",
         ),
+        (  # 2.0, which the meta-schema takes for an integer: a TypeError in the checks
+            {"type": "object", "properties": {"x": {"type": "array", "minItems": 2.0,
+                                                    "prefixItems": [{}, {}, {}]}}},
+            "#/properties/x",
+            "Expected positive integer for 'minItems', got 2.0",
+        ),
         (  # past the first step: its lexer failed the request in mid-reply
             {"type": "object", "properties": {"a": {"type": "integer"}, "b": {
                 "type": "array", "items": {"type": "string", "pattern": "^(a{1000}){1000}$"}}},

@@ -422,7 +422,10 @@ class _Productivity:
         prefix = node.get("prefixItems", [])
         # past the prefix every item is ``items``: one look (a loop to ``minItems`` of 1e23
         # never ended)
-        for i in range(min(node.get("minItems", 0), len(prefix) + 1)):
+        wanted = node.get("minItems", 0)
+        if not isinstance(wanted, int):  # 2.0: the compile names it (a TypeError here)
+            return
+        for i in range(min(wanted, len(prefix) + 1)):
             if i < len(prefix):
                 if not self.finite(prefix[i]):
                     yield ["prefixItems", i], prefix[i]
