@@ -1462,6 +1462,19 @@ def test_schemas_take_no_keys_they_do_not_list_unless_they_say_so(tok):
                     {"properties": {"b": {"type": "integer"}}, "required": ["b"]}]},
          '{"kind": "k", "b": 2}'),
     ]
+    # however the allOf's ref reaches the object: an anchor, an escaped pointer, a ref to a ref,
+    # a pointer into properties (each was closed, and refused as unsatisfiable)
+    b = {"properties": {"b": {"type": "integer"}}, "required": ["b"]}
+    composed += [
+        ({"$defs": {"base": {**x, "$anchor": "base"}}, "allOf": [{"$ref": "#base"}, b]},
+         '{"x": 1, "b": 2}'),
+        ({"$defs": {"ba/se": x}, "allOf": [{"$ref": "#/$defs/ba~1se"}, b]}, '{"x": 1, "b": 2}'),
+        ({"$defs": {"base": x, "alias": {"$ref": "#/$defs/base"}},
+          "allOf": [{"$ref": "#/$defs/alias"}, b]}, '{"x": 1, "b": 2}'),
+        ({"type": "object", "properties": {"p": x, "q": {"allOf": [{"$ref": "#/properties/p"},
+                                                                    b]}}},
+         '{"q": {"x": 1, "b": 2}}'),
+    ]
     for schema, text in composed:
         jsonschema.validate(json.loads(text), schema)
         ids = tok.encode(text, add_special_tokens=False)

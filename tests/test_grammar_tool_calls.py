@@ -178,6 +178,11 @@ def test_union_rejects_arguments_of_the_wrong_shape(tok):
         "q": {"$ref": "point#num"}, "r": {"$ref": "https://e.x/point#/$defs/n"}},
       "required": ["p", "q", "r"]},
      {"p": {"x": 3}, "q": 2, "r": 1}, {"p": {"x": 3}, "q": 4, "r": 1}),
+    # an allOf's ref to an anchor: the object it names describes the arguments with the other
+    # branch, and stays open (closed, no call of the tool was legal, and the union dropped it)
+    ({"$defs": {"base": {"$anchor": "base", "properties": {"a": {"type": "integer"}}}},
+      "allOf": [{"$ref": "#base"}, {"properties": {"b": {"type": "integer"}}, "required": ["b"]}]},
+     {"b": 2}, {"b": "s"}),
 ])
 def test_refs_in_a_tools_parameters_point_where_they_did(tok, parameters, legal, illegal):
     parameters = {"type": "object", **parameters}

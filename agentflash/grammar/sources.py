@@ -20,8 +20,10 @@ from agentflash.grammar.checks import (
     SCHEMA_LISTS,
     SCHEMA_MAPS,
     SCHEMA_SINGLES,
+    anchor_index,
     check_lark_finishes,
     check_schema,
+    resolve_ref,
 )
 from agentflash.grammar.constraint import GrammarError
 from agentflash.json_formats import DATE_PATTERNS
@@ -105,7 +107,7 @@ def close_objects(node: Any, close: bool = True) -> Any:
     return _close(node, close, _composing_refs(node))
 
 
-def _close(node: Any, close: bool, composing: set[str]) -> Any:
+def _close(node: Any, close: bool, composing: set[int]) -> Any:
     if not isinstance(node, dict):
         return node
 
@@ -114,14 +116,11 @@ def _close(node: Any, close: bool, composing: set[str]) -> Any:
         return _close(sub, not shares, composing)
 
     out = with_subschemas(node, each)
-    for key in ("$defs", "definitions"):  # named by the root's pointers, #/$defs/NAME
-        if isinstance(node.get(key), dict):
-            out[key] = {name: _close(sub, f"#/{key}/{name}" not in composing, composing)
-                        for name, sub in node[key].items()}
     listed = out.get("properties")
     required = out.get("required", [])
     if (
         close
+        and id(node) not in composing  # a $ref that describes an object with others names it
         and isinstance(listed, dict)
         and not any(key in node for key in _OPEN_ENDED)
         and "const" not in node  # its values say what the object holds: closing could
@@ -133,17 +132,26 @@ def _close(node: Any, close: bool, composing: set[str]) -> Any:
     return out
 
 
-def _composing_refs(root: Any) -> set[str]:
-    """The ``$ref`` s that describe an object together with other schemas: an ``allOf``
-    branch's, an ``anyOf`` / ``oneOf`` branch's beside properties of its own, and one beside
-    ``properties``."""
-    found: set[str] = set()
+def _composing_refs(root: Any) -> set[int]:
+    """The ids of the subschemas that a ``$ref`` describing an object together with other
+    schemas points at, through refs to refs (an ``allOf`` branch's, an ``anyOf`` / ``oneOf``
+    branch's beside properties of its own, and one beside ``properties``), however the ref
+    is spelled: a pointer anywhere in the schema, escaped or not, or an anchor."""
+    anchors = anchor_index(root)
+    found: set[int] = set()
+
+    def follow(ref: Any) -> None:
+        while isinstance(ref, str):
+            target = resolve_ref(root, ref, anchors)
+            if not isinstance(target, dict) or id(target) in found:
+                return
+            found.add(id(target))
+            ref = target.get("$ref")
 
     def walk(node: Any, shared: bool) -> Any:
         if isinstance(node, dict):
-            ref = node.get("$ref")
-            if isinstance(ref, str) and (shared or "properties" in node):
-                found.add(ref)
+            if shared or "properties" in node:
+                follow(node.get("$ref"))
             with_subschemas(node, lambda sub, key: walk(sub, key == "allOf" or (
                 key in ("anyOf", "oneOf") and "properties" in node)))
         return node
