@@ -82,6 +82,11 @@ def test_kv_budget_caps_slots_and_rejects_a_budget_that_holds_nothing(tiny_model
         tiny_model_dir, EngineConfig(max_running=8, max_len=128, kv_budget_mb=0.4)
     )
     assert e.cache.num_slots == 3
+    # a budget of more bytes than a float holds (1e308 MB): max_running's slots (a ValueError,
+    # "cannot convert float NaN to integer", a traceback out of serve --kv-budget-mb 1e308)
+    e = Engine.from_pretrained(
+        tiny_model_dir, EngineConfig(max_running=4, max_len=128, kv_budget_mb=1e308))
+    assert e.cache.num_slots == 4
     with pytest.raises(UserError, match="holds no request"):
         Engine.from_pretrained(tiny_model_dir, EngineConfig(max_len=128, kv_budget_mb=0.05))
     # a drafter's contexts come out of the same budget: one layer x 2 kv heads x 16 dims x

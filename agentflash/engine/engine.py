@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import json
 import logging
+import math
 import re
 import threading
 import time
@@ -1184,7 +1185,8 @@ def num_slots(cfg, config: EngineConfig, max_len: int, dtype: torch.dtype, draft
     positions = whole_chunks(max_len)
     target = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * positions * itemsize
     draft = drafter.context_bytes(max_len) if drafter is not None else 0
-    fits = int(config.kv_budget_mb * 2**20 // (target + draft))
+    budget = config.kv_budget_mb * 2**20  # past 1.7e302 MB an infinity (// gave NaN)
+    fits = int(budget // (target + draft)) if budget < math.inf else config.max_running
     if fits < 1:
         need = f"{target / 2**20:.2f} MB of keys and values"
         if draft:
