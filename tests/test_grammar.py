@@ -1151,6 +1151,13 @@ def test_outlines_refuses_what_it_cannot_do(tok):
         # its error quoted the whole schema's regex and named no field
         (json_schema({"properties": {"code": {"type": "string", "pattern": "(?=a)b"}}}),
          "#/properties/code: outlines-core cannot compile this schema"),
+        # it wrote {} for a key required and not listed, and '{"a": }' for an enum of none
+        (json_schema({"type": "object", "properties": {"a": {"type": "integer"}},
+                      "required": ["b"]}),
+         "#: outlines-core ignores required 'b', which properties does not list"),
+        (json_schema({"type": "object", "properties": {"a": {"enum": []},
+                                                       "b": {"type": "integer"}}}),
+         "#/properties/a: outlines-core writes no value for an enum of none"),
     ]
     for source, what in cases:
         with pytest.raises(GrammarError) as err:

@@ -176,6 +176,14 @@ def _unsupported(schema: Any) -> tuple[str, str] | None:
                 return pointer(path), why
         if "properties" in node and "anyOf" in node:
             return pointer(path), "outlines-core ignores anyOf beside properties"
+        listed, required = node.get("properties"), node.get("required")
+        if isinstance(listed, dict) and isinstance(required, list):
+            unlisted = [name for name in required if name not in listed]
+            if unlisted:  # it writes listed keys only, and none would be the required one
+                return pointer(path), (f"outlines-core ignores required {unlisted[0]!r}, "
+                                       f"which properties does not list")
+        if node.get("enum") == []:  # it writes the key and no value: not JSON
+            return pointer(path), "outlines-core writes no value for an enum of none"
         outside = value_outside_type(node)
         if outside is not None:
             return pointer(path), (f"outlines-core ignores 'type' beside '{outside[0]}': it "
