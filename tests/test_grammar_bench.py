@@ -136,3 +136,23 @@ def test_the_qwen_tokenizer_marks_special_what_qwen3_marks_special():
     grammar = compile_grammar(bench.turn_workload("auto").source, tok,
                               vocab_size=bench.QWEN_MODEL_VOCAB)
     assert grammar.new_constraint().allows(added["<think>"][0])
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--samples", "0"], "--samples must be at least 1, got 0"),  # statistics' traceback
+    (["--draft-len", "0"], "--draft-len must be at least 1, got 0"),  # timed empty drafts
+    (["--samples", "1", "--schema", "{path}"],  # a ValueError's traceback
+     "error: --draft-len 16: no output is longer than a 16-token draft"),
+])
+def test_the_bench_refuses_counts_it_cannot_time_on_one_line(tmp_path, capsys, args, message):
+    path = tmp_path / "flag.json"
+    path.write_text('{"type": "boolean"}')
+    threads = torch.get_num_threads()  # (main takes one thread: the tests after keep theirs)
+    with pytest.raises(SystemExit) as exit_info:
+        try:
+            bench.main([a.format(path=path) for a in args])
+        finally:
+            torch.set_num_threads(threads)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and message in err
+    assert err.strip().splitlines()[-1].endswith(message)

@@ -470,6 +470,10 @@ def _time_position(live: Constraint, ahead: list[int], drafter_logits: torch.Ten
     return times, draft, len(forced) >= k
 
 
+class TooLongDraft(ValueError):
+    """No output gives a step a full draft of the length asked."""
+
+
 def time_steps(grammar: CompiledGrammar, outputs: list[list[int]], *, draft_len: int = 16,
                seed: int = 0) -> dict[str, Any]:
     """Per-step grammar costs in ms (mean, p50, p90) at each position of ``outputs`` from which
@@ -501,7 +505,7 @@ def time_steps(grammar: CompiledGrammar, outputs: list[list[int]], *, draft_len:
             forced_runs += forced_run
             live.advance(output[pos : pos + 1])
     if not lengths:
-        raise ValueError(f"no output is longer than a {draft_len}-token draft")
+        raise TooLongDraft(f"no output is longer than a {draft_len}-token draft")
     return {
         "output_tokens": [len(o) for o in outputs],
         "steps": len(lengths),
@@ -588,7 +592,8 @@ def _has_qwen_added_tokens(path: Path) -> bool:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--qwen", action="store_true", help="Qwen3's 151k vocabulary")
-    parser.add_argument("--backend", choices=[b.value for b in Backend], default="llguidance")
+    parser.add_argument("--backend", choices=[b.value for b in Backend], default="llguidance",
+                        help="outlines refuses the default tools' bounds: give it a --schema")
     parser.add_argument("--schema", type=Path,
                         help="a JSON Schema file, walked at random (default: two tools' args)")
     parser.add_argument(
@@ -601,6 +606,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.schema and args.turn:
         parser.error("give --schema or --turn, not both")
+    for flag, value in (("--draft-len", args.draft_len), ("--samples", args.samples)):
+        if value < 1:
+            parser.error(f"{flag} must be at least 1, got {value}")
     try:  # the file's faults as one line, before any work
         if args.schema:
             workloads = [schema_workload(str(args.schema), json_schema_file(args.schema))]
@@ -633,6 +641,8 @@ def main(argv: list[str] | None = None) -> None:
         }
     except GrammarError as err:  # a schema this backend refuses (outlines: the default's bounds)
         parser.exit(2, f"error: {err}\n")
+    except TooLongDraft as err:
+        parser.exit(2, f"error: --draft-len {args.draft_len}: {err}\n")
     print(json.dumps(report, indent=1))
 
 
