@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from agentflash.errors import UserError, missing_file
-from agentflash.tool_format import TOOL_NAME
+from agentflash.tool_format import TOOL_NAME, unique_object
 
 if TYPE_CHECKING:
     from agentflash.engine.request import SamplingParams
@@ -52,9 +52,11 @@ def read_text(path: Path, what: str) -> str:
 def read_json_file(path: Path, what: str) -> Any:
     text = read_text(path, what)
     try:
-        return json.loads(text)
+        return json.loads(text, object_pairs_hook=unique_object)
     except json.JSONDecodeError as err:
         raise UserError(f"{path}:{err.lineno}:{err.colno}: malformed JSON: {err.msg}") from None
+    except ValueError as err:  # a key given twice
+        raise UserError(f"{path}: malformed JSON: {err}") from None
 
 
 def check_messages(messages: Any, where: str) -> list[dict[str, Any]]:
@@ -350,9 +352,11 @@ def load_requests(path: Path, defaults: dict[str, Any]) -> list[GenerateInput]:
             continue
         where = f"{path}:{lineno}"
         try:
-            obj = json.loads(line)
+            obj = json.loads(line, object_pairs_hook=unique_object)
         except json.JSONDecodeError as err:
             raise UserError(f"{where}: malformed JSON: {err.msg}") from None
+        except ValueError as err:  # a key given twice
+            raise UserError(f"{where}: malformed JSON: {err}") from None
         if not isinstance(obj, dict):
             raise UserError(f"{where}: each line must be a JSON object")
         # a field set to null is left out, and the flags fill it (it dropped the flag's value:

@@ -219,11 +219,25 @@ def parse_body(body: str) -> ParsedToolCall | MalformedToolCall:
     return ParsedToolCall(obj["name"], args)
 
 
-def loads_strict(text: str) -> Any:
+def loads_strict(text: str, *, unique_keys: bool = False) -> Any:
     """``json.loads`` refusing NaN and Infinity (``ValueError``), which Python reads and JSON
     has not: a model decoding without the grammar may write them; and a number past a float's
-    range (``1e999``, which JSON's grammar allows), which Python reads as infinity."""
-    return json.loads(text, parse_constant=_no_constant, parse_float=_finite)
+    range (``1e999``, which JSON's grammar allows), which Python reads as infinity.
+    ``unique_keys``: an object giving a key twice is refused too (Python keeps the last, and a
+    file's first value of it would be lost without a word)."""
+    return json.loads(text, parse_constant=_no_constant, parse_float=_finite,
+                      object_pairs_hook=unique_object if unique_keys else None)
+
+
+def unique_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``json.loads``' ``object_pairs_hook`` that refuses a key given twice (``ValueError``)."""
+    obj: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in obj:
+            raise ValueError(f"the key {key!r} is given twice in one object")
+        obj[key] = value
+    return obj
+
 
 
 def _no_constant(name: str) -> Any:

@@ -124,6 +124,8 @@ def test_requests_file_writes_one_result_per_line(tiny_model_dir, tmp_path):
         ('[{"role": "robot", "content": "x"}]', "messages[0].role must be one of"),
         ('{"role": "user"}', "must be a non-empty JSON list"),
         ('[{"role": "user",\n "content": }]', ":2:13: malformed JSON"),
+        ('[{"role": "user", "content": "a", "content": "b"}]',
+         "malformed JSON: the key 'content' is given twice in one object"),
         ('[{"role": "user", "content": "x"}, {"role": "assistant", "content": null, '
          '"tool_calls": "f"}]', "messages[1].tool_calls must be a list"),
         ('[{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [5]}]',
@@ -223,6 +225,9 @@ def test_bad_requests_line_is_named(tiny_model_dir, tmp_path):
         ('{"prompt": "x", "regex": "a+", "stop": "a"}',
          "stop cannot cut a reply the grammar binds whole"),
         ('{"prompt": "x", "schema": {"type": "nonsense"}}', "schema: #/type: not a valid"),
+        # Python's json keeps the last: the first was lost without a word
+        ('{"prompt": "x", "max_tokens": 3, "max_tokens": 400}',
+         "malformed JSON: the key 'max_tokens' is given twice in one object"),
     ],
 )
 def test_bad_request_fields_are_named_on_one_line(tiny_model_dir, tmp_path, line, message):

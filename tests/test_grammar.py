@@ -1553,6 +1553,9 @@ def test_schemas_python_or_llguidance_cannot_take_are_grammar_errors(tok, tmp_pa
         deep = {"type": "object", "properties": {"a": deep}}
     with pytest.raises(GrammarError, match="nested too deeply"):
         json_schema(deep)
+    (tmp_path / "twice.json").write_text('{"properties": {"a": {}}, "properties": {"b": {}}}')
+    with pytest.raises(GrammarError, match="the key 'properties' is given twice in one object"):
+        json_schema_file(tmp_path / "twice.json")  # (the first was dropped without a word)
     (tmp_path / "nan.json").write_text('{"const": NaN}')
     with pytest.raises(GrammarError, match="NaN is not a JSON number"):
         json_schema_file(tmp_path / "nan.json")

@@ -225,7 +225,7 @@ def json_schema_file(
     except UnicodeDecodeError as err:
         raise GrammarError(f"{path}: not UTF-8 text (byte {err.start})") from None
     try:
-        schema = loads_strict(text)
+        schema = loads_strict(text, unique_keys=True)
     except json.JSONDecodeError as err:
         raise GrammarError(f"{path}:{err.lineno}:{err.colno}: invalid JSON: {err.msg}") from None
     except ValueError as err:
