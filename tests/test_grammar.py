@@ -869,7 +869,8 @@ def test_apply_bitmask_masks_exactly_the_disallowed_tokens():
         ),
         (  # 2.0, which the meta-schema takes for an integer: a TypeError in the checks
             {"type": "object", "properties": {"x": {"type": "array", "minItems": 2.0,
-                                                    "prefixItems": [{}, {}, {}]}}},
+                                                    "prefixItems": [{}, {}, {}]}},
+             "required": ["x"]},
             "#/properties/x",
             "Expected positive integer for 'minItems', got 2.0",
         ),
