@@ -1626,3 +1626,22 @@ def test_schemas_python_or_llguidance_cannot_take_are_grammar_errors(tok, tmp_pa
     (tmp_path / "latin1.json").write_bytes('{"enum": ["caf\u00e9"]}'.encode("latin-1"))
     with pytest.raises(GrammarError, match="not UTF-8 text"):
         json_schema_file(tmp_path / "latin1.json")
+
+
+def test_first_allowed_token_is_the_least_allowed_id():
+    """``first_allowed_token`` (the compile's probe of a first step) is ``allowed_token_ids``'s
+    first, bits past the vocabulary in the last word ignored."""
+    from agentflash.grammar.constraint import first_allowed_token
+
+    rng = random.Random(0)
+    for vocab in (1, 31, 32, 33, 100, 151_936):
+        for allowed in ([], [0], [vocab - 1], sorted(rng.sample(range(vocab), min(vocab, 5))),
+                        list(range(vocab))):
+            mask = allocate_bitmask(1, vocab)[0]
+            words = mask.numpy().view("uint32")
+            for token in allowed:
+                words[token // 32] |= 1 << (token % 32)
+            expected = allowed_token_ids(mask, vocab)[:1]
+            assert [first_allowed_token(mask, vocab)] == (expected or [None])
+            words[-1] |= 1 << 31 if vocab % 32 else 0  # a bit past the vocabulary
+            assert [first_allowed_token(mask, vocab)] == (expected or [None])

@@ -14,7 +14,7 @@ from agentflash.grammar.constraint import (
     CompiledGrammar,
     GrammarError,
     GrammarFailed,
-    allowed_token_ids,
+    first_allowed_token,
 )
 from agentflash.grammar.sources import GrammarKind, GrammarSource
 from agentflash.grammar.tokenizers import TokenizerInfo, tokenizer_info
@@ -235,7 +235,8 @@ def _first_masks(grammar: CompiledGrammar) -> tuple[str | None, Any]:
         constraint = grammar.new_constraint()
         start = mask = constraint.bitmask()
         for _ in range(PROBE_STEPS):
-            step = constraint.forced_tokens() or allowed_token_ids(mask, grammar.vocab_size)[:1]
+            first = first_allowed_token(mask, grammar.vocab_size)
+            step = constraint.forced_tokens() or ([] if first is None else [first])
             step = [t for t in step if t != grammar.eos_token_id]
             if not step:
                 break

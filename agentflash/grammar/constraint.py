@@ -103,6 +103,18 @@ def allowed_token_ids(bitmask: torch.Tensor, vocab_size: int) -> list[int]:
     return unpack_bitmask(bitmask, vocab_size).nonzero().flatten().tolist()
 
 
+def first_allowed_token(bitmask: torch.Tensor, vocab_size: int) -> int | None:
+    """The least token id a one-row CPU bitmask ``[W]`` allows, or None: ``allowed_token_ids``'s
+    first without listing them all (free text's mask allows 150k, 5 ms to list)."""
+    words = bitmask.contiguous().numpy().view(np.uint32)
+    nonzero = np.flatnonzero(words)
+    if not len(nonzero):
+        return None
+    word = int(words[nonzero[0]])
+    token = int(nonzero[0]) * 32 + (word & -word).bit_length() - 1  # its lowest set bit
+    return token if token < vocab_size else None
+
+
 class Constraint(abc.ABC):
     """One request's position in a grammar, advanced over committed tokens only.
 
