@@ -1545,6 +1545,10 @@ def test_schemas_take_no_keys_they_do_not_list_unless_they_say_so(tok):
         ({"type": "object", "properties": {"p": x, "q": {"allOf": [{"$ref": "#/properties/p"},
                                                                     b]}}},
          '{"q": {"x": 1, "b": 2}}'),
+        # an anyOf in an allOf's branch, there or where its ref points (closed, refused)
+        ({"allOf": [{"anyOf": [x]}, b]}, '{"x": 1, "b": 2}'),
+        ({"$defs": {"base": x, "alias": {"anyOf": [{"$ref": "#/$defs/base"}]}},
+          "allOf": [{"$ref": "#/$defs/alias"}, b]}, '{"x": 1, "b": 2}'),
     ]
     for schema, text in composed:
         jsonschema.validate(json.loads(text), schema)
@@ -1553,6 +1557,12 @@ def test_schemas_take_no_keys_they_do_not_list_unless_they_say_so(tok):
             ids) == len(ids), schema
     alone = close_objects({"$defs": {"a": x}, "properties": {"p": {"$ref": "#/$defs/a"}}})
     assert alone["$defs"]["a"]["additionalProperties"] is False
+    # one dict at two places (a Python schema's, YAML's alias): where no ref composes it, it is
+    # closed (it was left open at both places, as the objects were told apart by id)
+    shared = close_objects({"$defs": {"a": x}, "properties": {
+        "p": x, "q": {"allOf": [{"$ref": "#/$defs/a"}, b]}}})
+    assert shared["properties"]["p"]["additionalProperties"] is False
+    assert "additionalProperties" not in shared["$defs"]["a"]
 
 
 def test_a_ref_to_an_anchor_is_followed(tok):

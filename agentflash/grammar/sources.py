@@ -102,25 +102,37 @@ def close_objects(node: Any, close: bool = True) -> Any:
     that says anything about other keys, one that requires a key it does not list, and the
     schemas that describe one object together with others (closing each would forbid the
     others' keys): the branches of an ``allOf``, those of an ``anyOf`` / ``oneOf`` beside
-    properties of their own, and the ``$defs`` such a branch, or a ``$ref`` beside properties,
-    names; and one of a ``const`` or an ``enum``, whose values are the objects it may be."""
+    properties of their own or in such a branch, and what such a branch, or a ``$ref`` beside
+    properties, names; and one of a ``const`` or an ``enum``, whose values are the objects it
+    may be."""
+    node = _unshared(node)  # one dict at two places is two objects, each closed or not
     return _close(node, close, _composing_refs(node))
+
+
+def _unshared(node: Any) -> Any:
+    """A copy of the JSON value ``node`` whose dicts and lists appear once each (deepcopy
+    keeps a dict shared by two places one dict)."""
+    if isinstance(node, dict):
+        return {key: _unshared(value) for key, value in node.items()}
+    if isinstance(node, list):
+        return [_unshared(value) for value in node]
+    return node
 
 
 def _close(node: Any, close: bool, composing: set[int]) -> Any:
     if not isinstance(node, dict):
         return node
 
+    close = close and id(node) not in composing  # a ref describing it with others names it
+
     def each(sub: Any, key: str) -> Any:
-        shares = key == "allOf" or (key in ("anyOf", "oneOf") and "properties" in node)
-        return _close(sub, not shares, composing)
+        return _close(sub, not _shares(node, key, not close), composing)
 
     out = with_subschemas(node, each)
     listed = out.get("properties")
     required = out.get("required", [])
     if (
         close
-        and id(node) not in composing  # a $ref that describes an object with others names it
         and isinstance(listed, dict)
         and not any(key in node for key in _OPEN_ENDED)
         and "const" not in node  # its values say what the object holds: closing could
@@ -130,6 +142,13 @@ def _close(node: Any, close: bool, composing: set[int]) -> Any:
     ):
         out["additionalProperties"] = False
     return out
+
+
+def _shares(node: dict, key: str, shared: bool) -> bool:
+    """Whether the subschemas under ``node``'s ``key`` describe an object together with other
+    schemas: an ``allOf``'s branches, and an ``anyOf`` / ``oneOf``'s beside properties of the
+    node's own or in a node that is itself such a branch (``shared``)."""
+    return key == "allOf" or (key in ("anyOf", "oneOf") and ("properties" in node or shared))
 
 
 def _composing_refs(root: Any) -> set[int]:
@@ -150,13 +169,16 @@ def _composing_refs(root: Any) -> set[int]:
 
     def walk(node: Any, shared: bool) -> Any:
         if isinstance(node, dict):
+            shared = shared or id(node) in found
             if shared or "properties" in node:
                 follow(node.get("$ref"))
-            with_subschemas(node, lambda sub, key: walk(sub, key == "allOf" or (
-                key in ("anyOf", "oneOf") and "properties" in node)))
+            with_subschemas(node, lambda sub, key: walk(sub, _shares(node, key, shared)))
         return node
 
-    walk(root, False)
+    size = -1
+    while size != len(found):  # a target found shares its branches' targets: walk again
+        size = len(found)
+        walk(root, False)
     return found
 
 
