@@ -1,6 +1,7 @@
 """The shared engine under load: queueing beyond its limits, cancellations, no leaks."""
 
 import random
+import sys
 
 import anyio
 import pytest
@@ -87,6 +88,9 @@ def test_kv_budget_caps_slots_and_rejects_a_budget_that_holds_nothing(tiny_model
     e = Engine.from_pretrained(
         tiny_model_dir, EngineConfig(max_running=4, max_len=128, kv_budget_mb=1e308))
     assert e.cache.num_slots == 4
+    e = Engine.from_pretrained(  # and a prefix cache of as many: no bound (an OverflowError)
+        tiny_model_dir, EngineConfig(max_len=128, prefix_cache_mb=1e308))
+    assert e.prefix_cache.budget_bytes == sys.maxsize
     with pytest.raises(UserError, match="holds no request"):
         Engine.from_pretrained(tiny_model_dir, EngineConfig(max_len=128, kv_budget_mb=0.05))
     # a drafter's contexts come out of the same budget: one layer x 2 kv heads x 16 dims x

@@ -7,6 +7,7 @@ import json
 import logging
 import math
 import re
+import sys
 import threading
 import time
 from collections import deque
@@ -210,7 +211,8 @@ class Engine:
             drafter.use_onednn_(products is not None and products.onednn,
                                 products.mkl_shapes if products else frozenset())
         self.scheduler = Scheduler(SchedulerConfig(slots, max_len), self.cache)
-        self.prefix_cache = PrefixCache(int(config.prefix_cache_mb * 2**20))
+        budget = config.prefix_cache_mb * 2**20  # past 1.7e302 MB an infinity: no bound
+        self.prefix_cache = PrefixCache(int(budget) if budget < math.inf else sys.maxsize)
         self.eos_ids = end_of_turn_ids(tokenizer, model_dir)
         self.cost = self.new_router_state()  # what the router has measured of this engine
         self._inbox: deque[Request] = deque()  # filled from any thread, drained by step()
