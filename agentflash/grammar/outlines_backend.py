@@ -176,7 +176,7 @@ def _unsupported(schema: Any) -> tuple[str, str] | None:
                 return pointer(path), why
         if "properties" in node and "anyOf" in node:
             return pointer(path), "outlines-core ignores anyOf beside properties"
-        listed, required = node.get("properties"), node.get("required")
+        listed, required = node.get("properties", {}), node.get("required")
         if isinstance(listed, dict) and isinstance(required, list):
             unlisted = [name for name in required if name not in listed]
             if unlisted:  # it writes listed keys only, and none would be the required one
