@@ -143,6 +143,8 @@ def test_the_qwen_tokenizer_marks_special_what_qwen3_marks_special():
     (["--draft-len", "0"], "--draft-len must be at least 1, got 0"),  # timed empty drafts
     (["--samples", "1", "--schema", "{path}"],  # a ValueError's traceback
      "error: --draft-len 16: no output is longer than a 16-token draft"),
+    (["--samples", "1", "--schema", "{path}", "--draft-len", "100000000"],  # not 1.6 TB first
+     "error: --draft-len 100000000: no output is longer than a 100000000-token draft"),
 ])
 def test_the_bench_refuses_counts_it_cannot_time_on_one_line(tmp_path, capsys, args, message):
     path = tmp_path / "flag.json"

@@ -484,6 +484,8 @@ def time_steps(grammar: CompiledGrammar, outputs: list[list[int]], *, draft_len:
     ``apply_masks_ms`` masking the target's logits along the draft (on a device that runs in
     the logits' own memory). ``draft_tokens``: the drafts' lengths (forced runs go past
     ``draft_len``); ``forced_run_steps``: the steps whose draft is a forced run alone."""
+    if max(map(len, outputs), default=0) <= draft_len:  # (before the logits of a draft that long)
+        raise TooLongDraft(f"no output is longer than a {draft_len}-token draft")
     vocab = grammar.vocab_size
     generator = torch.Generator().manual_seed(seed)
     drafter_logits = torch.randn(draft_len, vocab, generator=generator)
@@ -504,8 +506,6 @@ def time_steps(grammar: CompiledGrammar, outputs: list[list[int]], *, draft_len:
             lengths.append(len(draft))
             forced_runs += forced_run
             live.advance(output[pos : pos + 1])
-    if not lengths:
-        raise TooLongDraft(f"no output is longer than a {draft_len}-token draft")
     return {
         "output_tokens": [len(o) for o in outputs],
         "steps": len(lengths),
