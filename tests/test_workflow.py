@@ -112,7 +112,11 @@ def test_inputs_are_converted_defaulted_and_checked(tmp_path):
                 ({"days": "1", "direct": "maybe"}, "input 'direct' must be of type boolean"),
                 # no JSON (Python's json read NaN as a number, its output a string "nan")
                 ({"days": "1", "tags": "[NaN]"}, "input 'tags' must be of type array"),
-                ({"days": "1", "tags": "[1e999]"}, "input 'tags' must be of type array")]
+                ({"days": "1", "tags": "[1e999]"}, "input 'tags' must be of type array"),
+                # Python's json kept the last value of a key given twice
+                ({"days": "1", "tags": '[{"a": 1, "a": 2}]'},
+                 "must be of type array, got '[{\"a\": 1, \"a\": 2}]' (the key 'a' is given "
+                 "twice in one object)")]
     for values, message in problems:
         with pytest.raises(UserError, match=re.escape(message)) as caught:
             wf.resolve_inputs(values)

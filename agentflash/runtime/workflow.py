@@ -48,6 +48,7 @@ from agentflash.runtime.templates import references, render_text, render_value
 from agentflash.runtime.tools import FunctionTool, HttpTool, Tool, function_tool, no_parameters
 from agentflash.runtime.tracing import Span, SpanKind, Tracer
 from agentflash.runtime.yaml_source import Keys, YamlDoc, load_yaml
+from agentflash.tool_format import unique_object
 
 # in the package, so that an installed copy has it (the repository's schemas/ links to it)
 SCHEMA_PATH = Path(__file__).resolve().parents[1] / "schemas" / "workflow.schema.json"
@@ -338,14 +339,16 @@ def _convert(name: str, text: str, schema: dict[str, Any]) -> Any:
     from jsonschema import Draft202012Validator
 
     kinds = list(dict.fromkeys(_kinds(schema, schema) or ["string"]))
-    readings = []
+    readings, twice = [], ""
     for kind in sorted(set(kinds) & set(_KINDS), key=_KINDS.index):
         try:
             readings.append(_convert_one(kind, text))
-        except (ValueError, json.JSONDecodeError):
-            continue
+        except (ValueError, json.JSONDecodeError) as err:
+            if "given twice" in str(err):  # JSON, but of a key given twice: say which
+                twice = f" ({err})"
     if not readings:
-        raise UserError(f"input {name!r} must be of type {' or '.join(kinds)}, got {text!r}")
+        raise UserError(f"input {name!r} must be of type {' or '.join(kinds)}, got "
+                        f"{text!r}{twice}")
     validator = Draft202012Validator(schema)
     taken = [value for value in readings if validator.is_valid(value)]
     kept = [value for value in taken if isinstance(value, str | list | dict)
@@ -459,7 +462,8 @@ def _convert_one(kind: str, text: str) -> Any:
         return None
     if kind in ("array", "object"):
         # JSON's numbers: no NaN or Infinity, nor 1e999 (Python's json reads them as floats)
-        value = json.loads(text, parse_constant=_no_constant, parse_float=_finite)
+        value = json.loads(text, parse_constant=_no_constant, parse_float=_finite,
+                           object_pairs_hook=unique_object)  # a key given twice: refused
         if not isinstance(value, list if kind == "array" else dict):
             raise ValueError
         return value
