@@ -594,16 +594,17 @@ def eval_tool_calls(model: str, num: int, max_tokens: int = 256) -> dict[str, An
 def scored_call(text: str, prompt: Prompt) -> dict[str, bool]:
     """How far a reply to a tool-call ``prompt`` went: it wrote a call, every call's body is
     JSON, every call is well formed and names one of the prompt's tools, their arguments are
-    valid under its schemas, and they are the calls the corpus made (``same_json``)."""
+    valid under its schemas (none giving a key twice: its first value is not the one read), and
+    they are the calls the corpus made (``same_json``)."""
     import jsonschema
 
-    from agentflash.tool_format import load_body, parse_tool_calls
+    from agentflash.tool_format import load_body, parse_tool_calls, repeats_a_key
 
     calls, bad = parse_tool_calls(text)
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in prompt.tools}
     known = bool(calls) and not bad and all(c.name in schemas for c in calls)
-    valid = known and all(jsonschema.Draft202012Validator(schemas[c.name]).is_valid(c.arguments)
-                          for c in calls)
+    valid = known and not repeats_a_key(text) and all(
+        jsonschema.Draft202012Validator(schemas[c.name]).is_valid(c.arguments) for c in calls)
     return {
         "wrote_call": bool(calls or bad),
         # (a body that is JSON but no call, its arguments as a string say, is valid JSON: it

@@ -202,6 +202,21 @@ def parse_tool_calls(text: str) -> tuple[list[ParsedToolCall], list[MalformedToo
     return calls, bad
 
 
+def repeats_a_key(text: str) -> bool:
+    """Whether a closed call of the reply ``text`` is JSON that gives a key twice in one object,
+    at any depth (JSON takes the last value, a stream shows the first)."""
+    for _, start, end in _blocks(text):
+        if end is not None:
+            try:
+                loads_strict(text[start:end], unique_keys=True)
+            except ValueError as err:  # (a JSONDecodeError too: not JSON, not a repeat)
+                if not isinstance(err, json.JSONDecodeError) and "given twice" in str(err):
+                    return True
+            except RecursionError:
+                pass
+    return False
+
+
 def parse_body(body: str) -> ParsedToolCall | MalformedToolCall:
     """One call's body (the text between its tags)."""
     body = body.strip()

@@ -404,6 +404,14 @@ def test_a_reply_to_a_tool_call_prompt_is_scored_as_its_labels_say():
     cut = "<tool_call>\n{\"name\": \n</tool_call>"
     assert bench.scored_call(cut, prompt)["valid_json"] is False
     assert not any(bench.scored_call("no call", prompt).values())
+    # an argument given twice, a wrong value first (JSON took the last: an exact match), as the
+    # demo model writes unconstrained
+    key = next(iter(expected["arguments"]))
+    body = json.dumps(expected)
+    twice = body.replace(f'{json.dumps(key)}: ', f'{json.dumps(key)}: [[]], {json.dumps(key)}: ', 1)
+    assert json.loads(twice) == expected
+    scored = bench.scored_call(f"<tool_call>\n{twice}\n</tool_call>", prompt)
+    assert scored["known_name"] and not scored["arguments_valid"] and not scored["exact_match"]
     # a boolean written as its number (Python's == took them as equal): the schema refuses it
     prompt, flag = next((p, k) for p in bench.held_out_prompts("tool_call", 50)
                         for k, v in p.expected[0]["arguments"].items() if isinstance(v, bool))
