@@ -870,6 +870,9 @@ def test_apply_bitmask_masks_exactly_the_disallowed_tokens():
             "#/properties/x",
             "minItems",
         ),
+        (  # a $schema that is no URI: jsonschema's validator_for raised a TypeError
+            {"$schema": [], "type": "object"}, "#/$schema", "[] is not of type 'string'"),
+        ({"$schema": 1, "type": "object"}, "#/$schema", "1 is not of type 'string'"),
         (  # 2.0, which the meta-schema takes for an integer: a TypeError in the checks
             {"type": "object", "properties": {"x": {"type": "array", "minItems": 2.0,
                                                     "prefixItems": [{}, {}, {}]}},

@@ -79,7 +79,9 @@ def _check_schema(schema: Any, origin: str) -> None:
                            f"character (JSON's escape of one, or a byte that is not UTF-8)")
 
     if isinstance(schema, dict):
-        cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+        cls = jsonschema.Draft202012Validator  # whose meta-schema names a $schema of 1 or []
+        if isinstance(schema.get("$schema"), str):  # (validator_for raised on them: a 500)
+            cls = jsonschema.validators.validator_for(schema, default=cls)
         if not (cls is jsonschema.Draft202012Validator and meets_meta_schema(schema)):
             meta = cls(cls.META_SCHEMA)
             error = jsonschema.exceptions.best_match(meta.iter_errors(schema))
