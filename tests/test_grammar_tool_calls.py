@@ -492,6 +492,11 @@ def test_auto_allows_text_or_calls_and_constrains_opened_calls(tok, closers):
     assert is_legal(grammar, reply_ids(tok, "It is sunny.", []))
     assert is_legal(grammar, reply_ids(tok, "", [("get_weather", CALLS["get_weather"])]))
     assert is_legal(grammar, reply_ids(tok, "Checking both.\nOne moment.", list(CALLS.items())))
+    # a lone newline before the calls is text too (as after a reasoning model's </think>): it
+    # was refused, text before calls needing a character and then its newline
+    lone = tok.encode("\n", add_special_tokens=False) + reply_ids(
+        tok, "", [("get_weather", CALLS["get_weather"])])
+    assert is_legal(grammar, lone)
     opened = tok.encode(
         'Sure.\n<tool_call>\n{"name": "launch", "arguments": {}}', add_special_tokens=False
     )

@@ -280,7 +280,7 @@ class ToolChoice:
 # Free text may not contain the opening tag spelled out in ordinary tokens: the runtime parses
 # calls from text, so a spelled tag would be a call that escaped the grammar.
 _TEXT = f"/(?s:.*)/ & ~/(?s:.*){OPEN}(?s:.*)/"
-_TEXT_BEFORE_CALLS = f"/(?s:.+)\\n/ & ~/(?s:.*){OPEN}(?s:.*)/"
+_TEXT_BEFORE_CALLS = f"/(?s:.*)\\n/ & ~/(?s:.*){OPEN}(?s:.*)/"  # a lone newline is text
 # A turn's free text, as rules of its own that ``with_reasoning_tokens`` rewrites
 _TEXT_RULES = ["text: TEXT", "text_before: TEXT_BEFORE_CALLS",
                f"TEXT: {_TEXT}", f"TEXT_BEFORE_CALLS: {_TEXT_BEFORE_CALLS}"]
