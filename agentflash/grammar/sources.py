@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urldefrag, urljoin
 
 from agentflash.errors import missing_file
 from agentflash.grammar.checks import (
@@ -144,42 +145,64 @@ def _close(node: Any, close: bool, composing: set[int]) -> Any:
     return out
 
 
+# keywords that describe the object they sit in: beside one another, each part is one of
+# several descriptions of that object (closing one would forbid what the others add)
+_DESCRIBING = ("properties", "allOf", "anyOf", "oneOf", "$ref")
+
+
+def _beside(node: dict, key: str) -> bool:
+    """Whether ``node`` describes its object with another keyword beside ``key``'s."""
+    return any(other in node for other in _DESCRIBING if other != key)
+
+
 def _shares(node: dict, key: str, shared: bool) -> bool:
     """Whether the subschemas under ``node``'s ``key`` describe an object together with other
-    schemas: an ``allOf``'s branches, and an ``anyOf`` / ``oneOf``'s beside properties of the
-    node's own or in a node that is itself such a branch (``shared``)."""
-    return key == "allOf" or (key in ("anyOf", "oneOf") and ("properties" in node or shared))
+    schemas: an ``allOf``'s branches, and an ``anyOf`` / ``oneOf``'s beside properties, a
+    ``$ref`` or another composition of the node's own, or in a node that is itself such a part
+    (``shared``)."""
+    return key == "allOf" or (key in ("anyOf", "oneOf") and (shared or _beside(node, key)))
 
 
 def _composing_refs(root: Any) -> set[int]:
     """The ids of the subschemas that a ``$ref`` describing an object together with other
-    schemas points at, through refs to refs (an ``allOf`` branch's, an ``anyOf`` / ``oneOf``
-    branch's beside properties of its own, and one beside ``properties``), however the ref
-    is spelled: a pointer anywhere in the schema, escaped or not, or an anchor."""
+    schemas points at, through refs to refs (an ``allOf`` branch's, a shared ``anyOf`` /
+    ``oneOf`` branch's, and one beside properties or another composition), however the ref is
+    spelled: a pointer anywhere in the schema, escaped or not, an anchor, or the root's own
+    ``$id`` with a fragment. One pass: each node is walked at most once shared and once not."""
     anchors = anchor_index(root)
+    own_id = root.get("$id") if isinstance(root, dict) else None
     found: set[int] = set()
-
-    def follow(ref: Any) -> None:
-        while isinstance(ref, str):
-            target = resolve_ref(root, ref, anchors)
-            if not isinstance(target, dict) or id(target) in found:
-                return
-            found.add(id(target))
-            ref = target.get("$ref")
-
-    def walk(node: Any, shared: bool) -> Any:
-        if isinstance(node, dict):
-            shared = shared or id(node) in found
-            if shared or "properties" in node:
-                follow(node.get("$ref"))
-            with_subschemas(node, lambda sub, key: walk(sub, _shares(node, key, shared)))
-        return node
-
-    size = -1
-    while size != len(found):  # a target found shares its branches' targets: walk again
-        size = len(found)
-        walk(root, False)
+    seen: set[tuple[int, bool]] = set()
+    work: list[tuple[Any, bool]] = [(root, False)]
+    while work:
+        node, shared = work.pop()
+        if not isinstance(node, dict) or (id(node), shared) in seen:
+            continue
+        seen.add((id(node), shared))
+        ref = node.get("$ref")
+        if isinstance(ref, str) and (shared or _beside(node, "$ref")):
+            target = resolve_ref(root, _local_ref(ref, own_id), anchors)
+            if isinstance(target, dict):  # it describes the object with the others
+                found.add(id(target))
+                work.append((target, True))
+        work += [(sub, _shares(node, key, shared)) for sub, key in _keyed_subschemas(node)]
     return found
+
+
+def _keyed_subschemas(node: dict) -> list[tuple[Any, str]]:
+    """``node``'s subschemas, each with the keyword it is under."""
+    parts: list[tuple[Any, str]] = []
+    with_subschemas(node, lambda sub, key: parts.append((sub, key)))
+    return parts
+
+
+def _local_ref(ref: str, own_id: Any) -> str:
+    """``ref`` as a fragment of the schema, where it names the root by its ``$id`` (absolute or
+    relative to it: ``https://e.x/s#/$defs/a``, ``s#/$defs/a``)."""
+    if not isinstance(own_id, str) or ref.startswith("#"):
+        return ref
+    uri, fragment = urldefrag(urljoin(own_id, ref))
+    return "#" + fragment if uri == urldefrag(own_id)[0] else ref
 
 
 def exact_dates(node: Any) -> Any:
