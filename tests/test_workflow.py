@@ -1103,6 +1103,9 @@ def test_inputs_typed_as_a_list_of_types_or_an_enum_are_read_from_the_command_li
         "n": None, "level": 3, "tags": "plain"}
     with pytest.raises(UserError, match="input 'n' must be of type integer or null, got 'x'"):
         wf.resolve_inputs({"n": "x", "level": "1", "tags": "t"})
+    # JSON giving a key twice is no text meant as a string (it became the string)
+    with pytest.raises(UserError, match=r"\(the key 'a' is given twice in one object\)"):
+        wf.resolve_inputs({"n": "1", "level": "1", "tags": '[{"a": 1, "a": 2}]'})
 
     # pydantic's Optional[int], and a const: typed by their branches (they stayed strings)
     wf = load_workflow(write(tmp_path, """\

@@ -346,7 +346,7 @@ def _convert(name: str, text: str, schema: dict[str, Any]) -> Any:
         except (ValueError, json.JSONDecodeError) as err:
             if "given twice" in str(err):  # JSON, but of a key given twice: say which
                 twice = f" ({err})"
-    if not readings:
+    if not readings or twice:  # (JSON of a key given twice is no text meant as a string)
         raise UserError(f"input {name!r} must be of type {' or '.join(kinds)}, got "
                         f"{text!r}{twice}")
     validator = Draft202012Validator(schema)
