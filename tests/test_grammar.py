@@ -1238,6 +1238,9 @@ def test_outlines_refuses_what_it_cannot_do(tok):
                    {"properties": {"at": {"type": "string", "format": "date-time"}}}):
         compile_grammar(json_schema(schema), tok, backend=Backend.OUTLINES)
     for source in (json_schema({"type": "integer"}), json_schema({"enum": ["a", "ab"]}),
+                   # required on a string says nothing: not refused as a key not listed
+                   json_schema({"type": "object", "properties": {"s": {
+                       "type": "string", "required": ["a"]}}}),
                    regex("[a-z]+"), regex("(yes|no)!"),  # a match that goes on is kept
                    regex("€[0-9]+")):
         compile_grammar(source, tok, backend=Backend.OUTLINES)

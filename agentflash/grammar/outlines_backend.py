@@ -177,7 +177,9 @@ def _unsupported(schema: Any) -> tuple[str, str] | None:
         if "properties" in node and "anyOf" in node:
             return pointer(path), "outlines-core ignores anyOf beside properties"
         listed, required = node.get("properties", {}), node.get("required")
-        if isinstance(listed, dict) and isinstance(required, list):
+        types = node.get("type", "object")  # (required says nothing of a string, say)
+        if isinstance(listed, dict) and isinstance(required, list) and "object" in (
+                types if isinstance(types, list) else [types]):
             unlisted = [name for name in required if name not in listed]
             if unlisted:  # it writes listed keys only, and none would be the required one
                 return pointer(path), (f"outlines-core ignores required {unlisted[0]!r}, "
