@@ -331,12 +331,12 @@ def _valid_answer(suite: str, item: Prompt, text: str) -> bool:
     their schemas; on ``json``: JSON valid under the prompt's schema."""
     import jsonschema
 
-    from agentflash.tool_format import parse_tool_calls
+    from agentflash.tool_format import parse_tool_calls, repeats_a_key
 
     if suite == "tool_call":
         calls, bad = parse_tool_calls(text)
         schemas = {t["function"]["name"]: t["function"]["parameters"] for t in item.tools}
-        return bool(calls) and not bad and all(
+        return bool(calls) and not bad and not repeats_a_key(text) and all(
             c.name in schemas
             and jsonschema.Draft202012Validator(schemas[c.name]).is_valid(c.arguments)
             for c in calls
