@@ -527,6 +527,12 @@ def test_bad_tool_definitions_are_user_errors():
     with pytest.raises(UserError, match="parameter 'model_config' is a name pydantic keeps"):
         tool(configured)
 
+    for name in ("__doc__", "__module__", "_x"):  # __doc__: an AttributeError; __module__:
+        namespace: dict = {}  # create_model took it as its own, and the tool took no argument
+        exec(f"def private({name}: int) -> int:\n    return 1", namespace)
+        with pytest.raises(UserError, match=f"parameter '{name}' begins with an underscore"):
+            tool(namespace["private"])
+
     from pydantic import constr
 
     def looks_ahead(code: constr(pattern=r"^(?=.*\d)[a-z0-9]+$")) -> str:  # pydantic's own

@@ -794,6 +794,10 @@ def function_tool(fn: Callable[..., Any], *, name: str | None = None,
         if param.name == "model_config":  # pydantic reads it as the model's settings
             raise UserError(f"{where}: parameter 'model_config' is a name pydantic keeps for "
                             f"itself; rename it")
+        if param.name.startswith("_"):  # pydantic's private attributes, and create_model's
+            # own keywords (__doc__ raised an AttributeError, __module__ was dropped unsaid)
+            raise UserError(f"{where}: parameter {param.name!r} begins with an underscore, "
+                            f"which pydantic keeps for private attributes; rename it")
         if param.kind is param.POSITIONAL_ONLY:
             positional.append(param.name)
         doc = param_docs.get(param.name)
