@@ -1296,6 +1296,22 @@ def test_tensors_and_keys_that_meet_in_json_reach_the_model_whole_or_refused():
                                                                          "2": ["x", {"3": "y"}]}
 
 
+def test_containers_pydantic_does_not_know_reach_the_model_as_json():
+    import array
+    import types
+
+    from agentflash.runtime.tools import format_result
+
+    d = {"a": 1, "b": 2}  # each was its repr: "dict_keys(['a', 'b'])", "<memory at 0x...>"
+    for value, written in ((d.keys(), ["a", "b"]), (d.values(), [1, 2]),
+                           (d.items(), [["a", 1], ["b", 2]]), (range(2), [0, 1]),
+                           (types.MappingProxyType(d), d), (array.array("i", [1, 2]), [1, 2]),
+                           (memoryview(b"ab"), "ab"), ({"k": range(1)}, {"k": [0]})):
+        assert json.loads(format_result(value)) == written
+    with pytest.raises(ValueError, match="are one key"):
+        format_result(types.MappingProxyType({1: "one", "1": "uno"}))
+
+
 def test_an_error_result_keeps_its_characters():
     @tool
     def find(city: str) -> str:

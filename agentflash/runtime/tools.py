@@ -24,7 +24,7 @@ import sys
 import threading
 import typing
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, MappingView, Sequence, Set
 from dataclasses import dataclass, field
 from typing import Any, overload
 from urllib.parse import parse_qsl, quote, urlencode, urlsplit
@@ -441,7 +441,7 @@ def _check_keys_kept(value: Any, jsonable: Any) -> None:
             return
     elif dataclasses.is_dataclass(value) and not isinstance(value, type):
         value = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
-    if isinstance(value, dict) and isinstance(jsonable, dict):
+    if isinstance(value, Mapping) and isinstance(jsonable, dict):
         if len(jsonable) < len(value):
             seen: dict[str, Any] = {}
             for key in value:
@@ -486,7 +486,18 @@ def _fallback(value: Any) -> Any:
             digits = [float(str(x)) for x in np.asarray(value).ravel()]
             value = np.array(digits, dtype=np.float64).reshape(np.shape(value))
         return pydantic_core.to_jsonable_python(value.tolist(), fallback=str)
-    return str(value)
+    # containers pydantic does not know, as the JSON of what they hold, not their repr
+    # ("dict_keys(['a'])", "range(0, 2)", "<memory at 0x...>"); not any Collection: a
+    # DataFrame is one, and its items are only its column names
+    if isinstance(value, memoryview):  # its bytes, written as bytes are
+        value = value.tobytes()
+    elif isinstance(value, Mapping):  # a MappingProxyType
+        value = dict(value)
+    elif isinstance(value, (Sequence, Set, MappingView)):  # a range, an array, dict views
+        value = list(value)
+    else:
+        return str(value)
+    return pydantic_core.to_jsonable_python(value, fallback=_fallback)
 
 
 def _finite(value: Any) -> Any:
