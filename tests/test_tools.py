@@ -764,6 +764,44 @@ def test_keys_and_formats_the_grammar_writes_are_ones_pydantic_reads(demo_tokeni
     assert "stamp" not in tag.parameters["$defs"]["Note"]["properties"]
 
 
+def test_dict_keys_the_schema_allows_are_ones_pydantic_reads():
+    """Keys of Decimal were left open (pydantic names a pattern but leaves the object open),
+    keys of Literal[1, 2] too (pydantic reads no key "1" as 1), and the bounds of int and
+    float keys were dropped: keys the grammar wrote were refused."""
+    import decimal
+
+    @tool
+    def keyed(prices: dict[decimal.Decimal, str], some: dict[Literal["a", 1], int],
+              ages: dict[Annotated[int, Field(ge=0)], str],
+              debts: dict[Annotated[int, Field(lt=0)], str]) -> str:
+        return "ok"
+
+    validator = Draft202012Validator(keyed.parameters)
+    given = {"prices": {"1.5": "x"}, "some": {"a": 1}, "ages": {"0": "x"}, "debts": {"-3": "x"}}
+    assert validator.is_valid(given)
+    assert anyio.run(run_tool, keyed, given).output == "ok"
+    for name, key in (("prices", "cheap"), ("some", "1"), ("ages", "-1"), ("debts", "0")):
+        assert not validator.is_valid({**given, name: {key: 1 if name == "some" else "x"}})
+
+    def numbered(counts: dict[Literal[1, 2], str]) -> str:
+        return "no"
+
+    def small(m: dict[Annotated[int, Field(ge=1, le=5)], str]) -> str:
+        return "no"
+
+    def below(m: dict[Annotated[float, Field(lt=1)], str]) -> str:
+        return "no"
+
+    def positive(m: dict[Annotated[decimal.Decimal, Field(gt=0)], str]) -> str:
+        return "no"
+
+    with pytest.raises(UserError, match=r"parameter 'counts': a dict's keys of \[1, 2\]"):
+        tool(numbered)
+    for fn, bounds in ((small, "ge=1, le=5"), (below, "lt=1"), (positive, "gt=0")):
+        with pytest.raises(UserError, match=rf"parameter 'm': a dict's keys .*\({bounds}\)"):
+            tool(fn)
+
+
 def test_a_bounded_date_the_grammar_writes_is_within_its_bounds(demo_tokenizer_dir):
     """pydantic checks a date's bounds and names them in no schema: the grammar wrote any day,
     and a call the model could only write again was refused."""

@@ -355,13 +355,64 @@ def _key_pattern(keys: dict[str, Any]) -> str | None:
               else keys.get("expected") if kind == "literal" else None)
     if values and all(isinstance(v, str) for v in values):
         return "^(?:" + "|".join(_literal(v) for v in values) + ")$"
+    if values and kind == "literal":  # Literal[1, 2]: pydantic reads no key "1" as 1
+        texts = [v if isinstance(v, str) else json.dumps(v) for v in values]
+        read = [t for t in texts if _reads_key(keys, t)]
+        if not read:
+            raise NotBindable(f"a dict's keys of {keys['expected']} are none that pydantic "
+                              f"reads from JSON, whose keys are strings: take a Literal of "
+                              f"strings, or an IntEnum")
+        return "^(?:" + "|".join(_literal(t) for t in read) + ")$"
     if kind == "str" and not {"min_length", "max_length"} & set(keys):
         return keys.get("pattern")
     if kind == "uuid":
         return uuid_pattern(keys.get("version"))
     if kind in ("date", "datetime", "time", "timedelta") and not _bounded(keys):
         return temporal_pattern(_TEMPORAL_FORMATS[kind], keys.get("tz_constraint"))
-    return {"int": INTEGER_KEY, "float": NUMBER_KEY, "bool": "^(?:true|false)$"}.get(kind)
+    if kind == "decimal":  # pydantic's own key pattern, and the object left open: any key
+        if _bounded(keys) or keys.get("multiple_of") is not None:
+            raise _bounded_keys(keys)
+        return decimal_pattern(keys.get("max_digits"), keys.get("decimal_places"))
+    if kind == "int":
+        return _integer_key(keys)
+    if kind == "float" and (_bounded(keys) or keys.get("multiple_of") is not None
+                            or keys.get("allow_inf_nan") is False):
+        raise _bounded_keys(keys)
+    return {"float": NUMBER_KEY, "bool": "^(?:true|false)$"}.get(kind)
+
+
+def _reads_key(keys: dict[str, Any], text: str) -> bool:
+    """Whether pydantic reads the JSON key ``text`` as a key of the core schema ``keys``."""
+    validator = pydantic_core.SchemaValidator(
+        {"type": "dict", "keys_schema": keys, "values_schema": {"type": "any"}})
+    try:
+        validator.validate_json(json.dumps({text: None}), strict=True)
+    except pydantic.ValidationError:
+        return False
+    return True
+
+
+def _integer_key(keys: dict[str, Any]) -> str:
+    """The pattern of an integer key within its bounds: a sign's (ge=0, gt=0, le=0, lt=0),
+    else ``NotBindable``."""
+    ge, gt, le, lt = (keys.get(k) for k in ("ge", "gt", "le", "lt"))
+    low = max([b for b in (ge, None if gt is None else gt + 1) if b is not None], default=None)
+    high = min([b for b in (le, None if lt is None else lt - 1) if b is not None], default=None)
+    patterns = {(None, None): INTEGER_KEY, (0, None): r"^(0|[1-9][0-9]*)$",
+                (1, None): r"^[1-9][0-9]*$", (None, 0): r"^(0|-[1-9][0-9]*)$",
+                (None, -1): r"^-[1-9][0-9]*$"}
+    if keys.get("multiple_of") not in (None, 1) or (low, high) not in patterns:
+        raise _bounded_keys(keys)
+    return patterns[(low, high)]
+
+
+def _bounded_keys(keys: dict[str, Any]) -> NotBindable:
+    bounds = ", ".join(f"{k}={keys[k]!r}" for k in ("ge", "gt", "le", "lt", "multiple_of",
+                                                     "allow_inf_nan", "max_digits",
+                                                     "decimal_places") if k in keys)
+    return NotBindable(f"a dict's keys of type {keys['type']} ({bounds}) are checked by "
+                       f"pydantic, and no pattern of the keys the grammar writes holds these "
+                       f"bounds: drop them from the key's type (check the key in the function)")
 
 
 _TEMPORAL_FORMATS = {"date": "date", "datetime": "date-time", "time": "time",
