@@ -802,6 +802,24 @@ def test_dict_keys_the_schema_allows_are_ones_pydantic_reads():
             tool(fn)
 
 
+def test_bytes_of_a_max_length_are_written_in_ascii():
+    """pydantic counts a bytes value's UTF-8 bytes, the grammar its characters: "ééé" (six
+    bytes) passed a max_length of 3 in the schema and was refused."""
+    from agentflash.runtime.agent import output_spec
+
+    @tool
+    def store(blob: Annotated[bytes, Field(max_length=3)],
+              body: Annotated[bytes, Field(min_length=2)]) -> str:
+        return "ok"
+
+    validator = Draft202012Validator(store.parameters)
+    assert validator.is_valid({"blob": "a\nb", "body": "éé"})  # at least 2 bytes: so is "éé"
+    assert not validator.is_valid({"blob": "ééé", "body": "ab"})
+    assert anyio.run(run_tool, store, {"blob": "a\nb", "body": "éé"}).output == "ok"
+    schema = output_spec(Annotated[bytes, Field(max_length=2)]).schema
+    assert not Draft202012Validator(schema).is_valid("é")
+
+
 def test_a_bounded_date_the_grammar_writes_is_within_its_bounds(demo_tokenizer_dir):
     """pydantic checks a date's bounds and names them in no schema: the grammar wrote any day,
     and a call the model could only write again was refused."""

@@ -203,6 +203,14 @@ class GrammarJsonSchema(pydantic.json_schema.GenerateJsonSchema):
                               f"str (or int) Enum")
         return super().literal_schema(schema)
 
+    def bytes_schema(self, schema):
+        out = super().bytes_schema(schema)
+        if self.mode == "validation" and schema.get("max_length") is not None:
+            # pydantic counts the UTF-8 bytes, the grammar characters ("ééé" is 6 bytes):
+            # ASCII, whose characters are one byte each
+            out["pattern"] = ASCII_PATTERN
+        return out
+
     def complex_schema(self, schema):
         # pydantic reads a number, or a string of one with an imaginary part ("1+2j")
         return {"type": "string", "pattern": COMPLEX_PATTERN}
@@ -431,6 +439,7 @@ def _literal(text: str) -> str:
 _REAL = "[0-9]+(?:\\.[0-9]+)?"
 COMPLEX_PATTERN = f"^-?(?:{_REAL}(?:[+-]{_REAL}j)?|{_REAL}j)$"
 INTEGER_KEY = r"^-?(0|[1-9][0-9]*)$"
+ASCII_PATTERN = r"^[\x00-\x7F]*$"
 NUMBER_KEY = r"^-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?$"
 # what pydantic raises where it cannot make a schema of a type: the tool or agent names it
 SCHEMA_ERRORS = (pydantic.PydanticUserError, pydantic.PydanticSchemaGenerationError, TypeError,
