@@ -3,9 +3,12 @@
 A function's signature, type hints and docstring give a pydantic model of its arguments; the
 strict JSON Schema the model sees is that model's schema, and the model validates the arguments
 of every call in pydantic's strict mode: a value of another type than the schema's is refused
-(lax mode converted ``"2"`` or ``true`` to an integer). What the grammar writes always passes;
-without the grammar a key the schema does not list is refused too (``undeclared_key``: pydantic
-drops it from a nested model), and a ``Decimal`` written as a number still passes.
+(lax mode converted ``"2"`` or ``true`` to an integer). What the grammar writes always passes,
+but a number past a float's range (``1e400``, which a call's JSON refuses: Python reads it as
+infinity): llguidance bounds a number only within 2^63 and without an exponent, so no schema
+keeps it out of a ``float``. Without the grammar a key the schema does not list is refused too
+(``undeclared_key``: pydantic drops it from a nested model), and a ``Decimal`` written as a
+number still passes.
 """
 
 from __future__ import annotations
