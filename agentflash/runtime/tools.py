@@ -372,7 +372,7 @@ def _key_pattern(keys: dict[str, Any]) -> str | None:
         if not read:
             raise NotBindable(f"a dict's keys of {keys['expected']} are none that pydantic "
                               f"reads from JSON, whose keys are strings: take a Literal of "
-                              f"strings, or an IntEnum")
+                              f"strings ({', '.join(map(repr, texts))})")
         return "^(?:" + "|".join(_literal(t) for t in read) + ")$"
     if kind == "str" and not {"min_length", "max_length"} & set(keys):
         return keys.get("pattern")
