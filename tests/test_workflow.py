@@ -75,6 +75,36 @@ def test_schema_is_valid_and_describes_the_examples():
         assert list(Draft202012Validator(schema).iter_errors(data)) == [], example
 
 
+def test_the_schema_takes_the_decoding_values_the_loader_takes(tmp_path):
+    """The schema said temperature from 0 where the loader refuses 0 < t < 1e-6, and any seed
+    where it takes 64 bits; validate said a refused range in the schema's words (-1 is less
+    than the minimum of 0), 1e-7 in the loader's."""
+    schema = Draft202012Validator(workflow_schema())
+    minimal = {"version": 1, "name": "t", "agents": {"a": {"instructions": "hi"}},
+               "steps": [{"id": "s", "agent": "a", "input": "x"}]}
+    assert not list(schema.iter_errors(minimal))
+    cases = {"temperature": ([0, 0.0, 1e-6, 0.7, 10], [1e-7, -1, 11, float("inf")]),
+             "seed": ([-(2**63), 0, 2**64 - 1], [-(2**63) - 1, 2**64])}
+    for field, (taken, refused) in cases.items():
+        for value in taken + refused:
+            valid = not list(schema.iter_errors({**minimal, "decoding": {field: value}}))
+            assert valid == (value in taken), (field, value)
+    for value, shown in ((1e-7, "1e-07"), (-1, "-1"), (11, "11"), (".inf", "inf")):
+        path = write(tmp_path, f"""\
+            version: 1
+            name: t
+            decoding: {{temperature: {value}}}
+            agents:
+              a: {{instructions: hi, decoding: {{temperature: {value}}}}}
+            steps: [{{id: s, agent: a, input: x}}]
+            """)
+        said = f"must be 0 (greedy) or a number from 1e-06 to 10, got {shown}"
+        with pytest.raises(UserErrors) as err:
+            load_workflow(path)
+        assert err.value.problems == [f"{path}:3: decoding.temperature: {said}",
+                                      f"{path}:5: agents.a.decoding.temperature: {said}"]
+
+
 def write(tmp_path: Path, text: str, name: str = "wf.yaml") -> Path:
     path = tmp_path / name
     path.write_text(textwrap.dedent(text))

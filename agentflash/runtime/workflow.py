@@ -548,11 +548,29 @@ def _schema_problems(doc: YamlDoc, problems: _Problems) -> None:
             problems.add(keys, f"must be {value!r}, got {instance!r}")
         elif kind == "type":
             problems.add(keys, f"must be of type {value}, got {_type_name(instance)}")
+        elif kind in ("anyOf", "minimum", "maximum") and _is_decoding_field(keys):
+            problems.add(keys, _decoding_refusal(keys[-1], instance) or err.message)
         elif kind == "pattern" and isinstance(instance, str) and _is_key(doc.data, keys, instance):
             problems.add((*keys, instance), f"the name {instance!r} is not allowed "
                                             f"(it must match {value})")
         else:
             problems.add(keys, err.message)
+
+
+def _is_decoding_field(keys: Keys) -> bool:
+    """Whether ``keys`` name a field of a decoding section (the workflow's or an agent's)."""
+    return (len(keys) == 2 and keys[0] == "decoding") or (
+        len(keys) == 4 and keys[0] == "agents" and keys[2] == "decoding")
+
+
+def _decoding_refusal(field: str, value: Any) -> str | None:
+    """Why ``Decoding`` refuses ``value`` for ``field``, in its words: a value out of the
+    schema's range is said as the loader says it, whichever check meets it first."""
+    try:
+        Decoding(**{field: value})
+    except UserError as err:
+        return str(err).removeprefix(f"decoding.{field} ")
+    return None
 
 
 def _type_name(value: Any) -> str:
