@@ -1573,6 +1573,17 @@ def test_schemas_take_no_keys_they_do_not_list_unless_they_say_so(tok):
             ids) == len(ids), schema
     alone = close_objects({"$defs": {"a": x}, "properties": {"p": {"$ref": "#/$defs/a"}}})
     assert alone["$defs"]["a"]["additionalProperties"] is False
+    # "a or b" beside a ref adds no keys: the object it names stays closed (it was left open,
+    # and took invented keys, as any anyOf beside a ref counted as describing the object)
+    ab = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}
+    for either in ({"anyOf": [{"required": ["a"]}, {"required": ["b"]}]},
+                   {"allOf": [{"required": ["a"]}]}):
+        either_closed = close_objects({"$defs": {"m": ab}, "$ref": "#/$defs/m", **either})
+        assert either_closed["$defs"]["m"]["additionalProperties"] is False, either
+    # a ref no URI can be (the schema's checks name it: it was "not JSON-serialisable")
+    with pytest.raises(GrammarError, match=r"#/allOf/0: Invalid URI reference 'http://\[/x'"):
+        compile_grammar(json_schema({"$id": "https://e.x/s", "properties": {"a": {}},
+                                     "allOf": [{"$ref": "http://[/x"}]}), tok)
     # one dict at two places (a Python schema's, YAML's alias): where no ref composes it, it is
     # closed (it was left open at both places, as the objects were told apart by id)
     shared = close_objects({"$defs": {"a": x}, "properties": {

@@ -103,9 +103,10 @@ def close_objects(node: Any, close: bool = True) -> Any:
     that says anything about other keys, one that requires a key it does not list, and the
     schemas that describe one object together with others (closing each would forbid the
     others' keys): the branches of an ``allOf``, those of an ``anyOf`` / ``oneOf`` beside
-    properties of their own or in such a branch, and what such a branch, or a ``$ref`` beside
-    properties, names; and one of a ``const`` or an ``enum``, whose values are the objects it
-    may be."""
+    properties, a ``$ref`` or another composition, or in such a branch, and what such a branch,
+    or a ``$ref`` beside properties or branches that describe keys, names (by a pointer, an
+    anchor, or the root's ``$id``); and one of a ``const`` or an ``enum``, whose values are the
+    objects it may be."""
     node = _unshared(node)  # one dict at two places is two objects, each closed or not
     return _close(node, close, _composing_refs(node))
 
@@ -155,6 +156,25 @@ def _beside(node: dict, key: str) -> bool:
     return any(other in node for other in _DESCRIBING if other != key)
 
 
+def _adds_keys_beside(node: dict) -> bool:
+    """Whether something beside ``node``'s ``$ref`` may describe keys of the object: its
+    properties, or a composition's branch that lists, patterns, types or refers to keys (an
+    ``anyOf`` of ``required`` alone, "a or b", adds none: the target stays closed)."""
+    return "properties" in node or any(
+        _adds_keys(branch) for key in ("allOf", "anyOf", "oneOf")
+        for branch in (node.get(key) if isinstance(node.get(key), list) else []))
+
+
+def _adds_keys(node: Any) -> bool:
+    if not isinstance(node, dict):
+        return False
+    if any(key in node for key in ("properties", "patternProperties", "unevaluatedProperties",
+                                   "$ref")) or isinstance(node.get("additionalProperties"), dict):
+        return True
+    return any(_adds_keys(branch) for key in ("allOf", "anyOf", "oneOf")
+               for branch in (node.get(key) if isinstance(node.get(key), list) else []))
+
+
 def _shares(node: dict, key: str, shared: bool) -> bool:
     """Whether the subschemas under ``node``'s ``key`` describe an object together with other
     schemas: an ``allOf``'s branches, and an ``anyOf`` / ``oneOf``'s beside properties, a
@@ -180,7 +200,7 @@ def _composing_refs(root: Any) -> set[int]:
             continue
         seen.add((id(node), shared))
         ref = node.get("$ref")
-        if isinstance(ref, str) and (shared or _beside(node, "$ref")):
+        if isinstance(ref, str) and (shared or _adds_keys_beside(node)):
             target = resolve_ref(root, _local_ref(ref, own_id), anchors)
             if isinstance(target, dict):  # it describes the object with the others
                 found.add(id(target))
@@ -201,8 +221,11 @@ def _local_ref(ref: str, own_id: Any) -> str:
     relative to it: ``https://e.x/s#/$defs/a``, ``s#/$defs/a``)."""
     if not isinstance(own_id, str) or ref.startswith("#"):
         return ref
-    uri, fragment = urldefrag(urljoin(own_id, ref))
-    return "#" + fragment if uri == urldefrag(own_id)[0] else ref
+    try:
+        uri, fragment = urldefrag(urljoin(own_id, ref))
+        return "#" + fragment if uri == urldefrag(own_id)[0] else ref
+    except ValueError:  # "http://[": the schema's checks name it
+        return ref
 
 
 def exact_dates(node: Any) -> Any:
