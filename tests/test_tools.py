@@ -1355,6 +1355,7 @@ def test_tensors_and_keys_that_meet_in_json_reach_the_model_whole_or_refused():
 def test_containers_pydantic_does_not_know_reach_the_model_as_json():
     import array
     import types
+    from collections import UserString
 
     from agentflash.runtime.tools import format_result
 
@@ -1362,7 +1363,12 @@ def test_containers_pydantic_does_not_know_reach_the_model_as_json():
     for value, written in ((d.keys(), ["a", "b"]), (d.values(), [1, 2]),
                            (d.items(), [["a", 1], ["b", 2]]), (range(2), [0, 1]),
                            (types.MappingProxyType(d), d), (array.array("i", [1, 2]), [1, 2]),
-                           (memoryview(b"ab"), "ab"), ({"k": range(1)}, {"k": [0]})):
+                           (memoryview(b"ab"), "ab"), ({"k": range(1)}, {"k": [0]}),
+                           # a typed view's items (its raw bytes were written), a UserString
+                           # (a Sequence of UserStrings: a RecursionError)
+                           (memoryview(array.array("i", [1, 2])), [1, 2]),
+                           (memoryview(array.array("d", [1.5])), [1.5]),
+                           (UserString("hi"), "hi"), ({"k": UserString("hi")}, {"k": "hi"})):
         assert json.loads(format_result(value)) == written
     with pytest.raises(ValueError, match="are one key"):
         format_result(types.MappingProxyType({1: "one", "1": "uno"}))

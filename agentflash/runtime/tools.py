@@ -27,6 +27,7 @@ import sys
 import threading
 import typing
 import warnings
+from collections import UserString
 from collections.abc import Callable, Mapping, MappingView, Sequence, Set
 from dataclasses import dataclass, field
 from typing import Any, overload
@@ -552,8 +553,10 @@ def _fallback(value: Any) -> Any:
     # containers pydantic does not know, as the JSON of what they hold, not their repr
     # ("dict_keys(['a'])", "range(0, 2)", "<memory at 0x...>"); not any Collection: a
     # DataFrame is one, and its items are only its column names
-    if isinstance(value, memoryview):  # its bytes, written as bytes are
-        value = value.tobytes()
+    if isinstance(value, UserString):  # a Sequence of UserStrings: list() never ended
+        return str(value)
+    if isinstance(value, memoryview):  # bytes written as bytes are, typed items as numbers
+        value = value.tobytes() if value.format in ("B", "b", "c") else value.tolist()
     elif isinstance(value, Mapping):  # a MappingProxyType
         value = dict(value)
     elif isinstance(value, (Sequence, Set, MappingView)):  # a range, an array, dict views
