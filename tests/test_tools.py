@@ -18,7 +18,7 @@ import anyio
 import pydantic
 import pytest
 from jsonschema import Draft202012Validator
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, FiniteFloat
 
 from agentflash.errors import UserError
 from agentflash.runtime.tools import (
@@ -797,6 +797,12 @@ def test_dict_keys_the_schema_allows_are_ones_pydantic_reads():
 
     with pytest.raises(UserError, match=r"parameter 'counts': a dict's keys of \[1, 2\]"):
         tool(numbered)
+
+    @tool  # finite floats: the keys' pattern writes no inf or nan (it was refused as a bound)
+    def finite(m: dict[FiniteFloat, str]) -> str:
+        return "ok"
+
+    assert anyio.run(run_tool, finite, {"m": {"1.5": "x"}}).output == "ok"
     for fn, bounds in ((small, "ge=1, le=5"), (below, "lt=1"), (positive, "gt=0")):
         with pytest.raises(UserError, match=rf"parameter 'm': a dict's keys .*\({bounds}\)"):
             tool(fn)

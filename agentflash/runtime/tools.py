@@ -3,12 +3,13 @@
 A function's signature, type hints and docstring give a pydantic model of its arguments; the
 strict JSON Schema the model sees is that model's schema, and the model validates the arguments
 of every call in pydantic's strict mode: a value of another type than the schema's is refused
-(lax mode converted ``"2"`` or ``true`` to an integer). What the grammar writes always passes,
-but a number past a float's range (``1e400``, which a call's JSON refuses: Python reads it as
-infinity): llguidance bounds a number only within 2^63 and without an exponent, so no schema
-keeps it out of a ``float``. Without the grammar a key the schema does not list is refused too
-(``undeclared_key``: pydantic drops it from a nested model), and a ``Decimal`` written as a
-number still passes.
+(lax mode converted ``"2"`` or ``true`` to an integer). What the grammar writes passes, but
+for a number past a float's range (``1e400``, which a call's JSON refuses: Python reads it as
+infinity; llguidance bounds a number only within 2^63 and without an exponent, so no schema
+keeps it out of a ``float``) and the bounds pydantic alone checks (a datetime's, time's or
+duration's; ``PastDate`` and ``FutureDate``; the README lists them). Without the grammar a
+key the schema does not list is refused too (``undeclared_key``: pydantic drops it from a nested
+model), and a ``Decimal`` written as a number still passes.
 """
 
 from __future__ import annotations
@@ -387,8 +388,9 @@ def _key_pattern(keys: dict[str, Any]) -> str | None:
         return decimal_pattern(keys.get("max_digits"), keys.get("decimal_places"))
     if kind == "int":
         return _integer_key(keys)
-    if kind == "float" and (_bounded(keys) or keys.get("multiple_of") is not None
-                            or keys.get("allow_inf_nan") is False):
+    # (allow_inf_nan=False: the key pattern writes no inf or nan; past a float's range, 1e400,
+    # is a value's caveat too)
+    if kind == "float" and (_bounded(keys) or keys.get("multiple_of") is not None):
         raise _bounded_keys(keys)
     return {"float": NUMBER_KEY, "bool": "^(?:true|false)$"}.get(kind)
 
@@ -423,8 +425,9 @@ def _bounded_keys(keys: dict[str, Any]) -> NotBindable:
                                                      "allow_inf_nan", "max_digits",
                                                      "decimal_places") if k in keys)
     return NotBindable(f"a dict's keys of type {keys['type']} ({bounds}) are checked by "
-                       f"pydantic, and no pattern of the keys the grammar writes holds these "
-                       f"bounds: drop them from the key's type (check the key in the function)")
+                       f"pydantic, and agentflash builds no key pattern that holds these bounds "
+                       f"(only a sign's, of integers): drop them from the key's type (check the "
+                       f"key in the function)")
 
 
 _TEMPORAL_FORMATS = {"date": "date", "datetime": "date-time", "time": "time",
