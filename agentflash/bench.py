@@ -331,7 +331,7 @@ def _valid_answer(suite: str, item: Prompt, text: str) -> bool:
     their schemas; on ``json``: JSON valid under the prompt's schema."""
     import jsonschema
 
-    from agentflash.tool_format import parse_tool_calls, repeats_a_key
+    from agentflash.tool_format import loads_strict, parse_tool_calls, repeats_a_key
 
     if suite == "tool_call":
         calls, bad = parse_tool_calls(text)
@@ -341,9 +341,9 @@ def _valid_answer(suite: str, item: Prompt, text: str) -> bool:
             and jsonschema.Draft202012Validator(schemas[c.name]).is_valid(c.arguments)
             for c in calls
         )
-    try:
-        answer = json.loads(text)
-    except json.JSONDecodeError:
+    try:  # (a key given twice: JSON reads its last value, a stream shows the first)
+        answer = loads_strict(text, unique_keys=True)
+    except (ValueError, RecursionError):
         return False
     return jsonschema.Draft202012Validator(item.schema).is_valid(answer)
 

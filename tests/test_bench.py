@@ -414,6 +414,11 @@ def test_a_reply_to_a_tool_call_prompt_is_scored_as_its_labels_say():
     assert scored["known_name"] and not scored["arguments_valid"] and not scored["exact_match"]
     assert bench._valid_answer("tool_call", prompt, text(expected))  # (the bench's "valid")
     assert not bench._valid_answer("tool_call", prompt, f"<tool_call>\n{twice}\n</tool_call>")
+    # and a JSON answer's key given twice
+    json_prompt = bench.Prompt("json", [], [], schema={
+        "type": "object", "properties": {"unit": {"type": "array"}}, "required": ["unit"]})
+    assert bench._valid_answer("json", json_prompt, '{"unit": [1]}')
+    assert not bench._valid_answer("json", json_prompt, '{"unit": "no", "unit": [1]}')
     # a boolean written as its number (Python's == took them as equal): the schema refuses it
     prompt, flag = next((p, k) for p in bench.held_out_prompts("tool_call", 50)
                         for k, v in p.expected[0]["arguments"].items() if isinstance(v, bool))
