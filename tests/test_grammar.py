@@ -1577,9 +1577,24 @@ def test_schemas_take_no_keys_they_do_not_list_unless_they_say_so(tok):
     # and took invented keys, as any anyOf beside a ref counted as describing the object)
     ab = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}
     for either in ({"anyOf": [{"required": ["a"]}, {"required": ["b"]}]},
-                   {"allOf": [{"required": ["a"]}]}):
-        either_closed = close_objects({"$defs": {"m": ab}, "$ref": "#/$defs/m", **either})
+                   {"allOf": [{"required": ["a"]}]},
+                   {"$defs": {"ra": {"required": ["a"]}},
+                    "anyOf": [{"$ref": "#/$defs/ra"}, {"required": ["b"]}]}):
+        either_closed = close_objects({"$defs": {"m": ab, **either.pop("$defs", {})},
+                                       "$ref": "#/$defs/m", **either})
         assert either_closed["$defs"]["m"]["additionalProperties"] is False, either
+    # but beside a ref, a key it does not list, other keys allowed, or objects enumerated leave
+    # its object open (closed, each was refused as unsatisfiable, a tool dropped from a union)
+    for beside, text in (({"required": ["c"]}, '{"c": 1}'),
+                         ({"anyOf": [{"required": ["c"]}]}, '{"c": 1}'),
+                         ({"allOf": [{"additionalProperties": True}]}, '{"z": 1}'),
+                         ({"anyOf": [{"const": {"c": 1}}]}, '{"c": 1}'),
+                         ({"patternProperties": {"^x-": {"type": "integer"}}}, '{"x-y": 1}')):
+        schema = {"$defs": {"m": ab}, "$ref": "#/$defs/m", **beside}
+        jsonschema.validate(json.loads(text), schema)
+        ids = tok.encode(text, add_special_tokens=False)
+        assert compile_grammar(json_schema(schema), tok).new_constraint().validate_draft(
+            ids) == len(ids), beside
     # a ref no URI can be (the schema's checks name it: it was "not JSON-serialisable")
     with pytest.raises(GrammarError, match=r"#/allOf/0: Invalid URI reference 'http://\[/x'"):
         compile_grammar(json_schema({"$id": "https://e.x/s", "properties": {"a": {}},

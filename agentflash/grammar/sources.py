@@ -156,23 +156,40 @@ def _beside(node: dict, key: str) -> bool:
     return any(other in node for other in _DESCRIBING if other != key)
 
 
-def _adds_keys_beside(node: dict) -> bool:
-    """Whether something beside ``node``'s ``$ref`` may describe keys of the object: its
-    properties, or a composition's branch that lists, patterns, types or refers to keys (an
-    ``anyOf`` of ``required`` alone, "a or b", adds none: the target stays closed)."""
-    return "properties" in node or any(
-        _adds_keys(branch) for key in ("allOf", "anyOf", "oneOf")
-        for branch in (node.get(key) if isinstance(node.get(key), list) else []))
+# what says nothing of an object's keys: beside a ref, these leave its object closed
+_ANNOTATIONS = frozenset({"$defs", "definitions", "$id", "$schema", "$anchor", "$comment",
+                          "title", "description", "default", "examples", "deprecated",
+                          "readOnly", "writeOnly"})
 
 
-def _adds_keys(node: Any) -> bool:
-    if not isinstance(node, dict):
+def _neutral(node: Any, listed: set[str], resolve: Callable[[str], Any], depth: int = 0) -> bool:
+    """Whether ``node``, beside a ref whose object lists the keys ``listed``, says nothing of
+    that object's keys but which of ``listed`` it requires: ``required`` of them, ``type``
+    object, and compositions of such (through refs), as "a or b" (``anyOf`` of ``required``).
+    Anything else (properties, patterns, other keys, a const, an enum, ...) may describe keys
+    the ref's object does not list: it is then left open."""
+    if not isinstance(node, dict) or depth > 8:
         return False
-    if any(key in node for key in ("properties", "patternProperties", "unevaluatedProperties",
-                                   "$ref")) or isinstance(node.get("additionalProperties"), dict):
-        return True
-    return any(_adds_keys(branch) for key in ("allOf", "anyOf", "oneOf")
-               for branch in (node.get(key) if isinstance(node.get(key), list) else []))
+    for key, value in node.items():
+        if key in _ANNOTATIONS:
+            continue
+        if key == "required":
+            if not (isinstance(value, list) and set(value) <= listed):
+                return False
+        elif key == "type":
+            if value not in ("object", ["object"]):
+                return False
+        elif key in ("allOf", "anyOf", "oneOf"):
+            if not (isinstance(value, list)
+                    and all(_neutral(b, listed, resolve, depth + 1) for b in value)):
+                return False
+        elif key == "$ref":
+            if not (isinstance(value, str)
+                    and _neutral(resolve(value), listed, resolve, depth + 1)):
+                return False
+        else:
+            return False
+    return True
 
 
 def _shares(node: dict, key: str, shared: bool) -> bool:
@@ -186,11 +203,15 @@ def _shares(node: dict, key: str, shared: bool) -> bool:
 def _composing_refs(root: Any) -> set[int]:
     """The ids of the subschemas that a ``$ref`` describing an object together with other
     schemas points at, through refs to refs (an ``allOf`` branch's, a shared ``anyOf`` /
-    ``oneOf`` branch's, and one beside properties or another composition), however the ref is
+    ``oneOf`` branch's, and one beside anything but ``_neutral`` keywords), however the ref is
     spelled: a pointer anywhere in the schema, escaped or not, an anchor, or the root's own
     ``$id`` with a fragment. One pass: each node is walked at most once shared and once not."""
     anchors = anchor_index(root)
     own_id = root.get("$id") if isinstance(root, dict) else None
+
+    def resolve(ref: str) -> Any:
+        return resolve_ref(root, _local_ref(ref, own_id), anchors)
+
     found: set[int] = set()
     seen: set[tuple[int, bool]] = set()
     work: list[tuple[Any, bool]] = [(root, False)]
@@ -200,10 +221,13 @@ def _composing_refs(root: Any) -> set[int]:
             continue
         seen.add((id(node), shared))
         ref = node.get("$ref")
-        if isinstance(ref, str) and (shared or _adds_keys_beside(node)):
-            target = resolve_ref(root, _local_ref(ref, own_id), anchors)
-            if isinstance(target, dict):  # it describes the object with the others
-                found.add(id(target))
+        target = resolve(ref) if isinstance(ref, str) else None
+        if isinstance(target, dict):
+            listed = target.get("properties")
+            beside = {key: value for key, value in node.items() if key != "$ref"}
+            if shared or not _neutral(beside, set(listed or ()) if isinstance(listed, dict)
+                                      else set(), resolve):
+                found.add(id(target))  # it describes the object with the others
                 work.append((target, True))
         work += [(sub, _shares(node, key, shared)) for sub, key in _keyed_subschemas(node)]
     return found
