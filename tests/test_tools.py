@@ -1363,6 +1363,8 @@ def test_containers_pydantic_does_not_know_reach_the_model_as_json():
     import types
     from collections import UserString
 
+    import numpy as np
+
     from agentflash.runtime.tools import format_result
 
     d = {"a": 1, "b": 2}  # each was its repr: "dict_keys(['a', 'b'])", "<memory at 0x...>"
@@ -1374,6 +1376,9 @@ def test_containers_pydantic_does_not_know_reach_the_model_as_json():
                            # (a Sequence of UserStrings: a RecursionError)
                            (memoryview(array.array("i", [1, 2])), [1, 2]),
                            (memoryview(array.array("d", [1.5])), [1.5]),
+                           (memoryview(np.array([1.5], dtype=np.float16)), [1.5]),  # not in
+                           (memoryview(np.array([1, 2], dtype=">i4")), [1, 2]),  # tolist's
+
                            (UserString("hi"), "hi"), ({"k": UserString("hi")}, {"k": "hi"})):
         assert json.loads(format_result(value)) == written
     with pytest.raises(ValueError, match="are one key"):

@@ -422,8 +422,7 @@ def _integer_key(keys: dict[str, Any]) -> str:
 
 def _bounded_keys(keys: dict[str, Any]) -> NotBindable:
     bounds = ", ".join(f"{k}={keys[k]!r}" for k in ("ge", "gt", "le", "lt", "multiple_of",
-                                                     "allow_inf_nan", "max_digits",
-                                                     "decimal_places") if k in keys)
+                                                     "max_digits", "decimal_places") if k in keys)
     return NotBindable(f"a dict's keys of type {keys['type']} ({bounds}) are checked by "
                        f"pydantic, and agentflash builds no key pattern that holds these bounds "
                        f"(only a sign's, of integers): drop them from the key's type (check the "
@@ -559,7 +558,15 @@ def _fallback(value: Any) -> Any:
     if isinstance(value, UserString):  # a Sequence of UserStrings: list() never ended
         return str(value)
     if isinstance(value, memoryview):  # bytes written as bytes are, typed items as numbers
-        value = value.tobytes() if value.format in ("B", "b", "c") else value.tolist()
+        if value.format in ("B", "b", "c"):
+            value = value.tobytes()
+        else:
+            try:
+                value = value.tolist()
+            except NotImplementedError:  # a format tolist does not read: half floats, "<i4"
+                import numpy as np
+
+                return _fallback(np.asarray(value))
     elif isinstance(value, Mapping):  # a MappingProxyType
         value = dict(value)
     elif isinstance(value, (Sequence, Set, MappingView)):  # a range, an array, dict views
