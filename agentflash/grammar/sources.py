@@ -104,9 +104,9 @@ def close_objects(node: Any, close: bool = True) -> Any:
     schemas that describe one object together with others (closing each would forbid the
     others' keys): the branches of an ``allOf``, those of an ``anyOf`` / ``oneOf`` beside
     properties, a ``$ref`` or another composition, or in such a branch, and what such a branch,
-    or a ``$ref`` beside properties or branches that describe keys, names (by a pointer, an
-    anchor, or the root's ``$id``); and one of a ``const`` or an ``enum``, whose values are the
-    objects it may be."""
+    or a ``$ref`` beside anything but which of its keys are required (``_neutral``), names (by
+    a pointer, an anchor, or the root's ``$id``); and one of a ``const`` or an ``enum``, whose
+    values are the objects it may be."""
     node = _unshared(node)  # one dict at two places is two objects, each closed or not
     return _close(node, close, _composing_refs(node))
 
