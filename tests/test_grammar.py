@@ -1579,10 +1579,18 @@ def test_schemas_take_no_keys_they_do_not_list_unless_they_say_so(tok):
     for either in ({"anyOf": [{"required": ["a"]}, {"required": ["b"]}]},
                    {"allOf": [{"required": ["a"]}]},
                    {"$defs": {"ra": {"required": ["a"]}},
-                    "anyOf": [{"$ref": "#/$defs/ra"}, {"required": ["b"]}]}):
+                    "anyOf": [{"$ref": "#/$defs/ra"}, {"required": ["b"]}]},
+                   # what says nothing of keys (OpenAPI's nullable, an extension, a title,
+                   # a minProperties within its keys) kept it open, and took invented keys
+                   {"nullable": True, "x-order": 1, "title": "T", "minProperties": 1}):
         either_closed = close_objects({"$defs": {"m": ab, **either.pop("$defs", {})},
                                        "$ref": "#/$defs/m", **either})
         assert either_closed["$defs"]["m"]["additionalProperties"] is False, either
+    alias = close_objects({"$defs": {"m": ab, "alias": {"$ref": "#/$defs/m"}},
+                           "$ref": "#/$defs/alias", "required": ["a"]})  # (keys through refs)
+    assert alias["$defs"]["m"]["additionalProperties"] is False
+    with pytest.raises(GrammarError, match=r"#/required/0: not a valid JSON Schema"):
+        json_schema({"$defs": {"m": ab}, "$ref": "#/$defs/m", "required": [["a"]]})
     # but beside a ref, a key it does not list, other keys allowed, or objects enumerated leave
     # its object open (closed, each was refused as unsatisfiable, a tool dropped from a union)
     for beside, text in (({"required": ["c"]}, '{"c": 1}'),

@@ -104,7 +104,7 @@ def close_objects(node: Any, close: bool = True) -> Any:
     schemas that describe one object together with others (closing each would forbid the
     others' keys): the branches of an ``allOf``, those of an ``anyOf`` / ``oneOf`` beside
     properties, a ``$ref`` or another composition, or in such a branch, and what such a branch,
-    or a ``$ref`` beside anything but which of its keys are required (``_neutral``), names (by
+    or a ``$ref`` beside what may admit other keys (``_neutral``), names (by
     a pointer, an anchor, or the root's ``$id``); and one of a ``const`` or an ``enum``, whose
     values are the objects it may be."""
     node = _unshared(node)  # one dict at two places is two objects, each closed or not
@@ -140,7 +140,7 @@ def _close(node: Any, close: bool, composing: set[int]) -> Any:
         and "const" not in node  # its values say what the object holds: closing could
         and "enum" not in node  # refuse every one (a const with a key it does not list)
         and isinstance(required, list)
-        and all(name in listed for name in required)
+        and all(isinstance(name, str) and name in listed for name in required)
     ):
         out["additionalProperties"] = False
     return out
@@ -156,40 +156,60 @@ def _beside(node: dict, key: str) -> bool:
     return any(other in node for other in _DESCRIBING if other != key)
 
 
-# what says nothing of an object's keys: beside a ref, these leave its object closed
-_ANNOTATIONS = frozenset({"$defs", "definitions", "$id", "$schema", "$anchor", "$comment",
-                          "title", "description", "default", "examples", "deprecated",
-                          "readOnly", "writeOnly"})
+# keywords that may let an object have keys beside a ref's object's (or ask for them): beside
+# the ref, they leave its object open; any other keyword (a title, `nullable`, bounds of other
+# types, `maxProperties`) leaves it closed
+_ADMITS_KEYS = frozenset({"properties", "patternProperties", "additionalProperties",
+                          "unevaluatedProperties", "propertyNames", "dependentSchemas",
+                          "dependencies", "dependentRequired", "if", "then", "else", "not",
+                          "const", "enum", "$dynamicRef"})
 
 
-def _neutral(node: Any, listed: set[str], resolve: Callable[[str], Any], depth: int = 0) -> bool:
-    """Whether ``node``, beside a ref whose object lists the keys ``listed``, says nothing of
-    that object's keys but which of ``listed`` it requires: ``required`` of them, ``type``
-    object, and compositions of such (through refs), as "a or b" (``anyOf`` of ``required``).
-    Anything else (properties, patterns, other keys, a const, an enum, ...) may describe keys
-    the ref's object does not list: it is then left open."""
-    if not isinstance(node, dict) or depth > 8:
+def _neutral(node: Any, listed: frozenset[str], resolve: Callable[[str], Any],
+             memo: dict[tuple[int, frozenset[str]], bool], depth: int = 0) -> bool:
+    """Whether ``node``, beside a ref whose object lists the keys ``listed``, asks for no key
+    but those: ``required`` of them, ``minProperties`` within their number, keywords of
+    ``_ADMITS_KEYS`` nowhere, compositions of such (through refs), as "a or b" (``anyOf`` of
+    ``required``). Memoized per node and keys (refs fan out)."""
+    if not isinstance(node, dict):
+        return node is True
+    if depth > 16:
         return False
-    for key, value in node.items():
-        if key in _ANNOTATIONS:
-            continue
-        if key == "required":
-            if not (isinstance(value, list) and set(value) <= listed):
-                return False
-        elif key == "type":
-            if value not in ("object", ["object"]):
-                return False
-        elif key in ("allOf", "anyOf", "oneOf"):
-            if not (isinstance(value, list)
-                    and all(_neutral(b, listed, resolve, depth + 1) for b in value)):
-                return False
-        elif key == "$ref":
-            if not (isinstance(value, str)
-                    and _neutral(resolve(value), listed, resolve, depth + 1)):
-                return False
-        else:
-            return False
-    return True
+    key = (id(node), listed)
+    if key not in memo:
+        memo[key] = False  # (a ref back to it: open)
+        memo[key] = all(_neutral_keyword(k, v, listed, resolve, memo, depth)
+                        for k, v in node.items())
+    return memo[key]
+
+
+def _neutral_keyword(key: str, value: Any, listed: frozenset[str],
+                     resolve: Callable[[str], Any],
+                     memo: dict[tuple[int, frozenset[str]], bool], depth: int) -> bool:
+    if key == "required":
+        return isinstance(value, list) and all(isinstance(v, str) and v in listed for v in value)
+    if key == "minProperties":
+        return isinstance(value, int) and value <= len(listed)
+    if key in ("allOf", "anyOf", "oneOf"):
+        return isinstance(value, list) and all(
+            _neutral(branch, listed, resolve, memo, depth + 1) for branch in value)
+    if key == "$ref":
+        return isinstance(value, str) and _neutral(resolve(value), listed, resolve, memo,
+                                                   depth + 1)
+    return key not in _ADMITS_KEYS
+
+
+def _listed_keys(target: Any, resolve: Callable[[str], Any]) -> frozenset[str]:
+    """The keys the object a ref reaches lists, through refs to refs."""
+    for _ in range(16):
+        if not isinstance(target, dict):
+            break
+        if isinstance(target.get("properties"), dict):
+            return frozenset(target["properties"])
+        if not isinstance(target.get("$ref"), str):
+            break
+        target = resolve(target["$ref"])
+    return frozenset()
 
 
 def _shares(node: dict, key: str, shared: bool) -> bool:
@@ -214,6 +234,7 @@ def _composing_refs(root: Any) -> set[int]:
 
     found: set[int] = set()
     seen: set[tuple[int, bool]] = set()
+    memo: dict[tuple[int, frozenset[str]], bool] = {}
     work: list[tuple[Any, bool]] = [(root, False)]
     while work:
         node, shared = work.pop()
@@ -223,10 +244,8 @@ def _composing_refs(root: Any) -> set[int]:
         ref = node.get("$ref")
         target = resolve(ref) if isinstance(ref, str) else None
         if isinstance(target, dict):
-            listed = target.get("properties")
             beside = {key: value for key, value in node.items() if key != "$ref"}
-            if shared or not _neutral(beside, set(listed or ()) if isinstance(listed, dict)
-                                      else set(), resolve):
+            if shared or not _neutral(beside, _listed_keys(target, resolve), resolve, memo):
                 found.add(id(target))  # it describes the object with the others
                 work.append((target, True))
         work += [(sub, _shares(node, key, shared)) for sub, key in _keyed_subschemas(node)]
