@@ -1360,6 +1360,7 @@ def test_tensors_and_keys_that_meet_in_json_reach_the_model_whole_or_refused():
 
 def test_containers_pydantic_does_not_know_reach_the_model_as_json():
     import array
+    import ctypes
     import types
     from collections import UserString
 
@@ -1378,6 +1379,7 @@ def test_containers_pydantic_does_not_know_reach_the_model_as_json():
                            (memoryview(array.array("d", [1.5])), [1.5]),
                            (memoryview(np.array([1.5], dtype=np.float16)), [1.5]),  # not in
                            (memoryview(np.array([1, 2], dtype=">i4")), [1, 2]),  # tolist's
+                           (memoryview(ctypes.create_string_buffer(b"hi", 2)), "hi"),  # "<c"
 
                            (UserString("hi"), "hi"), ({"k": UserString("hi")}, {"k": "hi"})):
         assert json.loads(format_result(value)) == written

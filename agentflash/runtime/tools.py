@@ -421,8 +421,8 @@ def _integer_key(keys: dict[str, Any]) -> str:
 
 
 def _bounded_keys(keys: dict[str, Any]) -> NotBindable:
-    bounds = ", ".join(f"{k}={keys[k]!r}" for k in ("ge", "gt", "le", "lt", "multiple_of",
-                                                     "max_digits", "decimal_places") if k in keys)
+    bounds = ", ".join(f"{k}={keys[k]!r}" for k in ("ge", "gt", "le", "lt", "multiple_of")
+                       if k in keys)  # (a Decimal's digits its pattern holds)
     return NotBindable(f"a dict's keys of type {keys['type']} ({bounds}) are checked by "
                        f"pydantic, and agentflash builds no key pattern that holds these bounds "
                        f"(only a sign's, of integers): drop them from the key's type (check the "
@@ -558,7 +558,7 @@ def _fallback(value: Any) -> Any:
     if isinstance(value, UserString):  # a Sequence of UserStrings: list() never ended
         return str(value)
     if isinstance(value, memoryview):  # bytes written as bytes are, typed items as numbers
-        if value.format in ("B", "b", "c"):
+        if value.format.lstrip("@=<>!") in ("B", "b", "c"):
             value = value.tobytes()
         else:
             try:
@@ -566,7 +566,10 @@ def _fallback(value: Any) -> Any:
             except NotImplementedError:  # a format tolist does not read: half floats, "<i4"
                 import numpy as np
 
-                return _fallback(np.asarray(value))
+                try:
+                    return _fallback(np.asarray(value))
+                except (ValueError, TypeError):  # nor numpy: ctypes' "<u", "<P"
+                    value = value.tobytes()
     elif isinstance(value, Mapping):  # a MappingProxyType
         value = dict(value)
     elif isinstance(value, (Sequence, Set, MappingView)):  # a range, an array, dict views
