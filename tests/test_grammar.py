@@ -1586,6 +1586,15 @@ def test_schemas_take_no_keys_they_do_not_list_unless_they_say_so(tok):
         either_closed = close_objects({"$defs": {"m": ab, **either.pop("$defs", {})},
                                        "$ref": "#/$defs/m", **either})
         assert either_closed["$defs"]["m"]["additionalProperties"] is False, either
+    # a chain of 20 compositions to "required a": read through, whatever met it first (a
+    # verdict cut at a depth was kept, and the order of two properties opened the object)
+    chain = {"m": ab, "r20": {"required": ["a"]}} | {
+        f"r{i}": {"allOf": [{"$ref": f"#/$defs/r{i + 1}"}]} for i in range(20)}
+    short = {"$ref": "#/$defs/m", "allOf": [{"$ref": "#/$defs/r15"}]}
+    deep = {"$ref": "#/$defs/m", "allOf": [{"$ref": "#/$defs/r0"}]}
+    for props in ({"s": short, "d": deep}, {"d": deep, "s": short}):
+        ordered = close_objects({"$defs": chain, "type": "object", "properties": props})
+        assert ordered["$defs"]["m"]["additionalProperties"] is False, list(props)
     alias = close_objects({"$defs": {"m": ab, "alias": {"$ref": "#/$defs/m"}},
                            "$ref": "#/$defs/alias", "required": ["a"]})  # (keys through refs)
     assert alias["$defs"]["m"]["additionalProperties"] is False

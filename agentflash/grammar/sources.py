@@ -166,37 +166,45 @@ _ADMITS_KEYS = frozenset({"properties", "patternProperties", "additionalProperti
 
 
 def _neutral(node: Any, listed: frozenset[str], resolve: Callable[[str], Any],
-             memo: dict[tuple[int, frozenset[str]], bool], depth: int = 0) -> bool:
+             memo: dict[tuple[int, frozenset[str]], bool]) -> bool:
     """Whether ``node``, beside a ref whose object lists the keys ``listed``, asks for no key
     but those: ``required`` of them, ``minProperties`` within their number, keywords of
     ``_ADMITS_KEYS`` nowhere, compositions of such (through refs), as "a or b" (``anyOf`` of
-    ``required``). Memoized per node and keys (refs fan out)."""
+    ``required``). Memoized per node and keys (refs fan out), whatever the path to it."""
     if not isinstance(node, dict):
         return node is True
-    if depth > 16:
-        return False
     key = (id(node), listed)
     if key not in memo:
-        memo[key] = False  # (a ref back to it: open)
-        memo[key] = all(_neutral_keyword(k, v, listed, resolve, memo, depth)
-                        for k, v in node.items())
+        memo[key] = False  # (a ref back to it while it is read: open)
+        memo[key] = all(_neutral_keyword(k, v, listed, resolve, memo) for k, v in node.items())
     return memo[key]
 
 
 def _neutral_keyword(key: str, value: Any, listed: frozenset[str],
                      resolve: Callable[[str], Any],
-                     memo: dict[tuple[int, frozenset[str]], bool], depth: int) -> bool:
+                     memo: dict[tuple[int, frozenset[str]], bool]) -> bool:
     if key == "required":
         return isinstance(value, list) and all(isinstance(v, str) and v in listed for v in value)
     if key == "minProperties":
         return isinstance(value, int) and value <= len(listed)
     if key in ("allOf", "anyOf", "oneOf"):
         return isinstance(value, list) and all(
-            _neutral(branch, listed, resolve, memo, depth + 1) for branch in value)
+            _neutral(branch, listed, resolve, memo) for branch in value)
     if key == "$ref":
-        return isinstance(value, str) and _neutral(resolve(value), listed, resolve, memo,
-                                                   depth + 1)
+        return isinstance(value, str) and _neutral(resolve(value), listed, resolve, memo)
     return key not in _ADMITS_KEYS
+
+
+def _neutral_beside(node: dict, target: Any, resolve: Callable[[str], Any],
+                    memo: dict[tuple[int, frozenset[str]], bool]) -> bool:
+    """Whether ``node``'s keywords beside its ``$ref`` (to ``target``) are ``_neutral``; a chain
+    of refs past Python's recursion is not (its object is left open)."""
+    listed = _listed_keys(target, resolve)
+    try:  # (the siblings' own dict, made here, is not kept in the memo)
+        return all(_neutral_keyword(key, value, listed, resolve, memo)
+                   for key, value in node.items() if key != "$ref")
+    except RecursionError:
+        return False
 
 
 def _listed_keys(target: Any, resolve: Callable[[str], Any]) -> frozenset[str]:
@@ -244,8 +252,7 @@ def _composing_refs(root: Any) -> set[int]:
         ref = node.get("$ref")
         target = resolve(ref) if isinstance(ref, str) else None
         if isinstance(target, dict):
-            beside = {key: value for key, value in node.items() if key != "$ref"}
-            if shared or not _neutral(beside, _listed_keys(target, resolve), resolve, memo):
+            if shared or not _neutral_beside(node, target, resolve, memo):
                 found.add(id(target))  # it describes the object with the others
                 work.append((target, True))
         work += [(sub, _shares(node, key, shared)) for sub, key in _keyed_subschemas(node)]
