@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import random
 import re
+import sys
 from pathlib import Path
 
 import hypothesis
@@ -1595,6 +1596,25 @@ def test_schemas_take_no_keys_they_do_not_list_unless_they_say_so(tok):
     for props in ({"s": short, "d": deep}, {"d": deep, "s": short}):
         ordered = close_objects({"$defs": chain, "type": "object", "properties": props})
         assert ordered["$defs"]["m"]["additionalProperties"] is False, list(props)
+    # past Python's recursion a chain leaves its ref's object open, and no other's: a shorter
+    # chain into its middle is read through whichever property comes first
+    n = 150  # (about 8 frames a link: past the limit set below at about 125 links)
+    long = {f"r{n}": {"required": ["a"]}} | {
+        f"r{i}": {"allOf": [{"$ref": f"#/$defs/r{i + 1}"}]} for i in range(n)}
+    deep = {"$ref": "#/$defs/m1", "allOf": [{"$ref": "#/$defs/r0"}]}
+    mid = {"$ref": "#/$defs/m2", "allOf": [{"$ref": f"#/$defs/r{n - 60}"}]}
+    depth, frame = 0, sys._getframe()
+    while frame is not None:
+        depth, frame = depth + 1, frame.f_back
+    limit = sys.getrecursionlimit()
+    for props in ({"d": deep, "s": mid}, {"s": mid, "d": deep}):
+        sys.setrecursionlimit(depth + 1000)  # 150 links past it, 60 within it
+        try:
+            ordered = close_objects({"$defs": {"m1": ab, "m2": dict(ab)} | long,
+                                     "type": "object", "properties": props})
+        finally:
+            sys.setrecursionlimit(limit)
+        assert ordered["$defs"]["m2"]["additionalProperties"] is False, list(props)
     alias = close_objects({"$defs": {"m": ab, "alias": {"$ref": "#/$defs/m"}},
                            "$ref": "#/$defs/alias", "required": ["a"]})  # (keys through refs)
     assert alias["$defs"]["m"]["additionalProperties"] is False

@@ -176,7 +176,12 @@ def _neutral(node: Any, listed: frozenset[str], resolve: Callable[[str], Any],
     key = (id(node), listed)
     if key not in memo:
         memo[key] = False  # (a ref back to it while it is read: open)
-        memo[key] = all(_neutral_keyword(k, v, listed, resolve, memo) for k, v in node.items())
+        try:
+            memo[key] = all(_neutral_keyword(k, v, listed, resolve, memo)
+                            for k, v in node.items())
+        except RecursionError:  # not read through: no verdict to keep for another path
+            del memo[key]
+            raise
     return memo[key]
 
 
@@ -198,7 +203,7 @@ def _neutral_keyword(key: str, value: Any, listed: frozenset[str],
 def _neutral_beside(node: dict, target: Any, resolve: Callable[[str], Any],
                     memo: dict[tuple[int, frozenset[str]], bool]) -> bool:
     """Whether ``node``'s keywords beside its ``$ref`` (to ``target``) are ``_neutral``; a chain
-    of refs past Python's recursion is not (its object is left open)."""
+    of refs past what Python's recursion reads from here is not (its object is left open)."""
     listed = _listed_keys(target, resolve)
     try:  # (the siblings' own dict, made here, is not kept in the memo)
         return all(_neutral_keyword(key, value, listed, resolve, memo)
