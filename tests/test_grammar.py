@@ -1615,6 +1615,15 @@ def test_schemas_take_no_keys_they_do_not_list_unless_they_say_so(tok):
         finally:
             sys.setrecursionlimit(limit)
         assert ordered["$defs"]["m2"]["additionalProperties"] is False, list(props)
+    # "a or b" written inline closes its object too (any composition kept it open: invented
+    # keys were taken), and each of a and b still may be written
+    for inline in ({"anyOf": [{"required": ["a"]}, {"required": ["b"]}]},
+                   {"allOf": [{"required": ["a"]}]}):
+        grammar = compile_grammar(json_schema({**ab, **inline}), tok)
+        invented = tok.encode('{"a": 1, "zz": 2}', add_special_tokens=False)
+        assert grammar.new_constraint().validate_draft(invented) < len(invented), inline
+        written = tok.encode('{"a": 1}', add_special_tokens=False) + [tok.eos_token_id]
+        assert grammar.new_constraint().validate_draft(written) == len(written), inline
     alias = close_objects({"$defs": {"m": ab, "alias": {"$ref": "#/$defs/m"}},
                            "$ref": "#/$defs/alias", "required": ["a"]})  # (keys through refs)
     assert alias["$defs"]["m"]["additionalProperties"] is False

@@ -100,7 +100,8 @@ def close_objects(node: Any, close: bool = True) -> Any:
     what outlines and xgrammar generate by default. JSON Schema lets an object have any keys it
     does not mention, and a model given that freedom invents them (the demo model adds keys to
     its answers until max tokens, and arguments the tool does not take). Left open: an object
-    that says anything about other keys, one that requires a key it does not list, and the
+    that says anything about other keys (but compositions that only say which of its keys it
+    requires, "a or b": ``_neutral``), one that requires a key it does not list, and the
     schemas that describe one object together with others (closing each would forbid the
     others' keys): the branches of an ``allOf``, those of an ``anyOf`` / ``oneOf`` beside
     properties, a ``$ref`` or another composition, or in such a branch, and what such a branch,
@@ -108,7 +109,8 @@ def close_objects(node: Any, close: bool = True) -> Any:
     a pointer, an anchor, or the root's ``$id``); and one of a ``const`` or an ``enum``, whose
     values are the objects it may be."""
     node = _unshared(node)  # one dict at two places is two objects, each closed or not
-    return _close(node, close, _composing_refs(node))
+    composing, closable = _composition(node)
+    return _close(node, close, composing, closable)
 
 
 def _unshared(node: Any) -> Any:
@@ -121,14 +123,14 @@ def _unshared(node: Any) -> Any:
     return node
 
 
-def _close(node: Any, close: bool, composing: set[int]) -> Any:
+def _close(node: Any, close: bool, composing: set[int], closable: set[int]) -> Any:
     if not isinstance(node, dict):
         return node
 
     close = close and id(node) not in composing  # a ref describing it with others names it
 
     def each(sub: Any, key: str) -> Any:
-        return _close(sub, not _shares(node, key, not close), composing)
+        return _close(sub, not _shares(node, key, not close), composing, closable)
 
     out = with_subschemas(node, each)
     listed = out.get("properties")
@@ -136,7 +138,8 @@ def _close(node: Any, close: bool, composing: set[int]) -> Any:
     if (
         close
         and isinstance(listed, dict)
-        and not any(key in node for key in _OPEN_ENDED)
+        # (its compositions may say which of its keys it requires: "a or b" inline)
+        and (not any(key in node for key in _OPEN_ENDED) or id(node) in closable)
         and "const" not in node  # its values say what the object holds: closing could
         and "enum" not in node  # refuse every one (a const with a key it does not list)
         and isinstance(required, list)
@@ -233,12 +236,15 @@ def _shares(node: dict, key: str, shared: bool) -> bool:
     return key == "allOf" or (key in ("anyOf", "oneOf") and (shared or _beside(node, key)))
 
 
-def _composing_refs(root: Any) -> set[int]:
+def _composition(root: Any) -> tuple[set[int], set[int]]:
     """The ids of the subschemas that a ``$ref`` describing an object together with other
     schemas points at, through refs to refs (an ``allOf`` branch's, a shared ``anyOf`` /
     ``oneOf`` branch's, and one beside anything but ``_neutral`` keywords), however the ref is
     spelled: a pointer anywhere in the schema, escaped or not, an anchor, or the root's own
-    ``$id`` with a fragment. One pass: each node is walked at most once shared and once not."""
+    ``$id`` with a fragment; and the ids of the objects listing properties whose own
+    compositions (no ref, no other open-ended keyword) are ``_neutral`` to them, as "a or b"
+    written inline: closable. One pass: each node is walked at most once shared and once
+    not."""
     anchors = anchor_index(root)
     own_id = root.get("$id") if isinstance(root, dict) else None
 
@@ -246,6 +252,7 @@ def _composing_refs(root: Any) -> set[int]:
         return resolve_ref(root, _local_ref(ref, own_id), anchors)
 
     found: set[int] = set()
+    closable: set[int] = set()
     seen: set[tuple[int, bool]] = set()
     memo: dict[tuple[int, frozenset[str]], bool] = {}
     work: list[tuple[Any, bool]] = [(root, False)]
@@ -260,8 +267,26 @@ def _composing_refs(root: Any) -> set[int]:
             if shared or not _neutral_beside(node, target, resolve, memo):
                 found.add(id(target))  # it describes the object with the others
                 work.append((target, True))
+        elif _neutral_compositions(node, resolve, memo):
+            closable.add(id(node))
         work += [(sub, _shares(node, key, shared)) for sub, key in _keyed_subschemas(node)]
-    return found
+    return found, closable
+
+
+def _neutral_compositions(node: dict, resolve: Callable[[str], Any],
+                          memo: dict[tuple[int, frozenset[str]], bool]) -> bool:
+    """Whether ``node`` lists properties and its only open-ended keywords are compositions
+    ``_neutral`` to them."""
+    listed = node.get("properties")
+    own = [key for key in _OPEN_ENDED if key in node]
+    if not isinstance(listed, dict) or not own or any(
+            key not in ("allOf", "anyOf", "oneOf") for key in own):
+        return False
+    try:
+        return all(_neutral_keyword(key, node[key], frozenset(listed), resolve, memo)
+                   for key in own)
+    except RecursionError:
+        return False
 
 
 def _keyed_subschemas(node: dict) -> list[tuple[Any, str]]:
