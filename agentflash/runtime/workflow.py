@@ -48,7 +48,7 @@ from agentflash.runtime.templates import references, render_text, render_value
 from agentflash.runtime.tools import FunctionTool, HttpTool, Tool, function_tool, no_parameters
 from agentflash.runtime.tracing import Span, SpanKind, Tracer
 from agentflash.runtime.yaml_source import Keys, YamlDoc, load_yaml
-from agentflash.tool_format import unique_object
+from agentflash.tool_format import RepeatedKey, unique_object
 
 # in the package, so that an installed copy has it (the repository's schemas/ links to it)
 SCHEMA_PATH = Path(__file__).resolve().parents[1] / "schemas" / "workflow.schema.json"
@@ -343,9 +343,10 @@ def _convert(name: str, text: str, schema: dict[str, Any]) -> Any:
     for kind in sorted(set(kinds) & set(_KINDS), key=_KINDS.index):
         try:
             readings.append(_convert_one(kind, text))
-        except (ValueError, json.JSONDecodeError) as err:
-            if "given twice" in str(err):  # JSON, but of a key given twice: say which
-                twice = f" ({err})"
+        except RepeatedKey as err:  # JSON, but of a key given twice: say which
+            twice = f" ({err})"
+        except (ValueError, json.JSONDecodeError):
+            pass
     if not readings or twice:  # (JSON of a key given twice is no text meant as a string)
         raise UserError(f"input {name!r} must be of type {' or '.join(kinds)}, got "
                         f"{text!r}{twice}")
