@@ -1184,6 +1184,46 @@ def test_an_input_of_several_types_takes_the_reading_its_schema_takes_and_keeps_
         wf.resolve_inputs({**given, "m": "1"})
 
 
+def test_an_inputs_format_is_checked_on_what_is_given_and_on_its_default(tmp_path):
+    # a default "tomorrow" of a date passed validate, and --input when=2024-02-30 reached the
+    # prompt: formats are checked as a tool's arguments and an agent's answer are
+    path = write(tmp_path, """\
+        version: 1
+        name: t
+        inputs:
+          when: {type: string, format: date, default: "2024-02-29"}
+          mail: {type: string, format: email}
+          trip: {type: object, properties: {back: {type: string, format: date-time}}}
+        agents:
+          a: {instructions: You help.}
+        steps:
+          - {id: s, agent: a, input: "{{ inputs.when }} {{ inputs.mail }} {{ inputs.trip }}"}
+        """)
+    wf = load_workflow(path)
+    given = {"mail": "ann@example.com", "trip": '{"back": "2024-03-01T10:00:00Z"}'}
+    assert wf.resolve_inputs(given) == {"when": "2024-02-29", "mail": "ann@example.com",
+                                        "trip": {"back": "2024-03-01T10:00:00Z"}}
+    for values, message in (({"when": "2024-02-30"}, "input 'when': '2024-02-30' is not a "
+                                                     "'date'"),
+                            ({"when": "2023-02-29"}, "input 'when': '2023-02-29' is not a "
+                                                     "'date'"),
+                            ({"mail": "not an email"}, "input 'mail': 'not an email' is not "
+                                                       "a 'email'"),
+                            ({"trip": '{"back": "2024-02-30T10:00:00Z"}'},
+                             "input 'trip': '2024-02-30T10:00:00Z' is not a 'date-time'")):
+        with pytest.raises(UserError, match=re.escape(f"{path}: {message}")):
+            wf.resolve_inputs({**given, **values})
+    result = CliRunner().invoke(app, ["run", str(path), "-i", "when=2024-02-30",
+                                      "-i", "mail=ann@example.com", "-i", "trip={}"])
+    assert result.exit_code == 2 and result.stdout == ""
+    assert result.stderr.splitlines() == [
+        f"error: {path}: input 'when': '2024-02-30' is not a 'date'"]
+    bad = write(tmp_path, path.read_text().replace('"2024-02-29"', "tomorrow"), "bad.yaml")
+    result = CliRunner().invoke(app, ["validate", str(bad)])
+    assert result.exit_code == 2 and result.stderr.splitlines() == [
+        f"error: {bad}:4: inputs.when.default: 'tomorrow' is not a 'date'"]
+
+
 def _adding_workflow(tmp_path, module):
     """A workflow on the demo model whose one agent must call ``module``'s add."""
     return write(tmp_path, f"""\

@@ -40,6 +40,7 @@ from agentflash.backends.base import (
 )
 from agentflash.engine.limits import limit_problems
 from agentflash.errors import UserError, UserErrors
+from agentflash.json_formats import error_message, format_checker
 from agentflash.runtime import events as ev
 from agentflash.runtime.agent import Agent, output_spec
 from agentflash.runtime.errors import OutputsFailed, StepFailed
@@ -90,8 +91,6 @@ class Workflow:
     def resolve_inputs(self, given: dict[str, Any] | None = None) -> dict[str, Any]:
         """Inputs from ``given`` (strings from the command line are converted to the declared
         type), defaults for the rest, each checked against its schema."""
-        from jsonschema import Draft202012Validator
-
         given = dict(given or {})
         unknown = sorted(set(given) - set(self.inputs))
         if unknown:
@@ -114,9 +113,9 @@ class Workflow:
             if not _finite_json(value):  # a default of .nan or [.inf], a value given in Python
                 raise UserError(f"{self.path}: input {name!r} holds NaN or an infinity, which "
                                 f"JSON has no number for")
-            errors = list(Draft202012Validator(schema).iter_errors(value))
+            errors = list(_input_validator(schema).iter_errors(value))
             if errors:
-                raise UserError(f"{self.path}: input {name!r}: {errors[0].message}")
+                raise UserError(f"{self.path}: input {name!r}: {error_message(errors[0])}")
             values[name] = value
         return values
 
@@ -336,8 +335,6 @@ def _convert(name: str, text: str, schema: dict[str, Any]) -> Any:
     of which the text is JSON (``"01234"`` stays a string where a string may be one, not 1234;
     ``"1"`` is 1, not true, where both may be); else the first the schema takes; else the first
     (whose error the check then reports)."""
-    from jsonschema import Draft202012Validator
-
     kinds = list(dict.fromkeys(_kinds(schema, schema) or ["string"]))
     readings, twice = [], ""
     for kind in sorted(set(kinds) & set(_KINDS), key=_KINDS.index):
@@ -350,11 +347,22 @@ def _convert(name: str, text: str, schema: dict[str, Any]) -> Any:
     if not readings or twice:  # (JSON of a key given twice is no text meant as a string)
         raise UserError(f"input {name!r} must be of type {' or '.join(kinds)}, got "
                         f"{text!r}{twice}")
-    validator = Draft202012Validator(schema)
+    validator = _input_validator(schema)
     taken = [value for value in readings if validator.is_valid(value)]
     kept = [value for value in taken if isinstance(value, str | list | dict)
             or _is_json_of(text, value)]
     return (kept or taken or readings)[0]
+
+
+def _input_validator(schema: dict[str, Any]) -> Any:
+    """The check of an input's value (given or its default) against its schema, formats
+    included as a tool's arguments and an agent's answer are checked: a ``date`` one of the
+    calendar's days, an ``email`` an address."""
+    from jsonschema import Draft202012Validator
+
+    from agentflash.grammar.sources import exact_dates
+
+    return Draft202012Validator(exact_dates(schema), format_checker=format_checker())
 
 
 def _is_json_of(text: str, value: Any) -> bool:
@@ -745,8 +753,8 @@ class _Builder:
                     self.problems.add(("inputs", name, "default"), "holds NaN or an infinity, "
                                       "which JSON has no number for")
                     continue
-                for err in Draft202012Validator(schema).iter_errors(schema["default"]):
-                    self.problems.add(("inputs", name, "default"), err.message)
+                for err in _input_validator(schema).iter_errors(schema["default"]):
+                    self.problems.add(("inputs", name, "default"), error_message(err))
         return inputs
 
     def tools(self) -> dict[str, Tool]:
