@@ -21,6 +21,7 @@ from jsonschema import Draft202012Validator
 from pydantic import BaseModel, Field, FiniteFloat
 
 from agentflash.errors import UserError
+from agentflash.runtime import Agent
 from agentflash.runtime.tools import (
     HttpTool,
     ToolArgumentsError,
@@ -552,6 +553,64 @@ def test_bad_tool_definitions_are_user_errors():
 
     called = anyio.run(run_tool, tool(named_like_properties), {"model_extra": 42})
     assert called.output == "42 7"
+
+
+def test_a_method_decorated_in_its_class_is_refused_as_unbound_naming_what_works():
+    # "parameter 'self' has no type hint" invited a hint, which put self into the schema
+    with pytest.raises(UserError) as err:
+        class Weather:
+            @tool
+            def get(self, city: str) -> str:
+                return city
+    assert str(err.value) == (
+        "test_a_method_decorated_in_its_class_is_refused_as_unbound_naming_what_works.<locals>"
+        ".Weather.get: is an unbound method (its first parameter 'self' is no argument a model "
+        "can give): pass the bound method instead (obj.get of an instance obj = Weather(...), "
+        "as tool(obj.get) or Agent(tools=[...])), or make it a @staticmethod without self")
+
+    class Forecast:  # self with a hint too (which put it into the schema)
+        def __init__(self, days: int):
+            self.days = days
+
+        def get(self: object, city: str) -> str:
+            return f"{city} {self.days}"
+
+        def make(cls, city: str) -> str:
+            return city
+
+        @classmethod
+        def of(cls, city: str) -> str:
+            return city
+
+        @staticmethod
+        def plain(city: str) -> str:
+            return city
+
+    for method, first in ((Forecast.get, "self"), (Forecast.make, "cls")):
+        with pytest.raises(UserError, match=f"is an unbound method .*first parameter '{first}'"):
+            tool(method)
+    with pytest.raises(UserError, match=r"\(Forecast\.make of a @classmethod, as tool\("):
+        tool(Forecast.make)
+    # what the message names works: the bound method, a classmethod's, a staticmethod
+    obj = Forecast(3)
+    for made in (tool(obj.get), tool(Forecast.of), tool(Forecast.plain)):
+        assert list(made.parameters["properties"]) == ["city"]
+    assert anyio.run(run_tool, tool(obj.get), {"city": "Oslo"}).output == "Oslo 3"
+    (given,) = Agent(name="a", tools=[obj.get]).tools
+    assert list(given.parameters["properties"]) == ["city"]
+
+    class Cities:
+        @tool
+        @staticmethod
+        def count(city: str) -> int:
+            return len(city)
+
+    assert list(Cities.count.parameters["properties"]) == ["city"]
+
+    def self_named(self: int) -> int:  # a function's own parameter named self: no method
+        return self
+
+    assert list(tool(self_named).parameters["properties"]) == ["self"]
 
 
 def test_the_schema_binds_what_pydantic_checks_and_arguments_are_read_as_json():

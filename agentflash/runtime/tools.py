@@ -832,6 +832,41 @@ def _validation_message(name: str, err: pydantic.ValidationError) -> str:
     return f"invalid arguments for {name}: " + "; ".join(problems)
 
 
+def _in_a_class(fn: Any) -> bool:
+    """Whether ``fn`` is a plain function defined in a class's body (its ``__qualname__``
+    ``W.get`` or ``f.<locals>.W.get``, not ``get`` nor ``f.<locals>.get``)."""
+    if not inspect.isfunction(fn):  # a bound method's self is no parameter of its signature
+        return False
+    parts = getattr(fn, "__qualname__", "").split(".")
+    return len(parts) >= 2 and parts[-2] != "<locals>"
+
+
+def _check_bound(fn: Any, source: Any, where: str) -> None:
+    """``UserError`` where ``fn`` is a method taken from its class's body, whose first parameter
+    (``self``, ``cls``) is still to be given: @tool on a method. "'self' has no type hint"
+    invited a hint, which put self into the schema, for the model to write (and a hint of the
+    class itself failed to resolve, inside a function)."""
+    if not _in_a_class(source):
+        return
+    try:
+        first = next(iter(inspect.signature(fn).parameters), None)
+    except (ValueError, TypeError):  # what the signature's own check below reports
+        return
+    if first in ("self", "cls"):
+        raise UserError(_unbound_method(where, source, first))
+
+
+def _unbound_method(where: str, fn: Any, first: str) -> str:
+    owner, attr = fn.__qualname__.split(".")[-2:]
+    if first == "cls":
+        bound = f"{owner}.{attr} of a @classmethod, as tool({owner}.{attr})"
+    else:
+        bound = f"obj.{attr} of an instance obj = {owner}(...), as tool(obj.{attr})"
+    return (f"{where}: is an unbound method (its first parameter {first!r} is no argument a "
+            f"model can give): pass the bound method instead ({bound} or "
+            f"Agent(tools=[...])), or make it a @staticmethod without {first}")
+
+
 def function_tool(fn: Callable[..., Any], *, name: str | None = None,
                   description: str | None = None, timeout_s: float | None = None) -> FunctionTool:
     """A ``FunctionTool`` from ``fn``'s signature, type hints and docstring."""
@@ -848,6 +883,7 @@ def function_tool(fn: Callable[..., Any], *, name: str | None = None,
         source = source.func
     if not (inspect.isroutine(source) or isinstance(source, type)):  # an object with __call__
         source = type(source).__call__
+    _check_bound(fn, source, where)
     summary, param_docs = parse_docstring(inspect.getdoc(source))
     try:
         hints = typing.get_type_hints(source, include_extras=True)
