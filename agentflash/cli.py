@@ -42,6 +42,18 @@ def _path_option(help: str) -> typer.models.OptionInfo:
     return typer.Option(parser=expand_user, help=help)
 
 
+def _input_path(value: str):
+    """A file flag's value: ``-`` is standard input (``inputs.STDIN``), a path has ``~``
+    expanded (``./-`` names a file called ``-``)."""
+    from agentflash import inputs
+
+    return inputs.STDIN if value == "-" else expand_user(value)
+
+
+def _input_option(help: str) -> typer.models.OptionInfo:
+    return typer.Option(parser=_input_path, help=f"{help}; - reads standard input")
+
+
 ModelOpt = Annotated[str, typer.Option("--model", help="'demo' or a Hugging Face model directory")]
 HELD_OUT_PER_KIND = 16  # train drafter: conversations of each kind kept for validation
 
@@ -49,9 +61,9 @@ HELD_OUT_PER_KIND = 16  # train drafter: conversations of each kind kept for val
 @app.command()
 def generate(
     prompt: Annotated[str | None, typer.Option(help="user message")] = None,
-    messages: Annotated[Path | None, _path_option("chat messages (JSON list)")] = None,
-    tools: Annotated[Path | None, _path_option("OpenAI tools list (JSON)")] = None,
-    requests: Annotated[Path | None, _path_option("one request per JSON line")] = None,
+    messages: Annotated[Path | None, _input_option("chat messages (JSON list)")] = None,
+    tools: Annotated[Path | None, _input_option("OpenAI tools list (JSON)")] = None,
+    requests: Annotated[Path | None, _input_option("one request per JSON line")] = None,
     model: ModelOpt = "demo",
     max_tokens: Annotated[int | None, typer.Option(
         "--max-tokens", help="new tokens per request at most (default 256; a --requests line's "
@@ -60,7 +72,7 @@ def generate(
     top_p: Annotated[float | None, typer.Option("--top-p")] = None,
     seed: Annotated[int | None, typer.Option()] = None,
     stop: Annotated[list[str] | None, typer.Option(help="stop string (repeatable)")] = None,
-    schema: Annotated[Path | None, _path_option(
+    schema: Annotated[Path | None, _input_option(
         "JSON Schema file the reply must match")] = None,
     regex: Annotated[str | None, typer.Option(
         help="regular expression the reply must match")] = None,
@@ -80,6 +92,14 @@ def generate(
         speculation = {"plain": "off", "dflash": "dflash", "auto": "auto"}.get(mode)
         if speculation is None:
             raise UserError(f"--mode must be plain, dflash or auto, got {mode!r}")
+        from_stdin = [flag for flag, value in (("--messages", messages), ("--tools", tools),
+                                               ("--schema", schema), ("--requests", requests))
+                      if isinstance(value, inputs.Stdin)]
+        if len(from_stdin) > 1:  # standard input is read once, by one of them
+            raise UserError(f"only one file flag can read standard input ('-'), not "
+                            f"{' and '.join(from_stdin)}")
+        if isinstance(schema, inputs.Stdin):
+            schema = inputs.load_stdin_schema()
         defaults = {"max_tokens": max_tokens if max_tokens is not None else 256,
                     "temperature": temperature, "top_p": top_p, "seed": seed, "stop": stop,
                     "speculation": speculation, "schema": schema, "regex": regex,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -15,6 +16,7 @@ from agentflash.tool_format import TOOL_NAME, unique_object
 
 if TYPE_CHECKING:
     from agentflash.engine.request import SamplingParams
+    from agentflash.grammar import GrammarSource
     from agentflash.grammar.tool_calls import ToolSpec
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -36,9 +38,38 @@ class GenerateInput:
     where: str = "command line"  # what its errors name: a requests file's path and line
 
 
-def read_text(path: Path, what: str) -> str:
-    """The UTF-8 text of ``what`` file ``path``; a one-line ``UserError`` naming it if it is
-    missing, unreadable (a directory) or not UTF-8."""
+class Stdin:
+    """Standard input, as a file flag's ``-`` names it (``STDIN``): what reads it reads it whole,
+    once; its errors name it ``<stdin>``."""
+
+    parent = Path()  # what a requests line's schema file is found beside: the working directory
+
+    def __str__(self) -> str:
+        return "<stdin>"
+
+
+STDIN = Stdin()
+
+
+def _read_stdin(what: str) -> str:
+    """Standard input's UTF-8 text, its line ends read as a file's are (universal newlines)."""
+    if sys.stdin is None:  # the command was started with it closed (``<&-``)
+        raise UserError(f"{STDIN}: {what} cannot be read: standard input is closed")
+    try:
+        data = sys.stdin.buffer.read()
+        text = data.decode("utf-8")
+    except OSError as err:
+        raise UserError(f"{STDIN}: cannot read the {what}: {err.strerror}") from None
+    except UnicodeDecodeError as err:
+        raise UserError(f"{STDIN}: {what} input is not UTF-8 text (byte {err.start})") from None
+    return text.replace("\r\n", "\n").replace("\r", "\n")
+
+
+def read_text(path: Path | Stdin, what: str) -> str:
+    """The UTF-8 text of ``what`` file ``path`` (or standard input); a one-line ``UserError``
+    naming it if it is missing, unreadable (a directory) or not UTF-8."""
+    if isinstance(path, Stdin):
+        return _read_stdin(what)
     try:
         return path.read_text(encoding="utf-8")
     except FileNotFoundError:
@@ -49,7 +80,7 @@ def read_text(path: Path, what: str) -> str:
         raise UserError(f"{path}: {what} file is not UTF-8 text (byte {err.start})") from None
 
 
-def read_json_file(path: Path, what: str) -> Any:
+def read_json_file(path: Path | Stdin, what: str) -> Any:
     text = read_text(path, what)
     try:
         return json.loads(text, object_pairs_hook=unique_object)
@@ -195,14 +226,25 @@ def _tool_specs(tools: list[dict[str, Any]], where: str) -> list[ToolSpec]:
         raise UserError(f"{where}: {err}") from None
 
 
-def load_messages(path: Path) -> list[dict[str, Any]]:
+def load_messages(path: Path | Stdin) -> list[dict[str, Any]]:
     return check_messages(read_json_file(path, "messages"), str(path))
 
 
-def load_tools(path: Path) -> list[dict[str, Any]]:
+def load_tools(path: Path | Stdin) -> list[dict[str, Any]]:
     tools = check_tools(read_json_file(path, "tools"), str(path))
     _tool_specs(tools, str(path))  # a bad schema names this file, not each request using it
     return tools
+
+
+def load_stdin_schema() -> GrammarSource:
+    """The JSON Schema on standard input (``--schema -``), read once for all the requests that
+    answer in it."""
+    from agentflash import grammar
+
+    try:
+        return grammar.json_schema_text(read_text(STDIN, "schema"), origin=str(STDIN))
+    except grammar.GrammarError as err:
+        raise UserError(str(err)) from None
 
 
 PARAM_FIELDS = ("max_tokens", "temperature", "top_p", "seed", "stop", "speculation", "block_size")
@@ -288,7 +330,9 @@ def make_grammar(values: dict[str, Any], tools: list[ToolSpec], where: str):
                         f"called: give tools or regex, not both")
     if "schema" in asked:
         schema = values["schema"]
-        if isinstance(schema, (str, Path)):
+        if isinstance(schema, grammar.GrammarSource):  # standard input's, read and checked
+            source = schema
+        elif isinstance(schema, (str, Path)):
             try:
                 source = grammar.json_schema_file(schema)
             except grammar.GrammarError as err:
@@ -340,7 +384,7 @@ def _blame_the_flags(defaults: dict[str, Any], problem: str) -> None:
             raise
 
 
-def load_requests(path: Path, defaults: dict[str, Any]) -> list[GenerateInput]:
+def load_requests(path: Path | Stdin, defaults: dict[str, Any]) -> list[GenerateInput]:
     """One request per JSON line; ``defaults`` fill the fields a line does not set."""
     # JSON lines end at "\n" alone: str.splitlines also broke at U+2028, U+0085 or a form
     # feed, which JSON's strings may hold as they are

@@ -418,6 +418,47 @@ def test_a_closed_standard_input_is_named_as_closed(tmp_path):
     assert done.stderr == f"error: {tmp_path / 'm.json'}: messages file does not exist\n"
 
 
+def test_a_dash_reads_standard_input(tiny_model_dir, tmp_path, monkeypatch):
+    # "--messages -" read a file named "-": "-: messages file does not exist"
+    model = ["generate", "--model", str(tiny_model_dir), "--max-tokens", "4", "--json"]
+    messages = json.dumps([{"role": "user", "content": "hi"}])
+
+    def answers(out):
+        return [{k: v for k, v in json.loads(line).items() if k != "stats"}
+                for line in out.splitlines()]
+
+    for flag, content, rest in (("--messages", messages, []),
+                                ("--tools", json.dumps(TOOLS), ["--prompt", "x"]),
+                                ("--schema", '{"type": "integer"}', ["--prompt", "x"]),
+                                ("--requests", '{"prompt": "x"}\n{"prompt": "y"}\n', [])):
+        (tmp_path / "file").write_text(content)
+        code, out, err = run(*model, *rest, flag, str(tmp_path / "file"))
+        assert code == 0, err
+        result = CliRunner().invoke(app, [*model, *rest, flag, "-"], input=content)
+        assert result.exit_code == 0, result.stderr
+        assert answers(result.stdout) == answers(out)
+    assert json.loads(out.splitlines()[1])["finish_reason"] in ("stop", "length")
+    # errors name it; it is read once, by one flag
+    result = CliRunner().invoke(app, [*model, "--requests", "-"],
+                                input='{"prompt": "x"}\n{"prompt": "x", "max_tokens": 0}\n')
+    assert result.exit_code == 2
+    assert result.stderr == "error: <stdin>:2: max_tokens must be a positive integer, got 0\n"
+    result = CliRunner().invoke(app, [*model, "--prompt", "x", "--schema", "-"], input="{")
+    assert result.stderr.startswith("error: <stdin>:1:2: invalid JSON")
+    result = CliRunner().invoke(app, [*model, "--messages", "-", "--tools", "-"], input=messages)
+    assert result.exit_code == 2 and result.stderr == (
+        "error: only one file flag can read standard input ('-'), not --messages and --tools\n")
+    monkeypatch.chdir(tmp_path)  # "./-" is a file of that name
+    (tmp_path / "-").write_text(messages)
+    code, out, _ = run(*model, "--messages", "./-")
+    assert code == 0 and answers(out) == answers(
+        CliRunner().invoke(app, [*model, "--messages", "-"], input=messages).stdout)
+    done = subprocess.run([sys.executable, "-m", "agentflash.cli", "generate", "--messages", "-"],
+                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120,
+                          preexec_fn=lambda: os.close(0))
+    assert done.stderr == "error: <stdin>: messages cannot be read: standard input is closed\n"
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

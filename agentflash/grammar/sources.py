@@ -372,13 +372,21 @@ def json_schema_file(
         raise GrammarError(f"{path}: cannot read the schema: {err.strerror}") from None
     except UnicodeDecodeError as err:
         raise GrammarError(f"{path}: not UTF-8 text (byte {err.start})") from None
+    return json_schema_text(text, origin=str(path), json_style=json_style, strict=strict)
+
+
+def json_schema_text(
+    text: str, *, origin: str, json_style: JsonStyle = JsonStyle.DUMPS, strict: bool = True
+) -> GrammarSource:
+    """A JSON Schema given as JSON text (a file's, standard input's) that errors name
+    ``origin`` (``strict``: see ``json_schema``)."""
     try:
         schema = loads_strict(text, unique_keys=True)
     except json.JSONDecodeError as err:
-        raise GrammarError(f"{path}:{err.lineno}:{err.colno}: invalid JSON: {err.msg}") from None
+        raise GrammarError(f"{origin}:{err.lineno}:{err.colno}: invalid JSON: {err.msg}") from None
     except ValueError as err:
-        raise GrammarError(f"{path}: invalid JSON: {err}") from None
-    return json_schema(schema, origin=str(path), json_style=json_style, strict=strict)
+        raise GrammarError(f"{origin}: invalid JSON: {err}") from None
+    return json_schema(schema, origin=origin, json_style=json_style, strict=strict)
 
 
 def pydantic_model(
