@@ -141,9 +141,22 @@ def generate(
                 typer.echo(f"error: {item.where}: the engine failed this request: "
                            f"{one_line(result.error or '')}", err=True)
     except UserError as err:
-        fail(str(err))
+        fail(_flag_named(str(err)))
     if failed:
         raise typer.Exit(1)
+
+
+# the request fields generate's flags set, each flag the field's name in dashes
+FLAG_FIELDS = ("prompt", "max_tokens", "temperature", "top_p", "seed", "stop", "schema", "regex",
+               "tool_choice")
+
+
+def _flag_named(message: str) -> str:
+    """The command line's error on the field it names first said of the flag the user typed
+    ("command line: max_tokens must be..." is "--max-tokens must be..."); a requests line's
+    error names its field, as the line does."""
+    return re.sub(rf"^command line: ({'|'.join(FLAG_FIELDS)})\b",
+                  lambda m: "--" + m.group(1).replace("_", "-"), message)
 
 
 def _check_all(engine, todo, prompt_source: str | None = None, flag_grammar=None

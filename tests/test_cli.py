@@ -301,27 +301,27 @@ def test_a_bad_flag_is_not_blamed_on_a_requests_line(tiny_model_dir, tmp_path):
     path.write_text('{"prompt": "x"}\n')
     code, _, err = run("generate", "--model", str(tiny_model_dir), "--requests", str(path),
                        "--max-tokens", "0")
-    assert code == 2 and err.startswith("error: command line: max_tokens must be a positive")
+    assert code == 2 and err.startswith("error: --max-tokens must be a positive")
     messages = tmp_path / "m.json"
     messages.write_text('[{"role": "user", "content": "x"}]')
     for flags in (["--max-tokens", "0"], ["--regex", "("], ["--tool-choice", "foo"]):
         code, _, err = run("generate", "--model", str(tiny_model_dir), "--messages",
                            str(messages), *flags)
-        assert code == 2 and err.startswith("error: command line: "), (flags, err)
-    assert "tool_choice 'foo' needs tools" in err  # its name, not OpenAI's form of it
+        assert code == 2 and err.startswith(f"error: {flags[0]}"), (flags, err)
+    assert "--tool-choice 'foo' needs tools" in err  # its name, not OpenAI's form of it
     # the grammar flags, alone or together, were blamed on the requests file's first line
     (tmp_path / "s.json").write_text('{"type": "object"}')
     tools = tmp_path / "t.json"
     tools.write_text(json.dumps(TOOLS))
     for flags, message in ((["--tools", str(tools), "--tool-choice", "nosuch"],
-                            "tool_choice: no tool is named 'nosuch'"),
+                            "--tool-choice: no tool is named 'nosuch'"),
                            (["--schema", str(tmp_path / "s.json"), "--stop", "x"],
-                            "stop cannot cut a reply the grammar binds whole"),
-                           (["--tool-choice", "required"], "tool_choice 'required' needs tools"),
-                           (["--regex", "(["], "regex: invalid regex")):
+                            "--stop cannot cut a reply the grammar binds whole"),
+                           (["--tool-choice", "required"], "--tool-choice 'required' needs tools"),
+                           (["--regex", "(["], "--regex: invalid regex")):
         code, _, err = run("generate", "--model", str(tiny_model_dir), "--requests", str(path),
                            *flags)
-        assert code == 2 and err.startswith(f"error: command line: {message}"), (flags, err)
+        assert code == 2 and err.startswith(f"error: {message}"), (flags, err)
     # flags that hold only with the lines' fields (the tools in each line): a line's own
     # error is the line's (it was "command line: tool_choice 'required' needs tools")
     path.write_text("".join(json.dumps({"prompt": "x", "tools": TOOLS, **extra}) + "\n"
@@ -329,6 +329,32 @@ def test_a_bad_flag_is_not_blamed_on_a_requests_line(tiny_model_dir, tmp_path):
     code, _, err = run("generate", "--model", str(tiny_model_dir), "--requests", str(path),
                        "--tool-choice", "required")
     assert code == 2 and err.startswith(f"error: {path}:2: max_tokens must be a positive"), err
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--max-tokens", "0"], "--max-tokens must be a positive integer, got 0"),
+        (["--temperature", "-1"], "--temperature must be 0 (greedy) or a number from 1e-06"),
+        (["--top-p", "0"], "--top-p must be a number in (0, 1], got 0.0"),
+        (["--temperature", "0.5", "--seed", str(10**30)], "--seed must be an integer in"),
+        (["--stop", ""], "--stop must hold non-empty strings"),
+        (["--tool-choice", "nope"], "--tool-choice 'nope' needs tools"),
+    ],
+)
+def test_a_bad_flag_value_names_the_flag_and_a_lines_its_field(tmp_path, flags, message):
+    # "command line: max_tokens must be..." named a field the user never typed
+    code, out, err = run("generate", "--prompt", "x", *flags)
+    assert (code, out) == (2, "") and err.startswith(f"error: {message}"), err
+    code, _, err = run("generate", "--prompt", "", *flags[:-2])
+    assert err == "error: --prompt must be a non-empty string\n"
+    field = message.split()[0].removeprefix("--").replace("-", "_")
+    value = json.loads(flags[-1]) if field not in ("stop", "tool_choice") else flags[-1]
+    path = tmp_path / "r.jsonl"
+    path.write_text(json.dumps({"prompt": "x", **dict(zip(["temperature", field],
+                                                          [0.5, value]))}) + "\n")
+    code, _, err = run("generate", "--requests", str(path))
+    assert code == 2 and err.startswith(f"error: {path}:1: {field} "), err
 
 
 def test_requests_lines_end_at_newlines_alone(tiny_model_dir, tmp_path):
@@ -363,7 +389,7 @@ def test_boolean_schemas_and_a_huge_seed(tiny_model_dir, tmp_path):
     assert code == 0 and json.loads(out)["finish_reason"] in ("stop", "length")
     code, _, err = run("generate", "--model", str(tiny_model_dir), "--prompt", "x",
                        "--temperature", "0.5", "--seed", str(10**23))
-    assert code == 2 and err.startswith("error: command line: seed must be an integer in")
+    assert code == 2 and err.startswith("error: --seed must be an integer in")
 
 
 def test_missing_model_and_missing_files(tmp_path):
