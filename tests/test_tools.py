@@ -867,6 +867,80 @@ def test_dict_keys_the_schema_allows_are_ones_pydantic_reads():
             tool(fn)
 
 
+def test_keys_of_an_int_enum_or_a_bounded_str_are_ones_pydantic_reads(demo_tokenizer_dir):
+    """pydantic names a dict's keys of an IntEnum, or of a str of a length, in propertyNames,
+    which llguidance refused ("Unimplemented keys"): their pattern, and every key the grammar
+    writes is one pydantic reads."""
+    import enum
+    import random
+
+    from pydantic import StringConstraints, TypeAdapter
+    from transformers import AutoTokenizer
+
+    from agentflash.grammar import compile_grammar, json_schema
+    from agentflash.grammar.bench import closing_tokens, random_output
+
+    class Level(enum.IntEnum):
+        LOW = 1
+        HIGH = 20
+
+    Short = Annotated[str, StringConstraints(max_length=3)]
+    Middle = Annotated[str, StringConstraints(min_length=2, max_length=4)]
+    Long = Annotated[str, StringConstraints(min_length=3)]
+    got = []
+
+    @tool
+    def keyed(levels: dict[Level, int], short: dict[Short, int], middle: dict[Middle, int],
+              long: dict[Long, int]) -> str:
+        got.append(levels)
+        return "ok"
+
+    # the schema takes a key of a bounded str where pydantic does, of any characters
+    validator = Draft202012Validator(keyed.parameters)
+    for hint, name in ((Short, "short"), (Middle, "middle"), (Long, "long")):
+        for key in ("", "a", "ab", "abc", "abcd", "abcde", "\n\t", "é😀", " " * 3, "a\nb\nc"):
+            given = {"levels": {}, "short": {}, "middle": {}, "long": {}, name: {key: 1}}
+            try:
+                TypeAdapter(dict[hint, int]).validate_json(json.dumps({key: 1}), strict=True)
+                read = True
+            except pydantic.ValidationError:
+                read = False
+            assert validator.is_valid(given) == read, (name, key)
+    assert not validator.is_valid({"levels": {"3": 1}, "short": {}, "middle": {}, "long": {}})
+    tok = AutoTokenizer.from_pretrained(demo_tokenizer_dir)
+    grammar = compile_grammar(json_schema(keyed.parameters), tok, vocab_size=len(tok))
+    rng, refused, lengths = random.Random(0), [], set()
+    for _ in range(60):
+        tokens = random_output(grammar.new_constraint(), closing_tokens(tok, len(tok)), rng,
+                               max_tokens=300)
+        if tokens[-1] != tok.eos_token_id:
+            continue
+        arguments = json.loads(tok.decode(tokens[:-1]))
+        lengths |= {(name, len(key)) for name in ("short", "middle") for key in arguments[name]}
+        outcome = anyio.run(run_tool, keyed, arguments)
+        if outcome.is_error:
+            refused.append(outcome.output)
+    assert not refused, refused[:3]
+    assert len(got) >= 20 and any(got) and all(isinstance(k, Level) for g in got for k in g)
+    assert {("short", 3), ("middle", 4)} <= lengths, lengths  # up to their bounds
+
+    # a pattern and a length: no one key pattern holds both; a length pydantic counts once it
+    # has stripped the key: "  " is no key of one character
+    def both(m: dict[Annotated[str, StringConstraints(min_length=2, pattern="^[a-z]+$")],
+                     int]) -> str:
+        return "no"
+
+    def stripped(m: dict[Annotated[str, StringConstraints(min_length=1,
+                                                          strip_whitespace=True)], int]) -> str:
+        return "no"
+
+    with pytest.raises(UserError, match=r"parameter 'm': .*min_length=2, pattern='\^\[a-z\]\+\$'"
+                                         r"\).* write the length into the pattern"):
+        tool(both)
+    with pytest.raises(UserError, match=r"parameter 'm': .*drop strip_whitespace or the length"):
+        tool(stripped)
+
+
 def test_bytes_of_a_max_length_are_written_in_ascii():
     """pydantic counts a bytes value's UTF-8 bytes, the grammar its characters: "ééé" (six
     bytes) passed a max_length of 3 in the schema and was refused."""

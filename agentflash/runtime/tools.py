@@ -231,7 +231,8 @@ class GrammarJsonSchema(pydantic.json_schema.GenerateJsonSchema):
         patterns = out.get("patternProperties", {})
         if pattern is not None and ("additionalProperties" in out or len(patterns) == 1):
             # keys the grammar writes as pydantic reads them; JSON Schema's propertyNames,
-            # which pydantic names for an enum, a literal, a UUID or a date, llguidance lacks
+            # which pydantic names for an enum, a literal, a UUID, a date or a str of a
+            # length, llguidance lacks
             values = out.pop("additionalProperties", None) or next(iter(patterns.values()))
             out.pop("propertyNames", None)
             out["patternProperties"] = {pattern: values}
@@ -368,16 +369,17 @@ def _key_pattern(keys: dict[str, Any]) -> str | None:
               else keys.get("expected") if kind == "literal" else None)
     if values and all(isinstance(v, str) for v in values):
         return "^(?:" + "|".join(_literal(v) for v in values) + ")$"
-    if values and kind == "literal":  # Literal[1, 2]: pydantic reads no key "1" as 1
-        texts = [v if isinstance(v, str) else json.dumps(v) for v in values]
-        read = [t for t in texts if _reads_key(keys, t)]
+    if values:  # Literal[1, 2]: pydantic reads no key "1" as 1; an IntEnum's "1" it reads
+        texts = [v if isinstance(v, str) else _json_text(v) for v in values]
+        read = [t for t in texts if t is not None and _reads_key(keys, t)]
         if not read:
-            raise NotBindable(f"a dict's keys of {keys['expected']} are none that pydantic "
-                              f"reads from JSON, whose keys are strings: take a Literal of "
-                              f"strings ({', '.join(map(repr, texts))})")
+            strings = ", ".join(repr(t) for t in texts if t is not None)
+            raise NotBindable(f"a dict's keys of {values} are none that pydantic reads from "
+                              f"JSON, whose keys are strings: take a Literal of strings"
+                              + (f" ({strings})" if strings else ""))
         return "^(?:" + "|".join(_literal(t) for t in read) + ")$"
-    if kind == "str" and not {"min_length", "max_length"} & set(keys):
-        return keys.get("pattern")
+    if kind == "str":
+        return _str_key(keys)
     if kind == "uuid":
         return uuid_pattern(keys.get("version"))
     if kind in ("date", "datetime", "time", "timedelta") and not _bounded(keys):
@@ -393,6 +395,38 @@ def _key_pattern(keys: dict[str, Any]) -> str | None:
     if kind == "float" and (_bounded(keys) or keys.get("multiple_of") is not None):
         raise _bounded_keys(keys)
     return {"float": NUMBER_KEY, "bool": "^(?:true|false)$"}.get(kind)
+
+
+def _json_text(value: Any) -> str | None:
+    """``value`` as JSON text, or None for one JSON has not (bytes)."""
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def _str_key(keys: dict[str, Any]) -> str | None:
+    """The pattern of a str key (pydantic's ``constr``): its own, or its length's bounds as one
+    (pydantic names them in propertyNames, which llguidance lacks); ``NotBindable`` where it
+    has both, or pydantic changes the key before it counts it (``strip_whitespace``: "  " is
+    no key of one character)."""
+    low, high = keys.get("min_length"), keys.get("max_length")
+    if low is None and high is None:
+        return keys.get("pattern")
+    changes = [k for k in ("strip_whitespace", "to_lower", "to_upper") if keys.get(k)]
+    bounds = ", ".join(f"{k}={keys[k]!r}" for k in ("min_length", "max_length", "pattern",
+                                                     *changes) if keys.get(k) is not None)
+    if keys.get("pattern") is not None:
+        raise NotBindable(f"a dict's keys of type str ({bounds}) are checked by pydantic, and "
+                          f"agentflash builds no key pattern that holds both the pattern and "
+                          f"the length: write the length into the pattern (^[a-z]{{1,3}}$: "
+                          f"one to three letters)")
+    if changes:
+        raise NotBindable(f"a dict's keys of type str ({bounds}) are counted by pydantic once "
+                          f"it has changed them, and a key's pattern counts what the model "
+                          f"writes: drop {' and '.join(changes)} or the length from the key's "
+                          f"type (check the key in the function)")
+    return f"^[\\s\\S]{{{low or 0},{'' if high is None else high}}}$"
 
 
 def _reads_key(keys: dict[str, Any], text: str) -> bool:
