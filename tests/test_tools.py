@@ -941,6 +941,38 @@ def test_keys_of_an_int_enum_or_a_bounded_str_are_ones_pydantic_reads(demo_token
         tool(stripped)
 
 
+def test_a_literal_or_enum_of_bytes_is_refused_naming_the_parameter():
+    """Literal[b"a"] as a dict's key failed in json.dumps ("Object of type bytes is not JSON
+    serializable"); as a parameter its schema was the string "a", which pydantic refuses in
+    every mode: every call the grammar wrote failed."""
+    import enum
+
+    from pydantic import TypeAdapter
+
+    class Raw(enum.Enum):
+        A = b"a"
+
+    for hint in (Literal[b"a"], Raw, Literal["x", b"a"]):  # (its "x" pydantic reads)
+        with pytest.raises(pydantic.ValidationError):
+            TypeAdapter(hint).validate_json('"a"', strict=False)
+
+    def key(m: dict[Literal[b"a"], int]) -> str:
+        return "no"
+
+    def value(m: Literal["x", b"a"]) -> str:
+        return "no"
+
+    def member(m: list[Raw]) -> str:
+        return "no"
+
+    for fn, what in ((key, "a Literal"), (value, "a Literal"), (member, "the Enum Raw")):
+        with pytest.raises(UserError) as caught:
+            tool(fn)
+        assert str(caught.value) == (
+            f"{fn.__qualname__}: parameter 'm': {what} holds bytes (b'a'), which pydantic reads "
+            f"from no JSON value (no string is bytes there): take str values ('a')")
+
+
 def test_bytes_of_a_max_length_are_written_in_ascii():
     """pydantic counts a bytes value's UTF-8 bytes, the grammar its characters: "ééé" (six
     bytes) passed a max_length of 3 in the schema and was refused."""

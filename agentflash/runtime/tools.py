@@ -206,7 +206,14 @@ class GrammarJsonSchema(pydantic.json_schema.GenerateJsonSchema):
             raise NotBindable(f"a Literal of enum members ({schema['expected']}) reads no JSON "
                               f"value: take the Enum, a Literal of its values, or make it a "
                               f"str (or int) Enum")
+        if self.mode == "validation":
+            _no_bytes("a Literal", schema["expected"])
         return super().literal_schema(schema)
+
+    def enum_schema(self, schema):
+        if self.mode == "validation":
+            _no_bytes(f"the Enum {schema['cls'].__name__}", [m.value for m in schema["members"]])
+        return super().enum_schema(schema)
 
     def bytes_schema(self, schema):
         out = super().bytes_schema(schema)
@@ -243,6 +250,18 @@ class GrammarJsonSchema(pydantic.json_schema.GenerateJsonSchema):
         if self.mode == "validation":  # a field of init=False takes no value: pydantic drops it
             schema = {**schema, "fields": [f for f in schema["fields"] if f.get("init", True)]}
         return super().dataclass_args_schema(schema)
+
+
+def _no_bytes(what: str, values: list[Any]) -> None:
+    """``NotBindable`` where ``values`` (a Literal's, an Enum's) hold bytes: pydantic's schema
+    names b"a" as the string "a", and pydantic reads no JSON value as b"a" (a call the
+    grammar wrote was refused; as a dict's key, json.dumps failed on it)."""
+    raw = [v for v in values if isinstance(v, (bytes, bytearray))]
+    if raw:
+        texts = ", ".join(repr(bytes(v).decode("utf-8", "replace")) for v in raw)
+        raise NotBindable(f"{what} holds bytes ({', '.join(map(repr, raw))}), which pydantic "
+                          f"reads from no JSON value (no string is bytes there): take str "
+                          f"values ({texts})")
 
 
 # formats pydantic names that llguidance lacks, where any string is one pydantic reads (a
