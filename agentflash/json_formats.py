@@ -163,6 +163,35 @@ def url_pattern(schemes: list[str]) -> str:
     return f"^(?:{'|'.join(starts)})(?:[/?#][!-~]*)?$"
 
 
+def _times(low: int, high: int | None) -> str:
+    return "*" if (low, high) == (0, None) else f"{{{low},{'' if high is None else high}}}"
+
+
+# the symbol that ends base64 of a group's last 1 or 2 bytes: its bits past them 0
+_BASE64_LAST = {1: "[AQgw]", 2: "[AEIMQUYcgkosw048]"}
+
+
+def bytes_pattern(encoding: str, min_bytes: int | None, max_bytes: int | None) -> str | None:
+    """A string pydantic reads as bytes (a model's ``val_json_bytes``: "base64" or "hex") of
+    ``min_bytes`` to ``max_bytes`` bytes once decoded; None where there are none. Base64 in the
+    standard alphabet or the URL-safe one (not both in one string), the last symbol's unused
+    bits 0, its padding given, in part (``YQ=``) or not at all, as pydantic reads it."""
+    low = min_bytes or 0
+    if encoding == "hex":
+        return f"^(?:[0-9A-Fa-f]{{2}}){_times(low, max_bytes)}$"
+    branches = []
+    for alphabet in ("[A-Za-z0-9+/]", "[A-Za-z0-9_-]"):
+        for rest, tail in ((0, ""), (1, f"{alphabet}{_BASE64_LAST[1]}(?:==?)?"),
+                           (2, f"{alphabet}{{2}}{_BASE64_LAST[2]}=?")):
+            groups = max(0, -(-(low - rest) // 3))  # of 3 bytes, 4 symbols each
+            most = None if max_bytes is None else (max_bytes - rest) // 3
+            if most is not None and most < groups:
+                continue
+            whole = "" if most == 0 else f"(?:{alphabet}{{4}}){_times(groups, most)}"
+            branches.append(whole + tail)
+    return "^(?:" + "|".join(branches) + ")$" if branches else None
+
+
 def format_checker() -> "jsonschema.FormatChecker":  # type: ignore[name-defined]  # noqa: F821
     """jsonschema's format checks of a value written without the grammar (a remote server's,
     a scripted one's), but its date, date-time and time: those are ``DATE_PATTERNS``'s, held

@@ -991,6 +991,77 @@ def test_bytes_of_a_max_length_are_written_in_ascii():
     assert not Draft202012Validator(schema).is_valid("é")
 
 
+def test_bytes_a_model_reads_as_base64_or_hex_are_written_so(demo_tokenizer_dir):
+    """Under val_json_bytes="base64" (or "hex") pydantic decodes a bytes value, and counts the
+    bytes it decodes to: the grammar wrote any string ("Data should be valid base64"), and
+    ser_json_bytes="base64" named a format llguidance refused (base64url)."""
+    import itertools
+    import random
+
+    from pydantic import ConfigDict
+    from transformers import AutoTokenizer
+
+    from agentflash.grammar import compile_grammar, json_schema
+    from agentflash.grammar.bench import closing_tokens, random_output
+
+    class Upload(BaseModel):
+        model_config = ConfigDict(val_json_bytes="base64", ser_json_bytes="base64")
+        data: bytes
+        tag: Annotated[bytes, Field(min_length=2, max_length=4)]
+        parts: dict[Annotated[bytes, Field(min_length=1, max_length=1)], int] = {}  # keys too
+
+    class Digest(BaseModel):
+        model_config = ConfigDict(val_json_bytes="hex")
+        sha: Annotated[bytes, Field(max_length=3)]
+
+    got = []
+
+    @tool
+    def put(upload: Upload, digest: Digest, raw: bytes) -> str:
+        got.append((upload, digest, raw))
+        return "ok"
+
+    # the schema takes a string (or a key) where pydantic reads it: every string of up to 3
+    # symbols of both alphabets, padding and others, and some longer ones
+    validator = Draft202012Validator(put.parameters)
+
+    def agree(data="", tag="YWJj", sha="", parts=None):
+        arguments = {"upload": {"data": data, "tag": tag, "parts": parts or {}},
+                     "digest": {"sha": sha}, "raw": "x"}
+        try:
+            put.params_model.model_validate_json(json.dumps(arguments), strict=True)
+            read = True
+        except pydantic.ValidationError:
+            read = False
+        assert validator.is_valid(arguments) == read, arguments
+
+    symbols = "AQYgw+/-_=é "
+    strings = ["".join(s) for n in range(4) for s in itertools.product(symbols, repeat=n)]
+    strings += ["YWJj", "YWJjYQ", "YWJjYQ=", "YWJjYQ==", "YWJjYQ===", "YWI=", "YWI==", "-_8=",
+                "+/8=", "+_8=", "YR==", "YWJjZGVm", "YWJjZGVmZw=="]
+    for text in strings:
+        agree(data=text)
+        agree(tag=text)
+        agree(parts={text: 1})
+    for text in ("0a", "0A", "a", "0g", "0a0b0c", "0a0b0c0d"):
+        agree(sha=text)
+    tok = AutoTokenizer.from_pretrained(demo_tokenizer_dir)
+    grammar = compile_grammar(json_schema(put.parameters), tok, vocab_size=len(tok))
+    rng, refused = random.Random(0), []
+    for _ in range(60):
+        tokens = random_output(grammar.new_constraint(), closing_tokens(tok, len(tok)), rng,
+                               max_tokens=300)
+        if tokens[-1] != tok.eos_token_id:
+            continue
+        outcome = anyio.run(run_tool, put, json.loads(tok.decode(tokens[:-1])))
+        if outcome.is_error:
+            refused.append(outcome.output)
+    assert not refused, refused[:3]
+    assert len(got) >= 20 and any(upload.data for upload, _, _ in got)
+    assert any(upload.parts for upload, _, _ in got)
+    assert all(2 <= len(upload.tag) <= 4 and len(digest.sha) <= 3 for upload, digest, _ in got)
+
+
 def test_a_bounded_date_the_grammar_writes_is_within_its_bounds(demo_tokenizer_dir):
     """pydantic checks a date's bounds and names them in no schema: the grammar wrote any day,
     and a call the model could only write again was refused."""

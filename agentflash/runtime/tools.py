@@ -44,6 +44,7 @@ from pydantic.fields import FieldInfo
 
 from agentflash.errors import UserError, is_number, shown_url
 from agentflash.json_formats import (
+    bytes_pattern,
     date_bounds,
     decimal_pattern,
     ip_address_pattern,
@@ -217,7 +218,18 @@ class GrammarJsonSchema(pydantic.json_schema.GenerateJsonSchema):
 
     def bytes_schema(self, schema):
         out = super().bytes_schema(schema)
-        if self.mode == "validation" and schema.get("max_length") is not None:
+        if self.mode != "validation":
+            return out
+        out.pop("format", None)  # ser_json_bytes's (base64url, which llguidance refused)
+        encoding = self._config.val_json_bytes
+        if encoding in ("base64", "hex"):  # any string was written, and most were refused
+            low, high = schema.get("min_length"), schema.get("max_length")
+            pattern = bytes_pattern(encoding, low, high)
+            if pattern is None:
+                raise NotBindable(f"no bytes are at least {low} and at most {high} long")
+            out = {key: v for key, v in out.items() if key not in ("minLength", "maxLength")}
+            out["pattern"] = pattern  # (the bounds are the decoded bytes', in it)
+        elif schema.get("max_length") is not None:
             # pydantic counts the UTF-8 bytes, the grammar characters ("ééé" is 6 bytes):
             # ASCII, whose characters are one byte each
             out["pattern"] = ASCII_PATTERN
@@ -234,8 +246,12 @@ class GrammarJsonSchema(pydantic.json_schema.GenerateJsonSchema):
 
     def _common_dict_schema(self, schema):
         out = super()._common_dict_schema(schema)
-        pattern = _key_pattern(schema.get("keys_schema", {}))
+        keys = schema.get("keys_schema", {})
+        pattern = _key_pattern(keys)
         patterns = out.get("patternProperties", {})
+        if (pattern is None and keys.get("type") == "bytes" and len(patterns) == 1
+                and self._config.val_json_bytes in ("base64", "hex")):
+            pattern = next(iter(patterns))  # bytes_schema's, all the key's schema: closed
         if pattern is not None and ("additionalProperties" in out or len(patterns) == 1):
             # keys the grammar writes as pydantic reads them; JSON Schema's propertyNames,
             # which pydantic names for an enum, a literal, a UUID, a date or a str of a
