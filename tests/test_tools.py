@@ -973,6 +973,38 @@ def test_a_literal_or_enum_of_bytes_is_refused_naming_the_parameter():
             f"from no JSON value (no string is bytes there): take str values ('a')")
 
 
+def test_an_integer_past_a_float_is_refused_where_a_float_is_read():
+    """pydantic reads 1 and 400 zeros as infinity for a float (JSON's grammar and llguidance's
+    allow it, and the call's JSON keeps it an int): the tool was called with inf."""
+    from pydantic import TypeAdapter
+
+    big = 10**400
+    assert TypeAdapter(float).validate_json(str(big), strict=True) == math.inf
+    got = []
+
+    class Point(BaseModel):
+        y: float
+        z: float = 1.0
+
+    @tool
+    def place(x: float, point: Point, count: int, weights: tuple[float, ...] = ()) -> str:
+        got.append((x, point, count, weights))
+        return "ok"
+
+    base = {"x": 1, "point": {"y": 2}, "count": 3}
+    for where, arguments in (("x", {**base, "x": big}), ("point.y", {**base, "point": {"y": -big}}),
+                             ("weights.1", {**base, "weights": [1, big]})):
+        outcome = anyio.run(run_tool, place, arguments)
+        assert outcome.is_error and outcome.error_type == "invalid_arguments"
+        assert json.loads(outcome.output)["error"] == (
+            f"invalid arguments for place: {where}: the integer of 401 digits is past a float's "
+            f"range (read as a float, it is infinity)")
+    assert got == []
+    assert anyio.run(run_tool, place, {**base, "count": big}).output == "ok"  # an int's own
+    assert anyio.run(run_tool, place, {**base, "x": 10**308}).output == "ok"  # within a float's
+    assert got[0][2] == big and got[1][0] == 1e308
+
+
 def test_bytes_of_a_max_length_are_written_in_ascii():
     """pydantic counts a bytes value's UTF-8 bytes, the grammar its characters: "ééé" (six
     bytes) passed a max_length of 3 in the schema and was refused."""

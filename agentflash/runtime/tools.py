@@ -5,7 +5,8 @@ strict JSON Schema the model sees is that model's schema, and the model validate
 of every call in pydantic's strict mode: a value of another type than the schema's is refused
 (lax mode converted ``"2"`` or ``true`` to an integer). What the grammar writes passes, but
 for a number past a float's range (``1e400``, which a call's JSON refuses: Python reads it as
-infinity; llguidance bounds a number only within 2^63 and without an exponent, so no schema
+infinity; an integer past it, which pydantic reads as infinity for a float, is refused with the
+call's arguments; llguidance bounds a number only within 2^63 and without an exponent, so no schema
 keeps it out of a ``float``) and the bounds pydantic alone checks (a datetime's, time's or
 duration's; ``PastDate`` and ``FutureDate``; the README lists them). Without the grammar a
 key the schema does not list is refused too (``undeclared_key``: pydantic drops it from a nested
@@ -29,7 +30,7 @@ import threading
 import typing
 import warnings
 from collections import UserString
-from collections.abc import Callable, Mapping, MappingView, Sequence, Set
+from collections.abc import Callable, Iterator, Mapping, MappingView, Sequence, Set
 from dataclasses import dataclass, field
 from typing import Any, overload
 from urllib.parse import parse_qsl, quote, urlencode, urlsplit
@@ -706,6 +707,12 @@ class FunctionTool:
             raise ToolArgumentsError(f"invalid arguments for {self.name}: "
                                      f"{'.'.join(map(str, extra))}: Extra inputs are not "
                                      f"permitted")
+        huge = list(_past_a_float(arguments))
+        if huge and _holds_infinity(validated):  # pydantic read one as a float: infinity
+            raise ToolArgumentsError(f"invalid arguments for {self.name}: " + "; ".join(
+                f"{'.'.join(map(str, path)) or 'arguments'}: the integer of {digits} digits "
+                f"is past a float's range (read as a float, it is infinity)"
+                for path, digits in huge))
         values = {name: validated.__dict__[name] for name in type(validated).model_fields}
         args = [values.pop(name) for name in self.positional]
         if inspect.iscoroutinefunction(self.fn):
@@ -728,6 +735,41 @@ class FunctionTool:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Call the underlying function directly (no validation)."""
         return self.fn(*args, **kwargs)
+
+
+def _past_a_float(value: Any, path: tuple[str | int, ...] = ()
+                  ) -> Iterator[tuple[tuple[str | int, ...], int]]:
+    """Where the JSON ``value`` holds an integer past a float's range (1 and 400 zeros: JSON's
+    grammar and llguidance's allow it, and pydantic reads it as infinity where it wants a
+    float), with its digits."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > _FLOAT_MAX:
+        yield path, len(str(abs(value)))
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _past_a_float(item, (*path, key))
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            yield from _past_a_float(item, (*path, i))
+
+
+_FLOAT_MAX = int(sys.float_info.max)
+
+
+def _holds_infinity(value: Any) -> bool:
+    """Whether validated arguments hold an infinite float where the call gave a value (a
+    model's fields set, not its defaults; a dataclass's all)."""
+    if isinstance(value, float):
+        return math.isinf(value)
+    if isinstance(value, pydantic.BaseModel):
+        return any(_holds_infinity(getattr(value, name, None)) for name in value.model_fields_set)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return any(_holds_infinity(getattr(value, f.name, None))
+                   for f in dataclasses.fields(value))
+    if isinstance(value, Mapping):
+        return any(_holds_infinity(k) or _holds_infinity(v) for k, v in value.items())
+    if isinstance(value, (list, tuple, Set, frozenset)):
+        return any(_holds_infinity(item) for item in value)
+    return False
 
 
 def _drained(stop: threading.Event, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
