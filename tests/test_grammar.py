@@ -1247,6 +1247,44 @@ def test_outlines_refuses_what_it_cannot_do(tok):
         compile_grammar(source, tok, backend=Backend.OUTLINES)
 
 
+
+@pytest.mark.parametrize("fmt", ["date", "date-time", "time"])
+def test_llguidance_compiles_a_date_by_its_pattern_alone_the_same_language(tok, closers, fmt):
+    """exact_dates puts a pattern beside each date format; llguidance is given the pattern
+    alone (its format's regex, intersected with it, cost compile time and changed nothing):
+    the masks of the pair and of the pattern alone agree along random outputs of both."""
+    import llguidance
+
+    from agentflash.grammar import llguidance_backend
+    from agentflash.grammar.compiler import _build
+    from agentflash.grammar.tokenizers import tokenizer_info
+    from agentflash.json_formats import DATE_PATTERNS
+
+    schema = {"type": "object", "properties": {"at": {"type": "string", "format": fmt}},
+              "required": ["at"]}
+    source = json_schema(schema)
+    assert '"format"' in source.text  # kept in the source (outlines, jsonschema read it)
+    text = llguidance_backend.grammar_text(source)
+    assert json.dumps(DATE_PATTERNS[fmt]) in text and '"format"' not in text
+    info = tokenizer_info(tok, None, None)
+    alone = _build(Backend.LLGUIDANCE, source, info)
+    paired = llguidance.LLMatcher.grammar_from_json_schema(
+        source.text, defaults=llguidance_backend.JSON_STYLE_OPTIONS[JsonStyle.DUMPS])
+    both = llguidance_backend.LLGuidanceGrammar(source, alone._tokenizer, alone.vocab_size,
+                                                alone.eos_token_id)
+    both._matcher = llguidance.LLMatcher(alone._tokenizer, paired, log_level=0)
+    assert not both._matcher.is_error()
+    for seed in range(12):
+        walker = (alone if seed % 2 else both).new_constraint()
+        output = random_output(walker, closers, random.Random(seed))
+        a, b = alone.new_constraint(), both.new_constraint()
+        for token in output:
+            assert torch.equal(a.bitmask(), b.bitmask()), tok.decode(output)
+            a.advance([token])
+            b.advance([token])
+        assert a.is_finished() and b.is_finished()
+
+
 def test_a_grammar_whose_masks_llguidance_cannot_compute_is_refused_when_compiled(tok):
     """llguidance computed the first mask of a^1000000, then failed every later one (a lexer
     limit): compiling passed, and every request failed at its first step."""

@@ -20,7 +20,12 @@ from agentflash.grammar.constraint import (
     GrammarFailed,
     bit_is_set,
 )
-from agentflash.grammar.sources import GrammarKind, GrammarSource, JsonStyle
+from agentflash.grammar.sources import (
+    GrammarKind,
+    GrammarSource,
+    JsonStyle,
+    without_date_formats,
+)
 from agentflash.grammar.tokenizers import TokenizerInfo, chat_end_ids, llguidance_tokenizer
 
 # x-guidance options per layout; a schema's own "x-guidance" key overrides them.
@@ -39,8 +44,14 @@ def build_tokenizer(info: TokenizerInfo) -> llguidance.LLTokenizer:
 def grammar_text(source: GrammarSource) -> str:
     """The llguidance grammar definition of ``source``."""
     if source.kind is GrammarKind.JSON_SCHEMA:
+        text = source.text
+        if '"format"' in text:  # the dates' formats their patterns make redundant
+            try:
+                text = json.dumps(without_date_formats(json.loads(text)), ensure_ascii=False)
+            except (ValueError, RecursionError):  # as it is: llguidance names the fault
+                text = source.text
         return llguidance.LLMatcher.grammar_from_json_schema(
-            source.text, defaults=JSON_STYLE_OPTIONS[source.json_style]
+            text, defaults=JSON_STYLE_OPTIONS[source.json_style]
         )
     if source.kind is GrammarKind.REGEX:
         return llguidance.LLMatcher.grammar_from_regex(source.text)
