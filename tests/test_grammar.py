@@ -1285,6 +1285,38 @@ def test_llguidance_compiles_a_date_by_its_pattern_alone_the_same_language(tok, 
         assert a.is_finished() and b.is_finished()
 
 
+
+def test_the_date_patterns_pass_their_probe(tok, monkeypatch):
+    """The patterns exact_dates puts beside every date format are not probed (a new tool with
+    a date paid 0.6-1 ms a pattern at Qwen3's vocabulary): finite languages, whose first masks
+    llguidance computes with a hundredth of its lexer's limits."""
+    import llguidance
+
+    from agentflash.grammar import compiler, llguidance_backend
+    from agentflash.grammar.tokenizers import tokenizer_info
+    from agentflash.json_formats import DATE_PATTERNS
+
+    info = tokenizer_info(tok, None, None)
+    tight = llguidance.LLParserLimits(step_lexer_fuel=2000, max_lexer_states=2500)
+    for pattern in DATE_PATTERNS.values():
+        assert compiler._pattern_problem(pattern, info) == ""
+        grammar = compiler._build(Backend.LLGUIDANCE, json_schema(
+            {"type": "string", "pattern": pattern}, strict=False), info)
+        grammar._matcher = llguidance.LLMatcher(
+            grammar._tokenizer, llguidance_backend.grammar_text(grammar.source), log_level=0,
+            limits=tight)
+        assert compiler._first_masks(grammar)[0] is None, pattern
+    probed: list[str] = []
+    monkeypatch.setattr(compiler, "_patterns", compiler.LRU(16))  # (its verdicts are made up)
+    monkeypatch.setattr(compiler, "_pattern_problem",
+                        lambda pattern, info: probed.append(pattern) or "")
+    compile_grammar(json_schema({"type": "object", "properties": {
+        "day": {"type": "string", "format": "date"},
+        "at": {"type": "string", "format": "date-time"},
+        "code": {"type": "string", "pattern": "^[A-Z]{3}$"}}}), tok, use_cache=False)
+    assert probed == ["^[A-Z]{3}$"]  # the user's pattern is probed, the dates' are not
+
+
 def test_a_grammar_whose_masks_llguidance_cannot_compute_is_refused_when_compiled(tok):
     """llguidance computed the first mask of a^1000000, then failed every later one (a lexer
     limit): compiling passed, and every request failed at its first step."""
