@@ -703,8 +703,12 @@ SCHEMA_SINGLES = (
 )
 
 
+# any of them (most subschemas, a string's or a number's, hold none: looked up at once)
+SCHEMA_KEYWORDS = frozenset(SCHEMA_MAPS + SCHEMA_LISTS + SCHEMA_SINGLES)
+
+
 def _children(node: Any) -> Iterator[tuple[list[str | int], Any]]:
-    if not isinstance(node, dict):
+    if not isinstance(node, dict) or node.keys().isdisjoint(SCHEMA_KEYWORDS):
         return
     for key in SCHEMA_MAPS:
         for name, sub in (node.get(key) or {}).items():

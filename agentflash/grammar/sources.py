@@ -18,6 +18,7 @@ from urllib.parse import urldefrag, urljoin
 
 from agentflash.errors import missing_file
 from agentflash.grammar.checks import (
+    SCHEMA_KEYWORDS,
     SCHEMA_LISTS,
     SCHEMA_MAPS,
     SCHEMA_SINGLES,
@@ -80,6 +81,8 @@ def with_subschemas(node: dict[str, Any], each: Callable[[Any, str], Any]) -> di
     """A copy of the schema ``node`` whose subschemas are ``each(subschema, key)``, ``key`` the
     keyword they are under (``properties``, ``anyOf``, ``items``, ...)."""
     out = dict(node)
+    if out.keys().isdisjoint(SCHEMA_KEYWORDS):
+        return out
     for key in SCHEMA_MAPS:
         if isinstance(out.get(key), dict):
             out[key] = {name: each(sub, key) for name, sub in out[key].items()}
