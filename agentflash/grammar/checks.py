@@ -182,7 +182,7 @@ def _compile_meta() -> _Test:
             raise _Unsure(node["$dynamicAnchor"])
         parts = [keyword(name, arg, node, base) for name, arg in node.items()
                  if name not in _META_ANNOTATIONS]
-        return lambda value: all(part(value) for part in parts)
+        return _all_of(parts)
 
     def keyword(name: str, arg: Any, node: dict, base: str) -> _Test:
         if name == "$ref":
@@ -191,10 +191,11 @@ def _compile_meta() -> _Test:
             if arg != "#meta":
                 raise _Unsure(arg)
             return ref_test(_META_URI)
-        if name in ("allOf", "anyOf"):
+        if name == "allOf":
+            return _all_of([test(sub, base) for sub in arg])
+        if name == "anyOf":
             subs = [test(sub, base) for sub in arg]
-            join = all if name == "allOf" else any
-            return lambda value: join(sub(value) for sub in subs)
+            return lambda value: any(sub(value) for sub in subs)
         if name == "type":
             tests = [_TYPE_TESTS[t] for t in ([arg] if isinstance(arg, str) else arg)]
             return lambda value: any(t(value) for t in tests)
@@ -205,8 +206,14 @@ def _compile_meta() -> _Test:
             return lambda value: isinstance(value, str) and value in allowed
         if name == "properties":
             props = {key: test(sub, base) for key, sub in arg.items()}
-            return lambda value: not isinstance(value, dict) or all(
-                props[k](v) for k, v in value.items() if k in props)
+
+            def listed(value: Any) -> bool:
+                if isinstance(value, dict):
+                    for k, v in value.items():
+                        if k in props and not props[k](v):
+                            return False
+                return True
+            return listed
         if name == "additionalProperties":
             if "patternProperties" in node:
                 raise _Unsure(name)
@@ -243,6 +250,20 @@ def _compile_meta() -> _Test:
         return root(value)
 
     return guarded
+
+
+def _all_of(parts: list[_Test]) -> _Test:
+    """One test of ``parts`` all passing, in their order (a loop: the meta-schema's nested
+    allOf of vocabularies ran a generator per node and level)."""
+    if len(parts) == 1:
+        return parts[0]
+
+    def every(value: Any) -> bool:
+        for part in parts:
+            if not part(value):
+                return False
+        return True
+    return every
 
 
 def _unique(items: list) -> bool:
