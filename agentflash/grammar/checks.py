@@ -353,7 +353,7 @@ def _contradictory_bounds(schema: Any) -> tuple[str, str] | None:
             continue
         for low_key, high_key in _BOUNDS:
             low, high = node.get(low_key), node.get(high_key)
-            if not all(
+            if low is None or high is None or not all(  # (most nodes have neither)
                 isinstance(v, (int, float)) and not isinstance(v, bool) for v in (low, high)
             ):
                 continue
