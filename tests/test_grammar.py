@@ -1316,6 +1316,35 @@ def test_the_date_patterns_pass_their_probe(tok, monkeypatch):
         "code": {"type": "string", "pattern": "^[A-Z]{3}$"}}}), tok, use_cache=False)
     assert probed == ["^[A-Z]{3}$"]  # the user's pattern is probed, the dates' are not
 
+def _accepts(grammar, tok, text: str) -> bool:
+    ids = tok.encode(text, add_special_tokens=False) + [tok.eos_token_id]
+    return grammar.new_constraint().validate_draft(ids) == len(ids)
+
+
+def test_outlines_writes_property_names_as_json_spells_them(tok, closers):
+    """outlines-core 0.2.14 puts a property name into its regex as it is, not as JSON spells
+    it: it wrote {"size "in"": 5}, and a raw backslash or newline inside the key."""
+    pytest.importorskip("outlines_core")
+    rng = random.Random(3)
+    for name in ['size "in"', "a\\b", "a\nb", "x\x01"]:
+        schema = {"type": "object", "properties": {name: {"type": "integer"},
+                                                   "n": {"type": "integer"}},
+                  "required": [name]}
+        grammar = compile_grammar(json_schema(schema), tok, backend=Backend.OUTLINES)
+        assert _accepts(grammar, tok, json.dumps({name: 5}))
+        assert not _accepts(grammar, tok, '{"' + name + '": 5}')
+        for _ in range(3):
+            text = decoded(tok, random_output(grammar.new_constraint(), closers, rng))
+            jsonschema.validate(json.loads(text), schema)
+    # a $ref through such a name still finds its property (in $defs too)
+    schema = {"$defs": {"d": {"type": "object", "properties": {'a"b': {"type": "boolean"}},
+                              "required": ['a"b']}},
+              "type": "object", "properties": {'q"': {"$ref": '#/$defs/d/properties/a"b'},
+                                               "d": {"$ref": "#/$defs/d"}},
+              "required": ['q"', "d"]}
+    grammar = compile_grammar(json_schema(schema), tok, backend=Backend.OUTLINES)
+    assert _accepts(grammar, tok, json.dumps({'q"': True, "d": {'a"b': False}}))
+
 
 def test_a_grammar_whose_masks_llguidance_cannot_compute_is_refused_when_compiled(tok):
     """llguidance computed the first mask of a^1000000, then failed every later one (a lexer

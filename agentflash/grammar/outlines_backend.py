@@ -10,7 +10,8 @@ What outlines-core 0.2.14 would get wrong is refused when the grammar compiles, 
 field: assertions its regex ignores (bounds, in ``$defs`` too), ``allOf`` / ``oneOf`` / ``not``
 / ``dependentSchemas`` / ``if``, the ``email`` format, and a language in which a match goes on
 through text that is none (a top-level number, ``a(bc)?``), whose continuations its index drops
-(``check_continuations``, against llguidance on the same source).
+(``check_continuations``, against llguidance on the same source). Property names go to it in
+their JSON spelling (``_json_spelled``): it escapes them for its regex, not for JSON.
 """
 
 from __future__ import annotations
@@ -103,8 +104,50 @@ def _one_character(text: bytes) -> bool:
 def _schema_regex(source: GrammarSource, schema: Any) -> str:
     oc = _outlines()
     return oc.json_schema.build_regex_from_schema(
-        json.dumps(schema), whitespace_pattern=WHITESPACE_PATTERNS[source.json_style]
+        json.dumps(_json_spelled(schema)),
+        whitespace_pattern=WHITESPACE_PATTERNS[source.json_style],
     )
+
+
+def _json_spelling(name: str) -> str:
+    """``name`` as JSON writes it between its quotes (``a"b`` -> ``a\\"b``)."""
+    return json.dumps(name, ensure_ascii=False)[1:-1]
+
+
+def _json_spelled(schema: Any) -> Any:
+    """``schema`` with the names in ``properties`` and ``required`` written as JSON spells them
+    (and the ``$ref`` steps through them): outlines-core 0.2.14 puts a name into its regex as
+    it is (regex-escaped, not JSON-escaped), so that it wrote ``{"a"b": 1}``."""
+    maps = {id(node["properties"]) for _, node in subschemas(schema, [])
+            if isinstance(node, dict) and isinstance(node.get("properties"), dict)}
+
+    def spelled_ref(ref: str) -> str:
+        # outlines-core reads a ref's steps as they are (split at "/", no unescaping)
+        head, sep, fragment = ref.partition("#")
+        node, parts = schema, fragment.split("/")
+        for i, part in enumerate(parts):
+            if not part:
+                continue
+            if id(node) in maps:
+                parts[i] = _json_spelling(part)
+            node = node.get(part) if isinstance(node, dict) else None
+        return head + sep + "/".join(parts)
+
+    def spelled(node: Any) -> Any:
+        if not isinstance(node, dict):
+            return node
+        out = with_subschemas(node, lambda sub, key: spelled(sub))
+        if isinstance(out.get("properties"), dict):
+            out["properties"] = {_json_spelling(name): sub
+                                 for name, sub in out["properties"].items()}
+        if isinstance(out.get("required"), list):
+            out["required"] = [_json_spelling(name) if isinstance(name, str) else name
+                               for name in out["required"]]
+        if isinstance(out.get("$ref"), str):
+            out["$ref"] = spelled_ref(out["$ref"])
+        return out
+
+    return spelled(schema)
 
 
 def _schema_error(source: GrammarSource, schema: Any) -> str | None:
