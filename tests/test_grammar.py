@@ -1346,6 +1346,21 @@ def test_outlines_writes_property_names_as_json_spells_them(tok, closers):
     assert _accepts(grammar, tok, json.dumps({'q"': True, "d": {'a"b': False}}))
 
 
+def test_outlines_writes_the_keys_of_const_and_enum_objects_as_they_are(tok):
+    """outlines-core 0.2.14 put the keys of a const's or an enum's objects into its regex as
+    they are, escaped neither for the regex nor for JSON: {"a.b": 1} let {"axb": 1} through,
+    and {"a\\"b": 1} was written with a raw quote."""
+    pytest.importorskip("outlines_core")
+    for value, wrong in [({"a.b": 1}, '{"axb": 1}'), ({"n+": [{'q"': 2}]}, '{"nn": [{"q"": 2}]}'),
+                         ({"a\\b": {"x\ny": None}}, '{"a\\b": {"x\ny": null}}')]:
+        for schema in ({"const": value}, {"enum": [value, 5]}):
+            grammar = compile_grammar(json_schema(schema), tok, backend=Backend.OUTLINES)
+            assert _accepts(grammar, tok, json.dumps(value)), schema
+            assert not _accepts(grammar, tok, wrong), schema
+    grammar = compile_grammar(json_schema({"const": [{"(": 1}]}), tok, backend=Backend.OUTLINES)
+    assert _accepts(grammar, tok, '[{"(": 1}]')  # (a regex outlines-core could not build)
+
+
 def test_a_grammar_whose_masks_llguidance_cannot_compute_is_refused_when_compiled(tok):
     """llguidance computed the first mask of a^1000000, then failed every later one (a lexer
     limit): compiling passed, and every request failed at its first step."""

@@ -11,7 +11,8 @@ field: assertions its regex ignores (bounds, in ``$defs`` too), ``allOf`` / ``on
 / ``dependentSchemas`` / ``if``, the ``email`` format, and a language in which a match goes on
 through text that is none (a top-level number, ``a(bc)?``), whose continuations its index drops
 (``check_continuations``, against llguidance on the same source). Property names go to it in
-their JSON spelling (``_json_spelled``): it escapes them for its regex, not for JSON.
+their JSON spelling (``_json_spelled``): it escapes them for its regex, not for JSON, and the
+keys of a const's objects for neither.
 """
 
 from __future__ import annotations
@@ -114,10 +115,27 @@ def _json_spelling(name: str) -> str:
     return json.dumps(name, ensure_ascii=False)[1:-1]
 
 
+# what Rust's regex::escape escapes (regex-syntax's meta characters)
+_REGEX_META = frozenset("\\.+*?()|[]{}^$#&-~")
+
+
+def _keys_spelled(value: Any) -> Any:
+    """The ``const`` / ``enum`` value ``value`` whose objects' keys are regexes of their JSON
+    spelling: outlines-core 0.2.14 puts such a key into its regex as it is, neither escaped for
+    JSON nor for the regex (``{"a.b": 1}`` let ``{"axb": 1}`` through)."""
+    if isinstance(value, dict):
+        return {"".join("\\" + c if c in _REGEX_META else c for c in _json_spelling(key)):
+                _keys_spelled(sub) for key, sub in value.items()}
+    if isinstance(value, list):
+        return [_keys_spelled(sub) for sub in value]
+    return value
+
+
 def _json_spelled(schema: Any) -> Any:
     """``schema`` with the names in ``properties`` and ``required`` written as JSON spells them
     (and the ``$ref`` steps through them): outlines-core 0.2.14 puts a name into its regex as
-    it is (regex-escaped, not JSON-escaped), so that it wrote ``{"a"b": 1}``."""
+    it is (regex-escaped, not JSON-escaped), so that it wrote ``{"a"b": 1}``; and the keys of
+    objects in ``const`` and ``enum`` as regexes of their JSON spelling (``_keys_spelled``)."""
     maps = {id(node["properties"]) for _, node in subschemas(schema, [])
             if isinstance(node, dict) and isinstance(node.get("properties"), dict)}
 
@@ -145,6 +163,10 @@ def _json_spelled(schema: Any) -> Any:
                                for name in out["required"]]
         if isinstance(out.get("$ref"), str):
             out["$ref"] = spelled_ref(out["$ref"])
+        if "const" in out:
+            out["const"] = _keys_spelled(out["const"])
+        if isinstance(out.get("enum"), list):
+            out["enum"] = [_keys_spelled(value) for value in out["enum"]]
         return out
 
     return spelled(schema)
