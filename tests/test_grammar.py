@@ -1361,6 +1361,37 @@ def test_outlines_writes_the_keys_of_const_and_enum_objects_as_they_are(tok):
     assert _accepts(grammar, tok, '[{"(": 1}]')  # (a regex outlines-core could not build)
 
 
+def test_outlines_refuses_a_pattern_whose_text_is_no_json_string(tok):
+    """outlines-core 0.2.14 matches a string's pattern against its JSON text, between quotes it
+    writes around it as it is: ^a.b$ wrote "a"b" and a raw control character, [^x] a raw
+    newline, ^a\\\\b$ a lone backslash (the string a<backslash>b is "a\\\\b" in JSON), a|b the
+    text "a or b" alone. A pattern that cannot write such a character is kept."""
+    pytest.importorskip("outlines_core")
+    for pattern, text in [("^a.b$", '"a\x00'), ('^a"b$', '"a"b'), ("[^x]", '"\x00'),
+                          (r"^\W+$", '"\x00'), (r"\S", '"\x00'), ("^a\\\\b$", '"a\\'),
+                          ("a|b", "b"), ("^.{0,1000}$", '"\x00')]:
+        schema = {"type": "object", "properties": {"k": {"type": "string", "pattern": pattern}},
+                  "required": ["k"]}
+        with pytest.raises(GrammarError) as err:
+            compile_grammar(json_schema(schema), tok, backend=Backend.OUTLINES)
+        assert "#/properties/k/pattern: outlines-core matches a pattern against the JSON" in str(
+            err.value), str(err.value)
+        assert f"could write {text!r}" in str(err.value), str(err.value)
+    # in $defs, beside another type, and one that reads across the quotes ("x")|("y")
+    for schema, where in [({"$defs": {"s": {"type": ["string", "null"], "pattern": "[^a]"}},
+                            "type": "object", "properties": {"k": {"$ref": "#/$defs/s"}}},
+                           "#/$defs/s/pattern: outlines-core matches"),
+                          ({"type": "string", "pattern": 'x")|("y'},
+                           "#/pattern: outlines-core writes a pattern between quotes as it is")]:
+        with pytest.raises(GrammarError, match=re.escape(where)):
+            compile_grammar(json_schema(schema), tok, backend=Backend.OUTLINES)
+    for pattern, text in [("^[a-z]+$", '"abc"'), (r"^\d{3}-\d{4}$", '"555-1234"'),
+                          (r"^\w+$", '"héllo"'), ('^[^"\\\\\\x00-\\x1f]*$', '"a b!"')]:
+        grammar = compile_grammar(json_schema({"type": "string", "pattern": pattern}), tok,
+                                  backend=Backend.OUTLINES)
+        assert _accepts(grammar, tok, text), pattern
+
+
 def test_a_grammar_whose_masks_llguidance_cannot_compute_is_refused_when_compiled(tok):
     """llguidance computed the first mask of a^1000000, then failed every later one (a lexer
     limit): compiling passed, and every request failed at its first step."""

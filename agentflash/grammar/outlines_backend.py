@@ -8,7 +8,8 @@ layout is allowed but not enforced), and forced tokens are only states with a si
 
 What outlines-core 0.2.14 would get wrong is refused when the grammar compiles, naming the
 field: assertions its regex ignores (bounds, in ``$defs`` too), ``allOf`` / ``oneOf`` / ``not``
-/ ``dependentSchemas`` / ``if``, the ``email`` format, and a language in which a match goes on
+/ ``dependentSchemas`` / ``if``, the ``email`` format, a string ``pattern`` that could write a raw
+quote, backslash or control character (``_pattern_fault``), and a language in which a match goes on
 through text that is none (a top-level number, ``a(bc)?``), whose continuations its index drops
 (``check_continuations``, against llguidance on the same source). Property names go to it in
 their JSON spelling (``_json_spelled``): it escapes them for its regex, not for JSON, and the
@@ -17,6 +18,7 @@ keys of a const's objects for neither.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -259,6 +261,93 @@ def _unsupported(schema: Any) -> tuple[str, str] | None:
         if isinstance(fmt, str) and fmt.lower() in _UNSOUND_FORMATS:
             return pointer(path), (f"format {fmt!r} is not supported by outlines-core "
                                    f"({_UNSOUND_FORMATS[fmt.lower()]})")
+        pattern, kinds = node.get("pattern"), node.get("type")
+        if isinstance(pattern, str) and "string" in (kinds if isinstance(kinds, list)
+                                                     else [kinds]):
+            why = _pattern_fault(pattern)
+            if why is not None:
+                return pointer([*path, "pattern"]), why
+    return None
+
+
+@functools.cache
+def _byte_vocabulary() -> Any:
+    """outlines-core's ``Vocabulary`` of the 256 bytes (token ``b`` is byte ``b``; 256 ends):
+    an index over it is its regex's byte automaton."""
+    return _outlines().Vocabulary(256, {bytes([b]): [b] for b in range(256)})
+
+
+# the byte automaton of "[^"\\\x00-\x1f]*": state -> byte -> state (None: no match)
+_QUOTE, _BACKSLASH = ord('"'), ord("\\")
+
+
+def _json_step(state: int, byte: int) -> int | None:
+    if state == 0:
+        return 1 if byte == _QUOTE else None
+    if state == 1:
+        return 2 if byte == _QUOTE else None if byte < 0x20 or byte == _BACKSLASH else 1
+    return None
+
+
+def _pattern_fault(pattern: str) -> str | None:
+    """Why outlines-core 0.2.14 would write other than a JSON string of ``pattern``, or None.
+    It writes the pattern (less a ``^`` and a ``$`` around it) between quotes as it is,
+    ``("pattern")``, so whatever its language holds of ``"``, ``\\`` and U+0000-U+001F goes
+    raw into the JSON text (invalid, or a string that decodes to another value than the
+    pattern matched), and a top-level ``|`` splits the quotes apart (``("a|b")``). Decided on
+    the index of ``("pattern")`` over the 256 bytes (its byte automaton): every path to a
+    match must spell a quote, bytes none of those, a quote. None too where outlines-core
+    cannot build it (refused where the schema's index is built)."""
+    inner = pattern[1:-1] if pattern.startswith("^") and pattern.endswith("$") else pattern
+    oc = _outlines()
+    try:
+        index = oc.Index(f'("{inner}")', _byte_vocabulary())
+    except ValueError:
+        return None
+    try:  # it compiles between the quotes; alone it must too, or it reads across them
+        oc.Index(inner, _byte_vocabulary())
+    except ValueError as err:
+        if "error building NFA" in str(err):
+            return (f"outlines-core writes a pattern between quotes as it is, and {inner!r} "
+                    "is no regex by itself: read with them, it takes them apart")
+    text = _unescaped_text(index)
+    if text is None:
+        return None
+    return ("outlines-core matches a pattern against the JSON text, not the string it "
+            f"spells, and by this one it could write {text!r} (a raw quote, backslash or "
+            "control character, or text outside the string)")
+
+
+def _unescaped_text(index: Any) -> str | None:
+    """The shortest text (up to where it breaks) on a path of ``index`` to a match that is no
+    JSON string without escapes, or None."""
+    transitions = index.get_transitions()
+    finals = set(index.get_final_states())
+    sources: dict[int, list[int]] = {}
+    for state, moves in transitions.items():
+        for target in moves.values():
+            sources.setdefault(target, []).append(state)
+    live, stack = set(finals), list(finals)  # the states a match is reachable from
+    while stack:
+        for state in sources.get(stack.pop(), []):
+            if state not in live:
+                live.add(state)
+                stack.append(state)
+    start = (index.get_initial_state(), 0)
+    paths, queue = {start: b""}, [start]
+    for state, json_state in queue:  # breadth first
+        path = paths[state, json_state]
+        if state in finals and json_state != 2:
+            return path.decode("utf-8", "replace")
+        for token, target in transitions.get(state, {}).items():
+            if token == 256 or target not in live:  # 256: the end
+                continue
+            step = _json_step(json_state, token)
+            if step is None:
+                return (path + bytes([token])).decode("utf-8", "replace")
+            if (target, step) not in paths:
+                paths[target, step] = path + bytes([token])
+                queue.append((target, step))
     return None
 
 
