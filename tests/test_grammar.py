@@ -1392,6 +1392,23 @@ def test_outlines_refuses_a_pattern_whose_text_is_no_json_string(tok):
         assert _accepts(grammar, tok, text), pattern
 
 
+def test_outlines_takes_a_regex_anchored_at_its_ends_as_llguidance_does(tok):
+    """outlines-core 0.2.14 failed on a regex that starts with ^ or \\A ("anchored universal
+    start state doesn't exist"): the output is matched whole, so there they say nothing, and
+    the language is llguidance's (^a|b$ is a or b, not ab)."""
+    pytest.importorskip("outlines_core")
+    cases = [("^abc$", ["abc"], ["ab", "abcc"]), (r"\A(?:a|b)\z", ["a", "b"], ["ab"]),
+             ("^a|b$", ["a", "b"], ["ab", "a|b"]), ("^$", [""], ["a"]),
+             (r"^a\$", ["a$"], ["a"]), (r"^[0-9]+\\z", ["1\\z"], ["1"])]
+    for pattern, taken, refused in cases:
+        grammars = [compile_grammar(regex(pattern), tok, backend=backend) for backend in BACKENDS]
+        for text in taken + refused:
+            assert [_accepts(g, tok, text) for g in grammars] == [text in taken] * 2, (
+                pattern, text)
+    with pytest.raises(GrammarError, match=r"takes '\^' or '\\A' only at the very start"):
+        compile_grammar(regex("(^a)|b"), tok, backend=Backend.OUTLINES)
+
+
 def test_a_grammar_whose_masks_llguidance_cannot_compute_is_refused_when_compiled(tok):
     """llguidance computed the first mask of a^1000000, then failed every later one (a lexer
     limit): compiling passed, and every request failed at its first step."""

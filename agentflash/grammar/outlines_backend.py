@@ -13,7 +13,8 @@ quote, backslash or control character (``_pattern_fault``), and a language in wh
 through text that is none (a top-level number, ``a(bc)?``), whose continuations its index drops
 (``check_continuations``, against llguidance on the same source). Property names go to it in
 their JSON spelling (``_json_spelled``): it escapes them for its regex, not for JSON, and the
-keys of a const's objects for neither.
+keys of a const's objects for neither. A regex's anchors at its ends are dropped
+(``_unanchored``): it fails on a leading one.
 """
 
 from __future__ import annotations
@@ -185,7 +186,7 @@ def _schema_error(source: GrammarSource, schema: Any) -> str | None:
 def source_regex(source: GrammarSource) -> str:
     """The regular expression outlines-core compiles for ``source``."""
     if source.kind is GrammarKind.REGEX:
-        return source.text
+        return _unanchored(source.text)
     if source.kind is GrammarKind.LARK:
         raise GrammarError(
             f"{source.origin}: the outlines backend supports JSON Schema and regex "
@@ -216,6 +217,27 @@ def source_regex(source: GrammarSource) -> str:
             f"{source.origin}: {where}: outlines-core ignores {keyword!r}, so "
             f"its output could break the schema; use the llguidance backend"
         )
+    return pattern
+
+
+def _unanchored(pattern: str) -> str:
+    """``pattern`` less the ``^`` / ``\\A`` it starts with and the ``$`` / ``\\z`` it ends with.
+    outlines-core 0.2.14 cannot build an index where the regex asserts the start ("anchored
+    universal start state doesn't exist"; ``^$`` too), and the output is matched whole anyway:
+    there they say nothing, whatever is between (``^a|b$`` is ``a|b``, as llguidance reads
+    it). A ``^`` before a quantifier (``^*``, which llguidance refuses too) is kept, and an
+    escaped ``$`` or ``z``."""
+    while True:
+        anchor = next((a for a in ("^", "\\A") if pattern.startswith(a)), None)
+        if anchor is None or pattern[len(anchor):][:1] in ("*", "+", "?", "{"):
+            break
+        pattern = pattern[len(anchor):]
+    while pattern.endswith(("$", "\\z")):
+        body = pattern[:-1]
+        escapes = len(body) - len(body.rstrip("\\"))  # backslashes right before it
+        if escapes % 2 != (pattern[-1] == "z"):  # "\\$" and "\\\\z" are no anchors
+            break
+        pattern = body[:-1] if pattern[-1] == "z" else body
     return pattern
 
 
@@ -403,6 +425,9 @@ class OutlinesGrammar(CompiledGrammar):
         except ValueError as err:
             if source.kind is GrammarKind.REGEX:
                 message = " ".join((_regex_syntax_error(pattern) or str(err)).split())
+                if "anchored universal start state" in message:  # (^a), a|^b: llguidance's
+                    message = ("it takes '^' or '\\A' only at the very start (where they are "
+                               "dropped), not in a group or an alternative")
                 raise GrammarError(
                     f"{source.origin}: outlines-core cannot compile this regex: {message}"
                 ) from None
