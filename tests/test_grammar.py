@@ -1316,6 +1316,7 @@ def test_the_date_patterns_pass_their_probe(tok, monkeypatch):
         "code": {"type": "string", "pattern": "^[A-Z]{3}$"}}}), tok, use_cache=False)
     assert probed == ["^[A-Z]{3}$"]  # the user's pattern is probed, the dates' are not
 
+
 def _accepts(grammar, tok, text: str) -> bool:
     ids = tok.encode(text, add_special_tokens=False) + [tok.eos_token_id]
     return grammar.new_constraint().validate_draft(ids) == len(ids)
