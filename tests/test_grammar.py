@@ -421,6 +421,55 @@ def test_allows_is_a_one_token_validate(tok, closers, backend):
     assert checked == {True, False}
 
 
+def test_allows_is_the_mask_bit_of_every_token_where_bytes_are_forced(tok, closers):
+    # llguidance's allows reads forced states without a mask (its first forced token alone, or
+    # a one-token validate where no whole token takes the forced bytes yet): over canonical
+    # states and states one non-canonical token into forced text ('"' where '",' is canonical),
+    # every token's answer is the mask's bit, where validate takes more than the mask
+    from agentflash.grammar.tool_calls import assistant_turn
+
+    rng = random.Random(0)
+    seen = set()
+    for seed in range(3):
+        schema = random_schema(random.Random(seed), kind="object")
+        tools = [{"type": "function", "function": {"name": "f", "parameters": schema}}]
+        for source in (json_schema(schema), assistant_turn(tools, "required")):
+            grammar = compile_grammar(source, tok, vocab_size=len(tok) + 40)
+            constraint = grammar.new_constraint()
+            for token in walk(tok, closers, grammar, seed)[:-1]:
+                states = [constraint]
+                if constraint._m.compute_ff_bytes():
+                    mask = allowed_token_ids(constraint.bitmask(), grammar.vocab_size)
+                    odd = [t for t in rng.sample(range(len(tok)), 400) if t not in mask
+                           and constraint.validate_draft([t]) == 1]
+                    if odd:
+                        states.append(_advanced(constraint, rng.choice(odd)))
+                for state in states:
+                    if not state._m.compute_ff_bytes():
+                        continue
+                    fresh = state._copy()
+                    fresh._ff = None  # asked afresh, not from the mask's walk
+                    answers = [fresh.allows(t) for t in range(grammar.vocab_size)]
+                    mask = unpack_bitmask(state.bitmask(), grammar.vocab_size).tolist()
+                    assert answers == mask
+                    forced = bool(state._m.compute_ff_tokens())
+                    seen.add(("forced tokens" if forced else "forced bytes only", state is not
+                              constraint))
+                    wider = any(state.validate_draft([t]) == 1 and not mask[t]
+                                for t in range(len(tok)))
+                    seen.add(("validate takes more", wider))
+                constraint.advance([token])
+    assert {("forced tokens", False), ("forced tokens", True), ("forced bytes only", False),
+            ("validate takes more", True)} <= seen, seen
+
+
+def _advanced(constraint, token: int):
+    """A copy of ``constraint`` after ``token``."""
+    copy = constraint._copy()
+    copy.advance([token])
+    return copy
+
+
 def test_the_legal_argmax_is_the_first_best_allowed_token():
     from agentflash.grammar.constraint import _masked_argmax
 

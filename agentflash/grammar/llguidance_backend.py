@@ -128,6 +128,9 @@ class LLGuidanceGrammar(CompiledGrammar):
         # compile, the tokenizer's limits: the default ones), and reports the same first error;
         # validating apart first compiled every grammar twice (3.5 of 12 ms a 12-property tool)
         self._tokenizer, self._text = tokenizer, text
+        # llguidance's mask where bytes are forced is the first of the forced bytes' canonical
+        # tokens alone, except where a grammar turns forcing off (``_allows_one``)
+        self.masks_forced_canonically = "no_forcing" not in text
         self._matcher = self.fresh_matcher()
         if self._matcher.is_error():
             raise GrammarError(_describe_error(source, self._matcher.get_error()))
@@ -175,6 +178,7 @@ class LLGuidanceConstraint(Constraint):
         # matcher has a lexer of its own (``_run``)
         self._grammar, self._generation = grammar, generation
         self._fed: list[int] = []  # the tokens consumed, to replay on a matcher of its own
+        self._ff: list[int] | None = None  # ``_ff_tokens`` of this state, once asked
 
     @property
     def _m(self) -> llguidance.LLMatcher:
@@ -231,6 +235,7 @@ class LLGuidanceConstraint(Constraint):
 
     def _consume(self, tokens: Sequence[int]) -> None:
         tokens = list(tokens)
+        self._ff = None
         if not self._run("consume_tokens", tokens) and not self._consumed_on_own(tokens):
             raise self._failed()
         self._fed += tokens
@@ -253,6 +258,7 @@ class LLGuidanceConstraint(Constraint):
         return True
 
     def _rollback(self, num_tokens: int) -> None:
+        self._ff = None
         if not self._m.rollback(num_tokens):
             raise self._failed()
         del self._fed[len(self._fed) - num_tokens:]
@@ -285,23 +291,38 @@ class LLGuidanceConstraint(Constraint):
         copy = LLGuidanceConstraint(self._m.deep_copy(), self.vocab_size, self.eos_token_id,
                                     self._grammar, self._generation)
         copy._num_fed, copy._ended, copy._fed = self._num_fed, self._ended, list(self._fed)
+        copy._ff = self._ff
         return copy
 
     def _allows_one(self, token: int) -> bool:
         # where the grammar forces bytes, the mask keeps them to their canonical tokens ('"]')
         # and validate_tokens takes any tokenization ('"' then ']'): the mask decides, as in
-        # plain constrained decoding
-        if self._run("compute_ff_bytes"):
+        # plain constrained decoding. llguidance (1.9.1, TokenParser::compute_mask) allows there
+        # the first forced token alone; forced bytes that no whole token takes yet (a '"' that
+        # may still grow into '",') it masks as validate_tokens checks a token (the tokens
+        # that are a prefix of those bytes, or begin with them and go on legally). Both are
+        # read off without filling a mask (half the cost), as tests/test_grammar.py checks for
+        # every token of many forced states; a grammar that turns forcing off is masked
+        forced = self._ff_tokens()
+        if self._grammar is not None and self._grammar.masks_forced_canonically:
+            return token == forced[0] if forced else self._validate([token]) == 1
+        if forced or self._run("compute_ff_bytes"):
             row = self._scratch_row()
             row.zero_()
             self._fill(row)
             return bit_is_set(row, token, self.vocab_size)
         return self._validate([token]) == 1
 
+    def _ff_tokens(self) -> list[int]:
+        """llguidance's forced tokens in this state (once a state: a forced run's tokens are
+        asked by the walk and again by the check of its next token)."""
+        if self._ff is None:
+            # no forced byte, no forced token (the bytes are ~100x cheaper to ask)
+            self._ff = self._run("compute_ff_tokens") if self._run("compute_ff_bytes") else []
+        return self._ff
+
     def _forced(self) -> list[int]:
-        if not self._run("compute_ff_bytes"):  # no forced byte, no forced token (~100x
-            return []  # cheaper)
-        forced = self._run("compute_ff_tokens")
+        forced = list(self._ff_tokens())
         if self.eos_token_id in forced:
             forced = forced[: forced.index(self.eos_token_id)]
         return forced
