@@ -706,3 +706,83 @@ def test_a_burst_of_slow_steps_does_not_price_the_features_it_happened_to_take()
             cost.observe_step(shape, float(dearer @ shape.features()))
     for shape in (plain(1), plain(8), drafting(1, 1, 15)):
         assert cost.decode_seconds(shape) == pytest.approx(dearer @ shape.features(), rel=0.1)
+
+
+def kinds_by_steps(tokenizer, ids, ends):
+    """The tracker's kind after each step, a step committing ``ids`` up to each of ``ends``, fed
+    as the engine feeds it."""
+    from agentflash.engine.detokenizer import OutputDecoder, StepText
+
+    tracker, text = SegmentTracker(), StepText(OutputDecoder(tokenizer))
+    seen = {}
+    for end in ends:
+        tracker.feed(text.delta(ids, end))
+        seen[end] = tracker.kind
+    return seen
+
+
+SPLIT_TEXTS = [  # the demo tokenizer writes × and ÷ as two byte tokens each; (text, has math)
+    ("So 3×4 is twelve and more words here.\n", True),
+    ("Then 12÷4 gives three, more words.\n", True),
+    ("Café 1 − 2 ok é×3\n", False),
+    ("Here:\n```python\nx = 1  # é×\n```\nDone 2×2.\n", True),
+    ('I will call <tool_call>\n{"name": "f", "arguments": {"x": "3×4"}}\n</tool_call> ok\n', False),
+]
+
+
+@pytest.mark.parametrize(("text", "math"), SPLIT_TEXTS)
+def test_segments_do_not_depend_on_how_the_steps_split_the_text(demo_tokenizer_dir, text, math):
+    # each step's tokens were decoded alone: a × whose two bytes two steps wrote was read as two
+    # U+FFFD, and "3×4" was math in one block and prose a token a step
+    import random
+
+    from transformers import AutoTokenizer
+
+    from agentflash.engine.detokenizer import OutputDecoder, settled
+
+    tok = AutoTokenizer.from_pretrained(demo_tokenizer_dir)
+    decode = OutputDecoder(tok)
+    ids = tok.encode(text, add_special_tokens=False)
+    assert decode(ids) == text
+    if "×" in text:
+        assert "\ufffd" in decode(ids[: next(i for i in range(len(ids))
+                                              if "×" in decode(ids[: i + 1]))])
+    truth = {}
+    for end in range(1, len(ids) + 1):  # the text so far, whole (less a character begun)
+        tracker = SegmentTracker()
+        tracker.feed(settled(decode(ids[:end])))
+        truth[end] = tracker.kind
+    assert kinds_by_steps(tok, ids, range(1, len(ids) + 1)) == truth  # a token a step
+    rng = random.Random(0)
+    for _ in range(30):  # in random blocks
+        ends = sorted(set(rng.sample(range(1, len(ids)), rng.randrange(len(ids) // 2)))
+                      | {len(ids)})
+        assert kinds_by_steps(tok, ids, ends) == {end: truth[end] for end in ends}, ends
+    assert (SegmentKind.MATH in truth.values()) == math
+
+
+def test_a_step_text_window_starts_after_the_last_whole_character(demo_tokenizer_dir):
+    # steps that each end inside a character: each decodes its own tokens and the few before
+    from transformers import AutoTokenizer
+
+    from agentflash.engine.detokenizer import OutputDecoder, StepText
+
+    tok = AutoTokenizer.from_pretrained(demo_tokenizer_dir)
+    ids = tok.encode("×" * 200, add_special_tokens=False)
+    assert len(ids) == 400
+    text, out = StepText(OutputDecoder(tok)), ""
+    for end in range(3, len(ids), 2):  # every step ends after a ×'s first byte
+        out += text.delta(ids, end)
+        assert end - text.start <= 3
+    assert out == "×" * 199
+
+
+def test_a_character_whose_bytes_the_grammar_forced_a_token_at_a_time_is_read_whole(
+        tiny_model_dir):
+    from agentflash.grammar import regex
+
+    engine = tiny_dflash_engine(tiny_model_dir, block_size=8, max_len=256)
+    res = engine.generate(list(range(50, 70)), SamplingParams(
+        max_tokens=12, grammar=regex(r"So 3×4 is [a-z]{1,3}"), speculation="off"))
+    assert res.text.startswith("So 3×4 is ")
+    assert "math" in [s["kind"] for s in res.stats["segments"]], res.stats["segments"]

@@ -38,6 +38,43 @@ class OutputDecoder:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
 
+def settled(text: str) -> str:
+    """``text`` less an incomplete UTF-8 sequence at its end (decoded as U+FFFD), which the next
+    tokens may complete."""
+    return text.rstrip("\ufffd") if text.endswith("\ufffd") else text
+
+
+class StepText:
+    """What a reply's text grew by at each step, for the segment tracker: like ``delta`` (an
+    incomplete character at the end held back until the next tokens settle it), but decoded from
+    the tokens since the last whole character handed out, not the whole reply (O(step)). Each
+    step's tokens decoded alone split a character whose bytes two steps wrote (``×`` on the demo
+    tokenizer) into two U+FFFD."""
+
+    def __init__(self, decode: OutputDecoder):
+        self.decode = decode
+        self.start = 0  # the text of ``token_ids[:start]`` is handed out, and ends a character
+        self.emitted = 0  # characters of the text of ``token_ids[start:]`` handed out
+
+    def delta(self, token_ids: list[int], end: int) -> str:
+        """The text ``token_ids[:end]`` adds to what was handed out."""
+        text = self.decode(token_ids[self.start : end])
+        whole = settled(text)
+        new = whole[self.emitted :]
+        self.emitted = max(self.emitted, len(whole))
+        if len(whole) == len(text):
+            self.start, self.emitted = end, 0
+        else:  # the window starts again after the last token that ends a character (an
+            # incomplete one's bytes are at most 3 tokens), so that a run of steps that each end
+            # inside one does not grow it
+            for cut in range(end - 1, max(self.start, end - 4), -1):
+                head = self.decode(token_ids[self.start : cut])
+                if head == settled(head) and whole.startswith(head):
+                    self.start, self.emitted = cut, len(whole) - len(head)
+                    break
+        return new
+
+
 class Detokenizer:
     """Decodes a request's output and hands out the text written since the last call.
 
@@ -62,7 +99,7 @@ class Detokenizer:
         if cut is not None:
             text = text[:cut]
         elif not final:
-            text = text.rstrip("\ufffd") if text.endswith("\ufffd") else text
+            text = settled(text)
             text = text[: len(text) - self._held(text)]
             if self.stop and self.tool_calls and CLOSE in text:
                 unsettled = unsettled_from(text)

@@ -21,7 +21,7 @@ import jinja2
 import torch
 
 from agentflash.dflash.speculate import accept_choices, draft_logits, lookup_draft
-from agentflash.engine.detokenizer import OutputDecoder
+from agentflash.engine.detokenizer import OutputDecoder, StepText
 from agentflash.engine.kv_cache import KVCache, whole_chunks
 from agentflash.engine.limits import limit_problems
 from agentflash.engine.model_runner import ModelRunner, Row
@@ -315,6 +315,7 @@ class Engine:
                             "(Engine.from_pretrained(..., drafter=DIR or 'demo'); or speculation "
                             "auto or off)")
         req = Request([int(t) for t in prompt_ids], params)
+        req.step_text = StepText(self.decode_output)
         if params.grammar is not None:
             req.constraint = self.compile(params.grammar).new_constraint()
             answers = params.grammar.answers_in_schema  # text outside calls: the answer
@@ -488,9 +489,11 @@ class Engine:
             if req.kept_hidden is not None:
                 req.kept_hidden.append(hidden[fed:].clone())
             forced = self._commit(req, lead)
-            for token in forced:  # a token at a time, each in the segment it opens or is in:
-                # nothing chose them, so a required call's <tool_call> is the call's, not prose
-                req.segments.feed(self.decode_output([token]))
+            start = len(req.output_ids) - len(forced)
+            for n in range(1, len(forced) + 1):  # a token at a time, each in the segment it
+                # opens or is in: nothing chose them, so a required call's <tool_call> is the
+                # call's, not prose
+                req.segments.feed(req.step_text.delta(req.output_ids, start + n))
                 req.segments.record(req.segments.kind, mode, 1, 0, forced=1, accepted=1)
             if req.is_finished:  # a stop among them
                 req.stats.first_step_tokens = len(forced)
@@ -738,7 +741,7 @@ class Engine:
             forced=forced,
             accepted=min(accepted, len(committed)),
         )
-        req.segments.feed(self.decode_output(committed))
+        req.segments.feed(req.step_text.delta(req.output_ids, len(req.output_ids)))
 
     def _draft(
         self, reqs: list[Request], sizes: dict[int, int], kinds: dict[int, SegmentKind],

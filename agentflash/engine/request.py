@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from agentflash.engine.detokenizer import StepText
 from agentflash.errors import (
     SEED_TEXT,
     TEMPERATURE_TEXT,
@@ -154,6 +155,8 @@ class Request:
         self.kept_hidden: list[torch.Tensor] | None = None
         self.constraint = None  # a grammar Constraint, advanced over committed tokens
         self.segments = SegmentTracker()
+        # what the reply's text grew by at each step, for ``segments`` (the engine's decoder)
+        self.step_text: StepText | None = None
         self.routing = RequestRouting()
         self.generator: torch.Generator | None = None
         if not params.is_greedy:
