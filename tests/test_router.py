@@ -131,6 +131,16 @@ def test_a_calculation_is_seen_as_the_whole_lines_search_sees_it():
         assert tracker.kind is SegmentKind.MATH, pieces
 
 
+def test_a_calculation_inside_a_call_ends_with_it():
+    # the call's JSON held a date: the prose after it on its line was counted as math
+    P, T, M = SegmentKind.PROSE, SegmentKind.TOOL_CALL, SegmentKind.MATH
+    call = '<tool_call>{"name": "book", "arguments": {"date": "2024-05-01"}}'
+    assert kinds_along([call, "</tool_call>", " I have booked it", " for 2 + 2", "\n"]) == [
+        P, T, P, P, M, P]
+    assert kinds_along(["12 *", " 3 <tool_call>", "{}", "</tool_call>", " then"]) == [
+        P, P, T, T, P, P]
+
+
 def test_schema_bound_reply_is_one_schema_segment():
     tracker = SegmentTracker(schema_bound=True)
     tracker.feed('{"a": 1 + 2}')

@@ -124,6 +124,9 @@ class SegmentTracker:
             if piece in ("<tool_call>", "</tool_call>"):
                 self.in_tool_call = piece == "<tool_call>"
                 self._extend(piece)  # (a fence after it on its line is none)
+                if not self.in_tool_call:  # a calculation the call's JSON held is not the
+                    # prose's after it (a date, "2024-05-01", is one)
+                    self.math, self.dense_tail = False, ""
             elif self.in_tool_call:  # a ``` in the call's JSON opens no code block
                 if piece == "\n":
                     self._new_line()
