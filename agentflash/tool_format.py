@@ -56,15 +56,15 @@ class JsonScan:
     def __init__(self, top_strings: bool = True) -> None:
         self.depth = 0
         self.in_string = False
-        self._escaped = False
+        self.escaped = False
         self._top_strings = top_strings
 
     def step(self, c: str) -> None:
         if self.in_string:
-            if self._escaped:
-                self._escaped = False
+            if self.escaped:
+                self.escaped = False
             elif c == "\\":
-                self._escaped = True
+                self.escaped = True
             elif c == '"':
                 self.in_string = False
         elif c == '"':
@@ -73,6 +73,10 @@ class JsonScan:
             self.depth += 1
         elif c in "}]" and self.depth > 0:
             self.depth -= 1
+
+
+# what a JsonScan steps over unchanged, in a string and outside one (and no tag begins)
+_IN_STRING, _OUTSIDE = re.compile(r'[^"\\]*'), re.compile(r'[^"{}\[\]<]*')
 
 
 class CallEnd:
@@ -99,6 +103,11 @@ class CallEnd:
                     break
                 if CLOSE.startswith(text[self.pos :]):  # the tag may be coming: wait
                     break
+            if not self._scan.escaped:  # a run of characters that leave the scan as it is
+                run = (_IN_STRING if self._scan.in_string else _OUTSIDE).match(text, self.pos)
+                if run.end() > self.pos:
+                    self.pos = run.end()
+                    continue
             self._scan.step(text[self.pos])
             self.pos += 1
         return self.end
