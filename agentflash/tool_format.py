@@ -89,6 +89,8 @@ class CallEnd:
         self.end: int | None = None  # where the closing tag starts, once found
         self.pos = 0  # ``text[:pos]`` is known to be body (a tag may be starting at ``pos``)
         self._scan = JsonScan(top_strings=False)
+        self._tagged = False  # ``read``: the body holds a closing tag (in a string: it goes on)
+        self._in_string = False  # ... and it is JSON's beginning, cut inside a string's text
 
     def feed(self, piece: str) -> int | None:
         self.text += piece
@@ -112,6 +114,28 @@ class CallEnd:
             self.pos += 1
         return self.end
 
+    def read(self, piece: str) -> int | None:
+        """``feed``, then ``fallback``: where the call ends as ``parse_tool_calls`` reads the
+        text so far, a piece at a time. Once the body holds a tag in a string, each piece is
+        read as JSON with the body before it (``fallback``), unless it only goes on with the
+        string the body ended in: then the body stays JSON's beginning."""
+        seen = len(self.text)
+        end = self.feed(piece)
+        if end is not None:
+            return end
+        if not self._tagged:
+            self._tagged = CLOSE in self.text[max(0, seen - len(CLOSE) + 1) :]
+            if not self._tagged:
+                return None
+        elif self._in_string and _STRING_TEXT.fullmatch(piece):
+            return None
+        end = self.fallback()
+        # (an escape is at most 6 characters: none was cut short; the blanks that end the body
+        # were not read: a line break is no string's)
+        self._in_string = (self._scan.in_string and "\\" not in self.text[-6:]
+                           and not self.text[-1].isspace())
+        return end
+
     def fallback(self) -> int | None:
         """Where the body's first ``</tool_call>`` starts, string or not, if the body so far is
         no JSON nor the beginning of one: the end of a call written without a grammar whose
@@ -121,6 +145,10 @@ class CallEnd:
         at = self.text.find(CLOSE)
         return at if at >= 0 and not _json_or_its_beginning(self.text) else None
 
+
+# text that goes on with a JSON string and leaves it open: no quote nor control character, whole
+# escapes
+_STRING_TEXT = re.compile(r'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})*')
 
 # what a value cut short leaves where JSON's reader stops: a number, true, false or null begun
 _BEGUN_VALUE = re.compile(r"-?[0-9]*(\.[0-9]*)?([eE][-+]?[0-9]*)?|t(r(ue?)?)?|f(a(l(se?)?)?)?"

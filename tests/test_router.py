@@ -796,3 +796,78 @@ def test_a_character_whose_bytes_the_grammar_forced_a_token_at_a_time_is_read_wh
         max_tokens=12, grammar=regex(r"So 3×4 is [a-z]{1,3}"), speculation="off"))
     assert res.text.startswith("So 3×4 is ")
     assert "math" in [s["kind"] for s in res.stats["segments"]], res.stats["segments"]
+
+
+def test_a_tag_inside_a_calls_json_string_does_not_end_the_call():
+    # the tracker closed the call on any </tool_call>: the parser reads on past one in a string
+    pieces = ["<tool_call>", '\n{"name": "note", "arguments": {"text": "the tag ', "</tool_call>",
+              ' ends a call", "n": "12 34"}}\n', "</tool_call>", " Done 2 + 2"]
+    P, T, M = SegmentKind.PROSE, SegmentKind.TOOL_CALL, SegmentKind.MATH
+    assert kinds_along(pieces) == [P, T, T, T, T, P, M]
+
+
+CALL_TEXTS = [
+    '<tool_call>\n{"name": "note", "arguments": {"text": "a </tool_call> in it"}}\n</tool_call>'
+    " then 3 * 4\nok",
+    'x <tool_call>{"name": "f", "arguments": {"s": "\\"</tool_call>\\\\", "n": 1}}</tool_call>ok',
+    # no JSON: its quotes do not pair, and its first tag ends it (``CallEnd.fallback``)
+    '<tool_call>{"name": "f", "arguments": {"q": "it"s "a</tool_call> then 2+2\n```\nx\n',
+    '<tool_call>{"name": "f", "arguments": {"q": "a</tool_call>b", 7}}</tool_call> 1*2',
+    '<tool_call>{"a": "</tool_call>"} tail </tool_call><tool_call>{}</tool_call> 5 - 1',
+    '```\n<tool_call>{"c": "```"}</tool_call>\n```\n<tool_call>\n{"u": "\\u00e9</tool_call>"',
+    # a line break in a string is no JSON (only once something follows it: JSON's reader was
+    # given the body without the blanks that end it)
+    '<tool_call>{"a": "x</tool_call>\n+ 2*3 more"}</tool_call>',
+]
+
+
+@pytest.mark.parametrize("text", CALL_TEXTS)
+def test_a_call_ends_where_the_parser_ends_it_however_the_text_is_split(text):
+    import random
+
+    from agentflash.tool_format import _blocks
+
+    def kinds(ends):
+        tracker, seen, start = SegmentTracker(), {}, 0
+        for end in ends:
+            tracker.feed(text[start:end])
+            seen[end], start = tracker.kind, end
+        return seen
+
+    truth = {}
+    for end in range(1, len(text) + 1):
+        blocks = _blocks(text[:end])
+        in_call = bool(blocks) and blocks[-1][2] is None
+        truth[end] = whole = kinds([end])[end]
+        assert (whole is SegmentKind.TOOL_CALL) == in_call, text[:end]
+    assert kinds(range(1, len(text) + 1)) == truth  # a character at a time
+    rng = random.Random(0)
+    for _ in range(100):
+        ends = sorted(set(rng.sample(range(1, len(text)), rng.randrange(len(text) // 3)))
+                      | {len(text)})
+        assert kinds(ends) == {end: truth[end] for end in ends}, ends
+
+
+def test_a_tag_in_a_calls_string_costs_a_step_its_own_length(monkeypatch):
+    # once the body holds a tag in a string, each piece is read as JSON with the body before it
+    # (the call ends at that tag once the body is no JSON): but not a piece that only goes on
+    # with the string
+    import agentflash.tool_format as tool_format
+
+    read = []
+    real = tool_format._json_or_its_beginning
+
+    def counting(text):
+        read.append(len(text))
+        return real(text)
+
+    monkeypatch.setattr(tool_format, "_json_or_its_beginning", counting)
+    tracker = SegmentTracker()
+    tracker.feed('<tool_call>{"name": "note", "arguments": {"text": "the tag </tool_call>')
+    n = 3000
+    for _ in range(n):
+        tracker.feed(" w\\n \\u00e9")
+        assert tracker.kind is SegmentKind.TOOL_CALL
+    assert sum(read) < 100 * n
+    tracker.feed('", "x": 1}}</tool_call>')
+    assert tracker.kind is SegmentKind.PROSE

@@ -7,10 +7,12 @@ import enum
 import re
 from dataclasses import dataclass
 
+from agentflash.tool_format import CLOSE, OPEN, CallEnd
+
 
 class SegmentKind(enum.Enum):
     PROSE = "prose"
-    TOOL_CALL = "tool_call"  # from <tool_call> to </tool_call>
+    TOOL_CALL = "tool_call"  # from <tool_call> to the </tool_call> that ends it
     CODE = "code"  # inside a fenced block
     MATH = "math"  # a line of arithmetic being worked
     SCHEMA = "schema"  # the whole reply is bound to a JSON schema (a regex's or a Lark
@@ -75,19 +77,25 @@ class SegmentTracker:
 
     Only the newly committed text of each step is read; the current line is kept, so that a code
     fence split across tokens is still seen. A fence opens or closes a block only as a line of
-    its own (CommonMark): backticks inside a line are inline code.
+    its own (CommonMark): backticks inside a line are inline code. A tool call runs from its
+    ``<tool_call>`` to where ``parse_tool_calls`` ends it (``CallEnd``), however the steps split
+    the text: a ``</tool_call>`` in one of its JSON strings does not end it.
     """
 
     def __init__(self, schema_bound: bool = False, calls_beside: bool = False):
         self.schema_bound = schema_bound  # the reply's text is a JSON schema's answer
         self.calls_beside = calls_beside  # ... and tool calls may stand instead of it
-        self.in_tool_call = False
+        self.call: CallEnd | None = None  # the tool call being written: where it ends
         self.in_code = False
         self.fence: tuple[str, int] | None = None  # the block open as the current line began
         self.line = ""  # text of the current line so far
         self.math = False  # ... which is the working of a calculation (_MATH_LINE)
         self.dense_tail = ""  # the last characters of the line's text without its blanks
         self.segments: list[Segment] = []
+
+    @property
+    def in_tool_call(self) -> bool:
+        return self.call is not None
 
     @property
     def kind(self) -> SegmentKind:
@@ -120,19 +128,43 @@ class SegmentTracker:
 
     def feed(self, text: str) -> None:
         """Advance over newly committed text."""
-        for piece in re.split(r"(<tool_call>|</tool_call>|\n)", text):
-            if piece in ("<tool_call>", "</tool_call>"):
-                self.in_tool_call = piece == "<tool_call>"
-                self._extend(piece)  # (a fence after it on its line is none)
-                if not self.in_tool_call:  # a calculation the call's JSON held is not the
-                    # prose's after it (a date, "2024-05-01", is one)
-                    self.math, self.dense_tail = False, ""
-            elif self.in_tool_call:  # a ``` in the call's JSON opens no code block
-                if piece == "\n":
-                    self._new_line()
-                else:
-                    self._extend(piece)
-            elif piece == "\n":
+        while text:
+            text = self._call(text) if self.call is not None else self._outside(text)
+
+    def _outside(self, text: str) -> str:
+        """Read text outside a call up to a ``<tool_call>`` (which may have begun at the end of
+        the text before); what follows the tag is returned, the call's."""
+        kept = self.line[-len(OPEN) + 1 :]  # where a tag begun at the end of a piece is seen
+        at = (kept + text).find(OPEN)
+        if at < 0:
+            self._lines(text)
+            return ""
+        at -= len(kept)
+        self._lines(text[: max(at, 0)])
+        self._extend(OPEN[max(-at, 0) :])  # (a fence after it on its line is none)
+        self.call = CallEnd()
+        return text[at + len(OPEN) :]
+
+    def _call(self, text: str) -> str:
+        """Read a call's body up to its end as ``parse_tool_calls`` reads it (``CallEnd``: a tag
+        in one of its JSON strings does not end it); what follows its closing tag is returned
+        (the body's own text, where it ends at a tag before the text)."""
+        assert self.call is not None
+        end = self.call.read(text)
+        if end is None:
+            return ""
+        body, end = self.call.text, end + len(CLOSE)
+        self.call = None
+        line = body.rfind("\n", 0, end)  # the line goes on (the call's text is not read)
+        self.line = body[line + 1 : end] if line >= 0 else self.line + body[:end]
+        # a calculation the call's JSON held is not the prose's after it (a date, 2024-05-01)
+        self.math, self.dense_tail = False, ""
+        return body[end:]
+
+    def _lines(self, text: str) -> None:
+        """Read text outside a call that holds no ``<tool_call>``: lines, fences, calculations."""
+        for piece in re.split(r"(\n)", text):
+            if piece == "\n":
                 if self.fence is None:
                     self.fence = _opening_fence(self.line)
                 elif _closes(self.line, self.fence):
