@@ -613,6 +613,40 @@ def test_a_method_decorated_in_its_class_is_refused_as_unbound_naming_what_works
     assert list(tool(self_named).parameters["properties"]) == ["self"]
 
 
+def test_a_first_self_or_cls_hinted_other_than_its_class_is_a_parameter():
+    # a staticmethod's cls: int (a class label) was refused as an unbound method
+    class Vision:
+        @staticmethod
+        def describe(cls: int) -> str:
+            return str(cls)
+
+        @staticmethod
+        def rename(self: str, to: str) -> str:
+            return f"{self} {to}"
+
+        def own(self: "Vision", x: int) -> int:
+            return x
+
+        def own_type(cls: "type[Vision]", x: int) -> int:
+            return x
+
+        def typed(cls: type["Vision"], x: int) -> int:
+            return x
+
+        def any_self(self: "typing.Self", x: int) -> int:
+            return x
+
+    for made, names in ((tool(Vision.describe), ["cls"]), (tool(Vision().describe), ["cls"]),
+                        (tool(Vision.rename), ["self", "to"])):
+        assert list(made.parameters["properties"]) == names
+    assert made.parameters["properties"]["self"] == {"type": "string"}
+    assert anyio.run(run_tool, tool(Vision.describe), {"cls": 7}).output == "7"
+    for method, first in ((Vision.own, "self"), (Vision.own_type, "cls"),
+                          (Vision.typed, "cls"), (Vision.any_self, "self")):
+        with pytest.raises(UserError, match=f"is an unbound method .*first parameter '{first}'"):
+            tool(method)
+
+
 def test_the_schema_binds_what_pydantic_checks_and_arguments_are_read_as_json():
     """The grammar writes whatever a tool's schema allows, so where pydantic's JSON validation
     is stricter than its schema the schema says so (a Decimal as a string is a number; a dict's
