@@ -1039,6 +1039,51 @@ def test_an_integer_past_a_float_is_refused_where_a_float_is_read():
     assert got[0][2] == big and got[1][0] == 1e308
 
 
+def test_an_integer_past_a_float_is_judged_where_it_was_given():
+    """Any huge integer beside any infinity was refused (an int's 10**400 beside a dataclass
+    whose default is inf, the int named): each is judged at its own path, by field, alias,
+    key and index; one that cannot be followed (a key pydantic changed) by what it reached."""
+    import dataclasses
+
+    big = 10**400
+    got = []
+
+    @dataclasses.dataclass
+    class Budget:
+        currency: str = "EUR"
+        max_price: float = dataclasses.field(default_factory=lambda: math.inf)  # no limit
+
+    class Limits(BaseModel):
+        low: float = Field(alias="from")
+        rest: dict[int, float] = {}
+        lower: dict[Annotated[str, pydantic.StringConstraints(to_lower=True)], float] = {}
+        cap: float = Field(default_factory=lambda: math.inf)
+
+    @tool
+    def count(n: int, budget: Budget, limits: Limits | None = None) -> str:
+        got.append((n, budget, limits))
+        return "ok"
+
+    for arguments in ({"n": big, "budget": {}}, {"n": big, "budget": {"currency": "USD"}},
+                      {"n": 5, "budget": {}, "limits": {"from": 1, "rest": {"2": 3}}}):
+        assert anyio.run(run_tool, count, arguments).output == "ok"
+    assert got[0][0] == big and got[0][1].max_price == math.inf
+    for arguments, where in (
+            ({"n": big, "budget": {"max_price": big}}, ["budget.max_price"]),
+            ({"n": big, "budget": {}, "limits": {"from": -big}}, ["limits.from"]),
+            ({"n": 1, "budget": {}, "limits": {"from": 1, "rest": {"2": big}}}, ["limits.rest.2"]),
+            ({"n": 1, "budget": {}, "limits": {"from": 1, "lower": {"A": big}}},
+             ["limits.lower.A"]),
+            ({"n": big, "budget": {}, "limits": {"from": big, "lower": {"B": -big}}},
+             ["limits.from", "limits.lower.B"])):
+        outcome = anyio.run(run_tool, count, arguments)
+        assert outcome.is_error and outcome.error_type == "invalid_arguments"
+        assert json.loads(outcome.output)["error"] == "invalid arguments for count: " + "; ".join(
+            f"{path}: the integer of 401 digits is past a float's range (read as a float, it is "
+            f"infinity)" for path in where)
+    assert len(got) == 3
+
+
 def test_bytes_of_a_max_length_are_written_in_ascii():
     """pydantic counts a bytes value's UTF-8 bytes, the grammar its characters: "ééé" (six
     bytes) passed a max_length of 3 in the schema and was refused."""

@@ -707,8 +707,10 @@ class FunctionTool:
             raise ToolArgumentsError(f"invalid arguments for {self.name}: "
                                      f"{'.'.join(map(str, extra))}: Extra inputs are not "
                                      f"permitted")
-        huge = list(_past_a_float(arguments))
-        if huge and _holds_infinity(validated):  # pydantic read one as a float: infinity
+        # where pydantic read one as a float: infinity (each where it was given)
+        huge = [(path, digits) for path, digits in _past_a_float(arguments)
+                if _infinite_at(validated, path)]
+        if huge:
             raise ToolArgumentsError(f"invalid arguments for {self.name}: " + "; ".join(
                 f"{'.'.join(map(str, path)) or 'arguments'}: the integer of {digits} digits "
                 f"is past a float's range (read as a float, it is infinity)"
@@ -753,6 +755,77 @@ def _past_a_float(value: Any, path: tuple[str | int, ...] = ()
 
 
 _FLOAT_MAX = int(sys.float_info.max)
+
+
+def _infinite_at(validated: Any, path: tuple[str | int, ...]) -> bool:
+    """Whether the validated arguments hold an infinite float at ``path``, where the call's
+    JSON gave an integer past a float's range (an int's, a Decimal's stays what it was). The
+    path is followed through fields (by alias), keys and indexes; where a step cannot be
+    (an AliasPath, a set, a key pydantic changed), what it reached is judged whole."""
+    value = validated
+    for step in path:
+        while isinstance(value, pydantic.RootModel):
+            value = value.root
+        after = _step(value, step)
+        if after is _LOST:
+            return _holds_infinity(value)
+        value = after
+    while isinstance(value, pydantic.RootModel):
+        value = value.root
+    return _holds_infinity(value)
+
+
+_LOST = object()
+
+
+def _step(value: Any, step: str | int) -> Any:
+    """What ``value`` holds at the JSON key or index ``step``, or ``_LOST``."""
+    if isinstance(step, int):
+        if isinstance(value, (list, tuple)) and -len(value) <= step < len(value):
+            return value[step]
+        return _LOST
+    if isinstance(value, Mapping):
+        if step in value:
+            return value[step]
+        if re.fullmatch(r"-?[0-9]+", step) and int(step) in value:  # a dict[int, ...]'s key
+            return value[int(step)]
+        return _LOST
+    name = _field_of(type(value), step)
+    return _LOST if name is None else getattr(value, name, _LOST)
+
+
+def _field_of(cls: type, key: str) -> str | None:
+    """The field of a model or dataclass that pydantic reads from the JSON ``key`` (by its
+    alias, or its name), or None where that is not one known field."""
+    fields = getattr(cls, "__pydantic_fields__", None)
+    if fields is None:
+        if not dataclasses.is_dataclass(cls):
+            return None
+        try:
+            hints = typing.get_type_hints(cls, include_extras=True)
+        except Exception:  # unresolvable: its aliases are unknown
+            return None
+        for f in dataclasses.fields(cls):
+            infos = [m for m in getattr(hints.get(f.name), "__metadata__", ())
+                     if isinstance(m, FieldInfo)] + [f.default] * isinstance(f.default, FieldInfo)
+            if any(i.alias is not None or i.validation_alias is not None for i in infos):
+                return None  # (named aliases are followed in a pydantic dataclass)
+        if getattr(cls, "__pydantic_config__", {}).get("alias_generator"):
+            return None
+        return key if any(f.name == key for f in dataclasses.fields(cls)) else None
+    config = getattr(cls, "model_config", None) or getattr(cls, "__pydantic_config__", {})
+    by_name = config.get("validate_by_name") or config.get("populate_by_name")
+    by_alias = config.get("validate_by_alias", True)
+    found = set()
+    for name, info in fields.items():
+        alias = info.validation_alias if info.validation_alias is not None else info.alias
+        if alias is not None and not isinstance(alias, str):  # AliasChoices, AliasPath
+            return None
+        if name == key and (alias is None or by_name):
+            found.add(name)
+        if alias == key and by_alias:
+            found.add(name)
+    return found.pop() if len(found) == 1 else None
 
 
 def _holds_infinity(value: Any) -> bool:
