@@ -5,7 +5,9 @@ year, year 0000), and a backend that reads a string's pattern and not its format
 Torch-free, so that a tool's schema is made without loading the grammar layer."""
 
 import datetime
+import functools
 import re
+from typing import Any
 
 _YEAR = "(?:[0-9]{3}[1-9]|[0-9]{2}[1-9]0|[0-9][1-9]00|[1-9]000)"  # 0001 to 9999
 _LEAP_YEAR = "(?:[0-9]{2}(?:0[48]|[2468][048]|[13579][26])|(?:0[48]|[2468][048]|[13579][26])00)"
@@ -203,6 +205,55 @@ def format_checker() -> "jsonschema.FormatChecker":  # type: ignore[name-defined
     for fmt in DATE_PATTERNS:
         checker.checkers.pop(fmt, None)
     return checker
+
+
+def value_validator(schema: Any) -> Any:
+    """jsonschema's Draft 2020-12 check of a value against ``schema`` (exact_dates' already:
+    a workflow's input, an agent's answer, an HTTP tool's arguments), formats by
+    ``format_checker`` and patterns as JSON Schema reads them (``ecma_pattern``)."""
+    return ecma_validator_class()(schema, format_checker=format_checker())
+
+
+@functools.cache
+def ecma_validator_class() -> Any:
+    """Draft 2020-12's validator, its ``pattern`` read as ECMA-262's (``ecma_pattern``)."""
+    from jsonschema import Draft202012Validator, validators
+
+    return validators.extend(Draft202012Validator, {"pattern": ecma_pattern})
+
+
+def ecma_pattern(validator: Any, pattern: str, instance: Any, schema: Any) -> Any:
+    """``pattern`` as JSON Schema reads it (ECMA-262): its ``$`` is the end of the text.
+    Python's ``$`` (jsonschema's ``re.search``) also matches before a last newline:
+    "2024-02-29\\n" passed as a date, "writer\\n" as an agent's name."""
+    from jsonschema.exceptions import ValidationError
+
+    if validator.is_type(instance, "string") and not _ecma_regex(pattern).search(instance):
+        yield ValidationError(f"{instance!r} does not match {pattern!r}")
+
+
+@functools.lru_cache(maxsize=512)
+def _ecma_regex(pattern: str) -> re.Pattern[str]:
+    """``pattern`` compiled with each ``$`` that is an anchor (not escaped, not in a class)
+    as ``\\Z``, the end of the text."""
+    out, i, n = [], 0, len(pattern)
+    while i < n:
+        c = pattern[i]
+        if c == "\\":
+            out.append(pattern[i:i + 2])
+            i += 2
+            continue
+        if c == "[":  # a class: to its end (a ']' first in it is one of its characters)
+            j = i + 1 + (pattern[i + 1:i + 2] == "^")
+            j += pattern[j:j + 1] == "]"
+            while j < n and pattern[j] != "]":
+                j += 2 if pattern[j] == "\\" else 1
+            out.append(pattern[i:j + 1])
+            i = j + 1
+            continue
+        out.append("\\Z" if c == "$" else c)
+        i += 1
+    return re.compile("".join(out))
 
 
 _DATE_FORMATS = {pattern: fmt for fmt, pattern in DATE_PATTERNS.items()}

@@ -15,6 +15,7 @@ from pydantic import BaseModel
 from agentflash.backends.base import Decoding, ForceTool, ToolChoice
 from agentflash.backends.scripted import ScriptedBackend, ScriptedTurn, tool_call_text
 from agentflash.errors import UserError
+from agentflash.json_formats import value_validator
 from agentflash.runtime import (
     Agent,
     AgentTurnStarted,
@@ -301,6 +302,26 @@ def test_a_dict_schema_s_date_and_time_are_checked_as_the_grammar_writes_them():
             run(agent, [reply])
     reply = '{"d": "2024-02-29", "t": "12:30:00Z"}'
     assert run(agent, [reply])[0].final_output == json.loads(reply)
+
+
+def test_an_output_schema_s_pattern_ends_at_the_text_s_end():
+    """Python's "$" (jsonschema's re.search) matched before a last newline: a remote server's
+    "2024-02-29\\n" passed as a date, "ab\\n" a pattern's ^[a-z]+$."""
+    schema = {"type": "object", "properties": {"d": {"type": "string", "format": "date"},
+                                               "w": {"type": "string", "pattern": "^[a-z]+$"}}}
+    agent = Agent("a", output_type=schema)
+    for reply, problem in (('{"d": "2024-02-29\\n"}', "is not a 'date'"),
+                           ('{"w": "ab\\n"}', "does not match")):
+        with pytest.raises(ModelBehaviorError, match=problem):
+            run(agent, [reply])
+    reply = '{"d": "2024-02-29", "w": "ab"}'
+    assert run(agent, [reply])[0].final_output == json.loads(reply)
+    # an anchor "$" anywhere; a "$" escaped or in a class is the character
+    for pattern, text, taken in (("^(?:a$|b)", "a\n", False), ("^(?:a$|b)", "b\n", True),
+                                 ("^[$]$", "$", True), ("^[$]$", "$\n", False),
+                                 ("^a\\$$", "a$", True), ("^a\\$$", "a$\n", False),
+                                 ("^[]$]+$", "]$", True), ("^[^]a]$", "$\n", False)):
+        assert value_validator({"pattern": pattern}).is_valid(text) == taken, (pattern, text)
 
 
 def test_a_number_cut_at_max_tokens_is_no_answer_a_whole_value_is():

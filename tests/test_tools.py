@@ -1548,9 +1548,12 @@ def test_http_tool_checks_arguments_as_the_grammar_writes_them(server_url):
                 await run_tool(broken, {}),
                 # RFC 3339's full-time, as the grammar writes it: jsonschema's check refused it
                 await run_tool(search, {"at": "12:30:00Z"}),
-                await run_tool(search, {"when": "2023-02-29"})]
+                await run_tool(search, {"when": "2023-02-29"}),
+                # Python's "$" matched before a last newline
+                await run_tool(search, {"when": "2024-02-29\n"})]
 
-    extra, undated, replaced, ok, removed, said, timed, no_day = anyio.run(main)
+    extra, undated, replaced, ok, removed, said, timed, no_day, newline = anyio.run(main)
+    assert newline.output.endswith("when: '2024-02-29\\\\n' is not a 'date'\"}"), newline.output
     assert not timed.is_error and json.loads(timed.output)["path"].endswith("at=12%3A30%3A00Z")
     assert no_day.output.endswith("when: '2023-02-29' is not a 'date'\"}"), no_day.output
     assert extra.error_type == "invalid_arguments" and "'api_key' was unexpected" in extra.output

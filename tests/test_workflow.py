@@ -1210,7 +1210,12 @@ def test_an_inputs_format_is_checked_on_what_is_given_and_on_its_default(tmp_pat
                             ({"mail": "not an email"}, "input 'mail': 'not an email' is not "
                                                        "a 'email'"),
                             ({"trip": '{"back": "2024-02-30T10:00:00Z"}'},
-                             "input 'trip': '2024-02-30T10:00:00Z' is not a 'date-time'")):
+                             "input 'trip': '2024-02-30T10:00:00Z' is not a 'date-time'"),
+                            # Python's "$" (jsonschema's re.search) matched before a last "\\n"
+                            ({"when": "2024-02-29\n"}, "input 'when': '2024-02-29\\n' is not "
+                                                      "a 'date'"),
+                            ({"trip": '{"back": "2024-02-29T10:00:00Z\\n"}'},
+                             "input 'trip': '2024-02-29T10:00:00Z\\n' is not a 'date-time'")):
         with pytest.raises(UserError, match=re.escape(f"{path}: {message}")):
             wf.resolve_inputs({**given, **values})
     result = CliRunner().invoke(app, ["run", str(path), "-i", "when=2024-02-30",

@@ -128,12 +128,13 @@ def _schema_spec(schema: dict[str, Any]) -> OutputSpec:
     except SchemaError as err:
         raise UserError(f"output schema is not a valid JSON Schema: {err.message}") from None
     from agentflash.grammar.sources import exact_dates
-    from agentflash.json_formats import error_message, format_checker
+    from agentflash.json_formats import error_message, value_validator
 
     _check_supported(schema)
-    # formats checked as the grammar writes them (a date a day of the calendar): a reply
-    # written without it (a remote server's) that is no date is refused
-    validator = Draft202012Validator(exact_dates(schema), format_checker=format_checker())
+    # formats checked as the grammar writes them (a date a day of the calendar), patterns as
+    # it reads them (no "2024-02-29\n" of a date): a reply written without it (a remote
+    # server's) that is no date is refused
+    validator = value_validator(exact_dates(schema))
 
     def parse(text: str) -> Any:
         value = _reply_json(text)

@@ -1313,15 +1313,14 @@ class HttpTool:
 
     async def call(self, arguments: dict[str, Any]) -> Any:
         import httpx
-        from jsonschema import Draft202012Validator
 
         from agentflash.grammar.sources import close_objects, exact_dates
-        from agentflash.json_formats import error_message, format_checker
+        from agentflash.json_formats import error_message, value_validator
 
-        # what the grammar lets the model write: no keys the schema does not list, formats kept
+        # what the grammar lets the model write: no keys the schema does not list, formats kept,
+        # patterns as JSON Schema reads them (a "$" is the text's end, not before a newline)
         schema = exact_dates(close_objects(self.parameters))
-        errors = sorted(Draft202012Validator(schema, format_checker=format_checker())
-                        .iter_errors(arguments), key=str)
+        errors = sorted(value_validator(schema).iter_errors(arguments), key=str)
         problems = [f"{'.'.join(map(str, e.absolute_path)) or 'arguments'}: "
                     f"{error_message(e)}" for e in errors]
         problems += [f"{key}: is the url's own query parameter"

@@ -19,7 +19,7 @@ import math
 import numbers
 import re
 import sys
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -40,7 +40,7 @@ from agentflash.backends.base import (
 )
 from agentflash.engine.limits import limit_problems
 from agentflash.errors import UserError, UserErrors
-from agentflash.json_formats import error_message, format_checker
+from agentflash.json_formats import ecma_validator_class, error_message, value_validator
 from agentflash.runtime import events as ev
 from agentflash.runtime.agent import Agent, output_spec
 from agentflash.runtime.errors import OutputsFailed, StepFailed
@@ -357,12 +357,11 @@ def _convert(name: str, text: str, schema: dict[str, Any]) -> Any:
 def _input_validator(schema: dict[str, Any]) -> Any:
     """The check of an input's value (given or its default) against its schema, formats
     included as a tool's arguments and an agent's answer are checked: a ``date`` one of the
-    calendar's days, an ``email`` an address."""
-    from jsonschema import Draft202012Validator
-
+    calendar's days, an ``email`` an address; patterns as JSON Schema reads them: no date
+    "2024-02-29\\n")."""
     from agentflash.grammar.sources import exact_dates
 
-    return Draft202012Validator(exact_dates(schema), format_checker=format_checker())
+    return value_validator(exact_dates(schema))
 
 
 def _is_json_of(text: str, value: Any) -> bool:
@@ -523,21 +522,8 @@ def load_workflow(path: str | Path, model: str | None = None) -> Workflow:
     return _Builder(doc, problems, model).build()
 
 
-def _ecma_pattern(validator: Any, pattern: str, instance: Any, schema: Any) -> Iterator[Any]:
-    """``pattern`` as JSON Schema reads it (ECMA-262): its ``$`` is the end of the text. Python's
-    ``$`` also matches before a last newline: "writer\\n" passed as an agent's name."""
-    from jsonschema.exceptions import ValidationError
-
-    if validator.is_type(instance, "string") and not re.search(
-            re.sub(r"(?<!\\)\$$", r"\\Z", pattern), instance):
-        yield ValidationError(f"{instance!r} does not match {pattern!r}")
-
-
 def _schema_problems(doc: YamlDoc, problems: _Problems) -> None:
-    from jsonschema import Draft202012Validator, validators
-
-    checker = validators.extend(Draft202012Validator, {"pattern": _ecma_pattern})
-    for err in checker(workflow_schema()).iter_errors(doc.data):
+    for err in ecma_validator_class()(workflow_schema()).iter_errors(doc.data):
         keys: Keys = tuple(err.absolute_path)
         kind, value, instance = err.validator, err.validator_value, err.instance
         if kind == "additionalProperties":
