@@ -444,8 +444,10 @@ def _json_text(value: Any) -> str | None:
 def _str_key(keys: dict[str, Any]) -> str | None:
     """The pattern of a str key (pydantic's ``constr``): its own, or its length's bounds as one
     (pydantic names them in propertyNames, which llguidance lacks); ``NotBindable`` where it
-    has both, or pydantic changes the key before it counts it (``strip_whitespace``: "  " is
-    no key of one character)."""
+    has both, or a least length counted once pydantic has stripped the key
+    (``strip_whitespace``: "  " is no key of one character). pydantic counts a key before it
+    changes its case (to_lower, to_upper: "ß" is one character, "SS" once read), and a most
+    length it counts after stripping holds every key the pattern lets the model write."""
     low, high = keys.get("min_length"), keys.get("max_length")
     if low is None and high is None:
         return keys.get("pattern")
@@ -457,11 +459,12 @@ def _str_key(keys: dict[str, Any]) -> str | None:
                           f"agentflash builds no key pattern that holds both the pattern and "
                           f"the length: write the length into the pattern (^[a-z]{{1,3}}$: "
                           f"one to three letters)")
-    if changes:
+    if low and keys.get("strip_whitespace"):
         raise NotBindable(f"a dict's keys of type str ({bounds}) are counted by pydantic once "
-                          f"it has changed them, and a key's pattern counts what the model "
-                          f"writes: drop {' and '.join(changes)} or the length from the key's "
-                          f"type (check the key in the function)")
+                          f"it has stripped their whitespace, and a key's pattern counts what "
+                          f"the model writes (\"  \" is no key of one character): drop "
+                          f"strip_whitespace or the min_length from the key's type (check the "
+                          f"key in the function)")
     return f"^[\\s\\S]{{{low or 0},{'' if high is None else high}}}$"
 
 
