@@ -1935,6 +1935,86 @@ def test_grammar_bench_names_a_bad_schema_file_on_one_line(tmp_path, capsys, con
     assert len(err.strip().splitlines()) == 1
 
 
+def _nested(depth: int, key: str) -> dict:
+    """A schema whose JSON nests ``depth`` objects and arrays deep, by ``key`` (an ``items``
+    is one level, a ``properties``, ``allOf`` or ``anyOf`` two: one ``items`` evens it)."""
+    schema: dict = {"type": "string"}
+    levels, step = 1, 1 if key == "items" else 2
+    while levels + step <= depth:
+        schema = {"type": "array", "items": schema} if key == "items" else \
+            {"type": "object", "properties": {"a": schema}} if key == "properties" else \
+            {key: [schema, {"type": "null"}]}
+        levels += step
+    return schema if levels == depth else {"type": "array", "items": schema}
+
+
+def _deep_in_stack(frames: int, call):
+    return call() if frames == 0 else _deep_in_stack(frames - 1, call)
+
+
+def test_a_schema_nested_past_llguidance_reader_is_refused_by_its_depth(tok):
+    import llguidance
+
+    from agentflash.grammar.checks import MAX_SCHEMA_DEPTH, json_depth
+    from agentflash.grammar.tool_calls import MAX_TOOL_DEPTH, assistant_turn, tool_specs
+    from agentflash.runtime.agent import output_spec
+
+    # the limit is llguidance's: its JSON reader takes a schema 124 deep and no deeper
+    assert MAX_SCHEMA_DEPTH == 124
+    for depth in (MAX_SCHEMA_DEPTH, MAX_SCHEMA_DEPTH + 1):
+        text = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(_nested(depth, "items")))
+        error = llguidance.LLMatcher.validate_grammar(text)
+        assert ("recursion limit exceeded" in error) == (depth > MAX_SCHEMA_DEPTH), error
+    assert json_depth({"a": [[], {}]}, 10) == 3 and json_depth("a", 10) == 0
+    cycle: dict = {}
+    cycle["a"] = [cycle]
+    assert json_depth(cycle, 10) == 11  # (stops past the limit)
+    with pytest.raises(GrammarError, match="not JSON-serialisable: Circular reference"):
+        json_schema(cycle)
+    # at the limit it compiles, one past it is refused saying why, before llguidance's
+    # "recursion limit exceeded" (a build that passed or not by Python's stack: 125-160 items
+    # and 85-95 allOf were accepted and failed at compile); and so 700 frames deep
+    past = f"schema: the schema is nested too deeply: more than {MAX_SCHEMA_DEPTH} levels"
+    for key in ("items", "properties", "allOf", "anyOf"):
+        at, over = _nested(MAX_SCHEMA_DEPTH, key), _nested(MAX_SCHEMA_DEPTH + 1, key)
+        assert json_depth(at, 200) == MAX_SCHEMA_DEPTH == json_depth(over, 200) - 1
+        for frames in (0, 700):
+            compile_grammar(_deep_in_stack(frames, lambda s=at: json_schema(s)), tok)
+            with pytest.raises(GrammarError, match=past):
+                _deep_in_stack(frames, lambda s=over: json_schema(s))
+    with pytest.raises(GrammarError, match=past):  # (where jsonschema's walk ran out of stack)
+        json_schema(_nested(160, "items"))
+    # jsonschema's walk of a schema at the limit (8 frames a level) has its room: the verdict
+    # names the fault, not the depth
+    wrong = _nested(MAX_SCHEMA_DEPTH, "items")
+    node = wrong
+    while "items" in node:
+        node = node["items"]
+    node["type"] = "strin"
+    with pytest.raises(GrammarError, match=r"schema: #(/items)+/type: not a valid JSON Schema"):
+        json_schema(wrong)
+    # a response format / an agent's output schema: the same verdict
+    with pytest.raises(GrammarError, match=past.replace("schema:", "output schema:")):
+        assistant_turn([], "auto", output_schema=_nested(MAX_SCHEMA_DEPTH + 1, "allOf"))
+    compile_grammar(assistant_turn([], "auto", output_schema=_nested(MAX_SCHEMA_DEPTH, "allOf")),
+                    tok)
+    with pytest.raises(GrammarError, match=past.replace("schema:", "output schema:")):
+        output_spec(_nested(MAX_SCHEMA_DEPTH + 1, "properties"))
+    # a tool's parameters sit 4 levels down in the tools' union: at their own limit they
+    # compile there, one past it they are refused when the tool is declared
+    def tools(depth: int) -> list[dict]:
+        params = {"type": "object", "properties": {"a": _nested(depth - 2, "anyOf")}}
+        assert json_depth(params, 200) == depth
+        return [{"type": "function", "function": {"name": "f", "parameters": params}}]
+
+    assert MAX_TOOL_DEPTH == MAX_SCHEMA_DEPTH - 4
+    for choice in ("required", "auto"):
+        compile_grammar(assistant_turn(tool_specs(tools(MAX_TOOL_DEPTH)), choice), tok)
+    with pytest.raises(GrammarError, match=r"tools\[0\] \(f\) parameters: the schema is nested "
+                                           r"too deeply: more than 120 levels"):
+        tool_specs(tools(MAX_TOOL_DEPTH + 1))
+
+
 def test_schemas_python_or_llguidance_cannot_take_are_grammar_errors(tok, tmp_path):
     # an unsupported keyword beside listed properties: strict mode adds a boolean subschema
     # (additionalProperties false), which the search for the failing field must step over

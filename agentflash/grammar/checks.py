@@ -11,10 +11,12 @@ from __future__ import annotations
 import json
 import math
 import re
+import sys
 import threading
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 from urllib.parse import unquote
 
@@ -29,12 +31,90 @@ def pointer(parts: list[str | int]) -> str:
     return "#" + "".join("/" + p for p in escaped)
 
 
-def check_schema(schema: Any, origin: str) -> None:
-    """Raise ``GrammarError`` if ``schema`` breaks its meta-schema or can never be finished.
+# llguidance reads a grammar's JSON with serde_json, whose parser refuses text nested deeper
+# than 127 arrays and objects ("recursion limit exceeded"), and a schema's JSON goes in 3 levels
+# down ({"grammars": [{"json_schema": ...}]}): 124 is the deepest schema it compiles (a Lark
+# rule's %json body is read on its own: 127)
+MAX_SCHEMA_DEPTH = 124
+
+
+def json_depth(value: Any, limit: int) -> int:
+    """How deep the dicts and lists (tuples) of ``value`` nest, as its JSON text nests (``{}``
+    is 1, a string 0), counted without recursion; past ``limit`` the count stops at
+    ``limit + 1`` (a value that holds itself is endless)."""
+    if not isinstance(value, (dict, list, tuple)):
+        return 0
+    deepest, stack = 0, [(value, 1)]
+    pop, push = stack.pop, stack.append
+    while stack:  # (depth first: a value that holds itself is past the limit at once)
+        node, depth = pop()
+        if depth > limit:
+            return depth
+        deepest = max(deepest, depth)
+        for child in node.values() if isinstance(node, dict) else node:
+            if isinstance(child, (dict, list, tuple)):
+                push((child, depth + 1))
+    return deepest
+
+
+def check_depth(schema: Any, origin: str, limit: int = MAX_SCHEMA_DEPTH, why: str = "") -> int:
+    """How deep ``schema`` nests (``json_depth``); raise ``GrammarError`` if deeper than
+    ``limit`` objects and arrays (``why``: what else sets the limit): measured, not found by a
+    walk's RecursionError, so the verdict is the same whatever stack the caller has used."""
+    depth = json_depth(schema, limit)
+    if depth > limit:
+        raise GrammarError(f"{origin}: the schema is nested too deeply: more than {limit} "
+                           f"levels of objects and arrays, the most llguidance reads{why}")
+    return depth
+
+
+@contextmanager
+def recursion_room(frames: int = 12 * MAX_SCHEMA_DEPTH) -> Iterator[None]:
+    """Python's recursion limit ``frames`` above the caller's stack while the block runs: the
+    walks of a schema recurse (jsonschema's 8 frames a level: 1,005 frames at depth 124, more
+    than Python's default limit), and a schema llguidance compiles was refused as "nested too
+    deeply", or not, by how deep the caller's stack was. The limit is put back when the last
+    block that raised it ends (unless something else changed it meanwhile)."""
+    global _room_holders, _room_before, _room_set
+    frame, used = sys._getframe(), 0
+    while frame is not None:
+        frame, used = frame.f_back, used + 1
+    with _ROOM_LOCK:
+        if _room_holders == 0:
+            _room_before = _room_set = sys.getrecursionlimit()
+        _room_holders += 1
+        if sys.getrecursionlimit() < used + frames:
+            _room_set = used + frames
+            sys.setrecursionlimit(_room_set)
+    try:
+        yield
+    finally:
+        with _ROOM_LOCK:
+            _room_holders -= 1
+            if _room_holders == 0 and sys.getrecursionlimit() == _room_set:
+                sys.setrecursionlimit(_room_before)
+
+
+_ROOM_LOCK = threading.Lock()
+_room_holders = 0  # the blocks in ``recursion_room`` now
+_room_before = _room_set = 0  # the limit before the first of them, and the one set since
+
+
+def check_schema(schema: Any, origin: str, max_depth: int | None = MAX_SCHEMA_DEPTH,
+                 depth_why: str = "") -> None:
+    """Raise ``GrammarError`` if ``schema`` nests deeper than ``max_depth`` (``check_depth``;
+    None: the caller has), breaks its meta-schema or can never be finished.
 
     A schema that passed is remembered (by its JSON), so that the same tools sent with every
     request are checked once (the meta-schema's check is ``meets_meta_schema``'s walk, 0.1-2 ms
     a tool schema, and jsonschema's validation, 5-15 ms, where the walk does not pass it)."""
+    if max_depth is not None:
+        check_depth(schema, origin, max_depth, depth_why)
+    with recursion_room():
+        _check_schema_once(schema, origin)
+
+
+def _check_schema_once(schema: Any, origin: str) -> None:
     try:  # the schema's JSON, half a surrogate pair kept apart from a whole one's escape
         key = json.dumps(schema, sort_keys=True, allow_nan=False, ensure_ascii=False)
     except (TypeError, ValueError, RecursionError):
@@ -47,7 +127,7 @@ def check_schema(schema: Any, origin: str) -> None:
             return
     try:
         _check_schema(schema, origin)
-    except RecursionError:  # jsonschema's walks recurse: a tool's schema nested 120 deep was a 500
+    except RecursionError:  # not within the room ``check_schema`` makes: jsonschema's walks
         raise GrammarError(f"{origin}: the schema is nested too deeply") from None
     if key is not None:
         with _PASSED_LOCK:

@@ -9,7 +9,13 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-from agentflash.grammar.checks import json_bodies, locate_schema_error, pointer, subschemas
+from agentflash.grammar.checks import (
+    json_bodies,
+    locate_schema_error,
+    pointer,
+    recursion_room,
+    subschemas,
+)
 from agentflash.grammar.constraint import (
     CompiledGrammar,
     GrammarError,
@@ -119,6 +125,7 @@ def compile_grammar(
     info = tokenizer_info(tokenizer, vocab_size, eos_token_id)
     key = (backend, source, info)
 
+    @recursion_room()  # (the checks of a schema's fields recurse by its depth)
     def compiled() -> CompiledGrammar:
         try:
             grammar = _build(backend, source, info)

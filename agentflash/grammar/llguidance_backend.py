@@ -12,7 +12,7 @@ from typing import Any
 import llguidance
 import torch
 
-from agentflash.grammar.checks import locate_schema_error
+from agentflash.grammar.checks import locate_schema_error, recursion_room
 from agentflash.grammar.constraint import (
     CompiledGrammar,
     Constraint,
@@ -72,6 +72,7 @@ def _schema_error(source: GrammarSource, schema: Any) -> str | None:
     return llguidance.LLMatcher.validate_grammar(text) or None
 
 
+@recursion_room()
 def check_schema_supported(
     schema: Any, origin: str, json_style: JsonStyle = JsonStyle.DUMPS
 ) -> None:

@@ -18,13 +18,16 @@ from urllib.parse import urldefrag, urljoin
 
 from agentflash.errors import missing_file
 from agentflash.grammar.checks import (
+    MAX_SCHEMA_DEPTH,
     SCHEMA_KEYWORDS,
     SCHEMA_LISTS,
     SCHEMA_MAPS,
     SCHEMA_SINGLES,
     anchor_index,
+    check_depth,
     check_lark_finishes,
     check_schema,
+    recursion_room,
     resolve_ref,
 )
 from agentflash.grammar.constraint import GrammarError
@@ -365,17 +368,31 @@ def json_schema(
     if schema is True:  # any JSON value: the empty schema (grammar compilers take objects)
         schema = {}
     try:
-        text = json.dumps(exact_dates(close_objects(schema) if strict else schema),
-                          ensure_ascii=False, allow_nan=False)
+        depth = check_depth(schema, origin)
+    except GrammarError:
+        _serialisable(schema, origin)  # one that holds itself is no JSON: say so
+        raise
+    with recursion_room():
+        try:
+            written = exact_dates(close_objects(schema) if strict else schema)
+            text = json.dumps(written, ensure_ascii=False, allow_nan=False)
+        except (TypeError, ValueError) as err:
+            raise GrammarError(f"{origin}: the schema is not JSON-serialisable: {err}") from None
+        except RecursionError:  # a chain of refs past the room close_objects had
+            raise GrammarError(f"{origin}: the schema is nested too deeply") from None
+        if depth > MAX_SCHEMA_DEPTH - 2:  # a date's pattern goes in an allOf: 2 levels down
+            check_depth(written, origin, why=" (with the date patterns its formats add)")
+        check_schema(schema, origin, max_depth=None)
+    return GrammarSource(GrammarKind.JSON_SCHEMA, text, json_style, origin)
+
+
+def _serialisable(schema: Any, origin: str) -> None:
+    try:
+        json.dumps(schema, allow_nan=False)
     except (TypeError, ValueError) as err:
         raise GrammarError(f"{origin}: the schema is not JSON-serialisable: {err}") from None
-    except RecursionError:
-        raise GrammarError(f"{origin}: the schema is nested too deeply") from None
-    try:
-        check_schema(schema, origin)
-    except RecursionError:
-        raise GrammarError(f"{origin}: the schema is nested too deeply") from None
-    return GrammarSource(GrammarKind.JSON_SCHEMA, text, json_style, origin)
+    except RecursionError:  # nested past Python's stack: the caller's error says how deep
+        pass
 
 
 def json_schema_file(

@@ -16,7 +16,13 @@ from dataclasses import dataclass, replace
 from typing import Any
 from urllib.parse import urldefrag, urljoin, urlsplit
 
-from agentflash.grammar.checks import check_schema, subschemas
+from agentflash.grammar.checks import (
+    MAX_SCHEMA_DEPTH,
+    check_depth,
+    check_schema,
+    recursion_room,
+    subschemas,
+)
 from agentflash.grammar.constraint import GrammarError
 from agentflash.grammar.llguidance_backend import JSON_STYLE_OPTIONS, check_schema_supported
 from agentflash.grammar.sources import (
@@ -70,11 +76,19 @@ def tool_specs(tools: list[dict[str, Any]]) -> list[ToolSpec]:
     return specs
 
 
+# the levels ``tool_call_schema``'s union holds a tool's parameters in: its anyOf, a branch,
+# the branch's properties
+_UNION_DEPTH = 4
+MAX_TOOL_DEPTH = MAX_SCHEMA_DEPTH - _UNION_DEPTH  # the deepest parameters' schema that compiles
+
+
 def check_parameters(params: Any, origin: str) -> None:
     """Raise ``GrammarError`` naming ``origin`` unless ``params`` is a valid JSON Schema of type
     object that the grammar can constrain a tool call's arguments to."""
     if isinstance(params, dict):
-        check_schema(params, f"{origin} parameters")
+        check_schema(params, f"{origin} parameters", max_depth=MAX_TOOL_DEPTH,
+                     depth_why=f" ({MAX_SCHEMA_DEPTH}) less the {_UNION_DEPTH} levels of the "
+                               f"tools' union around a tool's parameters")
     if not isinstance(params, dict) or params.get("type", "object") != "object":
         raise GrammarError(f"{origin}: parameters must be a JSON Schema of type object")
     check_schema_supported(params, f"{origin} parameters")
@@ -195,6 +209,7 @@ def _remove_dot_segments(path: str) -> str:
     return "/".join(kept) + ("/" if segments[-1] in (".", "..") and kept else "")
 
 
+@recursion_room()  # (the walks below recurse by the schemas' depth)
 def tool_call_schema(
     tools: list[dict[str, Any]] | list[ToolSpec], strict: bool = True
 ) -> dict[str, Any]:
@@ -292,6 +307,7 @@ _FREE_TEXT = f"start: text\n{_TEXT_RULES[0]}\n{_TEXT_RULES[2]}\n"
 REASONING_TOKENS = ("<think>", "</think>")
 
 
+@recursion_room()
 def assistant_turn(
     tools: list[dict[str, Any]] | list[ToolSpec],
     tool_choice: str | dict[str, Any] | ToolChoice | None = "auto",
@@ -377,6 +393,7 @@ def with_reasoning_tokens(source: GrammarSource, text_tokens: dict[str, int]) ->
 
 def _answer_turn(specs: list[ToolSpec], choice: ToolChoice, parallel: bool, strict: bool,
                  output_schema: dict[str, Any], output_strict: bool) -> GrammarSource:
+    check_depth(output_schema, "output schema")  # before the walks, which recurse
     schema = exact_dates(close_objects(output_schema) if output_strict else output_schema)
     # checked alone first: an error of the turn's grammar names no field of the schema in it
     check_schema_supported(schema, "output schema")

@@ -121,6 +121,14 @@ def _check_supported(schema: dict[str, Any]) -> None:
 
 
 def _schema_spec(schema: dict[str, Any]) -> OutputSpec:
+    from agentflash.grammar.checks import check_depth, recursion_room
+
+    check_depth(schema, "output schema")  # before jsonschema's walk, which recurses
+    with recursion_room():
+        return _checked_schema_spec(schema)
+
+
+def _checked_schema_spec(schema: dict[str, Any]) -> OutputSpec:
     from jsonschema import Draft202012Validator, SchemaError
 
     try:
