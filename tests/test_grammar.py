@@ -1415,11 +1415,13 @@ def test_outlines_refuses_a_pattern_whose_text_is_no_json_string(tok):
     """outlines-core 0.2.14 matches a string's pattern against its JSON text, between quotes it
     writes around it as it is: ^a.b$ wrote "a"b" and a raw control character, [^x] a raw
     newline, ^a\\\\b$ a lone backslash (the string a<backslash>b is "a\\\\b" in JSON), a|b the
-    text "a or b" alone. A pattern that cannot write such a character is kept."""
+    text "a or b" alone, a"|"b the text "a (its quotes make the JSON string), ^a$|^b$ nothing
+    it could finish. A pattern that cannot write such a character is kept."""
     pytest.importorskip("outlines_core")
     for pattern, text in [("^a.b$", '"a\x00'), ('^a"b$', '"a"b'), ("[^x]", '"\x00'),
                           (r"^\W+$", '"\x00'), (r"\S", '"\x00'), ("^a\\\\b$", '"a\\'),
-                          ("a|b", "b"), ("^.{0,1000}$", '"\x00')]:
+                          ("a|b", "b"), ("^.{0,1000}$", '"\x00'),
+                          ('a"|"b', '"b'), ('^a"|"b$', '"b')]:
         schema = {"type": "object", "properties": {"k": {"type": "string", "pattern": pattern}},
                   "required": ["k"]}
         with pytest.raises(GrammarError) as err:
@@ -1435,6 +1437,13 @@ def test_outlines_refuses_a_pattern_whose_text_is_no_json_string(tok):
                            "#/pattern: outlines-core writes a pattern between quotes as it is")]:
         with pytest.raises(GrammarError, match=re.escape(where)):
             compile_grammar(json_schema(schema), tok, backend=Backend.OUTLINES)
+    # an anchor inside (^a$|^b$): outlines-core compiled it, and its index never finished
+    schema = {"type": "object", "properties": {"k": {"type": "string",
+                                                     "pattern": "^[a-z]+$|^[0-9]+$"}}}
+    with pytest.raises(GrammarError, match=re.escape(
+            "#/properties/k/pattern: outlines-core takes '^' and '$' only around the whole "
+            "pattern, and in '^[a-z]+$|^[0-9]+$' an anchor elsewhere")):
+        compile_grammar(json_schema(schema), tok, backend=Backend.OUTLINES)
     for pattern, text in [("^[a-z]+$", '"abc"'), (r"^\d{3}-\d{4}$", '"555-1234"'),
                           (r"^\w+$", '"héllo"'), ('^[^"\\\\\\x00-\\x1f]*$', '"a b!"')]:
         grammar = compile_grammar(json_schema({"type": "string", "pattern": pattern}), tok,

@@ -318,21 +318,35 @@ def _pattern_fault(pattern: str) -> str | None:
     raw into the JSON text (invalid, or a string that decodes to another value than the
     pattern matched), and a top-level ``|`` splits the quotes apart (``("a|b")``). Decided on
     the index of ``("pattern")`` over the 256 bytes (its byte automaton): every path to a
-    match must spell a quote, bytes none of those, a quote. None too where outlines-core
-    cannot build it (refused where the schema's index is built)."""
+    match must spell a quote, bytes none of those, a quote; and on that of the pattern alone,
+    from inside the string (``("a"|"b")`` is JSON strings, but ``a"|"b`` matches a quote): no
+    path to a match may spell one of them. An anchor elsewhere than around the whole pattern
+    (``^a$|^b$``) leaves the index no way to finish the string: refused. None too where
+    outlines-core cannot build it otherwise (refused where the schema's index is built)."""
     inner = pattern[1:-1] if pattern.startswith("^") and pattern.endswith("$") else pattern
     oc = _outlines()
+    errors = []
     try:
         index = oc.Index(f'("{inner}")', _byte_vocabulary())
-    except ValueError:
-        return None
-    try:  # it compiles between the quotes; alone it must too, or it reads across them
-        oc.Index(inner, _byte_vocabulary())
     except ValueError as err:
-        if "error building NFA" in str(err):
-            return (f"outlines-core writes a pattern between quotes as it is, and {inner!r} "
-                    "is no regex by itself: read with them, it takes them apart")
-    text = _unescaped_text(index)
+        index = None
+        errors.append(str(err))
+    try:  # it compiles between the quotes; alone it must too, or it reads across them
+        alone = oc.Index(inner, _byte_vocabulary())
+    except ValueError as err:
+        alone = None
+        errors.append(str(err))
+    if any("anchored universal start state" in error for error in errors):
+        return (f"outlines-core takes '^' and '$' only around the whole pattern, and in "
+                f"{pattern!r} an anchor elsewhere leaves it no way to finish the string")
+    if index is None:
+        return None
+    if alone is None and "error building NFA" in errors[-1]:
+        return (f"outlines-core writes a pattern between quotes as it is, and {inner!r} "
+                "is no regex by itself: read with them, it takes them apart")
+    text = _unescaped_text(index, 0)
+    if text is None and alone is not None:
+        text = _unescaped_text(alone, 1)
     if text is None:
         return None
     return ("outlines-core matches a pattern against the JSON text, not the string it "
@@ -340,9 +354,9 @@ def _pattern_fault(pattern: str) -> str | None:
             "control character, or text outside the string)")
 
 
-def _unescaped_text(index: Any) -> str | None:
+def _unescaped_text(index: Any, json_state: int) -> str | None:
     """The shortest text (up to where it breaks) on a path of ``index`` to a match that is no
-    JSON string without escapes, or None."""
+    JSON string without escapes (``json_state`` 0), or no text inside one (1), or None."""
     transitions = index.get_transitions()
     finals = set(index.get_final_states())
     sources: dict[int, list[int]] = {}
@@ -355,11 +369,12 @@ def _unescaped_text(index: Any) -> str | None:
             if state not in live:
                 live.add(state)
                 stack.append(state)
-    start = (index.get_initial_state(), 0)
+    done = 2 if json_state == 0 else 1  # where a match must leave the JSON automaton
+    start = (index.get_initial_state(), json_state)
     paths, queue = {start: b""}, [start]
     for state, json_state in queue:  # breadth first
         path = paths[state, json_state]
-        if state in finals and json_state != 2:
+        if state in finals and json_state != done:
             return path.decode("utf-8", "replace")
         for token, target in transitions.get(state, {}).items():
             if token == 256 or target not in live:  # 256: the end
