@@ -1451,6 +1451,20 @@ def test_outlines_refuses_a_pattern_whose_text_is_no_json_string(tok):
         assert _accepts(grammar, tok, text), pattern
 
 
+def test_outlines_checks_a_pattern_once_however_many_fields_share_it(tok):
+    """The pattern check builds two byte automata (seconds for ^\\w{1,100}$): eight properties
+    of one pattern paid it eight times."""
+    pytest.importorskip("outlines_core")
+    from agentflash.grammar.outlines_backend import _pattern_fault
+
+    pattern = r"^\d{1,20}$"
+    schema = {"type": "object",
+              "properties": {f"p{i}": {"type": "string", "pattern": pattern} for i in range(8)}}
+    _pattern_fault.cache_clear()
+    compile_grammar(json_schema(schema), tok, backend=Backend.OUTLINES, use_cache=False)
+    assert _pattern_fault.cache_info().misses == 1
+
+
 def test_outlines_takes_a_regex_anchored_at_its_ends_as_llguidance_does(tok):
     """outlines-core 0.2.14 failed on a regex that starts with ^ or \\A ("anchored universal
     start state doesn't exist"): the output is matched whole, so there they say nothing, and

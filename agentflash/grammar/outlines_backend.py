@@ -311,6 +311,7 @@ def _json_step(state: int, byte: int) -> int | None:
     return None
 
 
+@functools.lru_cache(maxsize=256)  # a function of the text alone: a schema repeats one
 def _pattern_fault(pattern: str) -> str | None:
     """Why outlines-core 0.2.14 would write other than a JSON string of ``pattern``, or None.
     It writes the pattern (less a ``^`` and a ``$`` around it) between quotes as it is,
