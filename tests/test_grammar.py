@@ -1451,6 +1451,17 @@ def test_outlines_refuses_a_pattern_whose_text_is_no_json_string(tok):
         assert _accepts(grammar, tok, text), pattern
 
 
+def test_outlines_says_it_ignores_a_pattern_beside_enum_const_or_a_length(tok):
+    """Beside enum, const, minLength or maxLength outlines-core writes no pattern at all: the
+    pattern's check said it would write a raw character by it, which it does not."""
+    pytest.importorskip("outlines_core")
+    for keyword, value in [("enum", ["ab", "cd"]), ("const", "ab"), ("minLength", 1),
+                           ("maxLength", 4)]:
+        schema = {"type": "string", keyword: value, "pattern": "^[^x]+$"}
+        with pytest.raises(GrammarError, match="#: outlines-core ignores 'pattern'"):
+            compile_grammar(json_schema(schema), tok, backend=Backend.OUTLINES)
+
+
 def test_outlines_checks_a_pattern_once_however_many_fields_share_it(tok):
     """The pattern check builds two byte automata (seconds for ^\\w{1,100}$): eight properties
     of one pattern paid it eight times."""

@@ -255,6 +255,10 @@ _UNSOUND_FORMATS = {"email": "its email pattern writes a raw quote, which JSON r
                     "uri": "its uri pattern writes a raw quote or backslash, which JSON refuses"}
 
 
+# beside these outlines-core ignores a string's pattern (refused by ``ignored_keyword``, saying so)
+_PATTERN_IGNORED_BESIDE = ("enum", "const", "minLength", "maxLength")
+
+
 def _unsupported(schema: Any) -> tuple[str, str] | None:
     """(pointer, why) of the first keyword outlines-core would not keep to, or None."""
     for path, node in subschemas(schema, []):
@@ -285,7 +289,8 @@ def _unsupported(schema: Any) -> tuple[str, str] | None:
                                    f"({_UNSOUND_FORMATS[fmt.lower()]})")
         pattern, kinds = node.get("pattern"), node.get("type")
         if isinstance(pattern, str) and "string" in (kinds if isinstance(kinds, list)
-                                                     else [kinds]):
+                                                     else [kinds]) and not any(
+                keyword in node for keyword in _PATTERN_IGNORED_BESIDE):
             why = _pattern_fault(pattern)
             if why is not None:
                 return pointer([*path, "pattern"]), why
