@@ -1479,18 +1479,22 @@ def test_outlines_checks_a_pattern_once_however_many_fields_share_it(tok):
 def test_outlines_takes_a_regex_anchored_at_its_ends_as_llguidance_does(tok):
     """outlines-core 0.2.14 failed on a regex that starts with ^ or \\A ("anchored universal
     start state doesn't exist"): the output is matched whole, so there they say nothing, and
-    the language is llguidance's (^a|b$ is a or b, not ab)."""
+    the language is llguidance's (^a|b$ is a or b, not ab). After inline flags ((?i)^abc$) too:
+    one there was refused as not at the very start, as a quantified one (^+a) was."""
     pytest.importorskip("outlines_core")
     cases = [("^abc$", ["abc"], ["ab", "abcc"]), (r"\A(?:a|b)\z", ["a", "b"], ["ab"]),
              ("^a|b$", ["a", "b"], ["ab", "a|b"]), ("^$", [""], ["a"]),
-             (r"^a\$", ["a$"], ["a"]), (r"^[0-9]+\\z", ["1\\z"], ["1"])]
+             (r"^a\$", ["a$"], ["a"]), (r"^[0-9]+\\z", ["1\\z"], ["1"]),
+             ("(?i)^abc$", ["abc", "AbC"], ["abcd", "x"]), ("(?i)(?-u)\\Aab\\z", ["aB"], ["b"])]
     for pattern, taken, refused in cases:
         grammars = [compile_grammar(regex(pattern), tok, backend=backend) for backend in BACKENDS]
         for text in taken + refused:
             assert [_accepts(g, tok, text) for g in grammars] == [text in taken] * 2, (
                 pattern, text)
-    with pytest.raises(GrammarError, match=r"takes '\^' or '\\A' only at the very start"):
-        compile_grammar(regex("(^a)|b"), tok, backend=Backend.OUTLINES)
+    for pattern in ["(^a)|b", "^+a", "^{1}a"]:  # (llguidance takes ^+ and ^{1})
+        with pytest.raises(GrammarError, match=r"takes '\^' or '\\A' only at the very start, "
+                           r"after inline flags alone \(where they are dropped\), not quantified"):
+            compile_grammar(regex(pattern), tok, backend=Backend.OUTLINES)
 
 
 def test_a_grammar_whose_masks_llguidance_cannot_compute_is_refused_when_compiled(tok):

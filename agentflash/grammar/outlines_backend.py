@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -221,13 +222,19 @@ def source_regex(source: GrammarSource) -> str:
 
 
 def _unanchored(pattern: str) -> str:
-    """``pattern`` less the ``^`` / ``\\A`` it starts with and the ``$`` / ``\\z`` it ends with.
-    outlines-core 0.2.14 cannot build an index where the regex asserts the start ("anchored
-    universal start state doesn't exist"; ``^$`` too), and the output is matched whole anyway:
-    there they say nothing, whatever is between (``^a|b$`` is ``a|b``, as llguidance reads
-    it). A ``^`` before a quantifier (``^*``, which llguidance refuses too) is kept, and an
+    """``pattern`` less the ``^`` / ``\\A`` it starts with (after its leading inline flags,
+    ``(?i)``) and the ``$`` / ``\\z`` it ends with. outlines-core 0.2.14 cannot build an index
+    where the regex asserts the start ("anchored universal start state doesn't exist"; ``^$``
+    too), and the output is matched whole anyway: there they say nothing, whatever is between
+    (``^a|b$`` is ``a|b``, as llguidance reads it). A quantified ``^`` is kept (llguidance
+    refuses ``^*`` and ``^?``; ``^+`` and ``^{1}`` outlines-core refuses, saying so), and an
     escaped ``$`` or ``z``."""
+    flags = ""
     while True:
+        group = _INLINE_FLAGS.match(pattern)
+        if group is not None:  # (?i) applies to what follows: the anchor may be after it
+            flags, pattern = flags + group.group(), pattern[group.end():]
+            continue
         anchor = next((a for a in ("^", "\\A") if pattern.startswith(a)), None)
         if anchor is None or pattern[len(anchor):][:1] in ("*", "+", "?", "{"):
             break
@@ -238,7 +245,11 @@ def _unanchored(pattern: str) -> str:
         if escapes % 2 != (pattern[-1] == "z"):  # "\\$" and "\\\\z" are no anchors
             break
         pattern = body[:-1] if pattern[-1] == "z" else body
-    return pattern
+    return flags + pattern
+
+
+# a group of inline flags alone (no ":"), as Rust's regex writes them
+_INLINE_FLAGS = re.compile(r"\(\?[imsRUux-]+\)")
 
 
 # keywords outlines-core reads wrongly (0.2.14): allOf's branches one after another ({..}{..});
@@ -447,8 +458,9 @@ class OutlinesGrammar(CompiledGrammar):
             if source.kind is GrammarKind.REGEX:
                 message = " ".join((_regex_syntax_error(pattern) or str(err)).split())
                 if "anchored universal start state" in message:  # (^a), a|^b: llguidance's
-                    message = ("it takes '^' or '\\A' only at the very start (where they are "
-                               "dropped), not in a group or an alternative")
+                    message = ("it takes '^' or '\\A' only at the very start, after inline "
+                               "flags alone (where they are dropped), not quantified, in a "
+                               "group or in an alternative")
                 raise GrammarError(
                     f"{source.origin}: outlines-core cannot compile this regex: {message}"
                 ) from None
