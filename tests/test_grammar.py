@@ -1993,8 +1993,13 @@ def _deep_in_stack(frames: int, call):
 def test_a_schema_nested_past_llguidance_reader_is_refused_by_its_depth(tok):
     import llguidance
 
-    from agentflash.grammar.checks import MAX_SCHEMA_DEPTH, json_depth
-    from agentflash.grammar.tool_calls import MAX_TOOL_DEPTH, assistant_turn, tool_specs
+    from agentflash.grammar.checks import MAX_JSON_BODY_DEPTH, MAX_SCHEMA_DEPTH, json_depth
+    from agentflash.grammar.tool_calls import (
+        MAX_TOOL_DEPTH,
+        assistant_turn,
+        tool_call_body,
+        tool_specs,
+    )
     from agentflash.runtime.agent import output_spec
 
     # the limit is llguidance's: its JSON reader takes a schema 124 deep and no deeper
@@ -2038,19 +2043,44 @@ def test_a_schema_nested_past_llguidance_reader_is_refused_by_its_depth(tok):
                     tok)
     with pytest.raises(GrammarError, match=past.replace("schema:", "output schema:")):
         output_spec(_nested(MAX_SCHEMA_DEPTH + 1, "properties"))
-    # a tool's parameters sit 4 levels down in the tools' union: at their own limit they
-    # compile there, one past it they are refused when the tool is declared
-    def tools(depth: int) -> list[dict]:
-        params = {"type": "object", "properties": {"a": _nested(depth - 2, "anyOf")}}
+    # a tool's parameters sit 4 levels down in the tools' union, which a turn's grammar holds
+    # in a Lark rule's %json body, read on its own (127 levels): at their own limit they
+    # compile there, one past it they are refused when the tool is declared (121-123 were
+    # refused, at a limit of 124 less 4); a date's pattern beside another, 2 levels down in an
+    # allOf, counts (past the limit it met llguidance's "recursion limit exceeded")
+    for depth in (MAX_JSON_BODY_DEPTH, MAX_JSON_BODY_DEPTH + 1):
+        text = llguidance.LLMatcher.grammar_from_lark(
+            f"start: %json {json.dumps(_nested(depth, 'items'))}\n")
+        error = llguidance.LLMatcher.validate_grammar(text)
+        assert ("recursion limit exceeded" in error) == (depth > MAX_JSON_BODY_DEPTH), error
+
+    def tools(depth: int, key: str = "anyOf", leaf: dict | None = None) -> list[dict]:
+        chain = _nested(depth - 2, key)
+        node = chain
+        while "items" in node or key in node:
+            node = node["items"] if "items" in node else node[key][0]
+        node.update(leaf or {})
+        params = {"type": "object", "properties": {"a": chain}}
         assert json_depth(params, 200) == depth
         return [{"type": "function", "function": {"name": "f", "parameters": params}}]
 
-    assert MAX_TOOL_DEPTH == MAX_SCHEMA_DEPTH - 4
-    for choice in ("required", "auto"):
-        compile_grammar(assistant_turn(tool_specs(tools(MAX_TOOL_DEPTH)), choice), tok)
-    with pytest.raises(GrammarError, match=r"tools\[0\] \(f\) parameters: the schema is nested "
-                                           r"too deeply: more than 120 levels"):
-        tool_specs(tools(MAX_TOOL_DEPTH + 1))
+    assert MAX_TOOL_DEPTH == MAX_JSON_BODY_DEPTH - 4 == 123
+    too_deep = r"tools\[0\] \(f\) parameters: the schema is nested too deeply: more than 123 levels"
+    date = {"format": "date", "pattern": "^2"}
+    for key in ("anyOf", "items"):
+        for choice in ("required", "auto"):
+            compile_grammar(assistant_turn(tool_specs(tools(MAX_TOOL_DEPTH, key)), choice), tok)
+        compile_grammar(assistant_turn(tool_specs(tools(MAX_TOOL_DEPTH - 2, key, date)), "auto"),
+                        tok)
+        with pytest.raises(GrammarError, match=too_deep + r".*%json body \(127\) less the 4"):
+            tool_specs(tools(MAX_TOOL_DEPTH + 1, key))
+        with pytest.raises(GrammarError, match=too_deep + r".* \(with the date patterns"):
+            tool_specs(tools(MAX_TOOL_DEPTH - 1, key, date))
+    # one call's body alone is a JSON Schema grammar (124): deeper parameters refused, saying so
+    compile_grammar(tool_call_body(tool_specs(tools(MAX_SCHEMA_DEPTH - 4, "items"))), tok)
+    with pytest.raises(GrammarError, match=r"tools: the schema is nested too deeply: more than "
+                                           r"124 levels.*parameters 4 levels down.*120 at most"):
+        tool_call_body(tool_specs(tools(MAX_SCHEMA_DEPTH - 3, "items")))
 
 
 def test_schemas_python_or_llguidance_cannot_take_are_grammar_errors(tok, tmp_path):

@@ -33,9 +33,10 @@ def pointer(parts: list[str | int]) -> str:
 
 # llguidance reads a grammar's JSON with serde_json, whose parser refuses text nested deeper
 # than 127 arrays and objects ("recursion limit exceeded"), and a schema's JSON goes in 3 levels
-# down ({"grammars": [{"json_schema": ...}]}): 124 is the deepest schema it compiles (a Lark
-# rule's %json body is read on its own: 127)
+# down ({"grammars": [{"json_schema": ...}]}): 124 is the deepest schema it compiles; a Lark
+# rule's %json body is read on its own: 127
 MAX_SCHEMA_DEPTH = 124
+MAX_JSON_BODY_DEPTH = 127
 
 
 def json_depth(value: Any, limit: int) -> int:

@@ -335,6 +335,20 @@ def exact_dates(node: Any) -> Any:
     return out
 
 
+def check_dated_depth(schema: Any, origin: str, limit: int = MAX_SCHEMA_DEPTH,
+                      why: str = "") -> int:
+    """``check_depth`` of ``schema``, and of it as the grammar writes it (``exact_dates``: a
+    date's pattern beside another goes in an ``allOf``, 2 levels down) where that can pass
+    ``limit``: a schema within it was refused at its first compile by llguidance's "recursion
+    limit exceeded"."""
+    depth = check_depth(schema, origin, limit, why)
+    if depth > limit - 2:
+        with recursion_room():
+            dated = exact_dates(schema)
+        check_depth(dated, origin, limit, f"{why} (with the date patterns its formats add)")
+    return depth
+
+
 def without_date_formats(node: Any) -> Any:
     """A copy of ``node`` without the ``date``, ``date-time`` and ``time`` formats that
     ``exact_dates`` put ``DATE_PATTERNS``'s pattern beside: the pattern takes no string that the

@@ -17,6 +17,7 @@ from typing import Any
 from urllib.parse import urldefrag, urljoin, urlsplit
 
 from agentflash.grammar.checks import (
+    MAX_JSON_BODY_DEPTH,
     MAX_SCHEMA_DEPTH,
     check_depth,
     check_schema,
@@ -28,6 +29,7 @@ from agentflash.grammar.llguidance_backend import JSON_STYLE_OPTIONS, check_sche
 from agentflash.grammar.sources import (
     GrammarSource,
     JsonStyle,
+    check_dated_depth,
     close_objects,
     exact_dates,
     json_schema,
@@ -79,16 +81,20 @@ def tool_specs(tools: list[dict[str, Any]]) -> list[ToolSpec]:
 # the levels ``tool_call_schema``'s union holds a tool's parameters in: its anyOf, a branch,
 # the branch's properties
 _UNION_DEPTH = 4
-MAX_TOOL_DEPTH = MAX_SCHEMA_DEPTH - _UNION_DEPTH  # the deepest parameters' schema that compiles
+# the deepest parameters' schema that compiles: the union goes to llguidance as a Lark rule's
+# %json body (a turn's grammar), read on its own (``tool_call_body``'s, a JSON Schema grammar,
+# holds 3 fewer: a deeper one is refused there, saying so)
+MAX_TOOL_DEPTH = MAX_JSON_BODY_DEPTH - _UNION_DEPTH
+_TOOL_DEPTH_WHY = (f" in a grammar's %json body ({MAX_JSON_BODY_DEPTH}) less the {_UNION_DEPTH} "
+                   f"levels of the tools' union around a tool's parameters")
 
 
 def check_parameters(params: Any, origin: str) -> None:
     """Raise ``GrammarError`` naming ``origin`` unless ``params`` is a valid JSON Schema of type
     object that the grammar can constrain a tool call's arguments to."""
     if isinstance(params, dict):
-        check_schema(params, f"{origin} parameters", max_depth=MAX_TOOL_DEPTH,
-                     depth_why=f" ({MAX_SCHEMA_DEPTH}) less the {_UNION_DEPTH} levels of the "
-                               f"tools' union around a tool's parameters")
+        check_dated_depth(params, f"{origin} parameters", MAX_TOOL_DEPTH, _TOOL_DEPTH_WHY)
+        check_schema(params, f"{origin} parameters", max_depth=None)
     if not isinstance(params, dict) or params.get("type", "object") != "object":
         raise GrammarError(f"{origin}: parameters must be a JSON Schema of type object")
     check_schema_supported(params, f"{origin} parameters")
@@ -249,9 +255,12 @@ def tool_call_body(
     strict: bool = True,
 ) -> GrammarSource:
     """The grammar of one call's JSON body (what goes between the tags)."""
-    return json_schema(  # closed as each tool is (not again, as a whole)
-        tool_call_schema(tools, strict), origin="tools", json_style=json_style, strict=False
-    )
+    union = tool_call_schema(tools, strict)
+    check_depth(union, "tools", why=f", a tool's parameters {_UNION_DEPTH} levels down in the "
+                                    f"tools' union: {MAX_SCHEMA_DEPTH - _UNION_DEPTH} at most "
+                                    f"in one call's body, date patterns counted")
+    return json_schema(union, origin="tools", json_style=json_style,
+                       strict=False)  # (closed as each tool is, not again as a whole)
 
 
 class ToolChoiceMode(enum.Enum):
