@@ -2043,6 +2043,22 @@ def test_a_schema_nested_past_llguidance_reader_is_refused_by_its_depth(tok):
                     tok)
     with pytest.raises(GrammarError, match=past.replace("schema:", "output schema:")):
         output_spec(_nested(MAX_SCHEMA_DEPTH + 1, "properties"))
+    # a date's pattern beside another goes 2 levels down (an allOf): within the limit with it,
+    # it compiles; past it, it is refused when the agent is built and at its turn, saying so
+    # (the first turn met llguidance's "recursion limit exceeded")
+    dated = {"type": "string", "format": "date", "pattern": "^2"}
+    for depth in (MAX_SCHEMA_DEPTH - 2, MAX_SCHEMA_DEPTH - 1):
+        schema = dict(dated)
+        for _ in range(depth - 1):
+            schema = {"type": "array", "items": schema}
+        if depth == MAX_SCHEMA_DEPTH - 2:
+            output_spec(schema)
+            compile_grammar(assistant_turn([], "auto", output_schema=schema), tok)
+            continue
+        for build in (output_spec, lambda s: assistant_turn([], "auto", output_schema=s)):
+            with pytest.raises(GrammarError, match=past.replace("schema:", "output schema:")
+                               + r".* \(with the date patterns its formats add\)"):
+                build(schema)
     # a tool's parameters sit 4 levels down in the tools' union, which a turn's grammar holds
     # in a Lark rule's %json body, read on its own (127 levels): at their own limit they
     # compile there, one past it they are refused when the tool is declared (121-123 were

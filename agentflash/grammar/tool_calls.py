@@ -402,8 +402,10 @@ def with_reasoning_tokens(source: GrammarSource, text_tokens: dict[str, int]) ->
 
 def _answer_turn(specs: list[ToolSpec], choice: ToolChoice, parallel: bool, strict: bool,
                  output_schema: dict[str, Any], output_strict: bool) -> GrammarSource:
-    check_depth(output_schema, "output schema")  # before the walks, which recurse
+    depth = check_depth(output_schema, "output schema")  # before the walks, which recurse
     schema = exact_dates(close_objects(output_schema) if output_strict else output_schema)
+    if depth > MAX_SCHEMA_DEPTH - 2:  # a date's pattern beside another: 2 levels down
+        check_depth(schema, "output schema", why=" (with the date patterns its formats add)")
     # checked alone first: an error of the turn's grammar names no field of the schema in it
     check_schema_supported(schema, "output schema")
     answer = {**schema, "x-guidance": JSON_STYLE_OPTIONS[JsonStyle.DUMPS]}

@@ -115,8 +115,10 @@ def _check_supported(schema: dict[str, Any]) -> None:
     not): found when the agent is built, not at its first turn."""
     from agentflash.grammar.checks import check_schema
     from agentflash.grammar.llguidance_backend import check_schema_supported
+    from agentflash.grammar.sources import check_dated_depth
 
-    check_schema(schema, "output schema")
+    check_dated_depth(schema, "output schema")  # (its grammar has the date patterns)
+    check_schema(schema, "output schema", max_depth=None)
     check_schema_supported(schema, "output schema")
 
 
