@@ -2099,6 +2099,34 @@ def test_a_schema_nested_past_llguidance_reader_is_refused_by_its_depth(tok):
         tool_call_body(tool_specs(tools(MAX_SCHEMA_DEPTH - 3, "items")))
 
 
+def test_recursion_room_keeps_a_limit_set_while_it_is_held():
+    """A recursion limit something else sets while a ``recursion_room`` block runs (torch's
+    compile raises it to 2000) stays when the blocks end, though another block raised it
+    meanwhile (the last block to end put back the limit from before the first)."""
+    from agentflash.grammar.checks import recursion_room
+
+    before = sys.getrecursionlimit()
+    try:
+        with recursion_room():
+            assert sys.getrecursionlimit() > before  # (12 frames a level of 124, above ours)
+            with recursion_room():  # within room already: nothing to raise
+                pass
+            assert sys.getrecursionlimit() > before
+        assert sys.getrecursionlimit() == before
+        with recursion_room():
+            theirs = sys.getrecursionlimit() + 500
+            sys.setrecursionlimit(theirs)
+            with recursion_room(frames=theirs + 1000):  # (a request's block, deeper down)
+                assert sys.getrecursionlimit() > theirs
+            assert sys.getrecursionlimit() > theirs
+        assert sys.getrecursionlimit() == theirs
+        with recursion_room():
+            sys.setrecursionlimit(theirs + 1)
+        assert sys.getrecursionlimit() == theirs + 1
+    finally:
+        sys.setrecursionlimit(before)
+
+
 def test_schemas_python_or_llguidance_cannot_take_are_grammar_errors(tok, tmp_path):
     # an unsupported keyword beside listed properties: strict mode adds a boolean subschema
     # (additionalProperties false), which the search for the failing field must step over

@@ -75,13 +75,14 @@ def recursion_room(frames: int = 12 * MAX_SCHEMA_DEPTH) -> Iterator[None]:
     walks of a schema recurse (jsonschema's 8 frames a level: 1,005 frames at depth 124, more
     than Python's default limit), and a schema llguidance compiles was refused as "nested too
     deeply", or not, by how deep the caller's stack was. The limit is put back when the last
-    block that raised it ends (unless something else changed it meanwhile)."""
+    block that raised it ends (unless something else changed it meanwhile: then what it set is
+    kept, and a block that raises it after the change puts that back)."""
     global _room_holders, _room_before, _room_set
     frame, used = sys._getframe(), 0
     while frame is not None:
         frame, used = frame.f_back, used + 1
     with _ROOM_LOCK:
-        if _room_holders == 0:
+        if _room_holders == 0 or sys.getrecursionlimit() != _room_set:
             _room_before = _room_set = sys.getrecursionlimit()
         _room_holders += 1
         if sys.getrecursionlimit() < used + frames:
