@@ -1,6 +1,7 @@
 """``@tool`` schemas from signatures and docstrings, validation before the call, HTTP tools."""
 
 import datetime
+import enum
 import functools
 import itertools
 import json
@@ -645,6 +646,56 @@ def test_a_first_self_or_cls_hinted_other_than_its_class_is_a_parameter():
                           (Vision.typed, "cls"), (Vision.any_self, "self")):
         with pytest.raises(UserError, match=f"is an unbound method .*first parameter '{first}'"):
             tool(method)
+
+
+def test_a_first_self_or_cls_is_a_parameter_only_hinted_as_a_value_a_model_gives():
+    # self: W (a TypeVar bound to the class), "Weather[T]", Any, a Protocol, "Optional[Box]"
+    # were read as parameters: pydantic failed on them, or self was {} in the schema
+    W = typing.TypeVar("W", bound="Weather")
+    T = typing.TypeVar("T")
+
+    class Named(typing.Protocol):
+        name: str
+
+    class Unit(enum.Enum):
+        C = "C"
+
+    class Weather(typing.Generic[T]):
+        def copy(self: W, city: str) -> str:
+            return city
+
+        def get(self: "Weather[T]", city: str) -> str:
+            return city
+
+        def loose(self: typing.Any, city: str) -> str:
+            return city
+
+        def named(self: Named, city: str) -> str:
+            return city
+
+        def maybe(self: "typing.Optional[Weather]", city: str) -> str:  # noqa: UP045
+            return city
+
+        @staticmethod
+        def label(cls: "int | None", city: str) -> str:
+            return f"{cls} {city}"
+
+        @staticmethod
+        def unit(self: Unit, city: str) -> str:
+            return f"{self.value} {city}"
+
+        @staticmethod
+        def kind(cls: typing.Optional[Literal["a", "b"]], city: str) -> str:  # noqa: UP045
+            return f"{cls} {city}"
+
+    for method in (Weather.copy, Weather.get, Weather.loose, Weather.named, Weather.maybe):
+        with pytest.raises(UserError, match="is an unbound method .*first parameter 'self'"):
+            tool(method)
+    for method, first in ((Weather.label, "cls"), (Weather.unit, "self"),
+                          (Weather.kind, "cls")):
+        assert list(tool(method).parameters["properties"]) == [first, "city"]
+    assert anyio.run(run_tool, tool(Weather.unit), {"self": "C", "city": "Oslo"}).output \
+        == "C Oslo"
 
 
 def test_the_schema_binds_what_pydantic_checks_and_arguments_are_read_as_json():

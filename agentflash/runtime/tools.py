@@ -27,6 +27,7 @@ import math
 import re
 import sys
 import threading
+import types
 import typing
 import warnings
 from collections import UserString
@@ -1030,45 +1031,49 @@ def _in_a_class(fn: Any) -> bool:
 
 def _check_bound(fn: Any, source: Any, where: str) -> None:
     """``UserError`` where ``fn`` is a method taken from its class's body, whose first parameter
-    (``self``, ``cls``, with no hint or one of its class) is still to be given: @tool on a
-    method. "'self' has no type hint" invited a hint, which put self into the schema, for the
-    model to write (and a hint of the class itself failed to resolve, inside a function). A
-    staticmethod's ``cls: int`` (a class label) is a parameter."""
+    (``self``, ``cls``) is still to be given: @tool on a method. "'self' has no type hint"
+    invited a hint, which put self into the schema, for the model to write (and a hint of the
+    class itself failed to resolve, inside a function). A first ``self``/``cls`` hinted as a
+    value a model can give (a staticmethod's ``cls: int``, a class label) is a parameter."""
     if not _in_a_class(source):
         return
     try:
         first = next(iter(inspect.signature(fn).parameters.values()), None)
     except (ValueError, TypeError):  # what the signature's own check below reports
         return
-    if first is not None and first.name in ("self", "cls") and _hints_its_owner(
-            first.annotation, source.__qualname__.split(".")[-2]):
+    if first is not None and first.name in ("self", "cls") and not _a_model_value(
+            _resolved(first.annotation, source)):
         raise UserError(_unbound_method(where, source, first.name))
 
 
-_OWN_HINT = re.compile(r"(?:typing\.)?(?:type|Type)\[\s*(.+?)\s*\]|(.+)")
+def _resolved(hint: Any, fn: Any) -> Any:
+    """``hint`` with a string (or one inside it) read in ``fn``'s module, else ``None``."""
+    holder = types.SimpleNamespace(__annotations__={"hint": hint})
+    try:
+        return typing.get_type_hints(holder, getattr(fn, "__globals__", {}),
+                                     include_extras=True)["hint"]
+    except Exception:  # noqa: BLE001  (a name of the class's own body, a TypeVar's "W[T]")
+        return None
 
 
-def _hints_its_owner(hint: Any, owner: str) -> bool:
-    """Whether a first parameter ``self``/``cls`` of a function in class ``owner``'s body is its
-    instance or class: no hint, or a hint of the class (its name, ``Self``, ``object``, ``type``
-    or ``type[...]`` of them), written or as a string. Another hint (``cls: int``, a
-    staticmethod's class label) is a parameter like any."""
-    if any(hint is own for own in (inspect.Parameter.empty, object, type)):
+_SCALARS = (int, float, str, bool)
+
+
+def _a_model_value(hint: Any) -> bool:
+    """Whether a first ``self``/``cls`` hinted ``hint`` is a value a model gives: a plain scalar
+    (int, float, str, bool), a Literal, an Enum, or Optional of those. Any other hint (the
+    class, ``Self``, a TypeVar bound to it, ``Any``, a Protocol, a model) is its instance or
+    class, refused as unbound."""
+    if typing.get_origin(hint) is typing.Annotated:
+        hint = typing.get_args(hint)[0]
+    if hint in _SCALARS or typing.get_origin(hint) is typing.Literal:
         return True
-    origin = typing.get_origin(hint)
-    if origin is type:
-        return all(_hints_its_owner(a, owner) for a in typing.get_args(hint))
-    if isinstance(hint, type):
-        return hint.__name__ == owner
-    if getattr(hint, "_name", None) == "Self":  # typing's (3.11) or typing_extensions'
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
         return True
-    if isinstance(hint, typing.ForwardRef):
-        hint = hint.__forward_arg__
-    if not isinstance(hint, str):
-        return False
-    match = _OWN_HINT.fullmatch(hint.strip().strip("'\""))
-    name = (match.group(1) or match.group(2)).strip("'\"").split(".")[-1]
-    return name in (owner, "Self", "object", "type")
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        return len(args) < len(typing.get_args(hint)) and all(map(_a_model_value, args))
+    return False
 
 
 def _unbound_method(where: str, fn: Any, first: str) -> str:
