@@ -1128,8 +1128,8 @@ def test_an_integer_past_a_float_is_refused_where_a_float_is_read():
 
 def test_an_integer_past_a_float_is_judged_where_it_was_given():
     """Any huge integer beside any infinity was refused (an int's 10**400 beside a dataclass
-    whose default is inf, the int named): each is judged at its own path, by field, alias,
-    key and index; one that cannot be followed (a key pydantic changed) by what it reached."""
+    whose default is inf, the int named): each is judged by whether the infinities are fewer
+    with it 0 (through fields, aliases, keys, indexes, a key pydantic changed)."""
     import dataclasses
 
     big = 10**400
@@ -1169,6 +1169,58 @@ def test_an_integer_past_a_float_is_judged_where_it_was_given():
             f"{path}: the integer of 401 digits is past a float's range (read as a float, it is "
             f"infinity)" for path in where)
     assert len(got) == 3
+
+
+def test_an_integer_past_a_float_is_found_where_validators_move_it():
+    """Following the call's paths into the validated value missed what validators move (a
+    model validator swapping two fields, a key's AfterValidator: the tool got inf), a deque's
+    items, and refused a dataclass's Annotated alias field (an int) beside a default inf. Where
+    no integer alone makes the infinity (the greatest of two), all of them are named."""
+    import collections
+    import dataclasses
+
+    big = 10**400
+    got = []
+
+    class Range(BaseModel):
+        low: float
+        high: float
+
+        @pydantic.model_validator(mode="after")
+        def ordered(self):
+            if self.low > self.high:
+                self.low, self.high = self.high, self.low
+            return self
+
+    @dataclasses.dataclass
+    class Budget:
+        max_price: float = dataclasses.field(default_factory=lambda: math.inf)
+        count: Annotated[int, Field(alias="n")] = 0
+
+    Tag = Annotated[str, pydantic.AfterValidator(lambda k: "tag_" + k)]
+    Top = Annotated[tuple[float, ...], pydantic.AfterValidator(lambda xs: (max(xs, default=0),))]
+
+    @tool
+    def search(price: Range | None = None, tags: dict[Tag, float] | None = None,
+               queue: collections.deque[float] | None = None, budget: Budget | None = None,
+               top: Top = (),
+               above: Annotated[float, Field(gt=1)] = 2) -> str:
+        got.append((price, tags, queue, budget, top, above))
+        return "ok"
+
+    for arguments, where in (({"price": {"low": big, "high": 1}}, ["price.low"]),
+                             ({"tags": {"x": 1, "tag_x": big}}, ["tags.tag_x"]),
+                             ({"queue": [1, big]}, ["queue.1"]),
+                             ({"top": [big, 1, big]}, ["top.0", "top.2"]),  # all at once
+                             ({"above": big}, ["above"])):
+        outcome = anyio.run(run_tool, search, arguments)
+        assert outcome.is_error and outcome.error_type == "invalid_arguments"
+        assert json.loads(outcome.output)["error"] == "invalid arguments for search: " + "; ".join(
+            f"{path}: the integer of 401 digits is past a float's range (read as a float, it is "
+            f"infinity)" for path in where)
+    assert got == []
+    assert anyio.run(run_tool, search, {"budget": {"n": big}}).output == "ok"
+    assert got[0][3].count == big and got[0][3].max_price == math.inf
 
 
 def test_bytes_of_a_max_length_are_written_in_ascii():

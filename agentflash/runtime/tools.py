@@ -711,9 +711,7 @@ class FunctionTool:
             raise ToolArgumentsError(f"invalid arguments for {self.name}: "
                                      f"{'.'.join(map(str, extra))}: Extra inputs are not "
                                      f"permitted")
-        # where pydantic read one as a float: infinity (each where it was given)
-        huge = [(path, digits) for path, digits in _past_a_float(arguments)
-                if _infinite_at(validated, path)]
+        huge = self._read_as_infinity(arguments, validated)
         if huge:
             raise ToolArgumentsError(f"invalid arguments for {self.name}: " + "; ".join(
                 f"{'.'.join(map(str, path)) or 'arguments'}: the integer of {digits} digits "
@@ -738,6 +736,35 @@ class FunctionTool:
             result = [item async for item in result]
         return result
 
+    def _read_as_infinity(self, arguments: dict[str, Any], validated: Any
+                          ) -> list[tuple[tuple[str | int, ...], int]]:
+        """Where the call's JSON gives an integer past a float's range that pydantic read as a
+        float, infinity (an int's, a Decimal's stays what it was), with its digits: where the
+        validated arguments hold infinities, each such integer is replaced by 0 in turn, and
+        those whose replacement leaves fewer (or is refused) are named; where none alone does
+        (a set of two), all at once. A path is not followed: validators move values (a model
+        validator swapping two fields, a key's AfterValidator), and an infinity already in
+        the defaults (a dataclass's max_price = inf) is in every count alike."""
+        huge = list(_past_a_float(arguments))
+        count = _infinities(validated) if huge else 0
+        if not count:
+            return []
+
+        def fewer(paths: list[tuple[str | int, ...]]) -> bool:
+            changed = arguments
+            for path in paths:
+                changed = _replaced(changed, path)
+            try:
+                again = self.params_model.model_validate_json(json.dumps(changed), strict=True)
+            except pydantic.ValidationError:  # 0 is refused: it decided the call
+                return True
+            return _infinities(again) < count
+
+        guilty = [(path, digits) for path, digits in huge if fewer([path])]
+        if not guilty and len(huge) > 1 and fewer([path for path, _ in huge]):
+            guilty = huge
+        return guilty
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Call the underlying function directly (no validation)."""
         return self.fn(*args, **kwargs)
@@ -761,92 +788,30 @@ def _past_a_float(value: Any, path: tuple[str | int, ...] = ()
 _FLOAT_MAX = int(sys.float_info.max)
 
 
-def _infinite_at(validated: Any, path: tuple[str | int, ...]) -> bool:
-    """Whether the validated arguments hold an infinite float at ``path``, where the call's
-    JSON gave an integer past a float's range (an int's, a Decimal's stays what it was). The
-    path is followed through fields (by alias), keys and indexes; where a step cannot be
-    (an AliasPath, a set, a key pydantic changed), what it reached is judged whole."""
-    value = validated
-    for step in path:
-        while isinstance(value, pydantic.RootModel):
-            value = value.root
-        after = _step(value, step)
-        if after is _LOST:
-            return _holds_infinity(value)
-        value = after
-    while isinstance(value, pydantic.RootModel):
-        value = value.root
-    return _holds_infinity(value)
+def _replaced(value: Any, path: tuple[str | int, ...]) -> Any:
+    """The JSON ``value`` with 0 at ``path`` (copied along it)."""
+    if not path:
+        return 0
+    head, rest = path[0], path[1:]
+    if isinstance(value, dict):
+        return {**value, head: _replaced(value[head], rest)}
+    return [*value[:head], _replaced(value[head], rest), *value[head + 1:]]
 
 
-_LOST = object()
-
-
-def _step(value: Any, step: str | int) -> Any:
-    """What ``value`` holds at the JSON key or index ``step``, or ``_LOST``."""
-    if isinstance(step, int):
-        if isinstance(value, (list, tuple)) and -len(value) <= step < len(value):
-            return value[step]
-        return _LOST
-    if isinstance(value, Mapping):
-        if step in value:
-            return value[step]
-        if re.fullmatch(r"-?[0-9]+", step) and int(step) in value:  # a dict[int, ...]'s key
-            return value[int(step)]
-        return _LOST
-    name = _field_of(type(value), step)
-    return _LOST if name is None else getattr(value, name, _LOST)
-
-
-def _field_of(cls: type, key: str) -> str | None:
-    """The field of a model or dataclass that pydantic reads from the JSON ``key`` (by its
-    alias, or its name), or None where that is not one known field."""
-    fields = getattr(cls, "__pydantic_fields__", None)
-    if fields is None:
-        if not dataclasses.is_dataclass(cls):
-            return None
-        try:
-            hints = typing.get_type_hints(cls, include_extras=True)
-        except Exception:  # unresolvable: its aliases are unknown
-            return None
-        for f in dataclasses.fields(cls):
-            infos = [m for m in getattr(hints.get(f.name), "__metadata__", ())
-                     if isinstance(m, FieldInfo)] + [f.default] * isinstance(f.default, FieldInfo)
-            if any(i.alias is not None or i.validation_alias is not None for i in infos):
-                return None  # (named aliases are followed in a pydantic dataclass)
-        if getattr(cls, "__pydantic_config__", {}).get("alias_generator"):
-            return None
-        return key if any(f.name == key for f in dataclasses.fields(cls)) else None
-    config = getattr(cls, "model_config", None) or getattr(cls, "__pydantic_config__", {})
-    by_name = config.get("validate_by_name") or config.get("populate_by_name")
-    by_alias = config.get("validate_by_alias", True)
-    found = set()
-    for name, info in fields.items():
-        alias = info.validation_alias if info.validation_alias is not None else info.alias
-        if alias is not None and not isinstance(alias, str):  # AliasChoices, AliasPath
-            return None
-        if name == key and (alias is None or by_name):
-            found.add(name)
-        if alias == key and by_alias:
-            found.add(name)
-    return found.pop() if len(found) == 1 else None
-
-
-def _holds_infinity(value: Any) -> bool:
-    """Whether validated arguments hold an infinite float where the call gave a value (a
-    model's fields set, not its defaults; a dataclass's all)."""
+def _infinities(value: Any) -> int:
+    """How many infinite floats validated arguments hold (in models' and dataclasses' fields,
+    sequences, sets, mappings' keys and values)."""
     if isinstance(value, float):
         return math.isinf(value)
     if isinstance(value, pydantic.BaseModel):
-        return any(_holds_infinity(getattr(value, name, None)) for name in value.model_fields_set)
+        return sum(_infinities(getattr(value, name, None)) for name in type(value).model_fields)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return any(_holds_infinity(getattr(value, f.name, None))
-                   for f in dataclasses.fields(value))
+        return sum(_infinities(getattr(value, f.name, None)) for f in dataclasses.fields(value))
     if isinstance(value, Mapping):
-        return any(_holds_infinity(k) or _holds_infinity(v) for k, v in value.items())
-    if isinstance(value, (list, tuple, Set, frozenset)):
-        return any(_holds_infinity(item) for item in value)
-    return False
+        return sum(_infinities(k) + _infinities(v) for k, v in value.items())
+    if isinstance(value, (Sequence, Set)) and not isinstance(value, (str, bytes, bytearray)):
+        return sum(_infinities(item) for item in value)
+    return 0
 
 
 def _drained(stop: threading.Event, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
