@@ -210,26 +210,130 @@ def format_checker() -> "jsonschema.FormatChecker":  # type: ignore[name-defined
 def value_validator(schema: Any) -> Any:
     """jsonschema's Draft 2020-12 check of a value against ``schema`` (exact_dates' already:
     a workflow's input, an agent's answer, an HTTP tool's arguments), formats by
-    ``format_checker`` and patterns as JSON Schema reads them (``ecma_pattern``)."""
+    ``format_checker`` and patterns' ``$`` as JSON Schema reads it (``ecma_pattern``)."""
     return ecma_validator_class()(schema, format_checker=format_checker())
 
 
 @functools.cache
 def ecma_validator_class() -> Any:
-    """Draft 2020-12's validator, its ``pattern`` read as ECMA-262's (``ecma_pattern``)."""
+    """Draft 2020-12's validator, its regexes' ``$`` read as ECMA-262's (``_ecma_regex``): of
+    ``pattern``, and of ``patternProperties`` where that keyword, ``additionalProperties``
+    and ``unevaluatedProperties`` match a key (jsonschema's ``re.search``: "abc\\n" passed
+    ``^[a-z]+$``)."""
     from jsonschema import Draft202012Validator, validators
 
-    return validators.extend(Draft202012Validator, {"pattern": ecma_pattern})
+    return validators.extend(Draft202012Validator, {
+        "pattern": ecma_pattern, "patternProperties": _pattern_properties,
+        "additionalProperties": _additional_properties,
+        "unevaluatedProperties": _unevaluated_properties})
 
 
 def ecma_pattern(validator: Any, pattern: str, instance: Any, schema: Any) -> Any:
-    """``pattern`` as JSON Schema reads it (ECMA-262): its ``$`` is the end of the text.
+    """``pattern`` with its ``$`` as JSON Schema reads it (ECMA-262): the end of the text.
     Python's ``$`` (jsonschema's ``re.search``) also matches before a last newline:
-    "2024-02-29\\n" passed as a date, "writer\\n" as an agent's name."""
+    "2024-02-29\\n" passed as a date, "writer\\n" as an agent's name. (``\\d``, ``\\w`` and
+    ``.`` are still Python's: a "٢" is a digit.)"""
     from jsonschema.exceptions import ValidationError
 
     if validator.is_type(instance, "string") and not _ecma_regex(pattern).search(instance):
         yield ValidationError(f"{instance!r} does not match {pattern!r}")
+
+
+def _matched(patterns: Any, key: str) -> bool:
+    return any(_ecma_regex(pattern).search(key) for pattern in patterns)
+
+
+def _pattern_properties(validator: Any, patterns: Any, instance: Any, schema: Any) -> Any:
+    """jsonschema's ``patternProperties``, its keys matched by ``_ecma_regex``."""
+    if validator.is_type(instance, "object"):
+        for pattern, subschema in patterns.items():
+            for key, value in instance.items():
+                if _ecma_regex(pattern).search(key):
+                    yield from validator.descend(value, subschema, path=key,
+                                                 schema_path=pattern)
+
+
+def _additional_properties(validator: Any, extra: Any, instance: Any, schema: Any) -> Any:
+    """jsonschema's ``additionalProperties``, the keys no ``patternProperties`` takes found
+    by ``_ecma_regex``."""
+    from jsonschema._utils import extras_msg
+    from jsonschema.exceptions import ValidationError
+
+    if not validator.is_type(instance, "object"):
+        return
+    named, patterns = schema.get("properties", {}), schema.get("patternProperties", {})
+    extras = {key for key in instance if key not in named and not _matched(patterns, key)}
+    if validator.is_type(extra, "object"):
+        for key in extras:
+            yield from validator.descend(instance[key], extra, path=key)
+    elif not extra and extras:
+        if "patternProperties" in schema:
+            verb = "does" if len(extras) == 1 else "do"
+            yield ValidationError(f"{', '.join(map(repr, sorted(extras)))} {verb} not match "
+                                  f"any of the regexes: {', '.join(map(repr, sorted(patterns)))}")
+        else:
+            said, verb = extras_msg(sorted(extras, key=str))
+            yield ValidationError(f"Additional properties are not allowed ({said} {verb} "
+                                  f"unexpected)")
+
+
+def _unevaluated_properties(validator: Any, unevaluated: Any, instance: Any,
+                            schema: Any) -> Any:
+    """jsonschema's ``unevaluatedProperties``, the keys evaluated found by ``_evaluated``."""
+    from jsonschema._utils import extras_msg
+    from jsonschema.exceptions import ValidationError
+
+    if not validator.is_type(instance, "object"):
+        return
+    evaluated = _evaluated(validator, instance, schema)
+    bad = [key for key in instance if key not in evaluated
+           and next(validator.descend(instance[key], unevaluated, path=key,
+                                      schema_path=key), None) is not None]
+    if bad and unevaluated is False:
+        said, verb = extras_msg(sorted(bad, key=str))
+        yield ValidationError(f"Unevaluated properties are not allowed ({said} {verb} "
+                              f"unexpected)")
+    elif bad:
+        said, verb = extras_msg(bad)
+        yield ValidationError(f"Unevaluated properties are not valid under the given schema "
+                              f"({said} {verb} unevaluated and invalid)")
+
+
+def _evaluated(validator: Any, instance: Any, schema: Any) -> set[str]:
+    """jsonschema's ``find_evaluated_property_keys_by_schema`` (4.26), ``patternProperties``
+    matched by ``_ecma_regex``."""
+    if validator.is_type(schema, "boolean"):
+        return set()
+    keys: set[str] = set()
+    for ref in (schema.get("$ref"), schema.get("$dynamicRef")):
+        if ref is not None:
+            resolved = validator._resolver.lookup(ref)
+            keys |= _evaluated(validator.evolve(schema=resolved.contents,
+                                                _resolver=resolved.resolver),
+                               instance, resolved.contents)
+    named = schema.get("properties")
+    if validator.is_type(named, "object"):
+        keys |= named.keys() & instance.keys()
+    for keyword in ("additionalProperties", "unevaluatedProperties"):
+        if (sub := schema.get(keyword)) is not None:
+            keys |= {key for key, value in instance.items()
+                     if next(validator.descend(value, sub), None) is None}
+    keys |= {key for key in instance if _matched(schema.get("patternProperties", {}), key)}
+    for key, sub in schema.get("dependentSchemas", {}).items():
+        if key in instance:
+            keys |= _evaluated(validator, instance, sub)
+    for keyword in ("allOf", "oneOf", "anyOf"):
+        for sub in schema.get(keyword, []):
+            if next(validator.descend(instance, sub), None) is None:
+                keys |= _evaluated(validator, instance, sub)
+    if "if" in schema:
+        if validator.evolve(schema=schema["if"]).is_valid(instance):
+            keys |= _evaluated(validator, instance, schema["if"])
+            if "then" in schema:
+                keys |= _evaluated(validator, instance, schema["then"])
+        elif "else" in schema:
+            keys |= _evaluated(validator, instance, schema["else"])
+    return keys
 
 
 @functools.lru_cache(maxsize=512)

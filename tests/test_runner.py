@@ -324,6 +324,27 @@ def test_an_output_schema_s_pattern_ends_at_the_text_s_end():
         assert value_validator({"pattern": pattern}).is_valid(text) == taken, (pattern, text)
 
 
+def test_a_key_s_pattern_ends_at_the_key_s_end():
+    """Only "pattern" read "$" as JSON Schema does: patternProperties, additionalProperties
+    and unevaluatedProperties matched a key with re.search, and {"abc\\n": 1} passed keys of
+    ^[a-z]+$ alone."""
+    keys = {"patternProperties": {"^[a-z]+$": {"type": "integer"}}}
+    agent = Agent("a", output_type={"type": "object", **keys, "additionalProperties": False})
+    with pytest.raises(ModelBehaviorError, match="does not match any of the regexes"):
+        run(agent, ['{"abc\\n": 1}'])
+    assert run(agent, ['{"abc": 1}'])[0].final_output == {"abc": 1}
+    for schema, value, taken in (
+            (keys, {"abc\n": "x"}, True), (keys, {"abc": "x"}, False),
+            ({**keys, "additionalProperties": {"type": "string"}}, {"abc\n": 1}, False),
+            ({**keys, "additionalProperties": {"type": "string"}}, {"abc\n": "x"}, True),
+            ({**keys, "unevaluatedProperties": False}, {"abc\n": 1}, False),
+            ({"allOf": [keys], "unevaluatedProperties": False}, {"abc\n": 1}, False),
+            ({"$defs": {"k": keys}, "$ref": "#/$defs/k", "unevaluatedProperties": False},
+             {"abc": 1}, True),
+            ({"allOf": [keys], "unevaluatedProperties": False}, {"abc": 1}, True)):
+        assert value_validator(schema).is_valid(value) == taken, (schema, value)
+
+
 def test_a_number_cut_at_max_tokens_is_no_answer_a_whole_value_is():
     """A number cut short still parses (848 of 8481): not an answer. An object the grammar
     closed on the last token is whole, cut or not."""

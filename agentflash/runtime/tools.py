@@ -1291,7 +1291,7 @@ class HttpTool:
         from agentflash.json_formats import error_message, value_validator
 
         # what the grammar lets the model write: no keys the schema does not list, formats kept,
-        # patterns as JSON Schema reads them (a "$" is the text's end, not before a newline)
+        # a pattern's "$" as JSON Schema reads it (the text's end, not before a newline)
         schema = exact_dates(close_objects(self.parameters))
         errors = sorted(value_validator(schema).iter_errors(arguments), key=str)
         problems = [f"{'.'.join(map(str, e.absolute_path)) or 'arguments'}: "

@@ -357,7 +357,7 @@ def _convert(name: str, text: str, schema: dict[str, Any]) -> Any:
 def _input_validator(schema: dict[str, Any]) -> Any:
     """The check of an input's value (given or its default) against its schema, formats
     included as a tool's arguments and an agent's answer are checked: a ``date`` one of the
-    calendar's days, an ``email`` an address; patterns as JSON Schema reads them: no date
+    calendar's days, an ``email`` an address; patterns' "$" as JSON Schema reads it: no date
     "2024-02-29\\n")."""
     from agentflash.grammar.sources import exact_dates
 
