@@ -1062,6 +1062,52 @@ def test_keys_of_a_length_and_a_case_are_counted_as_pydantic_counts_them():
                     lengths, change, text, taken, read)
 
 
+def test_keys_are_bound_by_their_model_s_str_settings_too():
+    """A model's ConfigDict(str_...) binds its dicts' str keys as a key's own constraints do
+    (its own first): the grammar wrote keys pydantic refused ("  " of min_length=1 once
+    stripped), and str_max_length=2 failed in llguidance ("Unimplemented keys:
+    propertyNames")."""
+    from pydantic import ConfigDict, StringConstraints
+
+    class Tags(BaseModel):
+        model_config = ConfigDict(str_strip_whitespace=True)
+        m: dict[Annotated[str, StringConstraints(min_length=1)], int]
+
+    def label(t: Tags) -> str:
+        return "ok"
+
+    with pytest.raises(UserError, match=r"parameter 't': .*counted by pydantic once it has "
+                                        r"stripped their whitespace"):
+        tool(label)
+    samples = ["", "a", "ab", "abc", "abcd", "abcde", "ß", "ßß", " ", "  ", " a ", "AB"]
+    for config in ({"str_max_length": 2}, {"str_min_length": 2, "str_max_length": 3},
+                   {"str_max_length": 1, "str_to_upper": True},
+                   {"str_max_length": 2, "str_strip_whitespace": True}):
+
+        class Short(BaseModel):
+            model_config = ConfigDict(**config)
+            m: dict[str, int] = {}
+            own: dict[Annotated[str, StringConstraints(max_length=4)], int] = {}
+
+        def short(s: Short) -> str:
+            return "ok"
+
+        made = tool(short)
+        validator = Draft202012Validator(made.parameters)
+        for field in ("m", "own"):
+            for text in samples:
+                try:
+                    Short.model_validate_json(json.dumps({field: {text: 1}}), strict=True)
+                    read = True
+                except pydantic.ValidationError:
+                    read = False
+                taken = validator.is_valid({"s": {field: {text: 1}}})
+                assert taken <= read and (taken == read or "str_strip_whitespace" in config), (
+                    config, field, text, taken, read)
+        assert not validator.is_valid({"s": {"m": {"abcd": 1}}})
+        assert validator.is_valid({"s": {"own": {"abcd": 1}}})  # its own max_length first
+
+
 def test_a_literal_or_enum_of_bytes_is_refused_naming_the_parameter():
     """Literal[b"a"] as a dict's key failed in json.dumps ("Object of type bytes is not JSON
     serializable"); as a parameter its schema was the string "a", which pydantic refuses in

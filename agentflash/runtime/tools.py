@@ -249,6 +249,8 @@ class GrammarJsonSchema(pydantic.json_schema.GenerateJsonSchema):
     def _common_dict_schema(self, schema):
         out = super()._common_dict_schema(schema)
         keys = schema.get("keys_schema", {})
+        if keys.get("type") == "str":  # the model's str_* settings bind its keys too
+            keys = {**_str_config(self._config.config_dict), **keys}
         pattern = _key_pattern(keys)
         patterns = out.get("patternProperties", {})
         if (pattern is None and keys.get("type") == "bytes" and len(patterns) == 1
@@ -442,6 +444,17 @@ def _json_text(value: Any) -> str | None:
         return None
 
 
+def _str_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The str constraints a model's ``ConfigDict(str_...)`` gives where a str has its own none
+    (those that say something: no min_length 0, no False)."""
+    out = {}
+    for own in ("strip_whitespace", "min_length", "max_length", "to_lower", "to_upper"):
+        value = config.get(f"str_{own}")
+        if value is not None and value is not False and not (own == "min_length" and not value):
+            out[own] = value
+    return out
+
+
 def _str_key(keys: dict[str, Any]) -> str | None:
     """The pattern of a str key (pydantic's ``constr``): its own, or its length's bounds as one
     (pydantic names them in propertyNames, which llguidance lacks); ``NotBindable`` where it
@@ -464,8 +477,8 @@ def _str_key(keys: dict[str, Any]) -> str | None:
         raise NotBindable(f"a dict's keys of type str ({bounds}) are counted by pydantic once "
                           f"it has stripped their whitespace, and a key's pattern counts what "
                           f"the model writes (\"  \" is no key of one character): drop "
-                          f"strip_whitespace or the min_length from the key's type (check the "
-                          f"key in the function)")
+                          f"strip_whitespace or the min_length from the key's type or its "
+                          f"model's config (check the key in the function)")
     return f"^[\\s\\S]{{{low or 0},{'' if high is None else high}}}$"
 
 
