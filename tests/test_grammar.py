@@ -463,6 +463,20 @@ def test_allows_is_the_mask_bit_of_every_token_where_bytes_are_forced(tok, close
             ("validate takes more", True)} <= seen, seen
 
 
+def test_allows_is_the_mask_bit_where_a_grammar_turns_forcing_off(tok):
+    # a Lark grammar's %llguidance options are JSON: no_forcing spelled with an escape turns
+    # forcing off too, and the mask then takes every prefix of the forced bytes ('h', 'he')
+    body = 'start: "hello world" NAME\nNAME: /[a-z]{1,5}/'
+    for options in ('{"no_forcing": true}', '{"no\\u005fforcing": true}'):
+        grammar = compile_grammar(lark(f"%llguidance {options}\n{body}"), tok)
+        constraint = grammar.new_constraint()
+        mask = unpack_bitmask(constraint.bitmask(), grammar.vocab_size).tolist()
+        assert sum(mask) > 1, options
+        assert [constraint.allows(t) for t in range(grammar.vocab_size)] == mask, options
+        h = tok.encode("h", add_special_tokens=False)
+        assert constraint.mask_prefix(h) == 1, options
+
+
 def _advanced(constraint, token: int):
     """A copy of ``constraint`` after ``token``."""
     copy = constraint._copy()
