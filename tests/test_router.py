@@ -871,3 +871,34 @@ def test_a_tag_in_a_calls_string_costs_a_step_its_own_length(monkeypatch):
     assert sum(read) < 100 * n
     tracker.feed('", "x": 1}}</tool_call>')
     assert tracker.kind is SegmentKind.PROSE
+
+
+@pytest.mark.parametrize("run", ["the character", "invalid bytes"])
+def test_a_step_text_window_stays_bounded_on_a_run_of_final_replacement_characters(
+        demo_tokenizer_dir, run):
+    # the text less all its trailing U+FFFD was handed out: a run that never changes (U+FFFD
+    # itself, lone continuation bytes) held the window open, each step decoding all of it
+    from transformers import AutoTokenizer
+
+    from agentflash.engine.detokenizer import OutputDecoder, StepText
+
+    tok = AutoTokenizer.from_pretrained(demo_tokenizer_dir)
+    decode = OutputDecoder(tok)
+    lone = tok.convert_tokens_to_ids("Ĺ")  # the byte 0x97: a continuation, never a character
+    assert decode([lone] * 3) == "\ufffd" * 3
+    ids = tok.encode("It says ", add_special_tokens=False)
+    ids += tok.encode("\ufffd" * 100, add_special_tokens=False) if run == "the character" \
+        else [lone] * 300
+    decoded = []
+
+    def counting(token_ids):
+        decoded.append(len(token_ids))
+        return decode(token_ids)
+
+    text, out = StepText(counting), ""
+    for end in range(1, len(ids) + 1):  # a token a step
+        out += text.delta(ids, end)
+        assert end - text.start <= 3
+        assert out == decode(ids[:end])[:-1] or out == decode(ids[:end])  # less one U+FFFD
+    assert len(ids) >= 300 and max(decoded) <= 4 and sum(decoded) <= 8 * len(ids)
+    assert out == "It says " + "\ufffd" * (99 if run == "the character" else 299)

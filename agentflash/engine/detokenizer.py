@@ -45,11 +45,12 @@ def settled(text: str) -> str:
 
 
 class StepText:
-    """What a reply's text grew by at each step, for the segment tracker: like ``delta`` (an
-    incomplete character at the end held back until the next tokens settle it), but decoded from
-    the tokens since the last whole character handed out, not the whole reply (O(step)). Each
-    step's tokens decoded alone split a character whose bytes two steps wrote (``×`` on the demo
-    tokenizer) into two U+FFFD."""
+    """What a reply's text grew by at each step, for the segment tracker: the text less its last
+    character where that is a U+FFFD (an incomplete UTF-8 character at the end decodes to one,
+    which the next tokens may complete; those before it are final, the text's own or invalid
+    bytes), decoded from the last few tokens, not the whole reply (O(step)). Each step's tokens
+    decoded alone split a character whose bytes two steps wrote (``×`` on the demo tokenizer)
+    into two U+FFFD."""
 
     def __init__(self, decode: OutputDecoder):
         self.decode = decode
@@ -59,19 +60,21 @@ class StepText:
     def delta(self, token_ids: list[int], end: int) -> str:
         """The text ``token_ids[:end]`` adds to what was handed out."""
         text = self.decode(token_ids[self.start : end])
-        whole = settled(text)
+        whole = text[:-1] if text.endswith("\ufffd") else text
         new = whole[self.emitted :]
         self.emitted = max(self.emitted, len(whole))
         if len(whole) == len(text):
             self.start, self.emitted = end, 0
-        else:  # the window starts again after the last token that ends a character (an
-            # incomplete one's bytes are at most 3 tokens), so that a run of steps that each end
-            # inside one does not grow it
-            for cut in range(end - 1, max(self.start, end - 4), -1):
-                head = self.decode(token_ids[self.start : cut])
-                if head == settled(head) and whole.startswith(head):
-                    self.start, self.emitted = cut, len(whole) - len(head)
-                    break
+            return new
+        # the window starts again at a token within the last 3 (an incomplete character's bytes
+        # are at most 3 tokens) where the text splits (``head + tail == text``: no character
+        # spans the cut, so none will) and whose head is handed out, so that a run of steps
+        # that each end in U+FFFD, incomplete or final, does not grow it
+        for cut in range(end - 1, max(self.start, end - 4), -1):
+            head = self.decode(token_ids[self.start : cut])
+            if len(head) <= self.emitted and head + self.decode(token_ids[cut:end]) == text:
+                self.start, self.emitted = cut, self.emitted - len(head)
+                break
         return new
 
 
