@@ -475,6 +475,11 @@ def test_allows_is_the_mask_bit_where_a_grammar_turns_forcing_off(tok):
         assert [constraint.allows(t) for t in range(grammar.vocab_size)] == mask, options
         h = tok.encode("h", add_special_tokens=False)
         assert constraint.mask_prefix(h) == 1, options
+    # a \u elsewhere (a Windows path in an enum, a regex's class) leaves the mask-free answer on
+    schema = {"type": "object", "properties": {"folder": {"enum": ["C:\\users\\me", "x"]},
+              "mode": {"pattern": "^[\\u0061-\\u007a]+$", "type": "string"}}}
+    grammar = compile_grammar(json_schema(schema), tok)
+    assert "\\u" in grammar._text and grammar.masks_forced_canonically
 
 
 def _advanced(constraint, token: int):

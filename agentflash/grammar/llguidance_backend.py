@@ -130,9 +130,11 @@ class LLGuidanceGrammar(CompiledGrammar):
         # validating apart first compiled every grammar twice (3.5 of 12 ms a 12-property tool)
         self._tokenizer, self._text = tokenizer, text
         # llguidance's mask where bytes are forced is the first of the forced bytes' canonical
-        # tokens alone, except where a grammar turns forcing off (``_allows_one``): its
-        # options are JSON, so a \u escape may spell the key (``no\u005fforcing``)
-        self.masks_forced_canonically = "no_forcing" not in text and "\\u" not in text
+        # tokens alone, except where a grammar turns forcing off (``_allows_one``): a Lark
+        # grammar's ``%llguidance`` options are JSON, so a \u escape may spell the key
+        # (``no\u005fforcing``); llguidance writes the directive itself as it is
+        self.masks_forced_canonically = "no_forcing" not in text and not (
+            "%llguidance" in text and "\\u" in text)
         self._matcher = self.fresh_matcher()
         if self._matcher.is_error():
             raise GrammarError(_describe_error(source, self._matcher.get_error()))
