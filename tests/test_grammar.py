@@ -1519,13 +1519,15 @@ def test_outlines_refuses_a_pattern_whose_text_is_no_json_string(tok):
                            "#/pattern: outlines-core writes a pattern between quotes as it is")]:
         with pytest.raises(GrammarError, match=re.escape(where)):
             compile_grammar(json_schema(schema), tok, backend=Backend.OUTLINES)
-    # an anchor inside (^a$|^b$): outlines-core compiled it, and its index never finished
-    schema = {"type": "object", "properties": {"k": {"type": "string",
-                                                     "pattern": "^[a-z]+$|^[0-9]+$"}}}
-    with pytest.raises(GrammarError, match=re.escape(
-            "#/properties/k/pattern: outlines-core takes '^' and '$' only around the whole "
-            "pattern, and in '^[a-z]+$|^[0-9]+$' an anchor elsewhere")):
-        compile_grammar(json_schema(schema), tok, backend=Backend.OUTLINES)
+    # an anchor inside (^a$|^b$), or a '$' alone at the end (\d+$: written before the closing
+    # quote): outlines-core compiled them, and their index never finished
+    for pattern in ["^[a-z]+$|^[0-9]+$", r"\d+$", "[A-Z][a-z]*$"]:
+        schema = {"type": "object", "properties": {"k": {"type": "string",
+                                                         "pattern": pattern}}}
+        with pytest.raises(GrammarError, match=re.escape(
+                "#/properties/k/pattern: outlines-core takes '^' and '$' only around the whole "
+                f"pattern, and in {pattern!r} an anchor elsewhere")):
+            compile_grammar(json_schema(schema), tok, backend=Backend.OUTLINES)
     for pattern, text in [("^[a-z]+$", '"abc"'), (r"^\d{3}-\d{4}$", '"555-1234"'),
                           (r"^\w+$", '"héllo"'), ('^[^"\\\\\\x00-\\x1f]*$', '"a b!"')]:
         grammar = compile_grammar(json_schema({"type": "string", "pattern": pattern}), tok,

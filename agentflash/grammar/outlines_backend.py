@@ -611,6 +611,9 @@ def _pattern_fault(pattern: str) -> str | None:
     if alone is None and "error building NFA" in errors[-1]:
         return (f"outlines-core writes a pattern between quotes as it is, and {inner!r} "
                 "is no regex by itself: read with them, it takes them apart")
+    if not _finishes(index):  # '\d+$': its '$' before the closing quote, no match reached
+        return (f"outlines-core takes '^' and '$' only around the whole pattern, and in "
+                f"{pattern!r} an anchor elsewhere leaves it no way to finish the string")
     text = _unescaped_text(index, 0)
     if text is None and alone is not None:
         text = _unescaped_text(alone, 1)
@@ -619,6 +622,19 @@ def _pattern_fault(pattern: str) -> str | None:
     return ("outlines-core matches a pattern against the JSON text, not the string it "
             f"spells, and by this one it could write {text!r} (a raw quote, backslash or "
             "control character, or text outside the string)")
+
+
+def _finishes(index: Any) -> bool:
+    """Whether a match of ``index`` can be reached from its start."""
+    transitions, finals = index.get_transitions(), set(index.get_final_states())
+    start = index.get_initial_state()
+    seen, stack = {start}, [start]
+    while stack:
+        for target in transitions.get(stack.pop(), {}).values():
+            if target not in seen:
+                seen.add(target)
+                stack.append(target)
+    return not seen.isdisjoint(finals)
 
 
 def _unescaped_text(index: Any, json_state: int) -> str | None:
