@@ -190,3 +190,33 @@ def test_a_tokenizer_grammars_cannot_read_is_named(tmp_path, make, message):
     assert len(err.strip().splitlines()) == 1
     code, out, err = generate(model, "--max-tokens", "4")  # without a grammar it generates
     assert code == 0, err
+
+
+def test_a_byte_fallback_reply_s_step_text_holds_back_a_character_s_bytes(tmp_path):
+    # a byte-fallback decoder writes a run of byte tokens that ends inside a character as one
+    # U+FFFD a byte, the run's whole characters included: holding back only the last U+FFFD
+    # handed out the others as final ("price 5€" fed as "price 5" and three U+FFFD), and a
+    # step of several tokens (a draft block) that ended inside a character did so too
+    import random
+
+    from transformers import AutoTokenizer
+
+    from agentflash.engine.detokenizer import OutputDecoder, StepText
+
+    tok = AutoTokenizer.from_pretrained(_sentencepiece(tmp_path, STRIP))
+    decode = OutputDecoder(tok)
+    ids = tok.encode("price 5€ and 😀 ok 天气 × 5€€ ok 😀😀", add_special_tokens=False)
+    assert "<0xE2>" in tok.convert_ids_to_tokens(ids)  # € is written a byte a token
+    whole = decode(ids)
+    rng = random.Random(0)
+    for trial in range(30):  # a token a step, then random blocks
+        ends = range(1, len(ids) + 1) if trial == 0 else sorted(
+            set(rng.sample(range(1, len(ids)), rng.randrange(len(ids) // 2))) | {len(ids)})
+        text, out = StepText(decode), ""
+        for end in ends:
+            out += text.delta(ids, end)
+            # the text up to the last token that ended a character
+            assert out == next(decode(ids[:k]) for k in range(end, -1, -1)
+                               if not decode(ids[:k]).endswith("\ufffd")), (trial, end)
+            assert end - text.start <= 4
+        assert out == whole, (trial, out)

@@ -45,35 +45,55 @@ def settled(text: str) -> str:
 
 
 class StepText:
-    """What a reply's text grew by at each step, for the segment tracker: the text less its last
-    character where that is a U+FFFD (an incomplete UTF-8 character at the end decodes to one,
-    which the next tokens may complete; those before it are final, the text's own or invalid
-    bytes), decoded from the last few tokens, not the whole reply (O(step)). Each step's tokens
-    decoded alone split a character whose bytes two steps wrote (``×`` on the demo tokenizer)
-    into two U+FFFD."""
+    """What a reply's text grew by at each step, for the segment tracker: the text less up to 3
+    trailing U+FFFD (an incomplete UTF-8 character at the end, at most 3 bytes, decodes to one,
+    or on a byte-fallback decoder to one a byte, which the next tokens may complete; those
+    before them are final, the text's own or invalid bytes), decoded from the last few tokens,
+    not the whole reply (O(step)). Each step's tokens decoded alone split a character whose
+    bytes two steps wrote (``×`` on the demo tokenizer) into two U+FFFD."""
 
     def __init__(self, decode: OutputDecoder):
         self.decode = decode
         self.start = 0  # the text of ``token_ids[:start]`` is handed out, and ends a character
         self.emitted = 0  # characters of the text of ``token_ids[start:]`` handed out
+        self.end = 0  # the tokens read so far
 
     def delta(self, token_ids: list[int], end: int) -> str:
         """The text ``token_ids[:end]`` adds to what was handed out."""
         text = self.decode(token_ids[self.start : end])
-        whole = text[:-1] if text.endswith("\ufffd") else text
+        if not text.endswith("\ufffd"):
+            new = text[self.emitted :]
+            self.start, self.emitted, self.end = end, 0, end
+            return new
+        if end - self.end > 1:
+            # a token at a time: a byte-fallback decoder writes a run of byte tokens that ends
+            # inside a character as one U+FFFD a byte, the whole characters before it included
+            return "".join(self._step(token_ids, e) for e in range(self.end + 1, end + 1))
+        return self._step(token_ids, end, text)
+
+    def _step(self, token_ids: list[int], end: int, text: str | None = None) -> str:
+        self.end = end
+        if text is None:
+            text = self.decode(token_ids[self.start : end])
+            if not text.endswith("\ufffd"):
+                new = text[self.emitted :]
+                self.start, self.emitted = end, 0
+                return new
+        whole = text[: len(text) - min(len(text) - len(text.rstrip("\ufffd")), 3)]
         new = whole[self.emitted :]
         self.emitted = max(self.emitted, len(whole))
-        if len(whole) == len(text):
-            self.start, self.emitted = end, 0
-            return new
-        # the window starts again at a token within the last 3 (an incomplete character's bytes
-        # are at most 3 tokens) where the text splits (``head + tail == text``: no character
-        # spans the cut, so none will) and whose head is handed out, so that a run of steps
-        # that each end in U+FFFD, incomplete or final, does not grow it
-        for cut in range(end - 1, max(self.start, end - 4), -1):
-            head = self.decode(token_ids[self.start : cut])
-            if len(head) <= self.emitted and head + self.decode(token_ids[cut:end]) == text:
-                self.start, self.emitted = cut, self.emitted - len(head)
+        # the window starts again at a token within the last 9 (the held U+FFFD are at most 3
+        # characters of at most 3 bytes: U+FFFD itself, an invalid or incomplete sequence)
+        # where the text splits (``head + tail == text``: no character spans the cut, so none
+        # will) and whose head is handed out, so that a run of steps that each end in U+FFFD,
+        # incomplete or final, does not grow it; a tail is decoded first, its head only where
+        # the tail holds what is held back
+        for cut in range(end - 1, max(self.start, end - 10), -1):
+            tail = self.decode(token_ids[cut:end])
+            if len(text) - len(tail) > self.emitted or not text.endswith(tail):
+                continue
+            if self.decode(token_ids[self.start : cut]) + tail == text:
+                self.start, self.emitted = cut, self.emitted - (len(text) - len(tail))
                 break
         return new
 
