@@ -1269,6 +1269,39 @@ def test_an_integer_past_a_float_is_found_where_validators_move_it():
     assert got[0][3].count == big and got[0][3].max_price == math.inf
 
 
+
+def test_a_huge_integer_whose_zero_is_refused_is_not_read_as_infinity():
+    """A huge integer was judged by replacing it with 0, and a refusal then counted as guilt: a
+    PositiveInt's 10**400 beside a default inf was named "read as infinity" and a valid call
+    refused. It is replaced by the integer of its sign at a float's edge instead."""
+    import dataclasses
+
+    big = 10**400
+    got = []
+
+    @dataclasses.dataclass
+    class Budget:
+        n: pydantic.PositiveInt = 1
+        limit: float = dataclasses.field(default_factory=lambda: math.inf)
+
+    @tool
+    def plan(b: Budget, n: pydantic.PositiveInt = 1,
+             low: Annotated[float, Field(lt=0)] = -1.0, x: float = 0) -> str:
+        got.append((b, n, low, x))
+        return "ok"
+
+    assert anyio.run(run_tool, plan, {"b": {"n": big}}).output == "ok"
+    assert anyio.run(run_tool, plan, {"b": {}, "n": big}).output == "ok"
+    assert got[0][0].n == big and got[0][0].limit == math.inf and got[1][1] == big
+    for arguments, where in (({"b": {"n": big}, "n": big, "x": big}, ["x"]),
+                             ({"b": {}, "low": -big}, ["low"])):  # its sign kept: -edge < 0
+        outcome = anyio.run(run_tool, plan, arguments)
+        assert outcome.is_error and outcome.error_type == "invalid_arguments"
+        assert json.loads(outcome.output)["error"] == "invalid arguments for plan: " + "; ".join(
+            f"{path}: the integer of 401 digits is past a float's range (read as a float, it is "
+            f"infinity)" for path in where)
+    assert len(got) == 2
+
 def test_bytes_of_a_max_length_are_written_in_ascii():
     """pydantic counts a bytes value's UTF-8 bytes, the grammar its characters: "ééé" (six
     bytes) passed a max_length of 3 in the schema and was refused."""

@@ -753,9 +753,11 @@ class FunctionTool:
                           ) -> list[tuple[tuple[str | int, ...], int]]:
         """Where the call's JSON gives an integer past a float's range that pydantic read as a
         float, infinity (an int's, a Decimal's stays what it was), with its digits: where the
-        validated arguments hold infinities, each such integer is replaced by 0 in turn, and
-        those whose replacement leaves fewer (or is refused) are named; where none alone does
-        (a set of two), all at once. A path is not followed: validators move values (a model
+        validated arguments hold infinities, each such integer is replaced in turn by the
+        integer of its sign at the edge of a float's range (what a field whose 0 is refused,
+        a PositiveInt, still takes), and those whose replacement leaves fewer are named (one
+        refused then is not: it says nothing of infinity); where none alone does (a set of
+        two), all at once. A path is not followed: validators move values (a model
         validator swapping two fields, a key's AfterValidator), and an infinity already in
         the defaults (a dataclass's max_price = inf) is in every count alike."""
         huge = list(_past_a_float(arguments))
@@ -769,8 +771,8 @@ class FunctionTool:
                 changed = _replaced(changed, path)
             try:
                 again = self.params_model.model_validate_json(json.dumps(changed), strict=True)
-            except pydantic.ValidationError:  # 0 is refused: it decided the call
-                return True
+            except pydantic.ValidationError:
+                return False
             return _infinities(again) < count
 
         guilty = [(path, digits) for path, digits in huge if fewer([path])]
@@ -802,9 +804,10 @@ _FLOAT_MAX = int(sys.float_info.max)
 
 
 def _replaced(value: Any, path: tuple[str | int, ...]) -> Any:
-    """The JSON ``value`` with 0 at ``path`` (copied along it)."""
+    """The JSON ``value`` with the integer of its sign at the edge of a float's range at
+    ``path`` (copied along it)."""
     if not path:
-        return 0
+        return _FLOAT_MAX if value > 0 else -_FLOAT_MAX
     head, rest = path[0], path[1:]
     if isinstance(value, dict):
         return {**value, head: _replaced(value[head], rest)}
