@@ -648,6 +648,64 @@ def test_a_first_self_or_cls_hinted_other_than_its_class_is_a_parameter():
             tool(method)
 
 
+
+def test_a_first_self_or_cls_hinted_as_any_value_but_its_owner_is_a_parameter():
+    # only scalars, Literals, Enums and their Optionals were read as values: a staticmethod's
+    # cls: list[str], a date, a NewType, a model, Union[int, str] were refused as unbound
+    UserId = typing.NewType("UserId", int)
+
+    class Point(BaseModel):
+        x: int
+
+    class Box:
+        @staticmethod
+        def names(cls: list[str], city: str) -> str:
+            return f"{len(cls)} {city}"
+
+        @staticmethod
+        def counts(cls: dict[str, int], city: str) -> str:
+            return city
+
+        @staticmethod
+        def day(self: datetime.date, city: str) -> str:
+            return f"{self.isoformat()} {city}"
+
+        @staticmethod
+        def user(cls: UserId, city: str) -> str:
+            return city
+
+        @staticmethod
+        def point(cls: Point, city: str) -> str:
+            return city
+
+        @staticmethod
+        def either(cls: typing.Union[int, str], city: str) -> str:  # noqa: UP007
+            return city
+
+        @staticmethod
+        def raw(cls: bytes, city: str) -> str:
+            return city
+
+        def some(self: type, city: str) -> str:
+            return city
+
+        def owned(self: "typing.Union[Box, int]", city: str) -> str:  # noqa: UP007
+            return city
+
+        def mine(self, city: str) -> str:
+            return city
+
+    Box.mine.__annotations__["self"] = typing.Optional[Box]  # noqa: UP045  (resolved: itself)
+    for method in (Box.names, Box.counts, Box.day, Box.user, Box.point, Box.either, Box.raw):
+        assert list(tool(method).parameters["properties"])[1:] == ["city"]
+    assert anyio.run(run_tool, tool(Box.day), {"self": "2024-05-01", "city": "Oslo"}).output \
+        == "2024-05-01 Oslo"
+    assert anyio.run(run_tool, tool(Box.names), {"cls": ["a", "b"], "city": "Oslo"}).output \
+        == "2 Oslo"
+    for method in (Box.some, Box.owned, Box.mine):
+        with pytest.raises(UserError, match="is an unbound method .*first parameter 'self'"):
+            tool(method)
+
 def test_a_first_self_or_cls_is_a_parameter_only_hinted_as_a_value_a_model_gives():
     # self: W (a TypeVar bound to the class), "Weather[T]", Any, a Protocol, "Optional[Box]"
     # were read as parameters: pydantic failed on them, or self was {} in the schema

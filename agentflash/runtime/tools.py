@@ -1015,15 +1015,19 @@ def _check_bound(fn: Any, source: Any, where: str) -> None:
     (``self``, ``cls``) is still to be given: @tool on a method. "'self' has no type hint"
     invited a hint, which put self into the schema, for the model to write (and a hint of the
     class itself failed to resolve, inside a function). A first ``self``/``cls`` hinted as a
-    value a model can give (a staticmethod's ``cls: int``, a class label) is a parameter."""
+    value a model can give (a staticmethod's ``cls: int``, a class label, a list, a model) is
+    a parameter (``_the_owner``)."""
     if not _in_a_class(source):
         return
     try:
         first = next(iter(inspect.signature(fn).parameters.values()), None)
     except (ValueError, TypeError):  # what the signature's own check below reports
         return
-    if first is not None and first.name in ("self", "cls") and not _a_model_value(
-            _resolved(first.annotation, source)):
+    if first is None or first.name not in ("self", "cls"):
+        return
+    owner = source.__qualname__.rsplit(".", 1)[0]
+    if first.annotation is inspect.Parameter.empty or _the_owner(
+            _resolved(first.annotation, source), owner):
         raise UserError(_unbound_method(where, source, first.name))
 
 
@@ -1037,24 +1041,27 @@ def _resolved(hint: Any, fn: Any) -> Any:
         return None
 
 
-_SCALARS = (int, float, str, bool)
+_SELVES = tuple(t for t in (getattr(typing, "Self", None),
+                             getattr(sys.modules.get("typing_extensions"), "Self", None)) if t)
 
 
-def _a_model_value(hint: Any) -> bool:
-    """Whether a first ``self``/``cls`` hinted ``hint`` is a value a model gives: a plain scalar
-    (int, float, str, bool), a Literal, an Enum, or Optional of those. Any other hint (the
-    class, ``Self``, a TypeVar bound to it, ``Any``, a Protocol, a model) is its instance or
-    class, refused as unbound."""
+def _the_owner(hint: Any, owner: str) -> bool:
+    """Whether a first ``self``/``cls`` hinted ``hint`` (resolved; ``None`` where it did not
+    resolve) means the instance or class of ``owner`` (a qualified name), or nothing a model
+    gives: ``Any``, ``object``, ``type`` / ``type[...]``, ``Self``, a TypeVar, the owner
+    itself (also parametrized, or inside Optional/Union), a Protocol, an unresolved string.
+    Any other hint (a scalar, a list, a date, a model, a NewType) is a value, a parameter."""
     if typing.get_origin(hint) is typing.Annotated:
         hint = typing.get_args(hint)[0]
-    if hint in _SCALARS or typing.get_origin(hint) is typing.Literal:
+    if hint is None or hint is Any or hint is object or hint in _SELVES:
         return True
-    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+    if isinstance(hint, typing.TypeVar) or hint is type or typing.get_origin(hint) is type:
         return True
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(hint) if a is not type(None)]
-        return len(args) < len(typing.get_args(hint)) and all(map(_a_model_value, args))
-    return False
+        return any(_the_owner(a, owner) for a in typing.get_args(hint))
+    cls = typing.get_origin(hint) or hint  # "Weather[T]"
+    return isinstance(cls, type) and (getattr(cls, "__qualname__", None) == owner
+                                      or getattr(cls, "_is_protocol", False))
 
 
 def _unbound_method(where: str, fn: Any, first: str) -> str:
