@@ -1275,6 +1275,31 @@ def test_an_integer_past_a_float_is_judged_where_it_was_given():
     assert len(got) == 3
 
 
+def test_an_integer_past_a_float_is_named_where_a_validator_scales_it_or_the_edge_is_refused():
+    """Replaced by the float's edge alone, an integer a validator scales (km to m: the edge is
+    inf again) or one whose field refuses the edge (multiple_of 0.5) was not named, and the
+    tool got inf: small values (1, 0) are tried too."""
+    big = 10**400
+    got = []
+
+    @tool
+    def drive(km: Annotated[float, pydantic.AfterValidator(lambda v: v * 1000)]) -> str:
+        got.append(km)
+        return "ok"
+
+    @tool
+    def step(x: Annotated[float, Field(multiple_of=0.5)] = 0.5) -> str:
+        got.append(x)
+        return "ok"
+
+    for fn, arguments, where in ((drive, {"km": big}, "km"), (drive, {"km": -big}, "km"),
+                                 (step, {"x": big}, "x")):
+        outcome = anyio.run(run_tool, fn, arguments)
+        assert outcome.is_error and outcome.error_type == "invalid_arguments", outcome.output
+        assert f"{where}: the integer of 401 digits is past a float's range" in outcome.output
+    assert anyio.run(run_tool, drive, {"km": 2}).output == "ok" and got == [2000.0]
+
+
 def test_an_integer_past_a_float_is_found_where_validators_move_it():
     """Following the call's paths into the validated value missed what validators move (a
     model validator swapping two fields, a key's AfterValidator: the tool got inf), a deque's

@@ -755,8 +755,10 @@ class FunctionTool:
         float, infinity (an int's, a Decimal's stays what it was), with its digits: where the
         validated arguments hold infinities, each such integer is replaced in turn by the
         integer of its sign at the edge of a float's range (what a field whose 0 is refused,
-        a PositiveInt, still takes), and those whose replacement leaves fewer are named (one
-        refused then is not: it says nothing of infinity); where none alone does (a set of
+        a PositiveInt, still takes), then by 1 and 0 (where a validator scales the edge back
+        to infinity, or the field refuses it: multiple_of 0.5), and those whose replacement
+        leaves fewer are named (one refused by every value is not: that says nothing of
+        infinity); where none alone does (a set of
         two), all at once. A path is not followed: validators move values (a model
         validator swapping two fields, a key's AfterValidator), and an infinity already in
         the defaults (a dataclass's max_price = inf) is in every count alike."""
@@ -766,14 +768,18 @@ class FunctionTool:
             return []
 
         def fewer(paths: list[tuple[str | int, ...]]) -> bool:
-            changed = arguments
-            for path in paths:
-                changed = _replaced(changed, path)
-            try:
-                again = self.params_model.model_validate_json(json.dumps(changed), strict=True)
-            except pydantic.ValidationError:
-                return False
-            return _infinities(again) < count
+            for probe in (_FLOAT_MAX, 1, 0):  # the edge, then small values a validator scales
+                changed = arguments
+                for path in paths:
+                    changed = _replaced(changed, path, probe)
+                try:
+                    again = self.params_model.model_validate_json(json.dumps(changed),
+                                                                  strict=True)
+                except pydantic.ValidationError:
+                    continue
+                if _infinities(again) < count:
+                    return True
+            return False
 
         guilty = [(path, digits) for path, digits in huge if fewer([path])]
         if not guilty and len(huge) > 1 and fewer([path for path, _ in huge]):
@@ -803,15 +809,15 @@ def _past_a_float(value: Any, path: tuple[str | int, ...] = ()
 _FLOAT_MAX = int(sys.float_info.max)
 
 
-def _replaced(value: Any, path: tuple[str | int, ...]) -> Any:
+def _replaced(value: Any, path: tuple[str | int, ...], probe: int = _FLOAT_MAX) -> Any:
     """The JSON ``value`` with the integer of its sign at the edge of a float's range at
     ``path`` (copied along it)."""
     if not path:
-        return _FLOAT_MAX if value > 0 else -_FLOAT_MAX
+        return probe if value > 0 else -probe
     head, rest = path[0], path[1:]
     if isinstance(value, dict):
-        return {**value, head: _replaced(value[head], rest)}
-    return [*value[:head], _replaced(value[head], rest), *value[head + 1:]]
+        return {**value, head: _replaced(value[head], rest, probe)}
+    return [*value[:head], _replaced(value[head], rest, probe), *value[head + 1:]]
 
 
 def _infinities(value: Any) -> int:
