@@ -1275,6 +1275,30 @@ def test_an_integer_past_a_float_is_judged_where_it_was_given():
     assert len(got) == 3
 
 
+def test_a_first_cls_hinted_as_a_model_of_another_module_named_as_its_class_is_a_parameter():
+    """The owner was told by its qualified name alone: a staticmethod of a class Order whose
+    cls is a model Order of another module (imported as OrderIn) was refused as unbound."""
+    import types
+
+    schemas = types.ModuleType("agentflash_test_schemas")
+    exec("from pydantic import BaseModel\nclass Order(BaseModel):\n    item: str\n"
+         "    qty: int\n", schemas.__dict__)
+    shop = {"OrderIn": schemas.Order, "__name__": "agentflash_test_shop"}
+    exec("class Order:\n    @staticmethod\n    def price(cls: OrderIn, currency: str) -> str:\n"
+         "        return f'{cls.qty} x {cls.item} in {currency}'\n"
+         "    def total(self: 'Order', currency: str) -> str:\n        return currency\n", shop)
+    sys.modules[schemas.__name__] = schemas
+    try:
+        price = tool(shop["Order"].price)
+        assert list(price.parameters["properties"]) == ["cls", "currency"]
+        assert anyio.run(run_tool, price, {"cls": {"item": "pen", "qty": 2},
+                                           "currency": "EUR"}).output == "2 x pen in EUR"
+        with pytest.raises(UserError, match="is an unbound method"):
+            tool(shop["Order"].total)  # its own class, by the same name
+    finally:
+        del sys.modules[schemas.__name__]
+
+
 def test_an_integer_past_a_float_is_named_where_a_validator_scales_it_or_the_edge_is_refused():
     """Replaced by the float's edge alone, an integer a validator scales (km to m: the edge is
     inf again) or one whose field refuses the edge (multiple_of 0.5) was not named, and the

@@ -1031,7 +1031,7 @@ def _check_bound(fn: Any, source: Any, where: str) -> None:
         return
     if first is None or first.name not in ("self", "cls"):
         return
-    owner = source.__qualname__.rsplit(".", 1)[0]
+    owner = (source.__module__, source.__qualname__.rsplit(".", 1)[0])
     if first.annotation is inspect.Parameter.empty or _the_owner(
             _resolved(first.annotation, source), owner):
         raise UserError(_unbound_method(where, source, first.name))
@@ -1051,9 +1051,10 @@ _SELVES = tuple(t for t in (getattr(typing, "Self", None),
                              getattr(sys.modules.get("typing_extensions"), "Self", None)) if t)
 
 
-def _the_owner(hint: Any, owner: str) -> bool:
+def _the_owner(hint: Any, owner: tuple[str, str]) -> bool:
     """Whether a first ``self``/``cls`` hinted ``hint`` (resolved; ``None`` where it did not
-    resolve) means the instance or class of ``owner`` (a qualified name), or nothing a model
+    resolve) means the instance or class of ``owner`` (its module and qualified name: a model
+    of another module by the same name is a value), or nothing a model
     gives: ``Any``, ``object``, ``type`` / ``type[...]``, ``Self``, a TypeVar, the owner
     itself (also parametrized, or inside Optional/Union), a Protocol, an unresolved string.
     Any other hint (a scalar, a list, a date, a model, a NewType) is a value, a parameter."""
@@ -1066,8 +1067,9 @@ def _the_owner(hint: Any, owner: str) -> bool:
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         return any(_the_owner(a, owner) for a in typing.get_args(hint))
     cls = typing.get_origin(hint) or hint  # "Weather[T]"
-    return isinstance(cls, type) and (getattr(cls, "__qualname__", None) == owner
-                                      or getattr(cls, "_is_protocol", False))
+    return isinstance(cls, type) and (
+        (getattr(cls, "__module__", None), getattr(cls, "__qualname__", None)) == owner
+        or getattr(cls, "_is_protocol", False))
 
 
 def _unbound_method(where: str, fn: Any, first: str) -> str:
