@@ -220,3 +220,26 @@ def test_a_byte_fallback_reply_s_step_text_holds_back_a_character_s_bytes(tmp_pa
                                if not decode(ids[:k]).endswith("\ufffd")), (trial, end)
             assert end - text.start <= 4
         assert out == whole, (trial, out)
+
+
+def test_a_byte_fallback_run_with_an_invalid_byte_is_fed_as_decoded_whole(tmp_path):
+    # a byte-fallback decoder reads a run of byte tokens as one: an invalid byte in it makes
+    # the whole run U+FFFD; a window cut inside the run decoded its tail alone, valid, and fed
+    # the tracker '"€<tool_call>{' that the reply does not hold (it read a call)
+    from transformers import AutoTokenizer
+
+    from agentflash.engine.detokenizer import OutputDecoder, StepText
+    from agentflash.router.segments import SegmentKind, SegmentTracker
+
+    tok = AutoTokenizer.from_pretrained(_sentencepiece(tmp_path, STRIP))
+    decode = OutputDecoder(tok)
+    ids = [tok.convert_tokens_to_ids(f"<0x{b:02X}>")
+           for b in b'\xff\xff\xff"\xe2\x82\xac<tool_call>{']
+    ids += tok.encode(" ok", add_special_tokens=False)
+    text, tracker, out = StepText(decode), SegmentTracker(), ""
+    for end in range(1, len(ids) + 1):  # a token a step
+        piece = text.delta(ids, end)
+        out += piece
+        tracker.feed(piece)
+    assert out == decode(ids) and "<tool_call>" not in out
+    assert tracker.kind is SegmentKind.PROSE and not tracker.in_tool_call

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from agentflash.tool_format import CLOSE, OPEN, unsettled_from
@@ -27,6 +28,14 @@ class OutputDecoder:
         # decoded before the reply, and its own text cut off the result
         self.context = tokenizer.encode("a", add_special_tokens=False)
         self.head = tokenizer.decode(self.context, skip_special_tokens=False)
+
+    @functools.cached_property
+    def byte_tokens(self) -> frozenset[int]:
+        """Byte-fallback tokens (``<0xE2>``): a run of them is decoded as one, all U+FFFD if a
+        byte in it is invalid. Read once, where a step first needs them."""
+        vocab = self.tokenizer.get_vocab() if hasattr(self.tokenizer, "get_vocab") else {}
+        return frozenset(i for t, i in vocab.items()
+                         if len(t) == 6 and t.startswith("<0x") and t.endswith(">"))
 
     def __call__(self, token_ids: list[int]) -> str:
         if not self.fast:
@@ -88,7 +97,13 @@ class StepText:
         # will) and whose head is handed out, so that a run of steps that each end in U+FFFD,
         # incomplete or final, does not grow it; a tail is decoded first, its head only where
         # the tail holds what is held back
+        # a byte-fallback decoder reads a run of byte tokens as one, all U+FFFD if a byte in it
+        # is invalid: where the window holds such (a U+FFFD more than an incomplete character's
+        # three), no cut inside a run, whose tail alone would read valid
+        run = getattr(self.decode, "byte_tokens", ()) if "\ufffd" in text[:-3] else ()
         for cut in range(end - 1, max(self.start, end - 10), -1):
+            if token_ids[cut - 1] in run and token_ids[cut] in run:
+                continue
             tail = self.decode(token_ids[cut:end])
             if len(text) - len(tail) > self.emitted or not text.endswith(tail):
                 continue
