@@ -1237,69 +1237,6 @@ def test_productive_lark_grammars_pass_the_finish_check(tok):
     assert constraint.validate_draft(ids) == len(ids)
 
 
-_NESTED_OUTLINES = r"""
-import json, resource, sys, time
-resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))  # 2 GiB: it took over 4 GB
-from transformers import AutoTokenizer
-from agentflash.grammar import Backend, GrammarError, compile_grammar, json_schema
-tok = AutoTokenizer.from_pretrained(sys.argv[1])
-def nested(depth, wrap, leaf={"type": "string"}):
-    for _ in range(depth):
-        leaf = wrap(leaf)
-    return leaf
-array = lambda s: {"type": "array", "items": s}
-cases = {
-    "array10": nested(10, array), "array30": nested(30, array),
-    "more8": nested(8, lambda s: {"type": "object", "additionalProperties": s}),
-    "props30": nested(30, lambda s: {"type": "object", "properties": {"a": array(s)},
-                                     "required": ["a"]}),
-    # optional keys 4 deep, 8 a level: a regex of ~100 MB (its builder aborts near 300 MB)
-    "long": nested(4, lambda s: {"type": "object", "properties": {f"p{i}": s for i in range(8)}}),
-    # compile: a short nesting; no array at all (maxItems 0), whose items alone are too
-    # deep (a check of the ignored maxItems builds the schema without it); a wide object,
-    # its optional keys repeated in the regex (56k characters) but not in its index's cost
-    "array4": nested(4, array),
-    "empty": {"type": "array", "maxItems": 0, "items": nested(12, array)},
-    "wide40": {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(40)}},
-}
-out = {}
-for name, schema in cases.items():
-    start = time.process_time()
-    try:
-        compile_grammar(json_schema(schema), tok, backend=Backend.OUTLINES)
-        out[name] = ["compiled", time.process_time() - start]
-    except GrammarError as err:
-        out[name] = [str(err), time.process_time() - start]
-print(json.dumps(out))
-"""
-
-
-def test_outlines_refuses_nesting_before_its_regex_blows_up(demo_tokenizer_dir):
-    # outlines-core writes an array's items twice, so its regex doubles a level: 10 deep needed
-    # over 4 GB, 23 deep aborted the process in its regex builder; refused from the shape, and
-    # a regex long enough to abort it; a wide object compiles (a length of 20,000 refused it)
-    pytest.importorskip("outlines_core")
-    import subprocess
-
-    run = subprocess.run([sys.executable, "-c", _NESTED_OUTLINES, str(demo_tokenizer_dir)],
-                         capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-2000:]
-    out = json.loads(run.stdout.splitlines()[-1])
-    for name in ("array10", "array30", "more8", "props30"):
-        message, seconds = out[name]
-        assert re.search(r"the regex outlines-core would build for this schema holds "
-                         r"[0-9,]+ copies of its deepest subschema's, over this backend's limit "
-                         r"of 100 .*nest less, or use the llguidance backend", message), (
-                             name, message)
-        assert seconds < 1, (name, seconds)
-    message, seconds = out["long"]
-    assert re.search(r"the regex outlines-core would build for this schema is about [0-9,]+ "
-                     r"characters, over this backend's limit of 4,000,000 ", message), message
-    assert seconds < 1, seconds
-    for name in ("array4", "empty", "wide40"):
-        assert out[name][0] == "compiled", out
-
-
 def test_outlines_refuses_what_it_cannot_do(tok):
     pytest.importorskip("outlines_core")
     cases = [

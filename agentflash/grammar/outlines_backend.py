@@ -14,11 +14,7 @@ through text that is none (a top-level number, ``a(bc)?``), whose continuations 
 (``check_continuations``, against llguidance on the same source). Property names go to it in
 their JSON spelling (``_json_spelled``): it escapes them for its regex, not for JSON, and the
 keys of a const's objects for neither. A regex's anchors at its ends are dropped
-(``_unanchored``): it fails on a leading one. A schema whose regex would hold over
-``MAX_SCHEMA_COPIES`` copies of its deepest subschema's (an array's items are written twice,
-so nested arrays double them a level, and its index with them), or be over
-``MAX_SCHEMA_REGEX`` characters (outlines-core's builder aborts the process on a long enough
-one), is refused, both estimated from its shape before it is built (``_regex_size``).
+(``_unanchored``): it fails on a leading one.
 """
 
 from __future__ import annotations
@@ -111,242 +107,11 @@ def _one_character(text: bytes) -> bool:
 
 
 def _schema_regex(source: GrammarSource, schema: Any) -> str:
-    """outlines-core's regex of ``schema``; ``_RegexTooLarge`` where it would hold over
-    ``MAX_SCHEMA_COPIES`` copies of a subschema's (not built), or is over ``MAX_SCHEMA_REGEX``
-    characters, or its estimate so far over that it is not built (outlines-core's builder can
-    abort the process on a large one)."""
-    oc, spelled = _outlines(), _json_spelled(schema)
-    whitespace = WHITESPACE_PATTERNS[source.json_style]
-    estimate, copies = _regex_size(spelled, whitespace)
-    if copies > MAX_SCHEMA_COPIES:
-        raise _RegexTooLarge(estimate, copies)
-    if estimate > _ESTIMATE_SLACK * MAX_SCHEMA_REGEX:
-        raise _RegexTooLarge(estimate, copies)
-    pattern = oc.json_schema.build_regex_from_schema(json.dumps(spelled),
-                                                     whitespace_pattern=whitespace)
-    if len(pattern) > MAX_SCHEMA_REGEX:
-        raise _RegexTooLarge(len(pattern), copies)
-    return pattern
-
-
-def _built_or_unique(source: GrammarSource, schema: Any) -> Any:
-    """``_schema_regex``, or where it is too large a value equal to no other (for
-    ``ignored_keyword``: a keyword whose removal makes it too large is not ignored)."""
-    try:
-        return _schema_regex(source, schema)
-    except _RegexTooLarge:
-        return object()
-
-
-# the most copies of a subschema's regex (``_regex_size``) in a schema's given to outlines-core:
-# its index's cost grows with them (its builder writes an array's items twice, so nested arrays
-# double them a level): over the demo tokenizer (4,096 tokens; CPU, peak memory of the
-# process, 270 MB before), arrays 6 deep (64 copies) take 1.5 s and 332 MB, 7 deep (128) 7 s
-# and 558 MB, 8 deep (256) 32 s and 1.7 GB; additionalProperties 4 deep (81) 0.84 s and
-# 298 MB, 5 deep (243) 5.8 s and 481 MB, 6 deep 38 s and 1.5 GB. The regex's length is no
-# measure of it: 40 optional keys (each written once for each that may follow it, 57,056
-# characters) take 0.21 s, 64 (142,487) 0.76 s, optional keys 6 deep (117,979) 0.19 s.
-MAX_SCHEMA_COPIES = 100
-# the longest regex of a schema given to outlines-core (characters): its builder aborts the
-# process (a failed allocation, no exception) on a long enough one (about 300 MB)
-MAX_SCHEMA_REGEX = 4_000_000
-# an estimate (``_regex_size``) past this many times the limit is refused without building the
-# regex: the estimate is at most about 4 times the real length (1.6 for a long one)
-_ESTIMATE_SLACK = 4
-
-
-# outlines-core's digit counts of a number or an integer (a few characters more in its regex)
-_DIGIT_BOUNDS = ("minDigits", "maxDigits", "minDigitsInteger", "maxDigitsInteger",
-                 "minDigitsFraction", "maxDigitsFraction", "minDigitsExponent",
-                 "maxDigitsExponent")
-
-
-class _RegexTooLarge(Exception):
-    """The regex outlines-core would build for a schema holds over ``MAX_SCHEMA_COPIES``
-    copies of a subschema's, or is over ``MAX_SCHEMA_REGEX`` characters."""
-
-    def __init__(self, size: int, copies: int):
-        super().__init__(size, copies)
-        self.size, self.copies = size, copies
-
-
-@functools.cache
-def _sizes(whitespace: str | None) -> dict[str, int]:
-    """Lengths of outlines-core's regexes of the schemas without subschemas, with the
-    whitespace pattern ``whitespace``: the parts ``_regex_size`` adds up."""
-    def built(schema: Any) -> int:
-        return len(_outlines().json_schema.build_regex_from_schema(
-            json.dumps(schema), whitespace_pattern=whitespace))
-
-    sizes = {kind: built({"type": kind})
-             for kind in ("string", "number", "integer", "boolean", "null")}
-    sizes["ws"] = built({"type": "array", "maxItems": 0}) - 4  # "\[ws\]"
-    for kind in ("array", "object"):
-        sizes[kind] = built({"type": kind, "depth": 0})
-    return sizes
-
-
-def _regex_size(schema: Any, whitespace: str | None) -> tuple[int, int]:
-    """About how many characters (a little over) outlines-core 0.2.14's regex of ``schema``
-    (as it is sent: ``_json_spelled``) has, from the schema's shape alone, without building
-    it: its builder writes an array's items twice, an object's optional properties once for
-    each that may follow, an unconstrained array or object (its ``depth``) twice a level.
-    And how many copies of its deepest subschema's regex it holds along one path of nesting:
-    the product of the copies each level writes (an array's items 2, additionalProperties'
-    values 3: written twice, but its index grows faster, an unconstrained array or object 2 a
-    level of its depth), the branches of an anyOf (oneOf, allOf, prefixItems) that hold copies
-    added, not counting alternatives' repeats (optional keys', a type list's types: the
-    largest of them), which its index takes cheaply. Walked without recursion, each
-    subschema once for each depth of ``$ref`` it is reached at (outlines-core stops after
-    3)."""
-    sizes = _sizes(whitespace)
-    ws, string = sizes["ws"], sizes["string"]
-    root = schema
-    known: dict[tuple[int, int], tuple[int, int]] = {}
-
-    def target(node: dict, depth: int) -> Any:
-        ref = node["$ref"]
-        if depth > 3 or not isinstance(ref, str):
-            return None
-        current: Any = root
-        for part in (ref.partition("#")[2] if "#" in ref else ref).split("/"):
-            if part:
-                current = current.get(part) if isinstance(current, dict) else None
-        return current
-
-    def parts(node: Any, depth: int) -> list[tuple[Any, int]]:
-        """The subschemas (and their depth of $ref) whose regexes are in ``node``'s."""
-        if not isinstance(node, dict) or not node:
-            return []
-        if "properties" in node:
-            listed = node["properties"]
-            return [(sub, depth) for sub in listed.values()] if isinstance(listed, dict) else []
-        for keyword in ("allOf", "anyOf", "oneOf", "prefixItems"):
-            if keyword in node:
-                listed = node[keyword]
-                return [(sub, depth) for sub in listed] if isinstance(listed, list) else []
-        if "enum" in node or "const" in node:
-            return []
-        if "$ref" in node:
-            return [(target(node, depth), depth + 1)]
-        items, more = node.get("items"), node.get("additionalProperties")
-        return ([(items, depth)] if isinstance(items, dict) else []) + (
-            [(more, depth)] if isinstance(more, dict) else [])
-
-    def value(text: Any) -> int:  # a JSON value escaped (an object's: whitespace between)
-        spelled = len(json.dumps(text))
-        return (2 + ws if isinstance(text, (dict, list)) else 2) * spelled + 2
-
-    def count(node: Any, key: str, default: int) -> int:
-        n = node.get(key)
-        return n if isinstance(n, int) and not isinstance(n, bool) and n >= 0 else default
-
-    def unconstrained(kind: str, levels: int) -> int:
-        # a level holds the object and array of the next one, twice
-        array, obj = sizes["array"], sizes["object"]
-        for _ in range(min(levels, 64)):
-            array, obj = (sizes["array"] + 2 * (array + obj + 2),
-                          sizes["object"] + 2 * (array + obj + 2))
-        return array if kind == "array" else obj
-
-    def copies(node: Any, subs: list[int]) -> int:
-        """Copies of the deepest subschema's regex in ``node``'s (``subs``: in its parts')."""
-        if not isinstance(node, dict) or "enum" in node or "const" in node:
-            return 1
-        if not node:
-            return 2 ** 2
-        if "properties" in node or "$ref" in node:
-            return max(subs, default=1)
-        if any(k in node for k in ("allOf", "anyOf", "oneOf", "prefixItems")):
-            # branches that hold copies each hold their own (an array's and an object's of
-            # the same items: 3 a level)
-            return max(sum(c for c in subs if c > 1), 1)
-        kinds = node.get("type")
-        kinds = [kinds] if isinstance(kinds, str) else kinds
-        most = 1
-        for kind in kinds if isinstance(kinds, list) else []:
-            if kind == "array" and count(node, "maxItems", 1) == 0:
-                continue
-            if kind == "array" and "items" in node:
-                most = max(most, 2 * (subs[0] if isinstance(node["items"], dict) else 1))
-            elif kind in ("array", "object") and not (
-                    kind == "object" and "additionalProperties" in node
-                    and node["additionalProperties"] is not True):
-                most = max(most, 2 ** min(count(node, "depth", 2), 64))
-            elif kind == "object":
-                # written twice, each beside a key's string: its index grows as with 3
-                more = isinstance(node["additionalProperties"], dict)
-                most = max(most, 3 * (subs[-1] if more else 1))
-        return most
-
-    def size(node: Any, depth: int, subs: list[int]) -> int:
-        if not isinstance(node, dict):
-            return 0
-        if not node:
-            return sum(sizes.values()) + unconstrained("array", 2) + unconstrained("object", 2)
-        if "properties" in node:
-            names = node["properties"] if isinstance(node["properties"], dict) else {}
-            each = [3 * ws + len(name) + sum(c in _REGEX_META for c in name) + 4 + sub
-                    for name, sub in zip(names, subs)]
-            required = node.get("required")
-            if isinstance(required, list) and any(name in required for name in names):
-                return sum(each) + len(each) * (ws + 4) + ws + 4
-            # no key required: each may be the first written, after any of the ones before
-            return sum((len(each) - i) * (e + ws + 4) for i, e in enumerate(each)) + ws + 7
-        if any(k in node for k in ("allOf", "anyOf", "oneOf", "prefixItems")):
-            return sum(subs) + len(subs) * (2 * ws + 5) + 2 * ws + 4
-        if "enum" in node:
-            enum = node["enum"]
-            return sum(value(v) + 1 for v in enum) + 2 if isinstance(enum, list) else 0
-        if "const" in node:
-            return value(node["const"])
-        if "$ref" in node:
-            return subs[0] if subs else 0
-        kinds = node.get("type")
-        listed = isinstance(kinds, list)
-        kinds = [kinds] if isinstance(kinds, str) else kinds
-        if not isinstance(kinds, list):
-            return 0
-        total = 2 + 5 * len(kinds) if listed else 0  # "((?:...)|(?:...))"
-        bounded = any(k in node for k in _DIGIT_BOUNDS)
-        for kind in kinds:
-            if kind == "array" and count(node, "maxItems", 1) == 0:
-                total += ws + 4
-            elif kind == "array" and "items" in node:
-                items = subs[0] if isinstance(node["items"], dict) else 0
-                total += 2 * items + 3 * ws + 60
-            elif kind in ("array", "object") and not (
-                    kind == "object" and "additionalProperties" in node
-                    and node["additionalProperties"] is not True):
-                total += unconstrained(kind, count(node, "depth", 2)) + 60
-            elif kind == "object":
-                more = subs[-1] if isinstance(node["additionalProperties"], dict) else 0
-                total += 2 * (string + 2 * ws + 2 + more) + 3 * ws + 60
-            elif kind == "string" and ("minLength" in node or "maxLength" in node):
-                total += string + 45
-            elif kind == "string" and isinstance(node.get("pattern"), str):
-                total += len(node["pattern"]) + 4
-            elif kind == "string" and isinstance(node.get("format"), str):
-                total += 500  # outlines-core's longest format pattern (email's, 448)
-            else:
-                total += sizes.get(kind, 0) + (80 if bounded else 0)
-        return total
-
-    stack: list[tuple[Any, int, bool]] = [(schema, 0, False)]
-    while stack:
-        node, depth, ready = stack.pop()
-        key = (id(node), depth)
-        if key in known:
-            continue
-        below = parts(node, depth)
-        if ready:
-            subs = [known[id(sub), d] for sub, d in below]
-            known[key] = (size(node, depth, [n for n, _ in subs]),
-                          copies(node, [c for _, c in subs]))
-            continue
-        stack.append((node, depth, True))
-        stack.extend((sub, d, False) for sub, d in below if (id(sub), d) not in known)
-    return known[id(schema), 0]
+    oc = _outlines()
+    return oc.json_schema.build_regex_from_schema(
+        json.dumps(_json_spelled(schema)),
+        whitespace_pattern=WHITESPACE_PATTERNS[source.json_style],
+    )
 
 
 def _json_spelling(name: str) -> str:
@@ -416,8 +181,6 @@ def _schema_error(source: GrammarSource, schema: Any) -> str | None:
         _schema_regex(source, schema)
     except (ValueError, TypeError) as err:  # TypeError: a lone surrogate
         return str(err)
-    except _RegexTooLarge:  # (the whole one was not)
-        pass
     return None
 
 
@@ -448,20 +211,7 @@ def source_regex(source: GrammarSource) -> str:
         where = locate_schema_error(schema, lambda s: _schema_error(source, s))
         message = " ".join(str(err).split())
         raise GrammarError(f"{source.origin}: {where}: {message}") from None
-    except _RegexTooLarge as err:
-        if err.copies > MAX_SCHEMA_COPIES:
-            raise GrammarError(
-                f"{source.origin}: the regex outlines-core would build for this schema holds "
-                f"{err.copies:,} copies of its deepest subschema's, over this backend's limit "
-                f"of {MAX_SCHEMA_COPIES:,} (an array's items are written twice, so nested "
-                "arrays double them a level, and its index with them): nest less, or use the "
-                "llguidance backend") from None
-        raise GrammarError(
-            f"{source.origin}: the regex outlines-core would build for this schema is about "
-            f"{err.size:,} characters, over this backend's limit of {MAX_SCHEMA_REGEX:,} (its "
-            "builder can abort the process on a larger one): use the llguidance backend"
-        ) from None
-    ignored = ignored_keyword(_date_formats_kept(schema), lambda s: _built_or_unique(source, s))
+    ignored = ignored_keyword(_date_formats_kept(schema), lambda s: _schema_regex(source, s))
     if ignored is not None:
         where, keyword = ignored
         raise GrammarError(
@@ -690,8 +440,6 @@ def _index_error(source: GrammarSource, schema: Any, vocabulary: Any) -> str | N
         _outlines().Index(_schema_regex(source, schema), vocabulary)
     except ValueError as err:
         return str(err)
-    except _RegexTooLarge:
-        pass
     return None
 
 
