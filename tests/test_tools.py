@@ -1267,12 +1267,18 @@ def test_an_integer_past_a_float_is_judged_where_it_was_given():
              ["limits.lower.A"]),
             ({"n": big, "budget": {}, "limits": {"from": big, "lower": {"B": -big}}},
              ["limits.from", "limits.lower.B"])):
-        outcome = anyio.run(run_tool, count, arguments)
-        assert outcome.is_error and outcome.error_type == "invalid_arguments"
-        assert json.loads(outcome.output)["error"] == "invalid arguments for count: " + "; ".join(
-            f"{path}: the integer of 401 digits is past a float's range (read as a float, it is "
-            f"infinity)" for path in where)
+        _refused_as_infinity(count, arguments, where)
     assert len(got) == 3
+
+
+def _refused_as_infinity(fn, arguments: dict, where: list[str]) -> None:
+    """``fn`` called with ``arguments`` is refused, naming the integers at ``where`` as read
+    past a float's range."""
+    outcome = anyio.run(run_tool, fn, arguments)
+    assert outcome.is_error and outcome.error_type == "invalid_arguments"
+    assert json.loads(outcome.output)["error"] == f"invalid arguments for {fn.name}: " + "; ".join(
+        f"{path}: the integer of 401 digits is past a float's range (read as a float, it is "
+        f"infinity)" for path in where)
 
 
 def test_a_first_cls_hinted_as_a_model_of_another_module_named_as_its_class_is_a_parameter():
@@ -1402,12 +1408,9 @@ def test_a_huge_integer_whose_zero_is_refused_is_not_read_as_infinity():
     assert got[0][0].n == big and got[0][0].limit == math.inf and got[1][1] == big
     for arguments, where in (({"b": {"n": big}, "n": big, "x": big}, ["x"]),
                              ({"b": {}, "low": -big}, ["low"])):  # its sign kept: -edge < 0
-        outcome = anyio.run(run_tool, plan, arguments)
-        assert outcome.is_error and outcome.error_type == "invalid_arguments"
-        assert json.loads(outcome.output)["error"] == "invalid arguments for plan: " + "; ".join(
-            f"{path}: the integer of 401 digits is past a float's range (read as a float, it is "
-            f"infinity)" for path in where)
+        _refused_as_infinity(plan, arguments, where)
     assert len(got) == 2
+
 
 def test_bytes_of_a_max_length_are_written_in_ascii():
     """pydantic counts a bytes value's UTF-8 bytes, the grammar its characters: "ééé" (six
