@@ -607,6 +607,16 @@ def test_a_method_decorated_in_its_class_is_refused_as_unbound_naming_what_works
             return len(city)
 
     assert list(Cities.count.parameters["properties"]) == ["city"]
+    # @tool over @classmethod said "@tool needs a function, got classmethod"
+    with pytest.raises(UserError) as err:
+        class Towns:
+            @tool
+            @classmethod
+            def count(cls, town: str) -> int:
+                return len(town)
+    assert str(err.value).endswith(
+        ".Towns.count: @tool over @classmethod would make the tool before its class exists: "
+        "keep the @classmethod alone and make the tool with tool(Towns.count) after the class")
 
     def self_named(self: int) -> int:  # a function's own parameter named self: no method
         return self

@@ -1086,6 +1086,14 @@ def _unbound_method(where: str, fn: Any, first: str) -> str:
 def function_tool(fn: Callable[..., Any], *, name: str | None = None,
                   description: str | None = None, timeout_s: float | None = None) -> FunctionTool:
     """A ``FunctionTool`` from ``fn``'s signature, type hints and docstring."""
+    if isinstance(fn, classmethod):  # @tool over @classmethod: no class to bind it to yet
+        where = getattr(fn.__func__, "__qualname__", repr(fn.__func__))
+        owner, _, attr = where.rpartition(".")
+        owner = owner.rpartition(".")[2]
+        bound = (f"tool({owner}.{attr}) after the class" if owner not in ("", "<locals>")
+                 else "tool() of the method bound to its class")
+        raise UserError(f"{where}: @tool over @classmethod would make the tool before its class "
+                        f"exists: keep the @classmethod alone and make the tool with {bound}")
     if not callable(fn):
         raise UserError(f"@tool needs a function, got {type(fn).__name__}")
     where = getattr(fn, "__qualname__", repr(fn))
