@@ -1459,3 +1459,60 @@ def test_run_model_is_checked_as_the_model_the_workflow_runs_on(tmp_path):
     with pytest.raises(UserError, match="dflash needs a drafter, and run --model elsewhere "
                                         "brings none"):
         load_workflow(path, model="elsewhere")
+
+
+def test_instructions_are_templates_over_the_inputs(tmp_path):
+    """``{{ inputs.x }}`` in an agent's instructions reached the model as written, and
+    validate said ok."""
+    wf = load_workflow(write(tmp_path, """\
+        version: 1
+        name: tone
+        inputs:
+          tone: {type: string, default: plain}
+          lang: {type: string}
+        agents:
+          triage: {instructions: "Route, {{ inputs.tone }}.", handoffs: [writer]}
+          writer: {instructions: "Write in {{ inputs.lang | upper }}."}
+        steps:
+          - {id: one, agent: triage, input: Write a line.}
+        """))
+    seen = []
+
+    def reply(request):
+        seen.append(request.messages[0]["content"])
+        if len(seen) == 1:
+            return ('<tool_call>\n{"name": "transfer_to_writer", "arguments": {}}'
+                    '\n</tool_call>')
+        return "done"
+
+    result = anyio.run(lambda: wf.run({"lang": "nn"}, backend=ScriptedBackend(reply)))
+    assert result.steps["one"].agent == "writer"
+    assert seen == ["Route, plain.", "Write in NN."]  # the handoff reaches the rendered writer
+    # the workflow's own agents are the templates, for the next run's inputs
+    assert wf.agents["writer"].instructions == "Write in {{ inputs.lang | upper }}."
+    assert wf.agents["triage"].handoffs[0] is wf.agents["writer"]
+    seen.clear()
+    anyio.run(lambda: wf.run({"lang": "de", "tone": "brief"}, backend=ScriptedBackend(reply)))
+    assert seen == ["Route, brief.", "Write in DE."]
+    # what the instructions may not read is named at their line
+    path = write(tmp_path, """\
+        version: 1
+        name: tone
+        inputs:
+          tone: {type: string, default: plain}
+        agents:
+          a: {instructions: "Be {{ inputs.mood }}."}
+          b: {instructions: "After {{ steps.one.output }}."}
+          c: {instructions: "Be {{ inputs.tone "}
+        steps:
+          - {id: one, agent: a, input: go}
+        """)
+    with pytest.raises(UserErrors) as err:
+        load_workflow(path)
+    where = f"{path}:%d: agents.%s.instructions: "
+    assert err.value.problems[0] == (where % (6, "a")) + (
+        "the template uses inputs.mood, which is not declared (inputs: tone)")
+    assert err.value.problems[1] == (where % (7, "b")) + (
+        "an agent's instructions may use inputs ({{ inputs.NAME }}), not steps: they are "
+        "rendered as the run starts; pass a step's output in its input")
+    assert err.value.problems[2].startswith((where % (8, "c")) + "template syntax error")

@@ -230,6 +230,21 @@ class _WorkflowRun:
         self.tracer = tracer
         self.results: dict[str, StepResult] = {}
         self.failure: StepFailed | None = None
+        self.agents = wf.agents
+
+    def rendered_agents(self) -> dict[str, Agent]:
+        """The workflow's agents with their instructions rendered over the run's inputs (and
+        their handoffs pointing at these copies), or the agents themselves where no
+        instructions are a template."""
+        if not any(_templated(a.instructions) for a in self.wf.agents.values()):
+            return self.wf.agents
+        copies = {name: dataclasses.replace(agent, instructions=self.render(
+            ("agents", name, "instructions"), agent.instructions, render_text)
+            if _templated(agent.instructions) else agent.instructions)
+            for name, agent in self.wf.agents.items()}
+        for name, agent in self.wf.agents.items():
+            copies[name].handoffs = [copies[h.name] for h in agent.handoffs]
+        return copies
 
     def context(self) -> dict[str, Any]:
         return {"inputs": self.inputs,
@@ -239,6 +254,7 @@ class _WorkflowRun:
         attrs = {"gen_ai.operation.name": "invoke_workflow", "gen_ai.workflow.name": self.wf.name}
         with self.tracer.span(SpanKind.RUN, f"invoke_workflow {self.wf.name}", None,
                               attrs) as span:
+            self.agents = self.rendered_agents()
             done = {step.id: anyio.Event() for step in self.wf.steps}
             async with anyio.create_task_group() as tg:
                 for step in self.wf.steps:
@@ -271,7 +287,7 @@ class _WorkflowRun:
         done[step.id].set()
 
     async def step(self, step: Step, span: Span) -> StepResult:
-        agent = self.wf.agents[step.agent]
+        agent = self.agents[step.agent]
         text = self.render(("steps", step.index, "input"), step.input, render_text)
         self.emit(StepStarted(step.id, agent.name, text))
         attrs = {"agentflash.step.id": step.id, "gen_ai.agent.name": agent.name}
@@ -608,6 +624,7 @@ class _Builder:
         agents = self.agents(tools, self.data.get("decoding", {}) if decoding else {})
         self.check_drafter(model, agents)
         steps = self.steps(agents, inputs)
+        self.check_instructions(inputs)
         outputs = self.outputs(steps, inputs)
         self.problems.raise_if_any()
         assert decoding is not None
@@ -997,6 +1014,26 @@ class _Builder:
             return None
         return None
 
+    def check_instructions(self, inputs: dict[str, Any]) -> None:
+        """An agent's instructions may be a template over the inputs (rendered as a run
+        starts); not over steps, which an agent of several steps would read at each."""
+        for name, raw in self.data["agents"].items():
+            text = raw.get("instructions")
+            if not isinstance(text, str) or not _templated(text):
+                continue
+            keys: Keys = ("agents", name, "instructions")
+            refs, problems = references(text)
+            for problem in problems:
+                self.problems.add(keys, problem)
+            if any(ref.scope == "steps" for ref in refs):
+                self.problems.add(keys, "an agent's instructions may use inputs "
+                                        "({{ inputs.NAME }}), not steps: they are rendered as "
+                                        "the run starts; pass a step's output in its input")
+            for ref in refs:
+                if ref.scope == "inputs" and ref.name not in inputs:
+                    self.problems.add(keys, f"the template uses inputs.{ref.name}, which is "
+                                            f"not declared (inputs: {', '.join(inputs) or 'none'})")
+
     def outputs(self, steps: list[Step], inputs: dict[str, Any]) -> dict[str, str]:
         outputs = self.data.get("outputs", {})
         by_id = {s.id: s for s in steps}
@@ -1006,6 +1043,11 @@ class _Builder:
 
 
 _COMBINED = ("allOf", "anyOf", "oneOf", "$ref", "if", "not")  # output fields not judged
+
+
+def _templated(text: str) -> bool:
+    """Whether ``text`` holds Jinja's syntax (an expression, a statement or a comment)."""
+    return any(mark in text for mark in ("{{", "{%", "{#"))
 
 
 def _ancestors(step: Step, by_id: dict[str, Step]) -> set[str]:
