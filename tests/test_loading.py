@@ -189,6 +189,38 @@ def test_checkpoints_transformers_loads_compute_what_it_computes(tmp_path):
     del cfg["head_dim"]
     (tmp_path / "c" / "config.json").write_text(json.dumps(cfg))
     _same_logits_as_transformers(tmp_path / "c")
+    # a base model's keys, without the causal LM's "model." prefix (missing weights, before)
+    state = _tiny_qwen3(tmp_path / "d")
+    bare = {k.removeprefix("model."): v for k, v in state.items() if k != "lm_head.weight"}
+    save_file(bare, tmp_path / "d" / "model.safetensors", metadata={"format": "pt"})
+    _same_logits_as_transformers(tmp_path / "d")
+    # tied, and the one matrix saved as lm_head.weight (it was dropped as the tied copy)
+    state = _tiny_qwen3(tmp_path / "e")
+    state["lm_head.weight"] = state.pop("model.embed_tokens.weight")
+    save_file(state, tmp_path / "e" / "model.safetensors", metadata={"format": "pt"})
+    _same_logits_as_transformers(tmp_path / "e")
+    # use_sliding_window with every layer below max_window_layers: full attention in
+    # transformers (its layer_types say so), refused on the flag before
+    for kind in ("Qwen3Config", "Qwen2Config"):
+        import transformers
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(0)
+        path = tmp_path / f"slide_{kind}"
+        config = getattr(transformers, kind)(**SMALL, use_sliding_window=True, sliding_window=4,
+                                              max_window_layers=2)
+        AutoModelForCausalLM.from_config(config).save_pretrained(path)
+        _same_logits_as_transformers(path)  # 12 tokens: past the window of 4
+        cfg = json.loads((path / "config.json").read_text())
+        del cfg["layer_types"]  # a config older than layer_types: decided as transformers does
+        (path / "config.json").write_text(json.dumps(cfg))
+        _same_logits_as_transformers(path)
+        cfg["max_window_layers"] = 1  # layer 1 slides
+        (path / "config.json").write_text(json.dumps(cfg))
+        with pytest.raises(UserError, match=r"use_sliding_window true with sliding_window 4: "
+                                            r"layers from max_window_layers 1 on \(of 2\) are "
+                                            r"sliding-window attention"):
+            load_model(path)
 
 
 def test_bias_weights_a_config_does_not_declare_are_refused(tmp_path):

@@ -126,12 +126,18 @@ def load_model(
     model_dir = resolve_model_dir(name_or_path)
     cfg, raw = load_config(model_dir)
     state = load_state_dict(model_dir)
+    if state and not any(k.startswith("model.") for k in state):
+        # a base model's save (transformers' Qwen3Model): its keys without the causal LM's
+        # ``model.`` prefix, as transformers loads them
+        state = {k if k == "lm_head.weight" else f"model.{k}": v for k, v in state.items()}
     # the rotary frequencies older checkpoints stored as buffers: computed from the config, as
     # transformers does
     state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
     if cfg.tie_word_embeddings and "lm_head.weight" in state:
         embed = state.get("model.embed_tokens.weight")
-        if embed is not None and not torch.equal(state["lm_head.weight"], embed):
+        if embed is None:  # the one tied matrix saved under the head's name
+            state["model.embed_tokens.weight"] = state.pop("lm_head.weight")
+        elif embed is not None and not torch.equal(state["lm_head.weight"], embed):
             # transformers 5 does not tie an lm_head the checkpoint holds with other values
             cfg = dataclasses.replace(cfg, tie_word_embeddings=False)
         else:

@@ -107,11 +107,20 @@ def check_plain_attention(cfg: dict[str, Any]) -> None:
     if cfg.get("layer_types") and isinstance(layers, int) and 0 < layers != len(types):
         raise ValueError(f"layer_types has {len(types)} entries, num_hidden_layers is {layers}")
     kinds = set(types)
-    if kinds != {"full_attention"} or cfg.get("use_sliding_window"):
-        field = (f"layer_types {sorted(kinds)}" if kinds != {"full_attention"}
-                 else "use_sliding_window true")
-        raise ValueError(f"{field}: sliding-window attention is not supported (full attention "
-                         f"only)")
+    if kinds != {"full_attention"}:
+        raise ValueError(f"layer_types {sorted(kinds)}: sliding-window attention is not "
+                         f"supported (full attention only)")
+    # without layer_types, transformers' Qwen2/Qwen3 make layers from max_window_layers on
+    # sliding where use_sliding_window and a sliding_window are set; layer_types, where
+    # given, decides alone (as it does there)
+    if not cfg.get("layer_types") and cfg.get("use_sliding_window") and (
+            cfg.get("sliding_window") is not None):
+        first = cfg.get("max_window_layers", 28)
+        if not (isinstance(layers, int) and isinstance(first, int)) or first < layers:
+            raise ValueError(f"use_sliding_window true with sliding_window "
+                             f"{cfg['sliding_window']!r}: layers from max_window_layers "
+                             f"{first!r} on (of {layers!r}) are sliding-window attention, which "
+                             f"is not supported (full attention only)")
 
 
 def architectures(cfg: dict[str, Any]) -> list[str]:
