@@ -241,6 +241,8 @@ def _edit(config: dict, changes: dict) -> dict:
         ({"dflash.mask_token_id": None}, "mask_token_id must be an integer, got None"),
         ({"num_target_layers": "36"}, "num_target_layers must be an integer, got '36'"),
         ({"rope_parameters": [1]}, r"rope_parameters must be an object, got \[1\]"),
+        # z-lab's DFlashDraftModel masks the block causally there (it loaded, drafting worse)
+        ({"is_causal": True}, "is_causal true .* is not supported"),
     ],
 )
 def test_bad_config_is_a_user_error_naming_the_file(tmp_path, changes, message):
@@ -307,3 +309,16 @@ def test_validate_against_target_names_the_mismatch(tmp_path):
     # its mask token inside the drafter's vocabulary is inside the target's too
     with pytest.raises(UserError, match="vocab_size 151936 does not match the target's 4096"):
         validate_against_target(cfg, qwen3_8b_target(vocab=4096))
+
+
+def test_a_null_max_position_embeddings_takes_its_default(tmp_path):
+    # as a target's config.json does (the drafter's positions are the target's): it was refused
+    # as "must be a positive integer, got None"
+    config = qwen3_8b_dflash_b16_scaled()
+    config["max_position_embeddings"] = None  # (_edit drops a field set to None)
+    path = write_reference_dir(tmp_path / "d", config=config)
+    assert load_drafter(path).cfg.max_position_embeddings == 40960
+    path = write_reference_dir(tmp_path / "z", config=_edit(qwen3_8b_dflash_b16_scaled(),
+                                                            {"max_position_embeddings": 0}))
+    with pytest.raises(UserError, match="max_position_embeddings must be a positive integer"):
+        load_drafter(path)

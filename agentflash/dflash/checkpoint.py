@@ -125,7 +125,8 @@ def config_from_hf(raw: dict[str, Any]) -> DrafterConfig:
             target_layer_ids=pick("target_layer_ids"),
             num_target_layers=pick("num_target_layers", None),
             vocab_size=raw["vocab_size"],
-            max_position_embeddings=raw.get("max_position_embeddings", 40960),
+            max_position_embeddings=(40960 if raw.get("max_position_embeddings") is None
+                                     else raw["max_position_embeddings"]),
         )
     except KeyError as err:
         raise ValueError(f"has no field {err.args[0]!r}") from None
@@ -154,6 +155,11 @@ def _check_supported(raw: dict[str, Any]) -> None:
             raise ValueError(f"dflash_config.{name} = {dflash[name]!r} is not supported")
     if dflash.get("final_logit_softcapping"):
         raise ValueError("dflash_config.final_logit_softcapping is not supported")
+    # z-lab's DFlashDraftModel masks the block causally where is_causal is true; agentflash's
+    # drafter attends to the whole block, as the published drafters (is_causal false) do
+    if raw.get("is_causal") or dflash.get("is_causal"):
+        raise ValueError("is_causal true (a causal mask inside the block) is not supported: "
+                         "agentflash's drafter attends to the whole block")
 
 
 # --- directories ----------------------------------------------------------------------------
