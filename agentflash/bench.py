@@ -464,15 +464,19 @@ def _mode_row(
 def _memory_fields(engine: Engine, drafts: bool, parts: list[MemoryUse], held: int
                    ) -> dict[str, Any]:
     """A mode's memory in MiB: the weights it reads (the drafter's too when it drafts) plus the
-    most its requests held at once beyond them (``held``), and each part's own peak."""
-    weights = engine.weight_bytes()
+    most its requests held at once beyond them (``held``), and each part's own peak; the
+    weights' parameters apart from oneDNN's reordered copies of them, whose size depends on
+    the kernels the process chose as it started."""
+    weights, copies = engine.weight_bytes(), engine.reordered_weight_bytes()
     read = weights["target"] + (weights["drafter"] if drafts else 0)
+    copied = copies["target"] + (copies["drafter"] if drafts else 0)
     peak = MemoryUse()
     for p in parts:
         peak = peak.max(p)
     return {"memory_mb": _mb(read + held),
-            "memory_parts_mb": {"weights": _mb(read), "kv": _mb(peak.kv),
-                                "draft_context": _mb(peak.draft), "prefix_cache": _mb(peak.prefix)}}
+            "memory_parts_mb": {"weights": _mb(read - copied), "weights_reordered": _mb(copied),
+                                "kv": _mb(peak.kv), "draft_context": _mb(peak.draft),
+                                "prefix_cache": _mb(peak.prefix)}}
 
 
 def _memory_config(engine: Engine) -> dict[str, Any]:
@@ -482,7 +486,9 @@ def _memory_config(engine: Engine) -> dict[str, Any]:
     import resource
 
     peak_rss_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KB on Linux
-    return {"weights_mb": {k: _mb(v) for k, v in engine.weight_bytes().items()},
+    weights, copies = engine.weight_bytes(), engine.reordered_weight_bytes()
+    return {"weights_mb": {k: _mb(v - copies[k]) for k, v in weights.items()},
+            "weights_reordered_mb": {k: _mb(v) for k, v in copies.items()},
             "kv_pool_mb": _mb(engine.kv_pool_bytes()),
             "peak_rss_mb": round(peak_rss_kb / 2**10, 1)}
 

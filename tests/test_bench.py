@@ -70,9 +70,15 @@ def test_rows_are_side_by_side_and_peers_match_plain_greedy(tiny_model_dir):
     # whether the rows ran the exact path: the probe's finding on the same weights, if any
     same_weights = batch_invariant_(load_model(tiny_model_dir)[0])
     assert report["config"]["exact_path_off"] == exactness_problem(same_weights)
+    # the parameters, apart from oneDNN's reordered copies (their size is the kernels' choice,
+    # timed as the process starts: it changed the weights from one run to the next)
+    params = load_model(tiny_model_dir)[0].parameters()
+    assert weights["target"] == round(sum(p.numel() * p.element_size() for p in params) / 2**20, 3)
+    copies = report["config"]["weights_reordered_mb"]
     for row in engine_rows:
         parts = row["memory_parts_mb"]
         assert parts["weights"] == weights["target"] and parts["draft_context"] == 0
+        assert parts["weights_reordered"] == copies["target"]
         assert parts["kv"] > 0
         assert parts["weights"] + parts["kv"] <= row["memory_mb"] + 0.002
         assert row["memory_mb"] <= sum(parts.values()) + 0.004

@@ -306,6 +306,7 @@ def test_memory_in_use_counts_what_live_requests_hold_and_nothing_after(engine):
     # the parameters, and the reordered copies oneDNN's matmul reads where it runs them
     reordered = {"target": reordered_bytes(engine.model),
                  "drafter": reordered_bytes(engine.drafter)}
+    assert engine.reordered_weight_bytes() == reordered
     products = engine.runner.products
     assert reordered["target"] == sum(
         linear.weight.numel() * 4 for linear in _linears(engine.model, in_forward=True)

@@ -995,6 +995,13 @@ class Engine:
 
         return {"target": size(self.model), "drafter": size(self.drafter)}
 
+    def reordered_weight_bytes(self) -> dict[str, int]:
+        """The part of ``weight_bytes`` that is oneDNN's reordered copies: which projections run
+        on oneDNN is timed as the process starts (``mkl_where_faster``), so it varies from one
+        process to the next (0 where none does)."""
+        return {"target": reordered_bytes(self.model),
+                "drafter": 0 if self.drafter is None else reordered_bytes(self.drafter)}
+
     def kv_pool_bytes(self) -> int:
         """The KV pool allocated now: every slot, as many positions as the longest request has
         needed so far (``KVCache.ensure``), up to ``max_len``."""
