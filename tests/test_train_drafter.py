@@ -346,7 +346,13 @@ def test_no_training_conversation_begins_as_a_validation_one():
     openings = {train_mod._opening(c) for c in val}
     assert not openings & {train_mod._opening(c) for c in train}
     assert len(train) + len(val) < len(convos)  # there were some: now left out of training
-    dropped = [c for c in convos[:-16] if train_mod._opening(c) in openings]
+    # nor one that asks for a validation one's function in another wording, whose answer is
+    # the same ("Show code that does this: X" held out, "Implement this in Python: X" trained)
+    answers = {train_mod._first_answer(c) for c in val}
+    assert not answers & {train_mod._first_answer(c) for c in train}
+    dropped = [c for c in convos[:-16] if train_mod._opening(c) in openings
+               or train_mod._first_answer(c) in answers]
+    assert len(dropped) > len([c for c in convos[:-16] if train_mod._opening(c) in openings])
     assert len(train) == len(convos) - 16 - len(dropped)
 
 
@@ -574,3 +580,18 @@ def test_a_target_without_a_chat_template_is_named_before_any_work(tiny_model_di
             steps=1, max_response_tokens=4, corpus=corpus_mod.CorpusConfig(
                 seed=5, num_tool_call=2, num_code=1, num_math=1, num_prose=1)))
     assert not (tmp_path / "out").exists()
+
+
+def test_a_run_trains_alike_whether_the_answers_were_cached_or_not(run, tiny_model_dir, tmp_path):
+    # the engine that answered the corpus laid the target's weights out for inference in place,
+    # and training on them gave other gradients (1e-7): a rerun of cached answers, or a resumed
+    # run, ended with other weights than the run that answered
+    from safetensors.torch import load_file
+
+    cached = tmp_path / "cached"
+    cached.mkdir()
+    shutil.copy(run / "responses.json", cached / "responses.json")
+    train_mod.train_drafter(tiny_model_dir, cached, tiny_config())
+    ours, theirs = load_file(cached / "model.safetensors"), load_file(run / "model.safetensors")
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours)

@@ -125,7 +125,9 @@ class Sample:
 def split_corpus(convos: list[dict], num_val_per_kind: int) -> tuple[list[dict], list[dict]]:
     """The last ``num_val_per_kind`` conversations of each kind are held out, and no training
     one begins as one of them does (the code, prose and math generators draw from small pools:
-    8 of 16 code validation prompts were training prompts too, their answers the same)."""
+    8 of 16 code validation prompts were training prompts too, their answers the same) nor
+    gives the same first answer (a code prompt asks for one function in three wordings: 4 of
+    16 were asked another way in training, 2 of them answered token for token alike)."""
     seen: dict[str, int] = defaultdict(int)
     val_ids = set()
     for i in range(len(convos) - 1, -1, -1):
@@ -135,7 +137,9 @@ def split_corpus(convos: list[dict], num_val_per_kind: int) -> tuple[list[dict],
             val_ids.add(i)
     val = [c for i, c in enumerate(convos) if i in val_ids]
     held = {_opening(c) for c in val}
-    train = [c for i, c in enumerate(convos) if i not in val_ids and _opening(c) not in held]
+    answers = {a for c in val if (a := _first_answer(c))}
+    train = [c for i, c in enumerate(convos) if i not in val_ids and _opening(c) not in held
+             and _first_answer(c) not in answers]
     return train, val
 
 
@@ -144,6 +148,12 @@ def _opening(convo: dict) -> str:
     messages = convo["messages"]
     first = next((j for j, m in enumerate(messages) if m["role"] == "assistant"), len(messages))
     return json.dumps([convo["tools"], messages[:first]], sort_keys=True)
+
+
+def _first_answer(convo: dict) -> str:
+    """A conversation's first assistant message (its text or its calls), or "" if none."""
+    first = next((m for m in convo["messages"] if m["role"] == "assistant"), None)
+    return "" if first is None else json.dumps(first, sort_keys=True)
 
 
 def turn_prompts(convo: dict, chat_prompt: Callable[..., list[int]]) -> list[list[int]]:
@@ -218,7 +228,9 @@ def build_samples(
         # their layout (2: the template's own rendering of what agents send; before: the demo's)
         # and split
         "chat_template": getattr(tokenizer, "chat_template", None),
-        "prompts": 3,  # (3: no training prompt a validation one; the constrained share spread)
+        # (3: no training prompt a validation one; the constrained share spread; 4: nor a
+        # training first answer a validation one's)
+        "prompts": 4,
         "corpus": asdict(cfg.corpus),
         "max_response_tokens": cfg.max_response_tokens,
         "max_seq_len": cfg.max_seq_len,
@@ -540,6 +552,12 @@ def train_drafter(
     saved = _checkpoint(out_dir / "checkpoints", dcfg, drafter_settings(cfg))
     make_out_dir(out_dir)  # once all is checked: no empty --out left
     train, val = build_samples(target, tokenizer, cfg, out_dir / "responses.json")
+    # the engine that answered the corpus (where the answers were not cached) laid the target's
+    # weights out for inference in place (fused, other strides), and its gradients then differ
+    # (by 1e-7): training reads the target as loaded, as a run whose answers were cached does
+    del target
+    target = load_model(target_dir, device=cfg.device, dtype=torch.float32)[0]
+    target.requires_grad_(False)
     if not train:
         raise UserError(f"{out_dir}: no training sequences (every answer had under 2 tokens)")
     drafter = new_drafter(dcfg, cfg.seed).to(cfg.device).train()
