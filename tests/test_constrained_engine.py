@@ -273,6 +273,36 @@ def test_the_drafter_fills_the_slots_after_a_forced_run_shorter_than_its_block(t
 
 
 @pytest.mark.parametrize("speculation", ["off", "dflash"])
+def test_a_greedy_rows_forced_run_goes_into_its_grammar_once(tiny, monkeypatch, speculation):
+    # a forced run at the head of a greedy row's draft is committed whole on the request's
+    # grammar before the walk (which starts after it) and accepted by the verify without a
+    # look: its tokens are consumed twice (the check whether the end follows it, on a copy, and
+    # that commit), not again by the walk and, a token at a time where the target's choice is
+    # not the forced token, by the verify (a mask and a masked argmax each)
+    from agentflash.grammar.llguidance_backend import LLGuidanceConstraint
+
+    literal = "\nstatus: ok, code "
+    ids = tiny.chat_prompt([{"role": "user", "content": "x"}])
+    source = regex("[0-9]" + literal + "[0-9]{12}")
+    head = tiny.tokenizer(literal.rstrip(" "), add_special_tokens=False)["input_ids"]
+    consumed = []
+    consume = LLGuidanceConstraint._consume
+
+    def spy(self, tokens):
+        consumed.append(list(tokens))
+        return consume(self, tokens)
+
+    monkeypatch.setattr(LLGuidanceConstraint, "_consume", spy)
+    params = SamplingParams(max_tokens=40, grammar=source, speculation=speculation,
+                            block_size=3)
+    res = tiny.generate(ids, params)
+    monkeypatch.undo()
+    assert res.text[1:].startswith(literal)
+    assert [tokens for tokens in consumed if set(tokens) & set(head)] == [head, head]
+    assert sum(s["forced"] for s in res.stats["segments"]) >= len(head)
+
+
+@pytest.mark.parametrize("speculation", ["off", "dflash"])
 def test_a_request_whose_grammar_breaks_fails_alone(tiny, speculation):
     tools = random_tools(3, n=1)
     ids = tiny.chat_prompt([{"role": "user", "content": "x"}], tools)

@@ -124,6 +124,11 @@ class BlockDraft:
     # the verify says how far it would have stood (``CostModel.observe_agreement``)
     rival: list[int] | None = None
     rival_slots: int = 0  # a looked-up row's: the slots the drafter filled in its rival
+    # the leading tokens (a forced run) the request's grammar committed already: a greedy row's
+    # run goes into the grammar before its walk, which starts after it (nothing is consumed
+    # twice), and its verify accepts it without a look (the mask of a forced state allows its
+    # forced token alone)
+    committed: int = 0
 
     @property
     def slots(self) -> int:
@@ -592,9 +597,12 @@ class Engine:
         if req.params.is_greedy and req.constraint is None:
             num_accepted, bonus = accept_choices(draft.tokens, top)
         elif req.params.is_greedy:  # masks made where needed; the grammar advances as it goes
+            run = draft.committed  # in the grammar already, accepted (a forced run)
             with grammar_clock([req]):
-                num_accepted, bonus = greedy_verify(req.constraint, draft.tokens, logits,
-                                                    draft.masks, top, commit=True)
+                num_accepted, bonus = greedy_verify(req.constraint, draft.tokens[run:],
+                                                    logits[run:], draft.masks, top[run:],
+                                                    commit=True)
+            num_accepted += run
             in_grammar = True
         else:  # sampling rows' logits were masked at every position (_mask_verify_logits)
             num_accepted, bonus = accept(
@@ -765,7 +773,8 @@ class Engine:
             forced = forced_now[r.id] = self._forced_tokens(r)
             if forced is not None and sizes[r.id] > 0 and len(forced) >= max(slots, sizes[r.id]):
                 run = forced[: max(0, self._room(r) - 1)]
-                drafts[r.id] = BlockDraft(run, len(run), False)
+                drafts[r.id] = BlockDraft(run, len(run), False,
+                                          committed=self._commit_run(r, run))
         reqs = [r for r in reqs if sizes[r.id] > 0 and r.id not in drafts and not r.is_finished]
         for r in reqs:
             looked_up = self._lookup(r, sizes[r.id], kinds[r.id], found.get(r.id, []))
@@ -803,19 +812,41 @@ class Engine:
                 continue
             from agentflash.grammar import constrained_draft
 
+            room = self._room(r) - 1
+            # a greedy row's forced run goes into its grammar now: the walk starts after it
+            run = forced_now[r.id][:room] if r.params.is_greedy else []
+            if run and not self._commit_run(r, run):
+                continue  # its grammar failed
             try:
                 with grammar_clock([r]):
-                    walk = constrained_draft(r.constraint, logits[i], best[i].tolist(),
-                                             max_drafted=n, max_tokens=self._room(r) - 1,
-                                             forced_now=forced_now[r.id],
+                    walk = constrained_draft(r.constraint, logits[i, len(run):],
+                                             best[i, len(run):].tolist(), max_drafted=n,
+                                             max_tokens=room - len(run),
+                                             forced_now=[] if run else forced_now[r.id],
                                              with_masks=not r.params.is_greedy)
             except Exception as err:
                 self._fail_alone(r, err)
                 continue
             drafts[r.id] = self._agreed(
-                r, kinds[r.id], BlockDraft(walk.tokens, walk.num_forced, True, walk.masks),
+                r, kinds[r.id], BlockDraft(run + walk.tokens, len(run) + walk.num_forced, True,
+                                           walk.masks, committed=len(run)),
                 logits[i])
         return drafts
+
+    def _commit_run(self, req: Request, run: list[int]) -> int:
+        """Commit a greedy constrained row's forced ``run`` (the head of its draft) on its
+        grammar before the verify, which accepts it unlooked (``BlockDraft.committed``); how
+        many tokens that is: none for a sampling row (its verify masks every position), or where
+        its grammar failed (the request then fails alone)."""
+        if not run or req.constraint is None or not req.params.is_greedy:
+            return 0
+        try:
+            with grammar_clock([req]):
+                req.constraint._commit(run)  # legal: the grammar forced them
+        except Exception as err:
+            self._fail_alone(req, err)
+            return 0
+        return len(run)
 
     def _lookup(self, req: Request, size: int, kind: SegmentKind, found: list[int]
                 ) -> BlockDraft | None:
@@ -873,11 +904,15 @@ class Engine:
         take = self.cost.agreed_slots(req.routing, kind, len(drafted), len(found))
         if take == 0:  # counted as the rival as it is: a token the grammar forbids is one the
             return replace(block, rival=found)  # target does not write either
-        found = self._legal_head(req, found[:take])  # at least the block's first tokens
-        if found is None:
+        run = drafted[: block.committed]  # in the grammar already: the lookup goes on from it
+        if found[:take][: len(run)] != run:  # it leaves (or stops in) the forced run
+            return replace(block, rival=found)
+        head = self._legal_head(req, found[len(run):take])  # at least the block's first tokens
+        if head is None:
             return block
         req.stats.lookup_drafts += 1
-        return BlockDraft(found, 0, True, looked_up=True, rival=drafted, rival_slots=block.slots)
+        return BlockDraft(run + head, 0, True, looked_up=True, rival=drafted,
+                          rival_slots=block.slots, committed=len(run))
 
     def _forced_runs(self, reqs: list[Request]) -> dict[int, BlockDraft]:
         """For rows that do not draft: the tokens their grammar forces, verified for free."""
@@ -886,10 +921,8 @@ class Engine:
             forced = self._forced_tokens(r)
             if forced is None:
                 continue
-            room = self._room(r)
-            runs[r.id] = BlockDraft(
-                forced[: max(0, room - 1)], min(len(forced), max(0, room - 1)), False
-            )
+            run = forced[: max(0, self._room(r) - 1)]
+            runs[r.id] = BlockDraft(run, len(run), False, committed=self._commit_run(r, run))
         return runs
 
     def _forced_tokens(self, req: Request) -> list[int] | None:
