@@ -2188,3 +2188,25 @@ def test_first_allowed_token_is_the_least_allowed_id():
             assert [first_allowed_token(mask, vocab)] == (expected or [None])
             words[-1] |= 1 << 31 if vocab % 32 else 0  # a bit past the vocabulary
             assert [first_allowed_token(mask, vocab)] == (expected or [None])
+
+
+def test_take_commits_exactly_the_tokens_allows_lets_through(tok, closers):
+    # take (a walk's check and commit in one; llguidance's try_consume_tokens where no token is
+    # forced) answers as allows does, and leaves the state advance leaves
+    rng = random.Random(3)
+    schema = random_schema(random.Random(3), kind="object")
+    grammar = compile_grammar(json_schema(schema), tok, vocab_size=len(tok) + 40)
+    constraint = grammar.new_constraint()
+    answers = set()
+    for token in walk(tok, closers, grammar, 3)[:-1]:
+        for probe in [token, *rng.sample(range(grammar.vocab_size), 6)]:
+            ahead = constraint._copy()
+            allowed = ahead.allows(probe)
+            answers.add(allowed)
+            assert ahead.take(probe) == allowed
+            assert ahead.num_tokens == constraint.num_tokens + allowed
+            if allowed and probe != grammar.eos_token_id:
+                assert ahead._fed == constraint._fed + [probe]
+                assert torch.equal(ahead.bitmask(), constraint.mask_after([probe]))
+        constraint.advance([token])
+    assert answers == {True, False}

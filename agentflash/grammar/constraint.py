@@ -289,9 +289,8 @@ class Constraint(abc.ABC):
         (a lookup in the request's text)."""
         with self._walk() as ahead:
             for n, token in enumerate(tokens):
-                if not ahead.allows(token):
+                if not ahead.take(token):
                     return n
-                ahead._commit([token])
         return len(tokens)
 
     def allows(self, token: int) -> bool:
@@ -303,6 +302,28 @@ class Constraint(abc.ABC):
         if token == self.eos_token_id:
             return self._is_accepting()
         return self._allows_one(token)
+
+    def take(self, token: int) -> bool:
+        """Commit ``token`` if the mask allows it (``allows``) and say whether it did: a walk's
+        check and commit of a drafted token in one (llguidance: one call, ``_take_one``)."""
+        if self._ended or not 0 <= token < self.vocab_size:
+            return False
+        if token == self.eos_token_id:
+            if not self._is_accepting():
+                return False
+            self._ended = True
+            return True
+        if not self._take_one(token):
+            return False
+        self._num_fed += 1
+        return True
+
+    def _take_one(self, token: int) -> bool:
+        """Consume ``token`` (not the end token) if the mask allows it; whether it did."""
+        if not self._allows_one(token):
+            return False
+        self._consume([token])
+        return True
 
     def _allows_one(self, token: int) -> bool:
         """Whether the mask allows ``token`` (not the end token); a backend whose mask is
@@ -584,13 +605,14 @@ def constrained_draft(
             if with_masks:
                 ahead.fill_bitmask(row)
                 legal = bit_is_set(row, token, ahead.vocab_size)
-            else:  # one token checked costs a fraction of a mask
-                legal = ahead.allows(token)
+            else:  # one token checked (and committed if legal) costs a fraction of a mask
+                legal = ahead.take(token)
                 if not legal:
                     ahead.fill_bitmask(row)
             if not legal:  # the slot's best legal token (no ranking of the whole block first)
                 token = _masked_argmax(row, draft_logits[slot], ahead.vocab_size)
-            ahead._commit([token])
+            if with_masks or not legal:
+                ahead._commit([token])
             tokens.append(token)
         if not with_masks:
             return Draft(tokens, num_forced, None)

@@ -317,6 +317,19 @@ class LLGuidanceConstraint(Constraint):
             return bit_is_set(row, token, self.vocab_size)
         return self._validate([token]) == 1
 
+    def _take_one(self, token: int) -> bool:
+        # where the mask is a one-token validate (no forced token), validate and consume are
+        # one call: try_consume_tokens consumes what validate_tokens takes, and a refusal
+        # leaves the matcher as it was
+        forced = self._ff_tokens()
+        if forced or (self._grammar is None or not self._grammar.masks_forced_canonically):
+            return super()._take_one(token)
+        if not self._run("try_consume_tokens", [token]):
+            return False
+        self._ff = None
+        self._fed.append(token)
+        return True
+
     def _ff_tokens(self) -> list[int]:
         """llguidance's forced tokens in this state (once a state: a forced run's tokens are
         asked by the walk and again by the check of its next token)."""
