@@ -221,6 +221,16 @@ def test_checkpoints_transformers_loads_compute_what_it_computes(tmp_path):
                                             r"layers from max_window_layers 1 on \(of 2\) are "
                                             r"sliding-window attention"):
             load_model(path)
+        del cfg["sliding_window"]  # absent: transformers' default window, 4096
+        (path / "config.json").write_text(json.dumps(cfg))
+        with pytest.raises(UserError, match="use_sliding_window true with sliding_window 4096"):
+            load_model(path)
+    # Llama reads none of those fields: full attention, as transformers computes it
+    path = tmp_path / "slide_llama"
+    config = transformers.LlamaConfig(**SMALL, use_sliding_window=True, sliding_window=4,
+                                      max_window_layers=1)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    _same_logits_as_transformers(path)
 
 
 def test_bias_weights_a_config_does_not_declare_are_refused(tmp_path):

@@ -157,7 +157,7 @@ def _check_supported(raw: dict[str, Any]) -> None:
         raise ValueError("dflash_config.final_logit_softcapping is not supported")
     # z-lab's DFlashDraftModel masks the block causally where is_causal is true; agentflash's
     # drafter attends to the whole block, as the published drafters (is_causal false) do
-    if raw.get("is_causal") or dflash.get("is_causal"):
+    if raw.get("is_causal"):
         raise ValueError("is_causal true (a causal mask inside the block) is not supported: "
                          "agentflash's drafter attends to the whole block")
 

@@ -80,7 +80,7 @@ def check_decoder_fields(cfg: dict[str, Any], model_type: str) -> None:
     """Refuse what this decoder does not compute, which would load and then write other text
     than the model: scaled rope and sliding-window layers (``check_plain_attention``), another
     activation, biases Llama or Qwen3 may declare."""
-    check_plain_attention(cfg)
+    check_plain_attention(cfg, model_type)
     act = cfg.get("hidden_act", cfg.get("hidden_activation", "silu"))
     if act not in ("silu", "swish"):
         raise ValueError(f"hidden_act {act!r} is not supported (silu only)")
@@ -91,7 +91,7 @@ def check_decoder_fields(cfg: dict[str, Any], model_type: str) -> None:
         raise ValueError("mlp_bias is true: biases on the MLP projections are not supported")
 
 
-def check_plain_attention(cfg: dict[str, Any]) -> None:
+def check_plain_attention(cfg: dict[str, Any], model_type: str = "qwen3") -> None:
     """Refuse a ``config.json`` (a target's or a drafter's) asking for scaled rope (transformers
     4's ``rope_scaling`` or 5's ``rope_parameters``) or sliding-window layers."""
     for field in ("rope_scaling", "rope_parameters"):
@@ -111,16 +111,17 @@ def check_plain_attention(cfg: dict[str, Any]) -> None:
         raise ValueError(f"layer_types {sorted(kinds)}: sliding-window attention is not "
                          f"supported (full attention only)")
     # without layer_types, transformers' Qwen2/Qwen3 make layers from max_window_layers on
-    # sliding where use_sliding_window and a sliding_window are set; layer_types, where
-    # given, decides alone (as it does there)
-    if not cfg.get("layer_types") and cfg.get("use_sliding_window") and (
-            cfg.get("sliding_window") is not None):
+    # sliding where use_sliding_window and a sliding_window (absent: its default, 4096) are
+    # set; layer_types, where given, decides alone (as it does there); Llama reads neither
+    window = cfg.get("sliding_window", 4096)
+    if model_type in ("qwen2", "qwen3") and not cfg.get("layer_types") and cfg.get(
+            "use_sliding_window") and window is not None:
         first = cfg.get("max_window_layers", 28)
         if not (isinstance(layers, int) and isinstance(first, int)) or first < layers:
-            raise ValueError(f"use_sliding_window true with sliding_window "
-                             f"{cfg['sliding_window']!r}: layers from max_window_layers "
-                             f"{first!r} on (of {layers!r}) are sliding-window attention, which "
-                             f"is not supported (full attention only)")
+            raise ValueError(f"use_sliding_window true with sliding_window {window!r}: layers "
+                             f"from max_window_layers {first!r} on (of {layers!r}) are "
+                             f"sliding-window attention, which is not supported (full "
+                             f"attention only)")
 
 
 def architectures(cfg: dict[str, Any]) -> list[str]:
