@@ -1516,3 +1516,53 @@ def test_instructions_are_templates_over_the_inputs(tmp_path):
         "an agent's instructions may use inputs ({{ inputs.NAME }}), not steps: they are "
         "rendered as the run starts; pass a step's output in its input")
     assert err.value.problems[2].startswith((where % (8, "c")) + "template syntax error")
+    # braces meant as text (they were, before instructions were templates): the way to keep them
+    assert err.value.problems[2].endswith(
+        "(an agent's instructions are a template over the inputs: write braces meant as text "
+        "inside {% raw %}...{% endraw %})")
+    wf = load_workflow(write(tmp_path, """\
+        version: 1
+        name: raw
+        agents:
+          a: {instructions: "{% raw %}Dear {{name}} # Intro {#intro}{% endraw %}"}
+        steps:
+          - {id: one, agent: a, input: go}
+        """))
+    seen.clear()
+    anyio.run(lambda: wf.run(backend=ScriptedBackend(
+        lambda request: seen.append(request.messages[0]["content"]) or "done")))
+    assert seen == ["Dear {{name}} # Intro {#intro}"]
+
+
+def test_templated_instructions_fail_their_step_and_keep_handoffs_added_in_python(tmp_path):
+    from agentflash.runtime import Agent
+
+    path = write(tmp_path, """\
+        version: 1
+        name: tone
+        inputs:
+          n: {type: integer, default: 0}
+        agents:
+          a: {instructions: "Share {{ 10 // inputs.n }}."}
+        steps:
+          - {id: one, agent: a, input: go}
+        """)
+    wf = load_workflow(path)
+    # a failed run (exit 1, the steps that ran kept), not a bad file: a bare UserError before
+    with pytest.raises(StepFailed, match=re.escape(
+            f"{path}:6: agents.a.instructions: template error: ZeroDivisionError")) as err:
+        anyio.run(lambda: wf.run(backend=ScriptedBackend(["x"])))
+    assert err.value.step_id == "one"
+    # a handoff to an agent the workflow does not name (added in Python): a KeyError before
+    helper = Agent("helper", "Help.")
+    wf.agents["a"].handoffs.append(helper)
+    seen = []
+
+    def reply(request):
+        seen.append(request.messages[0]["content"])
+        if len(seen) == 1:
+            return '<tool_call>\n{"name": "transfer_to_helper", "arguments": {}}\n</tool_call>'
+        return "done"
+
+    result = anyio.run(lambda: wf.run({"n": 5}, backend=ScriptedBackend(reply)))
+    assert seen == ["Share 2.", "Help."] and result.steps["one"].agent == "helper"

@@ -230,21 +230,27 @@ class _WorkflowRun:
         self.tracer = tracer
         self.results: dict[str, StepResult] = {}
         self.failure: StepFailed | None = None
-        self.agents = wf.agents
+        self._agents: dict[str, Agent] | None = None
 
-    def rendered_agents(self) -> dict[str, Agent]:
+    def agents(self) -> dict[str, Agent]:
         """The workflow's agents with their instructions rendered over the run's inputs (and
-        their handoffs pointing at these copies), or the agents themselves where no
-        instructions are a template."""
-        if not any(_templated(a.instructions) for a in self.wf.agents.values()):
-            return self.wf.agents
-        copies = {name: dataclasses.replace(agent, instructions=self.render(
-            ("agents", name, "instructions"), agent.instructions, render_text)
-            if _templated(agent.instructions) else agent.instructions)
-            for name, agent in self.wf.agents.items()}
-        for name, agent in self.wf.agents.items():
-            copies[name].handoffs = [copies[h.name] for h in agent.handoffs]
-        return copies
+        the handoffs among them pointing at these copies), or the agents themselves where no
+        instructions are a template; made at the run's first step, so that a template that
+        fails there (``1 // 0``) fails that step."""
+        if self._agents is not None:
+            return self._agents
+        agents = self.wf.agents
+        if any(_templated(a.instructions) for a in agents.values()):
+            copies = {name: dataclasses.replace(agent, instructions=self.render(
+                ("agents", name, "instructions"), agent.instructions, render_text)
+                if _templated(agent.instructions) else agent.instructions)
+                for name, agent in agents.items()}
+            by_id = {id(agent): copies[name] for name, agent in agents.items()}
+            for name, agent in agents.items():  # (an agent added in Python stays itself)
+                copies[name].handoffs = [by_id.get(id(h), h) for h in agent.handoffs]
+            agents = copies
+        self._agents = agents
+        return agents
 
     def context(self) -> dict[str, Any]:
         return {"inputs": self.inputs,
@@ -254,7 +260,6 @@ class _WorkflowRun:
         attrs = {"gen_ai.operation.name": "invoke_workflow", "gen_ai.workflow.name": self.wf.name}
         with self.tracer.span(SpanKind.RUN, f"invoke_workflow {self.wf.name}", None,
                               attrs) as span:
-            self.agents = self.rendered_agents()
             done = {step.id: anyio.Event() for step in self.wf.steps}
             async with anyio.create_task_group() as tg:
                 for step in self.wf.steps:
@@ -287,7 +292,7 @@ class _WorkflowRun:
         done[step.id].set()
 
     async def step(self, step: Step, span: Span) -> StepResult:
-        agent = self.agents[step.agent]
+        agent = self.agents()[step.agent]
         text = self.render(("steps", step.index, "input"), step.input, render_text)
         self.emit(StepStarted(step.id, agent.name, text))
         attrs = {"agentflash.step.id": step.id, "gen_ai.agent.name": agent.name}
@@ -1023,8 +1028,10 @@ class _Builder:
                 continue
             keys: Keys = ("agents", name, "instructions")
             refs, problems = references(text)
-            for problem in problems:
-                self.problems.add(keys, problem)
+            for problem in problems:  # braces written as text before instructions were templates
+                self.problems.add(keys, f"{problem} (an agent's instructions are a template "
+                                        f"over the inputs: write braces meant as text inside "
+                                        f"{{% raw %}}...{{% endraw %}})")
             if any(ref.scope == "steps" for ref in refs):
                 self.problems.add(keys, "an agent's instructions may use inputs "
                                         "({{ inputs.NAME }}), not steps: they are rendered as "
