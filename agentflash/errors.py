@@ -7,6 +7,16 @@ from pathlib import Path
 from typing import Any
 
 
+def described(err: BaseException) -> str:
+    """``Type: message`` of an exception (its type alone without a message, or where its
+    ``__str__`` itself fails: a user's exception class whose message is built wrongly)."""
+    try:
+        message = str(err)
+    except Exception:  # noqa: BLE001
+        message = ""
+    return f"{type(err).__name__}: {message}" if message else type(err).__name__
+
+
 class UserError(Exception):
     """Bad input from the user (a path, a file, a flag, a request): the message names it."""
 

@@ -179,6 +179,76 @@ def test_a_span_of_sync_code_keeps_the_error_that_left_it():
     assert tracer.spans[0].error == "KeyError: 'city'"
 
 
+def test_an_error_whose_message_fails_is_the_error_the_span_and_the_run_keep():
+    # str(err) raising in the span's handler put a TypeError in place of the user's error, and
+    # left the span unmarked
+    class PolicyDenied(Exception):
+        def __init__(self, rule):
+            self.rule = rule
+
+        def __str__(self):
+            return "denied by " + self.rule  # an int: this fails
+
+    def check(output):
+        raise PolicyDenied(rule=42)
+
+    from agentflash.runtime.agent import Guardrail
+
+    agent = Agent(name="A", instructions="a", output_guardrails=[Guardrail(check)])
+    tracer = Tracer(sinks=[])
+    with pytest.raises(PolicyDenied):
+        anyio.run(lambda: Runner.run(agent, "hi", backend=ScriptedBackend(["done"]),
+                                     tracer=tracer))
+    assert [s.error for s in tracer.spans if s.kind is SpanKind.RUN] == ["PolicyDenied"]
+    from agentflash.runtime import StepFailed
+
+    assert str(StepFailed("one", "A", PolicyDenied(rule=42))) == (
+        "step 'one' (agent 'A') failed: PolicyDenied")
+
+
+def test_two_opentelemetry_sinks_each_get_the_tree():
+    # the sinks ended in the order they started (contexts detached out of order: a span the
+    # application opened later nested under an ended one), and the second sink's roots were
+    # children of the first sink's spans
+    pytest.importorskip("opentelemetry.sdk")
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from agentflash.runtime.tracing import OtelSink
+
+    exporters, sinks = [], []
+    for _ in range(2):
+        exporter, provider = InMemorySpanExporter(), TracerProvider()
+        provider.add_span_processor(SimpleSpanProcessor(exporter))
+        exporters.append(exporter)
+        sinks.append(OtelSink(provider))
+    app = TracerProvider().get_tracer("app")
+
+    def check(output):
+        with app.start_as_current_span("output check") as span:
+            return span
+
+    from agentflash.runtime.agent import Guardrail
+
+    opened = []
+    agent = Agent(name="A", instructions="a",
+                  output_guardrails=[Guardrail(lambda output: opened.append(check(output)))])
+    traced_run(Tracer(sinks=sinks))
+    Runner.run_sync(agent, "hi", backend=ScriptedBackend(["done"]), tracer=Tracer(sinks=sinks))
+    for exporter in exporters:
+        spans = exporter.get_finished_spans()
+        ids = {s.context.span_id: s.name for s in spans}
+        parents = {s.name: ids.get(s.parent.span_id, "foreign") if s.parent else None
+                   for s in spans}
+        assert parents["run forecaster"] is None and parents["run A"] is None
+        assert parents["invoke_agent forecaster"] == "run forecaster"
+        assert parents["execute_tool broken"] == "invoke_agent forecaster"
+    (span,) = opened  # the guardrail's span: under the run, not the turn that had ended
+    names = {s.context.span_id: s.name for s in exporters[1].get_finished_spans()}
+    assert names[span.parent.span_id] == "run A"
+
+
 def test_opentelemetry_export_follows_the_genai_conventions():
     pytest.importorskip("opentelemetry.sdk")
     from opentelemetry.sdk.trace import TracerProvider

@@ -8,7 +8,7 @@ built; the errors here end a run that was set up correctly.
 
 from __future__ import annotations
 
-from agentflash.errors import UserError
+from agentflash.errors import UserError, described
 
 
 class RunError(Exception):
@@ -52,7 +52,7 @@ class StepFailed(RunError):
 
     def __init__(self, step_id: str, agent: str, cause: BaseException):
         said = str(cause) if isinstance(cause, RunError | UserError) else (
-            f"{type(cause).__name__}: {cause}")  # another exception: its type says what it was
+            described(cause))  # another exception: its type says what it was
         super().__init__(f"step {step_id!r} (agent {agent!r}) failed: {said}")
         self.step_id, self.agent, self.cause = step_id, agent, cause
 

@@ -44,7 +44,7 @@ import pydantic.json_schema
 import pydantic_core
 from pydantic.fields import FieldInfo
 
-from agentflash.errors import UserError, is_number, shown_url
+from agentflash.errors import UserError, described, is_number, shown_url
 from agentflash.json_formats import (
     bytes_pattern,
     date_bounds,
@@ -1421,7 +1421,7 @@ async def run_tool(t: Tool, arguments: dict[str, Any]) -> ToolOutcome:
             err = err.exceptions[0]  # a task group's one failure, not "unhandled errors in..."
         if isinstance(err, RuntimeError) and isinstance(err.__cause__, StopIteration):
             err = err.__cause__  # next() on an empty iterator: a coroutine cannot raise it
-        return failed(_described(err), type(err).__name__)
+        return failed(described(err), type(err).__name__)
     except SystemExit as err:  # a tool that wraps a command line's main(): not the run's exit
         return failed(f"{t.name} called exit({err.code!r})", "SystemExit")
     except anyio.get_cancelled_exc_class() as err:
@@ -1431,19 +1431,11 @@ async def run_tool(t: Tool, arguments: dict[str, Any]) -> ToolOutcome:
         elif not _raised_by_the_tool():
             raise  # the run (or its caller) is cancelled
         # a task the tool awaited was cancelled under it: its failure, like any other
-        return failed(_described(err), type(err).__name__)
+        return failed(described(err), type(err).__name__)
     try:
         return ToolOutcome(format_result(value), False, anyio.current_time() - started)
     except Exception as err:  # bytes that are not UTF-8, a list that holds itself, a bad __str__
         return failed(f"{t.name} returned a value that cannot be written as JSON: "
-                      f"{_described(err)}", "unserializable_result")
+                      f"{described(err)}", "unserializable_result")
 
 
-def _described(err: BaseException) -> str:
-    """``Type: message`` of an exception a tool raised (its type alone without a message, or
-    where its ``__str__`` itself fails)."""
-    try:
-        message = str(err)
-    except Exception:
-        message = ""
-    return f"{type(err).__name__}: {message}" if message else type(err).__name__

@@ -20,6 +20,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from agentflash.errors import described
+
 
 class SpanKind(str, enum.Enum):
     RUN = "run"  # a run (or a whole workflow)
@@ -95,13 +97,14 @@ class Tracer:
         except BaseException as err:
             # a cancellation's text is anyio's scope and task (a line of internals); asked of
             # asyncio's class, not anyio's, which needs a running loop (a span of sync code)
-            said = "cancelled" if _is_cancellation(err) else str(err)
-            span.error = span.error or f"{type(err).__name__}: {said}"
+            # (a message whose __str__ fails: the type alone, not that failure in its place)
+            span.error = span.error or (f"{type(err).__name__}: cancelled"
+                                        if _is_cancellation(err) else described(err))
             raise
         finally:
             span.end = time.perf_counter()
-            for sink in self.sinks:
-                sink.on_end(span)
+            for sink in reversed(self.sinks):  # as they started, the last first: each sink's
+                sink.on_end(span)  # context is detached in the order it was attached
 
     def timeline(self) -> str:
         """The spans as an indented plain-text timeline: offset, duration, name, key figures."""
@@ -177,16 +180,26 @@ def _otel_value(value: Any) -> Any:
 class OtelSink:
     """Mirrors spans into OpenTelemetry as they start and end (imported lazily)."""
 
+    _outer_key: str | None = None  # a context's (span id, the context before its sinks)
+
     def __init__(self, tracer_provider: Any = None):
         from opentelemetry import context, trace
 
         self._trace, self._context = trace, context
         self._tracer = trace.get_tracer("agentflash", tracer_provider=tracer_provider)
         self._live: dict[int, Any] = {}
+        if OtelSink._outer_key is None:  # one key for every sink: they read each other's
+            OtelSink._outer_key = context.create_key("agentflash.outer")
 
     def on_start(self, span: Span) -> None:
         parent = self._live.get(span.parent.id, (None,))[0] if span.parent else None
-        context = self._trace.set_span_in_context(parent) if parent is not None else None
+        current = self._context.get_current()
+        if parent is not None:
+            context = self._trace.set_span_in_context(parent)
+        else:  # a root: in the context the application had, not in another sink's own span
+            # of it (two sinks: the second's root was the first's span's child)
+            mark = self._context.get_value(OtelSink._outer_key, current)
+            context = mark[1] if mark is not None and mark[0] == span.id else current
         kind = (self._trace.SpanKind.CLIENT if span.kind is SpanKind.GENERATION
                 else self._trace.SpanKind.INTERNAL)
         # what is known at the start (the operation, the model asked for): samplers and span
@@ -195,7 +208,10 @@ class OtelSink:
         otel = self._tracer.start_span(span.name, context=context, kind=kind,
                                        start_time=span.start_ns, attributes=known)
         # current while it runs: spans a tool (or the application) opens inside it nest there
-        token = self._context.attach(self._trace.set_span_in_context(otel))
+        inner = self._trace.set_span_in_context(otel, current)
+        if parent is None:
+            inner = self._context.set_value(OtelSink._outer_key, (span.id, context), inner)
+        token = self._context.attach(inner)
         self._live[span.id] = (otel, token)
 
     def on_end(self, span: Span) -> None:

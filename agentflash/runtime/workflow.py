@@ -39,7 +39,7 @@ from agentflash.backends.base import (
     Speculation,
 )
 from agentflash.engine.limits import limit_problems
-from agentflash.errors import UserError, UserErrors
+from agentflash.errors import UserError, UserErrors, described
 from agentflash.json_formats import ecma_validator_class, error_message, value_validator
 from agentflash.runtime import events as ev
 from agentflash.runtime.agent import Agent, output_spec
@@ -805,7 +805,7 @@ class _Builder:
         try:
             module = importlib.import_module(module_name)
         except (Exception, SystemExit) as err:  # whatever the module raises while importing
-            self.problems.add(keys, f"cannot import {module_name!r}: {type(err).__name__}: {err}")
+            self.problems.add(keys, f"cannot import {module_name!r}: {described(err)}")
             return None
         # a module of that name imported before (another workflow's, loaded in this process)
         # is what Python gives: not this folder's, whose function would silently be another
