@@ -216,6 +216,12 @@ def test_live_view_marks_each_call_of_a_tool_by_its_own_result():
     view.update(StepEvent(step, ev.ToolResult("a", "c0", "wait", {"s": 1.0}, "{}", True, 0.1)))
     view.update(StepEvent(step, ev.ToolResult("a", "c2", "nope", {}, "{}", True, 0.0)))
     assert view.rows[step].tools == ["wait failed", "wait ok", "nope failed"]
+    # text after a call writes its own cell (it was written after the call's: 'wait({"s": 1} Ok')
+    view.update(StepEvent(step, ev.ToolCallDelta("a", 0, "wait", '{"s": 1}')))
+    view.update(StepEvent(step, ev.TextDelta("a", " Checking now.")))
+    assert view.rows[step].writing == " Checking now."
+    view.update(StepEvent(step, ev.ToolCallDelta("a", 1, "wait", '{"s": 2}')))
+    assert view.rows[step].writing == 'wait({"s": 2}'
 
 
 def test_live_view_marks_the_failed_step_and_the_cancelled_ones_apart():

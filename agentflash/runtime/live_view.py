@@ -64,7 +64,7 @@ class WorkflowView:
             elif row.status not in ("running", "waiting"):
                 continue
             elif not interrupted and (failed is None or step == failed):
-                row.status, row.writing = "failed", str(getattr(err, "cause", err))
+                row.status, row.writing = "failed", _said(getattr(err, "cause", err))
             else:
                 row.status, row.writing = "cancelled", ""
 
@@ -72,6 +72,8 @@ class WorkflowView:
         if isinstance(event, ev.AgentTurnStarted):
             row.agent, row.writing, row.call = event.agent, "", None
         elif isinstance(event, ev.TextDelta):
+            if row.call is not None:  # text after a call: the call's cell is done
+                row.writing, row.call = "", None
             row.writing = (row.writing + event.text).replace("\n", " ")[-40:]
         elif isinstance(event, ev.ToolCallDelta):
             so_far = row.call[1] if row.call and row.call[0] == event.index else ""
@@ -175,3 +177,11 @@ async def run_with_view(wf: Workflow, inputs: dict[str, Any], console: Any) -> W
             if not console.is_terminal:  # a file or a pipe: Live leaves its last line open
                 console.line()
     return run.result
+
+
+def _said(err: BaseException) -> str:
+    """An error's message; its type where it has none or its ``__str__`` fails."""
+    try:
+        return str(err) or type(err).__name__
+    except Exception:  # noqa: BLE001
+        return type(err).__name__
