@@ -155,6 +155,11 @@ def _flag_named(message: str) -> str:
     """The command line's error on the field it names first said of the flag the user typed
     ("command line: max_tokens must be..." is "--max-tokens must be..."); a requests line's
     error names its field, as the line does."""
+    if message.startswith("command line: give one of "):  # the grammar's flags, every one
+        from agentflash.inputs import GRAMMAR_FIELDS
+
+        return re.sub(rf"\b({'|'.join(GRAMMAR_FIELDS)})\b",
+                      lambda m: "--" + m.group(1).replace("_", "-"), message)
     return re.sub(rf"^command line: ({'|'.join(FLAG_FIELDS)})\b",
                   lambda m: "--" + m.group(1).replace("_", "-"), message)
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from agentflash.errors import UserError, missing_file
+from agentflash.errors import UserError, expand_user, missing_file
 from agentflash.tool_format import TOOL_NAME, unique_object
 
 if TYPE_CHECKING:
@@ -324,7 +324,8 @@ def make_grammar(values: dict[str, Any], tools: list[ToolSpec], where: str):
     if len([k for k in asked if k != "tool_choice"]) > 1 or (
         "tool_choice" in asked and len(asked) > 1 and not answer_or_call
     ):
-        raise UserError(f"{where}: give one of {', '.join(GRAMMAR_FIELDS)}, not {asked}")
+        raise UserError(f"{where}: give one of {', '.join(GRAMMAR_FIELDS)}, not "
+                        f"{' and '.join(asked)}")
     if "regex" in asked and tools:
         raise UserError(f"{where}: a regex binds the whole reply, so the tools could not be "
                         f"called: give tools or regex, not both")
@@ -344,7 +345,7 @@ def make_grammar(values: dict[str, Any], tools: list[ToolSpec], where: str):
         return _tools_turn(tools, choice, where, output_schema=source.schema)
     if "regex" in asked:
         return grammar.regex(values["regex"], origin=f"{where}: regex")
-    if choice is None and not tools:
+    if choice in (None, "auto") and not tools:  # free text, as serve and agents leave it
         return None
     if not tools and choice not in ("none", "auto"):
         fn = choice.get("function") if isinstance(choice, dict) else None
@@ -409,7 +410,7 @@ def load_requests(path: Path | Stdin, defaults: dict[str, Any]) -> list[Generate
         _check_fields(obj, where)
         obj = {k: v for k, v in obj.items() if v is not None}
         if isinstance(obj.get("schema"), str):  # a schema file named beside the requests
-            obj["schema"] = str(path.parent / obj["schema"])
+            obj["schema"] = str(path.parent / expand_user(obj["schema"]))
         merged = {k: v for k, v in defaults.items() if v is not None and k not in obj}
         for given in (("prompt", "messages"), ("schema", "regex")):  # the line's replaces
             if any(k in obj for k in given):  # the flags' of the other kind

@@ -357,6 +357,26 @@ def test_a_bad_flag_value_names_the_flag_and_a_lines_its_field(tmp_path, flags, 
     assert code == 2 and err.startswith(f"error: {path}:1: {field} "), err
 
 
+def test_two_grammars_are_named_as_flags_and_auto_without_tools_is_free_text(tmp_path):
+    from agentflash import inputs
+
+    # it said "command line: give one of tool_choice, schema, regex, not ['schema', 'regex']"
+    (tmp_path / "s.json").write_text('{"type": "integer"}')
+    code, _, err = run("generate", "--prompt", "x", "--schema", str(tmp_path / "s.json"),
+                       "--regex", "a")
+    assert (code, err) == (2, "error: command line: give one of --tool-choice, --schema, "
+                              "--regex, not --schema and --regex\n")
+    path = tmp_path / "r.jsonl"
+    path.write_text('{"prompt": "x", "schema": {"type": "integer"}, "regex": "a"}\n')
+    code, _, err = run("generate", "--requests", str(path))
+    assert err == (f"error: {path}:1: give one of tool_choice, schema, regex, not schema and "
+                   f"regex\n")
+    # auto, the default, leaves a reply without tools free, as serve and agents do (it was
+    # held to text without a call, masked at every token); none keeps calls out
+    assert inputs.make_input({"prompt": "x", "tool_choice": "auto"}, "x").params.grammar is None
+    assert inputs.make_input({"prompt": "x", "tool_choice": "none"}, "x").params.grammar
+
+
 def test_requests_lines_end_at_newlines_alone(tiny_model_dir, tmp_path):
     # a line separator JSON's strings may hold as it is split the line (malformed JSON), and
     # a form feed numbered the lines after it one too far
@@ -411,6 +431,13 @@ def test_path_flags_expand_the_home_directory(tiny_model_dir, tmp_path, monkeypa
     (tmp_path / "s.json").write_text(json.dumps({"type": "integer"}))
     (tmp_path / "t.json").write_text(json.dumps(TOOLS))
     (tmp_path / "r.jsonl").write_text(json.dumps({"prompt": "x"}) + "\n")
+    # a line's schema too (read beside the requests file, "~" and all: it did not exist)
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "r.jsonl").write_text(json.dumps({"prompt": "x", "schema": "~/s.json"})
+                                              + "\n")
+    code, out, err = run("generate", "--model", str(tiny_model_dir), "--max-tokens", "4",
+                         "--json", "--requests", str(tmp_path / "sub" / "r.jsonl"))
+    assert code == 0, err
     model = ["--model", str(tiny_model_dir), "--max-tokens", "4", "--json"]
     for flags in (["--messages=~/m.json", "--schema=~/s.json"],
                   ["--prompt", "x", "--tools=~/t.json"], ["--requests=~/r.jsonl"]):
