@@ -528,3 +528,33 @@ def test_a_stop_token_that_ends_a_stop_string_cuts_the_text_there(demo):
     both = demo.generate(ids, SamplingParams(max_tokens=10, grammar=grammar, stop=("BE",),
                                              stop_token_ids=(last,)))
     assert both.token_ids == free.token_ids and both.text == ""
+
+
+@pytest.mark.parametrize("body", [
+    'start: NAME "-hello world, status: done, code " NAME\nNAME: /[a-z]{1,3}/\n',
+    'start: "hello world, status: done, code " NAME\nNAME: /[a-z]{1,5}/\n',  # the reply's lead
+])
+@pytest.mark.parametrize("speculation", ["off", "dflash"])
+def test_text_a_grammar_does_not_force_is_the_targets_choice(tiny, tiny_model_dir, body,
+                                                            speculation):
+    """With forcing off (``no_forcing``), llguidance still names forced tokens ('he', 'l',
+    'lo', ...), while its mask lets every tokenization through ('h' or 'he'): the engine
+    committed those tokens unlooked, not what the target chose among the allowed ones."""
+    import torch
+    from transformers import Qwen3ForCausalLM
+
+    from agentflash.grammar import apply_bitmask_
+
+    source = lark('%llguidance {"no_forcing": true}\n' + body)
+    hf = Qwen3ForCausalLM.from_pretrained(tiny_model_dir).eval()
+    ids = tiny.chat_prompt([{"role": "user", "content": "x"}])
+    constraint, want = tiny.compile(source).new_constraint(), []
+    while len(want) < 40 and not constraint.is_finished():  # mask, argmax, advance
+        with torch.no_grad():
+            logits = hf(torch.tensor([ids + want])).logits[0, -1:, : constraint.vocab_size]
+        apply_bitmask_(logits, constraint.bitmask()[None])
+        want.append(int(logits.argmax()))
+        constraint.advance(want[-1:])
+    got = tiny.generate(ids, SamplingParams(max_tokens=40, grammar=source,
+                                            speculation=speculation)).token_ids
+    assert got == want, (tiny.tokenizer.decode(got), tiny.tokenizer.decode(want))

@@ -339,6 +339,11 @@ class LLGuidanceConstraint(Constraint):
         return self._ff
 
     def _forced(self) -> list[int]:
+        if self._grammar is not None and not self._grammar.masks_forced_canonically:
+            # forcing turned off: llguidance still names forced tokens, but its mask lets
+            # other tokenizations of the bytes through ('he' or 'h'), which plain constrained
+            # decoding chooses among; committed unlooked, the target's choice was lost
+            return []
         forced = list(self._ff_tokens())
         if self.eos_token_id in forced:
             forced = forced[: forced.index(self.eos_token_id)]
