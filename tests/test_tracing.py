@@ -247,6 +247,36 @@ def test_two_opentelemetry_sinks_each_get_the_tree():
     (span,) = opened  # the guardrail's span: under the run, not the turn that had ended
     names = {s.context.span_id: s.name for s in exporters[1].get_finished_spans()}
     assert names[span.parent.span_id] == "run A"
+    # a run inside a tool of another run (its own tracer and sinks, to the same providers)
+    # nests under each provider's own tool span (the first's hung off the second's), and under
+    # a span the application opened there
+    made = []
+    for exporter in exporters:
+        exporter.clear()
+        made.append(TracerProvider())
+        made[-1].add_span_processor(SimpleSpanProcessor(exporter))
+
+    def sinks_again():
+        return [OtelSink(provider) for provider in made]
+
+    outer = Tracer(sinks=sinks_again())
+    with outer.span(SpanKind.RUN, "outer", None) as root:
+        with outer.span(SpanKind.TOOL, "tool", root):
+            with Tracer(sinks=sinks_again()).span(SpanKind.RUN, "inner", None):
+                pass
+            with made[0].get_tracer("app").start_as_current_span("app"):
+                with Tracer(sinks=sinks_again()).span(SpanKind.RUN, "inner 2", None):
+                    pass
+    for exporter in exporters:
+        spans = exporter.get_finished_spans()
+        ids = {s.context.span_id: s.name for s in spans}
+        parents = {s.name: ids.get(s.parent.span_id, "foreign") if s.parent else None
+                   for s in spans}
+        assert parents["inner"] == "tool", parents
+    app_id = next(s for s in exporters[0].get_finished_spans() if s.name == "app").context.span_id
+    for exporter in exporters:
+        (inner,) = (s for s in exporter.get_finished_spans() if s.name == "inner 2")
+        assert inner.parent.span_id == app_id
 
 
 def test_opentelemetry_export_follows_the_genai_conventions():

@@ -180,7 +180,11 @@ def _otel_value(value: Any) -> Any:
 class OtelSink:
     """Mirrors spans into OpenTelemetry as they start and end (imported lazily)."""
 
-    _outer_key: str | None = None  # a context's (span id, the context before its sinks)
+    # context keys every sink reads: a root span's (its id, the context before any sink started
+    # it), and each provider's span current there (a sink's provider -> span: a run inside a
+    # tool has sinks of its own, to the same providers)
+    _outer_key: str | None = None
+    _own_key: str | None = None
 
     def __init__(self, tracer_provider: Any = None):
         from opentelemetry import context, trace
@@ -188,18 +192,32 @@ class OtelSink:
         self._trace, self._context = trace, context
         self._tracer = trace.get_tracer("agentflash", tracer_provider=tracer_provider)
         self._live: dict[int, Any] = {}
-        if OtelSink._outer_key is None:  # one key for every sink: they read each other's
+        self._provider = "global" if tracer_provider is None else id(tracer_provider)
+        if OtelSink._outer_key is None:
             OtelSink._outer_key = context.create_key("agentflash.outer")
+            OtelSink._own_key = context.create_key("agentflash.own")
+
+    def _root_context(self, span: Span, current: Any) -> tuple[Any, Any]:
+        """Where a root span starts, and the context before any sink started it. With two
+        sinks, the second's root was the first's span's child, and a run inside a tool of
+        another run hung off the other sink's tool span: a root starts in the application's
+        context, or, where that is a span of agentflash's sinks (a run inside a tool), under
+        the span of this sink's provider there."""
+        mark = self._context.get_value(OtelSink._outer_key, current)
+        before = mark[1] if mark is not None and mark[0] == span.id else current
+        own = self._context.get_value(OtelSink._own_key, before) or {}
+        now = self._trace.get_current_span(before)
+        if self._provider in own and any(now is s for s in own.values()):
+            return self._trace.set_span_in_context(own[self._provider]), before
+        return before, before
 
     def on_start(self, span: Span) -> None:
         parent = self._live.get(span.parent.id, (None,))[0] if span.parent else None
         current = self._context.get_current()
         if parent is not None:
             context = self._trace.set_span_in_context(parent)
-        else:  # a root: in the context the application had, not in another sink's own span
-            # of it (two sinks: the second's root was the first's span's child)
-            mark = self._context.get_value(OtelSink._outer_key, current)
-            context = mark[1] if mark is not None and mark[0] == span.id else current
+        else:
+            context, before = self._root_context(span, current)
         kind = (self._trace.SpanKind.CLIENT if span.kind is SpanKind.GENERATION
                 else self._trace.SpanKind.INTERNAL)
         # what is known at the start (the operation, the model asked for): samplers and span
@@ -209,8 +227,10 @@ class OtelSink:
                                        start_time=span.start_ns, attributes=known)
         # current while it runs: spans a tool (or the application) opens inside it nest there
         inner = self._trace.set_span_in_context(otel, current)
+        own = self._context.get_value(OtelSink._own_key, current) or {}
+        inner = self._context.set_value(OtelSink._own_key, {**own, self._provider: otel}, inner)
         if parent is None:
-            inner = self._context.set_value(OtelSink._outer_key, (span.id, context), inner)
+            inner = self._context.set_value(OtelSink._outer_key, (span.id, before), inner)
         token = self._context.attach(inner)
         self._live[span.id] = (otel, token)
 
