@@ -1116,6 +1116,18 @@ def test_a_backend_that_breaks_the_stream_s_contract_is_named():
                                         r"its ModelFinish"):  # (it became the final output)
         Runner.run_sync(Agent("a"), "hi", backend=Mine([TextDelta("x"), finish,
                                                         TextDelta("late")]))
+    # two calls of one id: the first was given the second's result (echo(x=1) returned 2)
+    from agentflash.backends.base import ToolCall, ToolCallReady
+
+    @tool
+    def echo(x: int) -> int:
+        """Echo."""
+        return x
+
+    twice = [ToolCallReady(i, ToolCall("same", "echo", {"x": i})) for i in (1, 2)]
+    with pytest.raises(TypeError, match="Mine.stream yielded two tool calls with the id 'same' "
+                                        "in one reply"):
+        Runner.run_sync(Agent("a", tools=[echo]), "hi", backend=Mine([*twice, finish]))
 
     class NoGenerator(Mine):  # an AttributeError of aclose, naming nothing
         async def stream(self, request):

@@ -836,8 +836,12 @@ def test_an_output_of_a_lazy_filter_is_its_list(tmp_path):
           kept: "{{ inputs.tags | unique | reverse }}"
           nested: "{{ {'tags': inputs.tags | unique, 'n': range(2)} }}"
           keys: "{{ {'x': 1}.keys() }}"
+          closed: "{{ {'plan': {'tags': inputs.tags}} }}"
         """))
     result = anyio.run(lambda: wf.run(backend=ScriptedBackend(lambda request: "ok")))
+    # a dict literal that ends in "}}" is one expression too (its JSON text before: a space
+    # before the last "}" decided)
+    assert result.outputs.pop("closed") == {"plan": {"tags": ["b", "a", "b"]}}
     assert result.outputs == {"upper": ["B", "A", "B"], "kept": ["a", "b"],
                               "nested": {"tags": ["b", "a"], "n": [0, 1]}, "keys": ["x"]}
     json.dumps(result.outputs)  # what run prints without --json

@@ -262,6 +262,10 @@ class _Loop:
                                                    event.arguments_delta))
                     elif isinstance(event, model.ToolCallReady):
                         call = event.call
+                        if any(c.id == call.id for c in turn.calls):  # a result per id
+                            raise TypeError(f"{type(self.backend).__name__}.stream yielded two "
+                                            f"tool calls with the id {call.id!r} in one reply: "
+                                            f"each call's result must find its own call")
                         turn.calls.append(call)
                         turn.call_indexes.append(event.index)
                         _check_call_allowed(agent, request, call)

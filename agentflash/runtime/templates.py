@@ -37,10 +37,9 @@ class _Environment(SandboxedEnvironment):
 
 ENV = _Environment(undefined=StrictUndefined, autoescape=False, finalize=_finalize,
                    keep_trailing_newline=True)
-# one ``{{ expression }}``, Jinja's whitespace control (``{{- x -}}``) not part of it: it was
-# read as a minus (``{{- inputs.n }}`` gave -3)
-_ONE_EXPRESSION = re.compile(
-    r"^\s*\{\{-?(?P<expr>(?:(?!\}\}|\{\{|\{%|\{#).)*?)-?\}\}\s*$", re.DOTALL)
+# one ``{{ expression }}`` (as Jinja parses the text: ``_one_expression``), Jinja's whitespace
+# control (``{{- x -}}``) not part of it: it was read as a minus (``{{- inputs.n }}`` gave -3)
+_ONE_EXPRESSION = re.compile(r"^\s*\{\{-?(?P<expr>.*?)-?\}\}\s*$", re.DOTALL)
 
 
 @dataclass(frozen=True)
@@ -133,11 +132,26 @@ def render_text(text: str, context: dict[str, Any]) -> str:
     return ENV.from_string(text).render(**context)
 
 
+def _one_expression(text: str) -> bool:
+    """Whether Jinja reads ``text`` as one expression output (blanks around it): a dict
+    literal's ``}}`` inside it too (``{{ {"a": {"b": 1}} }}`` was read as text, its JSON),
+    not ``{{ a }} and {{ b }}``."""
+    try:
+        body = ENV.parse(text).body
+    except TemplateError:
+        return False
+    if len(body) != 1 or not isinstance(body[0], nodes.Output):
+        return False
+    parts = [n for n in body[0].nodes
+             if not (isinstance(n, nodes.TemplateData) and not n.data.strip())]
+    return len(parts) == 1 and not isinstance(parts[0], nodes.TemplateData)
+
+
 def render_value(text: str, context: dict[str, Any]) -> Any:
     """Like ``render_text``, but a template that is one ``{{ expression }}`` keeps the value's
     type, so that a workflow output can be a step's structured output rather than its JSON."""
     match = _ONE_EXPRESSION.match(text)
-    if match is None:
+    if match is None or not _one_expression(text):
         return render_text(text, context)
     value = ENV.compile_expression(match.group("expr"), undefined_to_none=False)(**context)
     if isinstance(value, Undefined):
