@@ -437,8 +437,9 @@ def test_a_quirky_server_gives_a_clear_error_not_a_hang_or_a_cut_answer(server, 
     app.failures = [quirk]
     request = ModelRequest([{"role": "user", "content": "Hello"}], decoding=Decoding(max_tokens=8))
     backend = OpenAIBackend(url, "demo", timeout_s=0.3, retry=RetryPolicy(0, 0.01, 0.05))
-    with pytest.raises(ServerUnavailable, match=message):
+    with pytest.raises(ServerUnavailable, match=message) as err:
         stream(backend, request)
+    assert type(err.value) is ServerUnavailable  # (it was the module's private _Silent)
     app.failures = []
 
 

@@ -262,10 +262,10 @@ class OpenAIBackend(Backend):
                                                 f"{err}): {data[:200]!r}") from None
                     for event in events:
                         yield event
-            except _Silent:
+            except _Silent as err:
                 if reader.finish_reason is not None:  # the answer is whole
                     return
-                raise
+                raise ServerUnavailable(str(err)) from None  # (the class a caller may name)
             except httpx.RequestError as err:  # transport, and a body that does not decode
                 if reader.finish_reason is not None:  # the answer is whole
                     return
