@@ -277,6 +277,11 @@ def test_two_opentelemetry_sinks_each_get_the_tree():
     for exporter in exporters:
         (inner,) = (s for s in exporter.get_finished_spans() if s.name == "inner 2")
         assert inner.parent.span_id == app_id
+    # the global provider named two ways (default_sinks' None, a run's own sinks given
+    # trace.get_tracer_provider()) is one provider: its inner root hung off another's span
+    from opentelemetry import trace
+
+    assert OtelSink()._provider() == OtelSink(trace.get_tracer_provider())._provider()
 
 
 def test_opentelemetry_export_follows_the_genai_conventions():

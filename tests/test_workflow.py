@@ -837,11 +837,16 @@ def test_an_output_of_a_lazy_filter_is_its_list(tmp_path):
           nested: "{{ {'tags': inputs.tags | unique, 'n': range(2)} }}"
           keys: "{{ {'x': 1}.keys() }}"
           closed: "{{ {'plan': {'tags': inputs.tags}} }}"
+          pair: "{{ inputs.tags | first, '}}' }}"
+          plus: "{{+ inputs.tags | last }}"
         """))
     result = anyio.run(lambda: wf.run(backend=ScriptedBackend(lambda request: "ok")))
     # a dict literal that ends in "}}" is one expression too (its JSON text before: a space
     # before the last "}" decided)
     assert result.outputs.pop("closed") == {"plan": {"tags": ["b", "a", "b"]}}
+    # a bare tuple Jinja prints (a regression of the above: "chunk after expression"), and the
+    # whitespace control "{{+" (read as a unary plus: a TypeError)
+    assert result.outputs.pop("pair") == ["b", "}}"] and result.outputs.pop("plus") == "b"
     assert result.outputs == {"upper": ["B", "A", "B"], "kept": ["a", "b"],
                               "nested": {"tags": ["b", "a"], "n": [0, 1]}, "keys": ["x"]}
     json.dumps(result.outputs)  # what run prints without --json

@@ -132,7 +132,7 @@ class ToolCallDelta:
 class ToolCall:
     """A complete, well-formed tool call."""
 
-    id: str
+    id: str  # unique within the reply (a malformed call's too): each result finds its call by it
     name: str
     arguments: dict[str, Any]
     # the arguments' JSON as the model wrote it ("": not known), which the conversation gives

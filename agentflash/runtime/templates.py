@@ -38,8 +38,9 @@ class _Environment(SandboxedEnvironment):
 ENV = _Environment(undefined=StrictUndefined, autoescape=False, finalize=_finalize,
                    keep_trailing_newline=True)
 # one ``{{ expression }}`` (as Jinja parses the text: ``_one_expression``), Jinja's whitespace
-# control (``{{- x -}}``) not part of it: it was read as a minus (``{{- inputs.n }}`` gave -3)
-_ONE_EXPRESSION = re.compile(r"^\s*\{\{-?(?P<expr>.*?)-?\}\}\s*$", re.DOTALL)
+# control (``{{- x -}}``, ``{{+ x }}``) not part of it: it was read as a minus (``{{- inputs.n }}``
+# gave -3)
+_ONE_EXPRESSION = re.compile(r"^\s*\{\{[-+]?(?P<expr>.*?)-?\}\}\s*$", re.DOTALL)
 
 
 @dataclass(frozen=True)
@@ -153,7 +154,9 @@ def render_value(text: str, context: dict[str, Any]) -> Any:
     match = _ONE_EXPRESSION.match(text)
     if match is None or not _one_expression(text):
         return render_text(text, context)
-    value = ENV.compile_expression(match.group("expr"), undefined_to_none=False)(**context)
+    # in parentheses: a bare tuple (``{{ a, b }}``), which Jinja prints, is one expression too
+    value = ENV.compile_expression(f"({match.group('expr')})",
+                                   undefined_to_none=False)(**context)
     if isinstance(value, Undefined):
         str(value)  # raises the UndefinedError that names what is missing
     return _plain(value)
