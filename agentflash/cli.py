@@ -544,7 +544,8 @@ def train_drafter(
     num_conversations: Annotated[int, typer.Option(
         "--num-conversations",
         help="corpus prompts the target answers (the last 16 of each kind are held out for "
-             "validation, the rest train)")] = 2500,
+             "validation; the rest train, but those with a held-out one's prompt or first "
+             "answer)")] = 2500,
     mix: Annotated[str, typer.Option(
         help="shares of tool_call,code,math,prose among those prompts")] = "60,12,16,12",
     init: Annotated[str | None, typer.Option(

@@ -45,7 +45,12 @@ from agentflash.runtime import events as ev
 from agentflash.runtime.agent import Agent, output_spec
 from agentflash.runtime.errors import OutputsFailed, StepFailed
 from agentflash.runtime.runner import Runner, Streamed, ToolCallRecord, single_errors, streaming
-from agentflash.runtime.templates import references, render_text, render_value
+from agentflash.runtime.templates import (
+    references,
+    render_instructions,
+    render_text,
+    render_value,
+)
 from agentflash.runtime.tools import FunctionTool, HttpTool, Tool, function_tool, no_parameters
 from agentflash.runtime.tracing import Span, SpanKind, Tracer
 from agentflash.runtime.yaml_source import Keys, YamlDoc, load_yaml
@@ -242,7 +247,7 @@ class _WorkflowRun:
         agents = self.wf.agents
         if any(_templated(a.instructions) for a in agents.values()):
             copies = {name: dataclasses.replace(agent, instructions=self.render(
-                ("agents", name, "instructions"), agent.instructions, render_text)
+                ("agents", name, "instructions"), agent.instructions, render_instructions)
                 if _templated(agent.instructions) else agent.instructions)
                 for name, agent in agents.items()}
             by_id = {id(agent): copies[name] for name, agent in agents.items()}
@@ -1029,9 +1034,12 @@ class _Builder:
             keys: Keys = ("agents", name, "instructions")
             refs, problems = references(text)
             for problem in problems:  # braces written as text before instructions were templates
-                self.problems.add(keys, f"{problem} (an agent's instructions are a template "
-                                        f"over the inputs: write braces meant as text inside "
-                                        f"{{% raw %}}...{{% endraw %}})")
+                problem = problem.replace("(templates see inputs and steps)",
+                                          "(instructions see inputs)")
+                if problem.startswith(("template syntax error", "unknown variable")):
+                    problem += (" (an agent's instructions are a template over the inputs: "
+                                "write braces meant as text inside {% raw %}...{% endraw %})")
+                self.problems.add(keys, problem)
             if any(ref.scope == "steps" for ref in refs):
                 self.problems.add(keys, "an agent's instructions may use inputs "
                                         "({{ inputs.NAME }}), not steps: they are rendered as "
