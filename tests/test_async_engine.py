@@ -243,6 +243,19 @@ def test_cancelled_streams_free_their_slots(engine):
     assert not [w for w in warned if issubclass(w.category, ResourceWarning)], warned
 
 
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_generate_frees_its_stream_as_it_returns(engine, backend):
+    # its stream, left inside ``async for``, was closed when the loop finalized it: trio kept
+    # the entry past the engine's exit
+    async def main():
+        async with AsyncEngine(engine) as aengine:
+            result = await aengine.generate(prompt(1), SHORT)
+            assert aengine._streams == {}
+        return result
+
+    assert anyio.run(main, backend=backend).finish_reason == "length"
+
+
 def test_closing_the_async_engine_fails_the_requests_still_open(engine):
     results, deltas = [], []
     # a stop string every prefix of the reply begins: the stream holds all its text back

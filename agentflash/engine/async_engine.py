@@ -20,7 +20,7 @@ import threading
 import time
 import weakref
 from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -145,9 +145,12 @@ class AsyncEngine:
                 left.send.close()
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationResult:
-        async for event in self.stream(prompt_ids, params):
-            if isinstance(event, FinishEvent):
-                return event.result
+        # closed at once (its stream's entry freed now, not when the loop finalizes it: trio
+        # kept it past the engine's exit)
+        async with aclosing(self.stream(prompt_ids, params)) as events:
+            async for event in events:
+                if isinstance(event, FinishEvent):
+                    return event.result
         raise AssertionError("stream ended without a FinishEvent")
 
     # --- the engine thread -----------------------------------------------------------------
