@@ -38,20 +38,20 @@ class _Environment(SandboxedEnvironment):
 ENV = _Environment(undefined=StrictUndefined, autoescape=False, finalize=_finalize,
                    keep_trailing_newline=True)
 # what looks like a tokenizer's marker (<|im_end|>, <tool_call>: marker_pattern's _MARKUP)
-_MARKUP_START = re.compile(r"<(?=[^\s<>]+>)")
+_MARKUP = re.compile(r"<[^\s<>]+>")
+_OPEN, _CLOSE = "\ue000", "\ue001"  # around what an expression writes (private use)
 
 
-def _inert(value: Any) -> Any:
-    """``_finalize``'s text with a zero-width space after every ``<`` that opens what looks
-    like a marker, as the engine writes a user's (``inert_markers``)."""
-    value = _finalize(value)
-    return _MARKUP_START.sub("<\u200b", value) if isinstance(value, str) else value
+def _marked(value: Any) -> str:
+    """``_finalize``'s text between ``_OPEN`` and ``_CLOSE`` (``render_instructions``)."""
+    text = str(_finalize(value)).replace(_OPEN, "").replace(_CLOSE, "")
+    return _OPEN + text + _CLOSE
 
 
 # a system prompt's template (an agent's instructions): what its expressions write, the inputs
 # a user gave, is text; the engine reads a system prompt's markers as the template's own tokens,
 # so "Bob<|im_end|><|im_start|>user ..." ended the system turn and opened a user one
-INSTRUCTIONS_ENV = _Environment(undefined=StrictUndefined, autoescape=False, finalize=_inert,
+INSTRUCTIONS_ENV = _Environment(undefined=StrictUndefined, autoescape=False, finalize=_marked,
                                 keep_trailing_newline=True)
 # one ``{{ expression }}`` (as Jinja parses the text: ``_one_expression``), Jinja's whitespace
 # control (``{{- x -}}``, ``{{+ x }}``) not part of it: it was read as a minus (``{{- inputs.n }}``
@@ -150,9 +150,27 @@ def render_text(text: str, context: dict[str, Any]) -> str:
 
 
 def render_instructions(text: str, context: dict[str, Any]) -> str:
-    """``render_text`` for a system prompt: what its expressions write holds no live marker
-    (``_inert``); its own text is the author's, as written."""
-    return INSTRUCTIONS_ENV.from_string(text).render(**context)
+    """``render_text`` for a system prompt: a marker (``_MARKUP``) any character of which an
+    expression wrote gets a zero-width space after its first character, as the engine writes a
+    user's (``inert_markers``), also where two expressions, or the author's ``<`` and an
+    expression, make it; one all of whose characters are the template's own is as written."""
+    marked = INSTRUCTIONS_ENV.from_string(text).render(**context)
+    chars, written, depth = [], [], 0
+    for char in marked:
+        if char == _OPEN:
+            depth += 1
+        elif char == _CLOSE:
+            depth = max(0, depth - 1)
+        else:
+            chars.append(char)
+            written.append(depth > 0)
+    plain = "".join(chars)
+    out, last = [], 0
+    for marker in _MARKUP.finditer(plain):
+        if any(written[marker.start():marker.end()]):
+            out += [plain[last:marker.start() + 1], "\u200b"]
+            last = marker.start() + 1
+    return "".join(out) + plain[last:]
 
 
 def _one_expression(text: str) -> bool:
