@@ -150,10 +150,13 @@ def render_text(text: str, context: dict[str, Any]) -> str:
 
 
 def render_instructions(text: str, context: dict[str, Any]) -> str:
-    """``render_text`` for a system prompt: a marker (``_MARKUP``) any character of which an
-    expression wrote gets a zero-width space after its first character, as the engine writes a
-    user's (``inert_markers``), also where two expressions, or the author's ``<`` and an
-    expression, make it; one all of whose characters are the template's own is as written."""
+    """``render_text`` for a system prompt: a ``<...>`` shaped like markup (``_MARKUP``) any
+    character of which an expression wrote gets a zero-width space after its first character,
+    also where two expressions, or the author's ``<`` and an expression, make it; one all of
+    whose characters are the template's own is as written. More than the engine's
+    ``inert_markers`` does to a user's text (its tokenizer's markers alone): the workflow does
+    not know the model's tokenizer, so an input's ``List<String>`` gets one too, and markers
+    of another shape (``[INST]``) none."""
     marked = INSTRUCTIONS_ENV.from_string(text).render(**context)
     chars, written, depth = [], [], 0
     for char in marked:

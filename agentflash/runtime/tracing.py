@@ -192,7 +192,12 @@ class OtelSink:
         self._trace, self._context = trace, context
         self._tracer = trace.get_tracer("agentflash", tracer_provider=tracer_provider)
         self._live: dict[int, Any] = {}
+        # the provider it exports to, named once: the global one (None, or the one that is
+        # global now: a run's own sinks may name it so) as "global" (resolved at each start, a
+        # provider set while a run was in flight split one run's spans between two keys)
         self._given = tracer_provider  # (held: its id names it while the sink lives)
+        self._key = ("global" if tracer_provider is None
+                     or tracer_provider is trace.get_tracer_provider() else id(tracer_provider))
         if OtelSink._outer_key is None:
             OtelSink._outer_key = context.create_key("agentflash.outer")
             OtelSink._own_key = context.create_key("agentflash.own")
@@ -207,15 +212,9 @@ class OtelSink:
         before = mark[1] if mark is not None and mark[0] == span.id else current
         own = self._context.get_value(OtelSink._own_key, before) or {}
         now = self._trace.get_current_span(before)
-        if self._provider() in own and any(now is s for s in own.values()):
-            return self._trace.set_span_in_context(own[self._provider()]), before
+        if self._key in own and any(now is s for s in own.values()):
+            return self._trace.set_span_in_context(own[self._key]), before
         return before, before
-
-    def _provider(self) -> int:
-        """The provider this sink exports to, the global one resolved now (a sink of None and
-        one given ``trace.get_tracer_provider()`` are one provider's)."""
-        given = self._given
-        return id(given if given is not None else self._trace.get_tracer_provider())
 
     def on_start(self, span: Span) -> None:
         parent = self._live.get(span.parent.id, (None,))[0] if span.parent else None
@@ -234,8 +233,7 @@ class OtelSink:
         # current while it runs: spans a tool (or the application) opens inside it nest there
         inner = self._trace.set_span_in_context(otel, current)
         own = self._context.get_value(OtelSink._own_key, current) or {}
-        inner = self._context.set_value(OtelSink._own_key, {**own, self._provider(): otel},
-                                        inner)
+        inner = self._context.set_value(OtelSink._own_key, {**own, self._key: otel}, inner)
         if parent is None:
             inner = self._context.set_value(OtelSink._outer_key, (span.id, before), inner)
         token = self._context.attach(inner)
