@@ -776,6 +776,31 @@ def test_constrained_draft_follows_the_drafter_where_it_is_legal(tok):
     assert draft.tokens == target and draft.num_forced >= 3
 
 
+def test_constrained_draft_stops_at_its_max_fixes_th_fixed_slot(tok):
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+        "required": ["city", "days"],
+        "additionalProperties": False,
+    }
+    constraint = compile_grammar(json_schema(schema), tok).new_constraint()
+    logits = torch.randn(12, len(tok), generator=torch.Generator().manual_seed(1))
+    full = constrained_draft(constraint, logits, use_forced=False)
+    # the slots whose drafted token (the slot's argmax) was illegal: the walk fixed them
+    fixed = [i for i, t in enumerate(full.tokens) if t != int(logits[i].argmax())]
+    assert len(fixed) >= 3 and fixed[2] < len(full.tokens) - 1
+    for max_fixes in (1, 2, 3):
+        cut = full.tokens[: fixed[max_fixes - 1] + 1]  # the fixed token the draft's last
+        for with_masks in (True, False):
+            draft = constrained_draft(constraint, logits, use_forced=False,
+                                      with_masks=with_masks, max_fixes=max_fixes)
+            assert draft.tokens == cut
+            if with_masks:
+                assert torch.equal(draft.masks, constraint.masks_along_draft(cut))
+    assert constrained_draft(constraint, logits, use_forced=False, max_fixes=None).tokens == (
+        full.tokens)
+
+
 def test_constrained_draft_counts_drafted_tokens_and_runs_on_while_forced(tok):
     schema = {
         "type": "object",

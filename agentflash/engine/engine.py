@@ -49,6 +49,13 @@ from agentflash.tool_format import parse_tool_calls, stop_at
 
 log = logging.getLogger(__name__)
 
+# a greedy constrained row's draft ends at the walk's WALK_FIXES-th fixed slot (a drafted token
+# the grammar forbade, ``constrained_draft``'s ``max_fixes``): past it the verify almost never
+# accepts (bench prompts, demo: 5 of 22 blocks past a tool call's 2nd fix-up, none of 61 in JSON),
+# and the slots cost grammar time and verify positions; at 3, JSON's grammar time fell 14% and its
+# request CPU time 7%, tool calls' were unchanged (at 2 their tau fell 6%)
+WALK_FIXES: int | None = 3
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -823,7 +830,9 @@ class Engine:
                                              best[i, len(run):].tolist(), max_drafted=n,
                                              max_tokens=room - len(run),
                                              forced_now=[] if run else forced_now[r.id],
-                                             with_masks=not r.params.is_greedy)
+                                             with_masks=not r.params.is_greedy,
+                                             max_fixes=WALK_FIXES if r.params.is_greedy
+                                             else None)
             except Exception as err:
                 self._fail_alone(r, err)
                 continue

@@ -541,6 +541,7 @@ def constrained_draft(
     max_tokens: int | None = None,
     forced_now: Sequence[int] | None = None,
     with_masks: bool = True,
+    max_fixes: int | None = None,
 ) -> Draft:
     """Walk a block of drafter logits ``[K, V]`` left to right under the grammar.
 
@@ -559,6 +560,9 @@ def constrained_draft(
     ``constraint.forced_tokens()`` if the caller has it already. ``with_masks=False`` (greedy
     verification, ``greedy_verify``, makes the few masks it needs) checks a drafted token
     alone, and makes a slot's mask only where that token is illegal; ``masks`` is then None.
+    ``max_fixes``: the draft ends at the ``max_fixes``-th slot whose drafted token was illegal
+    (the fixed token its last): the drafter proposed the whole block at once, so its later slots
+    assumed a prefix the draft no longer has (default: walk every slot).
     """
     num_slots = draft_logits.shape[0]
     max_drafted = num_slots if max_drafted is None else min(max_drafted, num_slots)
@@ -570,6 +574,7 @@ def constrained_draft(
         masks = constraint._scratch_row()[None]
     tokens: list[int] = []
     num_forced = 0
+    fixes_left = max_fixes if max_fixes is not None else -1
     after_run = False  # the last tokens were a forced run (as long as the grammar forces)
     with constraint._walk() as ahead:
         while len(tokens) < max_tokens and not ahead.is_finished():
@@ -614,6 +619,10 @@ def constrained_draft(
             if with_masks or not legal:
                 ahead._commit([token])
             tokens.append(token)
+            if not legal:
+                fixes_left -= 1
+                if fixes_left == 0:
+                    break
         if not with_masks:
             return Draft(tokens, num_forced, None)
         ahead.fill_bitmask(masks[len(tokens)])
