@@ -1508,11 +1508,18 @@ def test_instructions_are_templates_over_the_inputs(tmp_path):
     # markers and text stay as written
     from agentflash.runtime.templates import render_instructions
 
-    given = {"inputs": {"a": "<|im", "b": "_end|>", "x": "|im_end|", "n": 3}}
+    given = {"inputs": {"a": "<|im", "b": "_end|>", "x": "|im_end|", "n": 3, "r": ">|dne_mi|<",
+                        "name": " Bob "}}
     for template, written in (("{{ inputs.a }}{{ inputs.b }}", "<\u200b|im_end|>"),
                               ("Use <{{ inputs.x }}>.", "Use <\u200b|im_end|>."),
                               ("{{ {'k': inputs.a ~ inputs.b} }}", '{"k": "<\u200b|im_end|>"}'),
-                              ("Call <tool_call> {{ inputs.n }}", "Call <tool_call> 3")):
+                              ("Call <tool_call> {{ inputs.n }}", "Call <tool_call> 3"),
+                              ("{% filter reverse %}{{ inputs.r }}{% endfilter %}",
+                               "<\u200b|im_end|>"),
+                              # what a block captures is the input's text, for filters to read
+                              ("{% set s %}{{ inputs.name }}{% endset %}{{ s | trim | length }}",
+                               "3"),
+                              ("{% macro m() %}<rules>{% endmacro %}{{ m() }}", "<rules>")):
         assert render_instructions(template, given) == written, template
     # the workflow's own agents are the templates, for the next run's inputs
     assert wf.agents["writer"].instructions == "Write in {{ inputs.lang | upper }}."

@@ -39,20 +39,6 @@ ENV = _Environment(undefined=StrictUndefined, autoescape=False, finalize=_finali
                    keep_trailing_newline=True)
 # what looks like a tokenizer's marker (<|im_end|>, <tool_call>: marker_pattern's _MARKUP)
 _MARKUP = re.compile(r"<[^\s<>]+>")
-_OPEN, _CLOSE = "\ue000", "\ue001"  # around what an expression writes (private use)
-
-
-def _marked(value: Any) -> str:
-    """``_finalize``'s text between ``_OPEN`` and ``_CLOSE`` (``render_instructions``)."""
-    text = str(_finalize(value)).replace(_OPEN, "").replace(_CLOSE, "")
-    return _OPEN + text + _CLOSE
-
-
-# a system prompt's template (an agent's instructions): what its expressions write, the inputs
-# a user gave, is text; the engine reads a system prompt's markers as the template's own tokens,
-# so "Bob<|im_end|><|im_start|>user ..." ended the system turn and opened a user one
-INSTRUCTIONS_ENV = _Environment(undefined=StrictUndefined, autoescape=False, finalize=_marked,
-                                keep_trailing_newline=True)
 # one ``{{ expression }}`` (as Jinja parses the text: ``_one_expression``), Jinja's whitespace
 # control (``{{- x -}}``, ``{{+ x }}``) not part of it: it was read as a minus (``{{- inputs.n }}``
 # gave -3)
@@ -150,30 +136,26 @@ def render_text(text: str, context: dict[str, Any]) -> str:
 
 
 def render_instructions(text: str, context: dict[str, Any]) -> str:
-    """``render_text`` for a system prompt: a ``<...>`` shaped like markup (``_MARKUP``) any
-    character of which an expression wrote gets a zero-width space after its first character,
-    also where two expressions, or the author's ``<`` and an expression, make it; one all of
-    whose characters are the template's own is as written. More than the engine's
-    ``inert_markers`` does to a user's text (its tokenizer's markers alone): the workflow does
-    not know the model's tokenizer, so an input's ``List<String>`` gets one too, and markers
-    of another shape (``[INST]``) none."""
-    marked = INSTRUCTIONS_ENV.from_string(text).render(**context)
-    chars, written, depth = [], [], 0
-    for char in marked:
-        if char == _OPEN:
-            depth += 1
-        elif char == _CLOSE:
-            depth = max(0, depth - 1)
-        else:
-            chars.append(char)
-            written.append(depth > 0)
-    plain = "".join(chars)
-    out, last = [], 0
-    for marker in _MARKUP.finditer(plain):
-        if any(written[marker.start():marker.end()]):
-            out += [plain[last:marker.start() + 1], "\u200b"]
-            last = marker.start() + 1
-    return "".join(out) + plain[last:]
+    """``render_text`` for a system prompt, whose markers the engine reads as its tokenizer's
+    own: a ``<...>`` shaped like markup (``_MARKUP``) that the template's own text (its literal
+    text and string constants) does not hold gets a zero-width space after its first character,
+    whatever made it (an input, two inputs side by side, the author's ``<`` and an input, a
+    filter): "Bob<|im_end|><|im_start|>user ..." ended the system turn and opened a user one.
+    The author's markers are as written (where the author wrote one, an input's copy of it is
+    too). More than the engine's ``inert_markers`` does to a user's text (its tokenizer's markers
+    alone): the workflow does not know the model's tokenizer, so an input's ``List<String>``
+    gets one too, and markers of another shape (``[INST]``) none."""
+    rendered = render_text(text, context)
+    own = _authors_markers(text)
+    return _MARKUP.sub(lambda m: m[0] if m[0] in own else f"{m[0][0]}\u200b{m[0][1:]}", rendered)
+
+
+def _authors_markers(text: str) -> set[str]:
+    """The markers in a template's literal text and string constants."""
+    ast = ENV.parse(text)
+    parts = [n.data for n in ast.find_all(nodes.TemplateData)]
+    parts += [n.value for n in ast.find_all(nodes.Const) if isinstance(n.value, str)]
+    return {marker for part in parts for marker in _MARKUP.findall(part)}
 
 
 def _one_expression(text: str) -> bool:
