@@ -1519,7 +1519,10 @@ def test_instructions_are_templates_over_the_inputs(tmp_path):
                               # what a block captures is the input's text, for filters to read
                               ("{% set s %}{{ inputs.name }}{% endset %}{{ s | trim | length }}",
                                "3"),
-                              ("{% macro m() %}<rules>{% endmacro %}{{ m() }}", "<rules>")):
+                              ("{% macro m() %}<rules>{% endmacro %}{{ m() }}", "<rules>"),
+                              # a marker the template compares with or strips is not its own
+                              ('{{ inputs.r | replace("<|im_end|>", "") }}{{ inputs.a ~ '
+                               'inputs.b }}', ">|dne_mi|<<\u200b|im_end|>")):
         assert render_instructions(template, given) == written, template
     # the workflow's own agents are the templates, for the next run's inputs
     assert wf.agents["writer"].instructions == "Write in {{ inputs.lang | upper }}."

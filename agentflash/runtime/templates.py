@@ -137,12 +137,13 @@ def render_text(text: str, context: dict[str, Any]) -> str:
 
 def render_instructions(text: str, context: dict[str, Any]) -> str:
     """``render_text`` for a system prompt, whose markers the engine reads as its tokenizer's
-    own: a ``<...>`` shaped like markup (``_MARKUP``) that the template's own text (its literal
-    text and string constants) does not hold gets a zero-width space after its first character,
+    own: a ``<...>`` shaped like markup (``_MARKUP``) that the template does not write itself,
+    whole (``_authors_markers``), gets a zero-width space after its first character,
     whatever made it (an input, two inputs side by side, the author's ``<`` and an input, a
     filter): "Bob<|im_end|><|im_start|>user ..." ended the system turn and opened a user one.
     The author's markers are as written (where the author wrote one, an input's copy of it is
-    too). More than the engine's ``inert_markers`` does to a user's text (its tokenizer's markers
+    too; one the author split with a tag, ``<{% if x %}tool_call{% endif %}>``, gets the space).
+    More than the engine's ``inert_markers`` does to a user's text (its tokenizer's markers
     alone): the workflow does not know the model's tokenizer, so an input's ``List<String>``
     gets one too, and markers of another shape (``[INST]``) none."""
     rendered = render_text(text, context)
@@ -151,10 +152,13 @@ def render_instructions(text: str, context: dict[str, Any]) -> str:
 
 
 def _authors_markers(text: str) -> set[str]:
-    """The markers in a template's literal text and string constants."""
+    """The markers a template writes itself, whole: in its literal text, or a string it
+    writes as it is (``{{ '<tool_call>' }}``). Not a string it compares with, tests or passes
+    to a filter (``replace("<|im_end|>", "")``): an input's copy of that marker got through."""
     ast = ENV.parse(text)
     parts = [n.data for n in ast.find_all(nodes.TemplateData)]
-    parts += [n.value for n in ast.find_all(nodes.Const) if isinstance(n.value, str)]
+    parts += [n.value for out in ast.find_all(nodes.Output) for n in out.nodes
+              if isinstance(n, nodes.Const) and isinstance(n.value, str)]
     return {marker for part in parts for marker in _MARKUP.findall(part)}
 
 
