@@ -759,15 +759,17 @@ def test_no_forced_bytes_means_no_forced_tokens(tok, closers):
     assert {(False, False), (True, True)} <= seen
 
 
+CITY_DAYS = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+
+
 def test_constrained_draft_follows_the_drafter_where_it_is_legal(tok):
     text = '{"city": "Paris", "days": 3}'
-    schema = {
-        "type": "object",
-        "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
-        "required": ["city", "days"],
-        "additionalProperties": False,
-    }
-    constraint = compile_grammar(json_schema(schema), tok).new_constraint()
+    constraint = compile_grammar(json_schema(CITY_DAYS), tok).new_constraint()
     target = tok.encode(text, add_special_tokens=False) + [tok.eos_token_id]
     logits = torch.zeros(len(target) + 3, len(tok))
     for slot, token in enumerate(target):
@@ -777,13 +779,7 @@ def test_constrained_draft_follows_the_drafter_where_it_is_legal(tok):
 
 
 def test_constrained_draft_stops_at_its_max_fixes_th_fixed_slot(tok):
-    schema = {
-        "type": "object",
-        "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
-        "required": ["city", "days"],
-        "additionalProperties": False,
-    }
-    constraint = compile_grammar(json_schema(schema), tok).new_constraint()
+    constraint = compile_grammar(json_schema(CITY_DAYS), tok).new_constraint()
     logits = torch.randn(12, len(tok), generator=torch.Generator().manual_seed(1))
     full = constrained_draft(constraint, logits, use_forced=False)
     # the slots whose drafted token (the slot's argmax) was illegal: the walk fixed them
