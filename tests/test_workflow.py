@@ -1522,7 +1522,13 @@ def test_instructions_are_templates_over_the_inputs(tmp_path):
                               ("{% macro m() %}<rules>{% endmacro %}{{ m() }}", "<rules>"),
                               # a marker the template compares with or strips is not its own
                               ('{{ inputs.r | replace("<|im_end|>", "") }}{{ inputs.a ~ '
-                               'inputs.b }}', ">|dne_mi|<<\u200b|im_end|>")):
+                               'inputs.b }}', ">|dne_mi|<<\u200b|im_end|>"),
+                              ('{% set end %}<|im_end|>{% endset %}{{ (inputs.a ~ inputs.b)'
+                               '.replace(end, "") }}{{ inputs.a ~ inputs.b }}',
+                               "<\u200b|im_end|>"),
+                              # the author's strings, written through an expression, are its own
+                              ('{% set open = "<tool_call>" %}{{ open if inputs.n else "" }}',
+                               "<tool_call>")):
         assert render_instructions(template, given) == written, template
     # the workflow's own agents are the templates, for the next run's inputs
     assert wf.agents["writer"].instructions == "Write in {{ inputs.lang | upper }}."

@@ -152,13 +152,26 @@ def render_instructions(text: str, context: dict[str, Any]) -> str:
 
 
 def _authors_markers(text: str) -> set[str]:
-    """The markers a template writes itself, whole: in its literal text, or a string it
-    writes as it is (``{{ '<tool_call>' }}``). Not a string it compares with, tests or passes
-    to a filter (``replace("<|im_end|>", "")``): an input's copy of that marker got through."""
+    """The markers a template writes itself, whole: in its literal text or its strings
+    (``{{ '<tool_call>' if x else '<json>' }}``, ``{% set open = '<tool_call>' %}``). Not a
+    string, nor a set block or macro, it only tests, compares with or passes to a filter or a
+    call as an argument (``replace("<|im_end|>", "")``): an input's copy of that marker got
+    through."""
     ast = ENV.parse(text)
-    parts = [n.data for n in ast.find_all(nodes.TemplateData)]
-    parts += [n.value for out in ast.find_all(nodes.Output) for n in out.nodes
-              if isinstance(n, nodes.Const) and isinstance(n.value, str)]
+    tested: list[nodes.Node] = [n.test for n in ast.find_all((nodes.If, nodes.CondExpr))]
+    tested += list(ast.find_all((nodes.Compare, nodes.Test)))
+    tested += [arg for call in ast.find_all((nodes.Filter, nodes.Call))
+               for arg in [*call.args, *(k.value for k in call.kwargs)]]
+    skip = {id(n) for t in tested for n in [t, *t.find_all(nodes.Const)]}
+    names = {n.name for t in tested for n in [t, *t.find_all(nodes.Name)]
+             if isinstance(n, nodes.Name)}
+    for block in ast.find_all((nodes.AssignBlock, nodes.Macro)):  # one used so: not written
+        name = block.target.name if isinstance(block, nodes.AssignBlock) else block.name
+        if name in names:
+            skip |= {id(n) for n in block.find_all((nodes.TemplateData, nodes.Const))}
+    parts = [n.data for n in ast.find_all(nodes.TemplateData) if id(n) not in skip]
+    parts += [n.value for n in ast.find_all(nodes.Const)
+              if isinstance(n.value, str) and id(n) not in skip]
     return {marker for part in parts for marker in _MARKUP.findall(part)}
 
 
