@@ -1519,16 +1519,22 @@ def test_instructions_are_templates_over_the_inputs(tmp_path):
                               # what a block captures is the input's text, for filters to read
                               ("{% set s %}{{ inputs.name }}{% endset %}{{ s | trim | length }}",
                                "3"),
-                              ("{% macro m() %}<rules>{% endmacro %}{{ m() }}", "<rules>"),
+                              # (a macro's, a set block's text may be captured: not the
+                              # author's where it is written)
+                              ("{% macro m() %}<rules>{% endmacro %}{{ m() }}",
+                               "<\u200brules>"),
                               # a marker the template compares with or strips is not its own
                               ('{{ inputs.r | replace("<|im_end|>", "") }}{{ inputs.a ~ '
                                'inputs.b }}', ">|dne_mi|<<\u200b|im_end|>"),
                               ('{% set end %}<|im_end|>{% endset %}{{ (inputs.a ~ inputs.b)'
                                '.replace(end, "") }}{{ inputs.a ~ inputs.b }}',
                                "<\u200b|im_end|>"),
-                              # the author's strings, written through an expression, are its own
-                              ('{% set open = "<tool_call>" %}{{ open if inputs.n else "" }}',
-                               "<tool_call>")):
+                              ('{% set end = "<|im_end|>" %}{{ (inputs.a ~ inputs.b)'
+                               '.replace(end, "") }}{{ inputs.a ~ inputs.b }}',
+                               "<\u200b|im_end|>"),
+                              # the author's own, written whole where it stands
+                              ('Use <tool_call>{{ "<tool_call>" }}{% if inputs.n %}<tool_call>'
+                               '{% endif %}', "Use <tool_call><tool_call><tool_call>")):
         assert render_instructions(template, given) == written, template
     # the workflow's own agents are the templates, for the next run's inputs
     assert wf.agents["writer"].instructions == "Write in {{ inputs.lang | upper }}."

@@ -141,8 +141,9 @@ def render_instructions(text: str, context: dict[str, Any]) -> str:
     whole (``_authors_markers``), gets a zero-width space after its first character,
     whatever made it (an input, two inputs side by side, the author's ``<`` and an input, a
     filter): "Bob<|im_end|><|im_start|>user ..." ended the system turn and opened a user one.
-    The author's markers are as written (where the author wrote one, an input's copy of it is
-    too; one the author split with a tag, ``<{% if x %}tool_call{% endif %}>``, gets the space).
+    The author's markers are as written where it writes them whole itself (an input's copy of
+    one is too); one the author splits with a tag (``<{% if x %}tool_call{% endif %}>``),
+    writes through an expression or a set block, gets the space (``_authors_markers``).
     More than the engine's ``inert_markers`` does to a user's text (its tokenizer's markers
     alone): the workflow does not know the model's tokenizer, so an input's ``List<String>``
     gets one too, and markers of another shape (``[INST]``) none."""
@@ -152,26 +153,25 @@ def render_instructions(text: str, context: dict[str, Any]) -> str:
 
 
 def _authors_markers(text: str) -> set[str]:
-    """The markers a template writes itself, whole: in its literal text or its strings
-    (``{{ '<tool_call>' if x else '<json>' }}``, ``{% set open = '<tool_call>' %}``). Not a
-    string, nor a set block or macro, it only tests, compares with or passes to a filter or a
-    call as an argument (``replace("<|im_end|>", "")``): an input's copy of that marker got
-    through."""
-    ast = ENV.parse(text)
-    tested: list[nodes.Node] = [n.test for n in ast.find_all((nodes.If, nodes.CondExpr))]
-    tested += list(ast.find_all((nodes.Compare, nodes.Test)))
-    tested += [arg for call in ast.find_all((nodes.Filter, nodes.Call))
-               for arg in [*call.args, *(k.value for k in call.kwargs)]]
-    skip = {id(n) for t in tested for n in [t, *t.find_all(nodes.Const)]}
-    names = {n.name for t in tested for n in [t, *t.find_all(nodes.Name)]
-             if isinstance(n, nodes.Name)}
-    for block in ast.find_all((nodes.AssignBlock, nodes.Macro)):  # one used so: not written
-        name = block.target.name if isinstance(block, nodes.AssignBlock) else block.name
-        if name in names:
-            skip |= {id(n) for n in block.find_all((nodes.TemplateData, nodes.Const))}
-    parts = [n.data for n in ast.find_all(nodes.TemplateData) if id(n) not in skip]
-    parts += [n.value for n in ast.find_all(nodes.Const)
-              if isinstance(n.value, str) and id(n) not in skip]
+    """The markers a template writes itself, whole, where it stands: in its literal text, or a
+    string written alone (``{{ '<tool_call>' }}``); not inside a set block, a macro or a call
+    block, whose text may be captured and handed to a filter (``replace(end, "")``: an input's
+    copy of that marker got through), nor a string written through an expression (``'<a>' if x
+    else '<b>'``), compared with or passed as an argument (``replace("<|im_end|>", "")``)."""
+    parts: list[str] = []
+
+    def visit(node: nodes.Node) -> None:
+        if isinstance(node, (nodes.AssignBlock, nodes.Macro, nodes.CallBlock)):
+            return
+        if isinstance(node, nodes.TemplateData):
+            parts.append(node.data)
+        elif isinstance(node, nodes.Output):
+            parts.extend(n.value for n in node.nodes
+                         if isinstance(n, nodes.Const) and isinstance(n.value, str))
+        for child in node.iter_child_nodes():
+            visit(child)
+
+    visit(ENV.parse(text))
     return {marker for part in parts for marker in _MARKUP.findall(part)}
 
 
