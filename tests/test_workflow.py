@@ -1532,6 +1532,8 @@ def test_instructions_are_templates_over_the_inputs(tmp_path):
                               ('{% set end = "<|im_end|>" %}{{ (inputs.a ~ inputs.b)'
                                '.replace(end, "") }}{{ inputs.a ~ inputs.b }}',
                                "<\u200b|im_end|>"),
+                              ('{% filter upper %}<|im_end|>{% endfilter %}{{ inputs.a ~ '
+                               'inputs.b }}', "<\u200b|IM_END|><\u200b|im_end|>"),
                               # the author's own, written whole where it stands
                               ('Use <tool_call>{{ "<tool_call>" }}{% if inputs.n %}<tool_call>'
                                '{% endif %}', "Use <tool_call><tool_call><tool_call>")):

@@ -154,14 +154,19 @@ def render_instructions(text: str, context: dict[str, Any]) -> str:
 
 def _authors_markers(text: str) -> set[str]:
     """The markers a template writes itself, whole, where it stands: in its literal text, or a
-    string written alone (``{{ '<tool_call>' }}``); not inside a set block, a macro or a call
-    block, whose text may be captured and handed to a filter (``replace(end, "")``: an input's
-    copy of that marker got through), nor a string written through an expression (``'<a>' if x
-    else '<b>'``), compared with or passed as an argument (``replace("<|im_end|>", "")``)."""
+    string written alone (``{{ '<tool_call>' }}``); not inside a set block, a macro, a call
+    block, a filter block or an autoescape block, whose text may be captured and handed to a
+    filter (``replace(end, "")``: an input's copy of that marker got through) or is not
+    written as it stands, nor a string written through an expression (``'<a>' if x else
+    '<b>'``), compared with or passed as an argument (``replace("<|im_end|>", "")``). (Text in a
+    branch that does not run counts too.)"""
     parts: list[str] = []
 
     def visit(node: nodes.Node) -> None:
-        if isinstance(node, (nodes.AssignBlock, nodes.Macro, nodes.CallBlock)):
+        # (a filter block's text goes through its filter: upper, replace, e; an autoescape
+        # block's strings are written escaped)
+        if isinstance(node, (nodes.AssignBlock, nodes.Macro, nodes.CallBlock, nodes.FilterBlock,
+                             nodes.EvalContextModifier)):
             return
         if isinstance(node, nodes.TemplateData):
             parts.append(node.data)
