@@ -176,7 +176,8 @@ def test_training_reduces_loss_and_writes_a_loadable_drafter(run, tiny_model_dir
     assert summary["drafter"]["target_layer_ids"] == [2]  # the default ones, not []
     state = torch.load(run / "checkpoints" / "latest.pt", weights_only=False)
     assert state["step"] == 30 and state["target"] == str(tiny_model_dir.resolve())
-    assert 0 < state["train_seconds"] <= summary["train_seconds"]
+    # (the summary says it to a tenth of a second: 0.7065 is 0.7 there)
+    assert 0 < round(state["train_seconds"], 1) <= summary["train_seconds"]
 
 
 def test_a_rerun_resumes_without_regenerating(run, tiny_model_dir):
