@@ -219,13 +219,32 @@ def ecma_validator_class() -> Any:
     """Draft 2020-12's validator, its regexes' ``$`` read as ECMA-262's (``_ecma_regex``): of
     ``pattern``, and of ``patternProperties`` where that keyword, ``additionalProperties``
     and ``unevaluatedProperties`` match a key (jsonschema's ``re.search``: "abc\\n" passed
-    ``^[a-z]+$``)."""
+    ``^[a-z]+$``); ``multipleOf`` exact in decimal (``decimal_multiple_of``)."""
     from jsonschema import Draft202012Validator, validators
 
     return validators.extend(Draft202012Validator, {
         "pattern": ecma_pattern, "patternProperties": _pattern_properties,
         "additionalProperties": _additional_properties,
-        "unevaluatedProperties": _unevaluated_properties})
+        "unevaluatedProperties": _unevaluated_properties,
+        "multipleOf": decimal_multiple_of})
+
+
+def decimal_multiple_of(validator: Any, step: Any, instance: Any, schema: Any) -> Any:
+    """``multipleOf`` on the numbers as JSON writes them (the shortest text of a float), as the
+    grammar checks what it writes: jsonschema divides floats, and refused 0.07 under
+    ``multipleOf: 0.01`` (0.07 / 0.01 is 7.000000000000001), a value the grammar wrote."""
+    from fractions import Fraction
+
+    from jsonschema.exceptions import ValidationError
+
+    if not validator.is_type(instance, "number"):
+        return
+    try:
+        exact = Fraction(repr(instance)) % Fraction(repr(step)) == 0
+    except (ValueError, ZeroDivisionError):  # inf and nan are no multiple (jsonschema raised)
+        exact = False
+    if not exact:
+        yield ValidationError(f"{instance!r} is not a multiple of {step!r}")
 
 
 def ecma_pattern(validator: Any, pattern: str, instance: Any, schema: Any) -> Any:

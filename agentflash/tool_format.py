@@ -200,7 +200,8 @@ def stop_at(text: str, stops: tuple[str, ...] | list[str], tool_calls: bool = Tr
     """Where the first of ``stops`` begins in ``text``; None where none does. Where the text may
     hold ``tool_calls``, not inside one (from the ``<`` of its ``<tool_call>`` to the end of its
     ``</tool_call>``): the call is the grammar's to finish, and cut there its arguments would
-    not parse (a stop ``<`` cut before the tag would drop the call). Not at a character whose bytes are still coming (a trailing U+FFFD)."""
+    not parse (a stop ``<`` cut before the tag would drop the call). Not at a character whose
+    bytes are still coming (a trailing U+FFFD)."""
     text = text.rstrip("\ufffd")
     calls = ([(at, None if end is None else end + len(CLOSE)) for at, _, end in _blocks(text)]
              if tool_calls else [])

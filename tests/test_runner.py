@@ -345,6 +345,21 @@ def test_a_key_s_pattern_ends_at_the_key_s_end():
         assert value_validator(schema).is_valid(value) == taken, (schema, value)
 
 
+def test_multiple_of_is_exact_on_the_numbers_as_written():
+    """jsonschema divides floats: 0.07 / 0.01 is 7.000000000000001, and an answer the grammar
+    wrote under multipleOf 0.01 (it checks the decimal text) failed the agent's own check."""
+    agent = Agent("a", output_type={"type": "object", "properties": {
+        "price": {"type": "number", "multipleOf": 0.01}}, "required": ["price"]})
+    for reply in ('{"price": 0.07}', '{"price": 1.15}', '{"price": 0.29}', '{"price": 7}'):
+        assert run(agent, [reply])[0].final_output == json.loads(reply)
+    with pytest.raises(ModelBehaviorError, match="is not a multiple of 0.01"):
+        run(agent, ['{"price": 0.071}'])
+    for step, value, taken in ((0.1, 0.3, True), (0.1, 0.7, True), (0.1, 0.35, False),
+                               (3, 9.0, True), (3, 2**60, False), (0.5, float("inf"), False),
+                               (0.5, float("nan"), False), (2.5, 7.5, True)):
+        assert value_validator({"multipleOf": step}).is_valid(value) == taken, (step, value)
+
+
 def test_a_number_cut_at_max_tokens_is_no_answer_a_whole_value_is():
     """A number cut short still parses (848 of 8481): not an answer. An object the grammar
     closed on the last token is whole, cut or not."""
