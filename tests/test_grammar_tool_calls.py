@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 import jsonschema
 import pytest
@@ -17,6 +18,7 @@ from agentflash.grammar import (
     allowed_token_ids,
     assistant_turn,
     compile_grammar,
+    lark,
     tool_call_body,
     tool_call_schema,
 )
@@ -559,3 +561,45 @@ def test_tool_choice_parsing_and_errors():
         assistant_turn(TOOLS, {"type": "function"})
     with pytest.raises(GrammarError, match="tool_choice: expected"):
         assistant_turn(TOOLS, 3)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("tag", ["<tool_call>", "<ab>", "[x]"])
+def test_texts_without_a_tag_are_the_texts_that_do_not_hold_it(tag):
+    from itertools import product
+
+    from agentflash.grammar.tool_calls import texts_without
+
+    piece, ending = texts_without(tag)
+    text = re.compile(f"(?:{piece})*(?:{ending})?")
+    # every text of up to 7 characters over the tag's own, another and a newline; for a long
+    # tag, texts of its fragments (partial tags, restarts, the tag itself)
+    alphabet = sorted(set(tag)) + ["x", "\n"]
+    texts = ["".join(t) for n in range(8) for t in product(alphabet, repeat=n)
+             if len(tag) <= 4 or n <= 4]
+    fragments = [tag, tag[:-1], tag[1:], tag[:1], tag[:3], tag[-2:], "x", "\n", "é"]
+    rng = random.Random(0)
+    texts += ["".join(rng.choice(fragments) for _ in range(rng.randrange(1, 9)))
+              for _ in range(20_000)]
+    for t in texts:
+        assert bool(text.fullmatch(t)) == (tag not in t), t
+
+
+def test_free_text_masks_are_the_negated_forms(tok):
+    """The turns' free text, written out (``texts_without``), masks as the regex it replaces,
+    ``/(?s:.*)/ & ~/(?s:.*)<tool_call>(?s:.*)/``, at every prefix of texts with partial tags."""
+    negated = compile_grammar(
+        lark("start: TEXT\nTEXT: /(?s:.*)/ & ~/(?s:.*)<tool_call>(?s:.*)/\n"), tok)
+    ours = compile_grammar(assistant_turn(TOOLS, "none"), tok)
+    for text in ("Hi <tool_ca<tool_cal <to>ol_call> <<tool_call x", "<", "a\n<tool_call\n\n"):
+        ids = tok.encode(text, add_special_tokens=False)
+        a, b = negated.new_constraint(), ours.new_constraint()
+        for i in range(len(ids) + 1):
+            assert allowed_token_ids(a.bitmask(), len(tok)) == allowed_token_ids(
+                b.bitmask(), len(tok)), (text, i)
+            if i < len(ids):
+                legal = a.validate_draft(ids[i:i + 1]) == 1
+                assert legal == (b.validate_draft(ids[i:i + 1]) == 1), (text, i)
+                if not legal:
+                    break
+                a.advance(ids[i:i + 1])
+                b.advance(ids[i:i + 1])

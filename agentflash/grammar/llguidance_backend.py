@@ -27,6 +27,7 @@ from agentflash.grammar.sources import (
     without_date_formats,
 )
 from agentflash.grammar.tokenizers import TokenizerInfo, chat_end_ids, llguidance_tokenizer
+from agentflash.tool_format import OPEN
 
 # x-guidance options per layout; a schema's own "x-guidance" key overrides them.
 JSON_STYLE_OPTIONS: dict[JsonStyle, dict[str, Any]] = {
@@ -36,9 +37,19 @@ JSON_STYLE_OPTIONS: dict[JsonStyle, dict[str, Any]] = {
 }
 
 
+# The tokens of free text in the turns' grammars (``tool_calls.texts_without``): none holds the
+# tool-call tag's first character. llguidance computes, once per tokenizer, which tokens a
+# slice's regex matches; a mask where a lexeme takes any run of such text sets them at once
+# and walks the others (a free-text mask at Qwen3's 151k tokens: 2.0 ms, then 0.2)
+FREE_TEXT_SLICE = f"[^\\x{ord(OPEN[0]):02X}]+"
+
+
 def build_tokenizer(info: TokenizerInfo) -> llguidance.LLTokenizer:
-    """llguidance's view of the tokenizer, over the model's vocabulary size (about 1 s at 150k)."""
-    return llguidance_tokenizer(info, n_vocab=info.vocab_size)
+    """llguidance's view of the tokenizer, over the model's vocabulary size (about 1 s at 150k),
+    with its default slices and free text's."""
+    return llguidance_tokenizer(
+        info, n_vocab=info.vocab_size,
+        slices=[*llguidance.LLTokenizer.general_slices(), FREE_TEXT_SLICE])
 
 
 def grammar_text(source: GrammarSource) -> str:
