@@ -1318,6 +1318,13 @@ def test_outlines_refuses_what_it_cannot_do(tok):
         (json_schema({"type": "object", "properties": {"a": {"enum": []},
                                                        "b": {"type": "integer"}}}),
          "#/properties/a: outlines-core writes no value for an enum of none"),
+        # a format it knows beside a length, which it writes by: the format was dropped as if
+        # a date's ("ab" a uuid); one it does not know beside a pattern: a raw ValueError
+        (json_schema({"type": "string", "format": "uuid", "minLength": 1}),
+         "#: outlines-core ignores 'format'"),
+        (json_schema({"properties": {"h": {"type": "string", "format": "hostname",
+                                           "pattern": "^[a-z]{1,5}$"}}}),
+         "#/properties/h: outlines-core ignores 'format'"),
     ]
     for source, what in cases:
         with pytest.raises(GrammarError) as err:

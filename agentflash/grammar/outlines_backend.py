@@ -211,7 +211,7 @@ def source_regex(source: GrammarSource) -> str:
         where = locate_schema_error(schema, lambda s: _schema_error(source, s))
         message = " ".join(str(err).split())
         raise GrammarError(f"{source.origin}: {where}: {message}") from None
-    ignored = ignored_keyword(_date_formats_kept(schema), lambda s: _schema_regex(source, s))
+    ignored = ignored_keyword(_date_formats_kept(schema), lambda s: _regex_or_none(source, s))
     if ignored is not None:
         where, keyword = ignored
         raise GrammarError(
@@ -219,6 +219,16 @@ def source_regex(source: GrammarSource) -> str:
             f"its output could break the schema; use the llguidance backend"
         )
     return pattern
+
+
+def _regex_or_none(source: GrammarSource, schema: Any) -> Any:
+    """``_schema_regex``, or a value unlike any other where outlines-core refuses ``schema``
+    (``ignored_keyword`` compiling a subschema without a keyword: a ``format`` it does not know
+    beside the ``pattern`` it writes by, a pydantic duration's)."""
+    try:
+        return _schema_regex(source, schema)
+    except (ValueError, TypeError):
+        return object()
 
 
 def _unanchored(pattern: str) -> str:
@@ -429,7 +439,7 @@ def _date_formats_kept(schema: Any) -> Any:
         return schema
     out = with_subschemas(schema, lambda sub, key: _date_formats_kept(sub))
     fmt = out.get("format")
-    if isinstance(fmt, str) and out.get("pattern") == DATE_PATTERNS.get(fmt):
+    if isinstance(fmt, str) and fmt in DATE_PATTERNS and out.get("pattern") == DATE_PATTERNS[fmt]:
         del out["format"]
     return out
 
