@@ -334,14 +334,25 @@ class CostModel:
         the drafter keeps a row until its drafts fail where the text repeats itself."""
         if found == 0 or slots == 0:
             return 0
-        fixed, _, token, drafter, block, slot = self.step_cost()
+        c = self.step_cost()
+        # kept until the counts or the fit change: every row of every step asks (``_lookups``),
+        # and the rows that share their counts (none of their own) share the answer
+        key = ("lookup_slots", kind, slots, min(found, MAX_SLOTS))
+        version = (self._version(routing, kind), routing.lookup.steps, self._fits)
+        cache = self._derived_for(routing, kind) if not routing.lookup.steps else routing.cache
+        hit = cache.get(key)
+        if hit is not None and hit[0] == version:
+            return hit[1]
+        fixed, _, token, drafter, block, slot = c
         tokens = self._lookup_tokens(routing)[: min(found, MAX_SLOTS)]  # k looked up: [k-1]
         cost = fixed + block + token * np.arange(1, len(tokens) + 1)
         best = int(np.argmax(tokens / cost))
         drafted = self.expected_tau(routing, kind, slots) / (
             fixed + block + drafter + slots * (token + slot)
         )
-        return best + 1 if tokens[best] / cost[best] > drafted else 0
+        take = best + 1 if tokens[best] / cost[best] > drafted else 0
+        cache[key] = (version, take)
+        return take
 
     def observe_agreement(
         self, kind: SegmentKind, verified: list[int], accepted: int, target_next: int,
