@@ -198,9 +198,11 @@ def _blocks(text: str) -> list[tuple[int, int, int | None]]:
 def stop_at(text: str, stops: tuple[str, ...] | list[str], tool_calls: bool = True
             ) -> int | None:
     """Where the first of ``stops`` begins in ``text``; None where none does. Where the text may
-    hold ``tool_calls``, not inside one (from the ``<`` of its ``<tool_call>`` to the end of its
+    hold ``tool_calls``, not inside one (after its ``<tool_call>``, to the end of its
     ``</tool_call>``): the call is the grammar's to finish, and cut there its arguments would
-    not parse (a stop ``<`` cut before the tag would drop the call). Not at a character whose
+    not parse. One that begins before the call's body, in its tag (``<``, ``<tool_call>``),
+    cuts the reply before the call, as the text reads whichever tokens wrote the tag (a
+    tokenizer without a ``<tool_call>`` token writes its ``<`` first). Not at a character whose
     bytes are still coming (a trailing U+FFFD)."""
     text = text.rstrip("\ufffd")
     calls = ([(at, None if end is None else end + len(CLOSE)) for at, _, end in _blocks(text)]
@@ -208,7 +210,7 @@ def stop_at(text: str, stops: tuple[str, ...] | list[str], tool_calls: bool = Tr
     first = None
     for stop in stops:
         at = text.find(stop)
-        while at >= 0 and any(opened <= at and (closed is None or at < closed)
+        while at >= 0 and any(opened < at and (closed is None or at < closed)
                               for opened, closed in calls):
             at = text.find(stop, at + 1)
         if at >= 0 and (first is None or at < first):

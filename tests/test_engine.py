@@ -243,8 +243,8 @@ def test_stop_at_skips_tool_calls_and_a_character_still_coming():
     assert stop_at(f"ab{call}\nx}}", ["}"]) == len(f"ab{call}\nx")
     assert stop_at(f"ab{call}", ["</tool_call>", "}"]) is None
     assert stop_at(f"ab{call}", ["b<tool", "}"]) == 1
-    # one that begins where the tag does is inside the call too: "<" dropped every call
-    assert stop_at(f"ab{call}", ["<"]) is None and stop_at(call, ["<tool_call>"]) is None
+    # one that begins where the tag does cuts before the call, the tag one token or several
+    assert stop_at(f"ab{call}", ["<"]) == 2 == stop_at("ab<", ["<"])
     # a reply that holds no calls (no tools were given): a <tool_call> is text like any
     assert stop_at(f"ab{call}", ["}"], tool_calls=False) == f"ab{call}".index("}")
     assert stop_at('a<tool_call>\n{"name": "f}', ["}"]) is None  # a call not yet closed
