@@ -1325,6 +1325,11 @@ def test_outlines_refuses_what_it_cannot_do(tok):
         (json_schema({"properties": {"h": {"type": "string", "format": "hostname",
                                            "pattern": "^[a-z]{1,5}$"}}}),
          "#/properties/h: outlines-core ignores 'format'"),
+        # a subschema that does not compile alone: its maxLength went unchecked, and dropped
+        (json_schema({"properties": {"a": {"type": "string"},
+                                     "b": {"$ref": "#/properties/a", "maxLength": 2}},
+                      "required": ["b"]}),
+         "#/properties/b: outlines-core cannot compile this subschema on its own"),
     ]
     for source, what in cases:
         with pytest.raises(GrammarError) as err:

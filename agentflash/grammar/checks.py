@@ -926,24 +926,45 @@ _ASSERTIONS = {
 }
 
 
+class UncheckedSubschema(Exception):
+    """A subschema with assertions that the backend cannot compile on its own (a ``$ref`` into
+    its root's ``properties``): whether it keeps them cannot be checked."""
+
+    def __init__(self, where: str, message: str):
+        super().__init__(f"{where}: {message}")
+        self.where, self.message = where, message
+
+
 def ignored_keyword(schema: Any, output_of: Callable[[Any], str]) -> tuple[str, str] | None:
     """(pointer, keyword) of an assertion a backend silently ignores, or None.
 
     ``output_of`` compiles a standalone schema to the backend's own form (a regex for
-    outlines-core); an assertion whose removal leaves that form unchanged was ignored, and the
-    backend would let values through that the schema rejects.
+    outlines-core) or raises ValueError or TypeError; an assertion whose removal leaves that
+    form unchanged was ignored, and the backend would let values through that the schema
+    rejects. One the form cannot do without (compiling fails without it: a ``format`` the
+    backend does not know beside a ``pattern``) was not. A subschema with assertions that does
+    not compile on its own raises ``UncheckedSubschema``.
     """
     roots = schema if isinstance(schema, dict) else {}
     defs = {k: roots[k] for k in ("$defs", "definitions") if k in roots}
     for path, node in subschemas(schema, []):  # $defs too: a $ref reaches what they assert
         if not isinstance(node, dict):
             continue
+        asserted = [k for k, no_op in _ASSERTIONS.items() if k in node and node[k] != no_op]
+        if not asserted:
+            continue
         standalone = {**node, **{k: v for k, v in defs.items() if k not in node}}
-        for keyword, no_op in _ASSERTIONS.items():
-            if keyword in node and node[keyword] != no_op:
-                without = {k: v for k, v in standalone.items() if k != keyword}
-                if output_of(standalone) == output_of(without):
-                    return pointer(path), keyword
+        try:
+            whole = output_of(standalone)
+        except (ValueError, TypeError) as err:
+            raise UncheckedSubschema(pointer(path), " ".join(str(err).split())) from None
+        for keyword in asserted:
+            try:
+                alone = output_of({k: v for k, v in standalone.items() if k != keyword})
+            except (ValueError, TypeError):
+                continue
+            if alone == whole:
+                return pointer(path), keyword
     return None
 
 

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from agentflash.grammar.checks import (
+    UncheckedSubschema,
     ignored_keyword,
     locate_schema_error,
     pointer,
@@ -211,7 +212,13 @@ def source_regex(source: GrammarSource) -> str:
         where = locate_schema_error(schema, lambda s: _schema_error(source, s))
         message = " ".join(str(err).split())
         raise GrammarError(f"{source.origin}: {where}: {message}") from None
-    ignored = ignored_keyword(_date_formats_kept(schema), lambda s: _regex_or_none(source, s))
+    try:
+        ignored = ignored_keyword(_date_formats_kept(schema), lambda s: _schema_regex(source, s))
+    except UncheckedSubschema as err:
+        raise GrammarError(
+            f"{source.origin}: {err.where}: outlines-core cannot compile this subschema on its "
+            f"own ({err.message}), so whether it keeps its assertions cannot be checked; use "
+            f"the llguidance backend") from None
     if ignored is not None:
         where, keyword = ignored
         raise GrammarError(
@@ -219,16 +226,6 @@ def source_regex(source: GrammarSource) -> str:
             f"its output could break the schema; use the llguidance backend"
         )
     return pattern
-
-
-def _regex_or_none(source: GrammarSource, schema: Any) -> Any:
-    """``_schema_regex``, or a value unlike any other where outlines-core refuses ``schema``
-    (``ignored_keyword`` compiling a subschema without a keyword: a ``format`` it does not know
-    beside the ``pattern`` it writes by, a pydantic duration's)."""
-    try:
-        return _schema_regex(source, schema)
-    except (ValueError, TypeError):
-        return object()
 
 
 def _unanchored(pattern: str) -> str:
