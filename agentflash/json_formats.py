@@ -237,14 +237,22 @@ def decimal_multiple_of(validator: Any, step: Any, instance: Any, schema: Any) -
 
     from jsonschema.exceptions import ValidationError
 
+    def exact(x: Any) -> Fraction:  # an int as it is (its text may pass Python's 4,300 digits)
+        return Fraction(x) if isinstance(x, int) else Fraction(repr(x))
+
+    def shown(x: Any) -> str:
+        if isinstance(x, int) and x.bit_length() > 4000:
+            return f"an integer of about {int(x.bit_length() * 0.30103)} digits"
+        return repr(x)
+
     if not validator.is_type(instance, "number"):
         return
     try:
-        exact = Fraction(repr(instance)) % Fraction(repr(step)) == 0
+        multiple = exact(instance) % exact(step) == 0
     except (ValueError, ZeroDivisionError):  # inf and nan are no multiple (jsonschema raised)
-        exact = False
-    if not exact:
-        yield ValidationError(f"{instance!r} is not a multiple of {step!r}")
+        multiple = False
+    if not multiple:
+        yield ValidationError(f"{shown(instance)} is not a multiple of {shown(step)}")
 
 
 def ecma_pattern(validator: Any, pattern: str, instance: Any, schema: Any) -> Any:

@@ -356,7 +356,9 @@ def test_multiple_of_is_exact_on_the_numbers_as_written():
         run(agent, ['{"price": 0.071}'])
     for step, value, taken in ((0.1, 0.3, True), (0.1, 0.7, True), (0.1, 0.35, False),
                                (3, 9.0, True), (3, 2**60, False), (0.5, float("inf"), False),
-                               (0.5, float("nan"), False), (2.5, 7.5, True)):
+                               (0.5, float("nan"), False), (2.5, 7.5, True),
+                               (3, 3 * 10**5000, True), (3, 10**5000, False),  # (past 4,300
+                               (10**5000, 0.5, False)):  # digits an int's text raised)
         assert value_validator({"multipleOf": step}).is_valid(value) == taken, (step, value)
 
 
