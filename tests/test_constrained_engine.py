@@ -384,6 +384,21 @@ def test_a_grammar_that_gets_stuck_while_decoding_ends_its_request_with_a_one_li
         assert "\n" not in result.error and "<state>" not in result.error
 
 
+def test_a_negated_lexeme_keeps_the_demo_models_tool_call_out_of_a_reply(demo):
+    # the demo model begins its reply to a tool prompt with <tool_call>: llguidance's mask let
+    # it through a negation (~/abc/) that then refused it as text, and it went into the reply
+    # (or, first in the grammar, every request failed with GrammarViolation)
+    from agentflash.bench import held_out_prompts
+
+    source = lark('start: "\\n" A\nA: ~/abc/')
+    for item in held_out_prompts("tool_call", 2):
+        ids = demo.chat_prompt(item.messages, item.tools)
+        result = demo.generate(ids, SamplingParams(max_tokens=12, grammar=source))
+        assert result.finish_reason != "error", result.error
+        legal = demo.compile(source).new_constraint().validate_draft(result.token_ids)
+        assert legal == len(result.token_ids), result.text
+
+
 def test_demo_constrained_dflash_equals_plain_on_held_out_tool_calls():
     # the shipped model and drafter: drafts walk the grammar ahead many times per request; the
     # live constraint must come out of every walk exactly as it went in (a regression: walks with

@@ -26,6 +26,7 @@ from agentflash.grammar import (
     allocate_bitmask,
     allowed_token_ids,
     apply_bitmask_,
+    assistant_turn,
     cache_info,
     close_objects,
     compile_grammar,
@@ -40,6 +41,8 @@ from agentflash.grammar import (
     unpack_bitmask,
 )
 from agentflash.grammar.bench import closing_tokens, random_output
+from agentflash.grammar.checks import may_write_special_bytes
+from agentflash.grammar.constraint import first_allowed_token
 
 BACKENDS = [Backend.LLGUIDANCE, Backend.OUTLINES]
 KINDS = [
@@ -1249,6 +1252,75 @@ def test_a_regex_that_keeps_a_special_tokens_text_out_is_no_writing_of_it(tok, t
     grammar = compile_grammar(lark(text), tok)
     ids = tok.encode("a<b>_c", add_special_tokens=False) + [tok.eos_token_id]
     assert grammar.new_constraint().validate_draft(ids) == len(ids)
+
+
+@pytest.mark.parametrize("text, named", [
+    ('start: "q" A\nA: ~/abc/', []),
+    ('start: "q" A\nA: ~/abc/ & ~/x/', []),
+    ('start: "q" A "z"\nA: ~("ab" | "cd")', []),
+    ('start: "q" ~/abc/', []),
+    ('start: "q" a\na: ~/abc/ | <|im_start|>', [1]),  # the one it names stays
+    ('start: "q" a\na: ~/abc/ | <[4100]>', [4100]),
+])
+def test_a_negated_lexemes_masks_let_through_no_special_token_it_refuses(tok, text, named):
+    # llguidance (1.9.1) matched a negation against the special tokens' bytes (0xFF and their
+    # names) in the mask and refused them when consumed: a model choosing one (<tool_call>,
+    # which the demo model writes first) failed the request, or the grammar's compile
+    grammar = compile_grammar(lark(text), tok, vocab_size=len(tok) + 40)
+    constraint = grammar.new_constraint()
+    constraint.advance(tok.encode("q", add_special_tokens=False))
+    allowed = allowed_token_ids(constraint.bitmask(), grammar.vocab_size)
+    assert {0, 1, 3, 4090, 4100} & set(allowed) == set(named)
+    assert [t for t in allowed if not constraint.allows(t)] == []
+    constraint.advance([allowed[0]])
+
+
+def test_a_grammar_that_begins_with_a_negated_lexeme_compiles(tok):
+    grammar = compile_grammar(lark("start: A\nA: ~/abc/"), tok)  # a raw GrammarViolation
+    constraint = grammar.new_constraint()
+    constraint.advance([first_allowed_token(constraint.bitmask(), grammar.vocab_size)])
+
+
+def test_a_first_mask_that_lets_through_a_refused_token_is_the_grammars_error(tok, monkeypatch):
+    # the mask's fault, as llguidance's without the fix above: named at compile, not raised
+    # as GrammarViolation (an engine bug, a 500 in serve)
+    from agentflash.grammar import llguidance_backend
+
+    monkeypatch.setattr(llguidance_backend, "may_write_special_bytes", lambda text: False)
+    with pytest.raises(GrammarError, match="^grammar: the grammar's first mask allows a token "
+                                           "that it then refuses"):
+        compile_grammar(lark("start: A\nA: ~/abc/"), tok, use_cache=False)
+
+
+@pytest.mark.parametrize("text, holds", [
+    ("start: A\nA: ~/abc/", True),
+    ('start: "q" ~/abc/', True),
+    ("start: A\nA: /x/ (~/a/)+", True),
+    ("start: A\nA: ~/a/ & ~/b/", True),  # every operand of an intersection may
+    ("start: A\nA: B\nB: A | ~/x/", True),
+    ('start: A\n%ignore ~/a/\nA: "x"', True),
+    ('start: A\nA: "x"\n   | ~/y/', True),
+    ("?start: A\nA: ~/a/", True),
+    ('start: "a" ~ 2 ~/b/', True),
+    ("start: A\nA: /(?s:.)*/ & ~/abc/", False),  # an operand holds no 0xFF: neither does it
+    ("start: A\nA: /[a-z]+/ & ~/.*q.*/ -> word", False),
+    ("start: A\nA: B & C\nB: ~/a/\nC: /[a-z]*/\nD: ~/q/", False),  # B, D: no lexemes
+    ('start: a ~ 2..3 "~"\na: "x" // ~ a comment', False),
+    ('start: %json {"type": "string", "description": "~x"}', False),
+])
+def test_may_write_special_bytes_reads_negations(text, holds):
+    assert may_write_special_bytes(text) is holds
+
+
+def test_the_tool_call_grammars_pay_no_special_token_check(tok):
+    # their free text is an intersection with a negation: no lexeme holds 0xFF, no check added
+    # to their masks
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"q": {"type": "string"}}}}}]
+    for choice in ("auto", "none", "required"):
+        source = assistant_turn(tools, choice)
+        assert not may_write_special_bytes(source.text)
+        assert compile_grammar(source, tok).special_ids is None
 
 
 def test_productive_lark_grammars_pass_the_finish_check(tok):

@@ -20,6 +20,7 @@ from agentflash.grammar.constraint import (
     CompiledGrammar,
     GrammarError,
     GrammarFailed,
+    GrammarViolation,
     first_allowed_token,
 )
 from agentflash.grammar.sources import GrammarKind, GrammarSource
@@ -252,6 +253,9 @@ def _first_masks(grammar: CompiledGrammar) -> tuple[str | None, Any]:
             mask = constraint.bitmask()
     except GrammarFailed as err:
         return str(err), None
+    except GrammarViolation as err:  # the backend's mask and its check of a token disagree:
+        # every request would fail where its model took that token (a 500 in serve)
+        return f"the grammar's first mask allows a token that it then refuses ({err})", None
     return None, start
 
 

@@ -10,15 +10,21 @@ from collections.abc import Sequence
 from typing import Any
 
 import llguidance
+import numpy as np
 import torch
 
-from agentflash.grammar.checks import locate_schema_error, recursion_room
+from agentflash.grammar.checks import (
+    locate_schema_error,
+    may_write_special_bytes,
+    recursion_room,
+)
 from agentflash.grammar.constraint import (
     CompiledGrammar,
     Constraint,
     GrammarError,
     GrammarFailed,
     bit_is_set,
+    bitmask_width,
 )
 from agentflash.grammar.sources import (
     GrammarKind,
@@ -130,8 +136,21 @@ class LLGuidanceGrammar(CompiledGrammar):
         tokenizer: llguidance.LLTokenizer,
         vocab_size: int,
         eos_token_id: int,
+        special_ids: np.ndarray | None = None,
+        names_specials: bool = True,
     ):
         self.source, self.vocab_size, self.eos_token_id = source, vocab_size, eos_token_id
+        # the special tokens a mask may let through that consuming refuses, cleared after every
+        # mask: None where the grammar has no lexeme that may hold their bytes
+        # (``may_write_special_bytes``: a bare negation), as for nearly every grammar. Where it
+        # names no special token, it takes none (but the end token) and they are all cleared
+        # at once; else each one the mask lets through is checked
+        self.special_ids = special_ids
+        self.special_keep: np.ndarray | None = None  # the mask's words without their bits
+        if special_ids is not None and not names_specials:
+            keep = np.full(bitmask_width(vocab_size) * 32, True)
+            keep[special_ids] = False
+            self.special_keep = np.packbits(keep, bitorder="little").view(np.uint32)
         try:
             text = grammar_text(source)
         except ValueError as err:  # a schema past llguidance's nesting limit, and the like
@@ -297,6 +316,22 @@ class LLGuidanceConstraint(Constraint):
             # a parser resource limit
             raise GrammarFailed(f"llguidance could not compute the mask: "
                                 f"{error.strip().split(chr(10), 1)[0]}", limit=True)
+        if self._grammar is not None and self._grammar.special_ids is not None:
+            self._clear_refused_specials(out)
+
+    def _clear_refused_specials(self, out: torch.Tensor) -> None:
+        # llguidance (1.9.1) walks the token trie for the mask with the special tokens in it as
+        # 0xFF and their names; a negated lexeme (~/abc/) matches those bytes, so the mask let
+        # them all through (<|im_start|>, <[4100]>), and consuming, which never takes 0xFF as
+        # text (only a special token the grammar names), refused them: GrammarViolation
+        words = out.numpy().view(np.uint32)
+        if self._grammar.special_keep is not None:
+            words &= self._grammar.special_keep
+            return
+        ids = self._grammar.special_ids
+        for token in ids[(words[ids >> 5] >> (ids & 31)) & 1 == 1].tolist():
+            if self._validate([token]) != 1:
+                words[token >> 5] &= np.uint32(~(1 << (token & 31)) & 0xFFFFFFFF)
 
     def _copy(self) -> LLGuidanceConstraint:
         # Walks ahead (drafts, masks along them, forced-token checks) run on a copy of the
@@ -373,7 +408,35 @@ def compile_source(
         added = getattr(info.tokenizer, "added_tokens_decoder", None) or {}
         source = with_reasoning_tokens(source, {t.content: i for i, t in added.items()
                                                 if not t.special})
-    return LLGuidanceGrammar(source, tokenizer, info.vocab_size, info.eos_token_id)
+    special_ids, names_specials = None, True
+    if source.kind is GrammarKind.LARK and "~" in source.text and may_write_special_bytes(
+            source.text):
+        from agentflash.grammar.checks import special_tokens
+
+        special_ids, names_specials = _special_ids(tokenizer, info), special_tokens(
+            source.text) != []  # (None: not read)
+    return LLGuidanceGrammar(source, tokenizer, info.vocab_size, info.eos_token_id, special_ids,
+                             names_specials)
+
+
+_special_id_cache: dict[TokenizerInfo, np.ndarray] = {}
+_special_id_lock = threading.Lock()
+
+
+def _special_ids(tokenizer: llguidance.LLTokenizer, info: TokenizerInfo) -> np.ndarray:
+    """The tokens llguidance reads as special (0xFF and a name: <|im_start|>, the unnamed ids
+    past the tokenizer's, <[4100]>), but the end token, whose bit ``fill_bitmask`` sets; per
+    tokenizer (33 ms at 152k tokens, paid by grammars ``may_write_special_bytes`` only)."""
+    with _special_id_lock:
+        ids = _special_id_cache.get(info)
+    if ids is None:
+        ids = np.array([t for t in range(info.vocab_size)
+                        if t != info.eos_token_id and tokenizer.is_special_token(t)], np.int64)
+        with _special_id_lock:
+            if len(_special_id_cache) >= 8:  # (as the converted tokenizers' cache)
+                _special_id_cache.pop(next(iter(_special_id_cache)))
+            _special_id_cache[info] = ids
+    return ids
 
 
 def _check_no_special_text(source: GrammarSource, info: TokenizerInfo,
