@@ -1496,150 +1496,16 @@ def recursive_ref(schema: Any) -> str | None:
 
 
 def may_write_special_bytes(text: str) -> bool:
-    """Whether a Lark grammar has a lexeme whose text may hold llguidance's special-token
-    marker byte (0xFF, not UTF-8): a negation (``~/abc/``) holds every byte string but its
-    operand's, and llguidance (1.9.1) lets the special tokens (0xFF and their names) through its
-    masks there, then refuses them as text when the token is consumed. An intersection with an
-    operand that holds none (``/(?s:.)*/ & ~/abc/``, the tool-call grammars' text) holds none
-    either. True where the checker cannot read the grammar and it has a ``~``."""
+    """Whether a Lark grammar has a negation (``~/abc/``, ``~"x"``): its language holds every
+    byte string but its operand's, and llguidance (1.9.1) lets the special tokens (the 0xFF
+    byte and their names) through its masks there, then refuses them as text when the token is
+    consumed. An intersection with an operand that holds no 0xFF (``/(?s:.)*/ & ~/abc/``) holds
+    none either, but is counted too: what this costs is a cheaper mask's check, not a refusal.
+    A repetition (``item ~ 3``) is none; True where the checker cannot read the grammar and it
+    has a ``~``."""
     try:
         tokens = _lark_tokens(text)
-        definitions, ignored = _lexeme_definitions(tokens)
-        reader = _SpecialBytes(definitions)
-        # the lexemes are the rules' terminals and inline expressions: a terminal met only
-        # inside another terminal's intersection is no lexeme of its own
-        return any(reader.holds(name) for name in definitions if not _is_terminal(name)) or any(
-            reader.expression(body) for body in ignored)
-    except (_Unparsed, IndexError, ValueError, RecursionError):
+    except _Unparsed:
         return "~" in text
-
-
-def _lexeme_definitions(tokens: list[tuple[str, str]]
-                        ) -> tuple[dict[str, list[tuple[str, str]]], list[list[tuple[str, str]]]]:
-    """Every rule's and terminal's body tokens (newlines left out), and the bodies of the
-    ``%ignore`` statements; other statements are skipped."""
-    definitions: dict[str, list[tuple[str, str]]] = {}
-    ignored: list[list[tuple[str, str]]] = []
-    current: list[tuple[str, str]] | None = None
-    tokens = [t for i, t in enumerate(tokens)  # ?rule: and !rule: are rules as rule: is
-              if not (t in (("op", "?"), ("op", "!")) and (i == 0 or tokens[i - 1][0] == "nl"))]
-    i = 0
-    while i < len(tokens):
-        header = _header_end(tokens, i)
-        if header is not None:
-            current = definitions.setdefault(tokens[i][1], [])
-            if current:
-                current.append(("op", "|"))
-            i = header
-            continue
-        kind, value = tokens[i]
-        if kind == "directive" or kind == "json" and value.startswith("%llguidance"):
-            current = None
-            start = i + 1
-            while i < len(tokens) and tokens[i][0] != "nl":
-                i += 1
-            if value == "%ignore":
-                ignored.append(tokens[start:i])
-            continue
-        if kind != "nl":
-            if current is None:  # not a definition the checker knows
-                raise _Unparsed(value)
-            current.append((kind, value))
-        i += 1
-    return definitions, ignored
-
-
-class _SpecialBytes:
-    """Recursive descent over Lark bodies (llguidance's syntax: ``|`` over ``&`` over sequences
-    of atoms), saying whether an expression may hold the 0xFF byte (``may_write_special_bytes``):
-    a negation may, an intersection only where every operand may, a sequence or a choice where
-    one part may; strings, regexes, special tokens and ``%json`` never."""
-
-    def __init__(self, definitions: dict[str, list[tuple[str, str]]]):
-        self.definitions = definitions
-        self.known: dict[str, bool] = {}
-        self.tokens: list[tuple[str, str]] = []
-        self.i = 0
-
-    def holds(self, name: str) -> bool:
-        if name not in self.known:
-            self.known[name] = False  # a definition that reaches itself adds nothing
-            saved = self.tokens, self.i
-            self.known[name] = self.expression(self.definitions.get(name, []))
-            self.tokens, self.i = saved
-        return self.known[name]
-
-    def expression(self, tokens: list[tuple[str, str]]) -> bool:
-        self.tokens, self.i = tokens, 0
-        found = self.choice()
-        if self.i < len(self.tokens):
-            raise _Unparsed(str(self.tokens[self.i]))
-        return found
-
-    def peek(self) -> tuple[str, str] | None:
-        return self.tokens[self.i] if self.i < len(self.tokens) else None
-
-    def take(self) -> tuple[str, str]:
-        token = self.tokens[self.i]
-        self.i += 1
-        return token
-
-    def choice(self) -> bool:
-        found = self.conjunction()
-        while self.peek() == ("op", "|"):
-            self.take()
-            found = self.conjunction() or found
-        return found
-
-    def conjunction(self) -> bool:
-        found = self.sequence()
-        while self.peek() == ("op", "&"):
-            self.take()
-            found = self.sequence() and found
-        if self.peek() == ("op", "->"):
-            self.take()
-            self.take()  # the alias
-        return found
-
-    def sequence(self) -> bool:
-        found = False
-        while (tok := self.peek()) is not None and tok not in (
-                ("op", "|"), ("op", "&"), ("op", "->"), ("op", ")"), ("op", "]")):
-            found = self.postfix(self.atom()) or found
-        return found
-
-    def atom(self) -> bool:
-        if self.peek() == ("op", "~"):
-            self.take()
-            self.atom()
-            return True
-        kind, value = self.take()
-        if (kind, value) in (("op", "("), ("op", "[")):
-            found = self.choice()
-            self.take()  # the closing bracket
-            return found
-        if kind == "string" and self.peek() == ("op", ".."):  # "a".."z"
-            self.take()
-            self.take()
-            return False
-        if kind in ("string", "regex", "special", "json"):
-            return False
-        if kind == "name":
-            return self.holds(value)
-        raise _Unparsed(value)
-
-    def postfix(self, found: bool) -> bool:
-        while (tok := self.peek()) is not None and tok[0] == "op" and tok[1] in "?*+{~":
-            after = self.tokens[self.i + 1][0] if self.i + 1 < len(self.tokens) else None
-            if tok[1] == "~" and after != "number":
-                break  # a negation begins the next atom
-            op = self.take()[1]
-            if op == "{":
-                while self.take() != ("op", "}"):
-                    pass
-            elif op == "~":  # item ~ 3, item ~ 2..5
-                self.take()
-                if self.peek() == ("op", ".."):
-                    self.take()
-                    self.take()
-        return found
+    return any(token == ("op", "~") and (i + 1 == len(tokens) or tokens[i + 1][0] != "number")
+               for i, token in enumerate(tokens))
