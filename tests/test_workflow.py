@@ -609,6 +609,68 @@ def test_a_tool_that_failed_is_the_one_error_not_a_required_choice_without_tools
     assert fault in lines[-1] and "tool_choice" not in str(err.value), lines
 
 
+@pytest.mark.parametrize("handoffs, fault", [
+    ("[lookr]", "agents.triage.handoffs[0]: unknown agent 'lookr'"),
+    ("[looker]", "agents.looker.output_schema: output schema is not a valid JSON Schema"),
+])
+def test_a_handoff_that_failed_is_the_one_error_not_the_choice_naming_it(tmp_path, handoffs,
+                                                                       fault):
+    # the tool_choice naming the handoff was refused too, "(none)" its handoffs, at an earlier
+    # line than the handoff's own error
+    path = write(tmp_path, f"""\
+        version: 1
+        name: t
+        agents:
+          triage: {{instructions: hi, handoffs: {handoffs}, tool_choice: transfer_to_looker}}
+          looker: {{instructions: hi, output_schema: {{type: {"strng" if "[looker]" == handoffs
+                                                                else "string"}}}}}
+        steps:
+          - {{id: s, agent: triage, input: hi}}
+        """)
+    with pytest.raises(UserError) as err:
+        load_workflow(path)
+    lines = str(err.value).splitlines()
+    assert fault in lines[-1] and "tool_choice" not in str(err.value), lines
+
+
+@pytest.mark.parametrize("choice, refused", [
+    ("get_weather", "tool_choice 'get_weather' makes the first turn a tool call"),
+    ("required", "tool_choice required makes the first turn a tool call"),
+    ("transfer_to_w", None), ("auto", None)])
+def test_a_first_turn_bound_to_a_call_needs_a_second_turn(tmp_path, choice, refused):
+    # validate said ok, and every run failed: "reached max_turns (1) without a final output"
+    (tmp_path / "wtools.py").write_text("def get_weather(city: str) -> str:\n"
+                                        "    \"\"\"Weather.\"\"\"\n    return city\n")
+    handoffs = "[w]" if choice.startswith("transfer") else "[]"
+    path = write(tmp_path, f"""\
+        version: 1
+        name: t
+        tools:
+          - {{name: get_weather, python: "wtools:get_weather"}}
+        agents:
+          a: {{instructions: hi, tools: [get_weather], handoffs: {handoffs},
+              tool_choice: {choice}, max_turns: 1}}
+          w: {{instructions: hi}}
+        steps:
+          - {{id: s, agent: a, input: hi}}
+        """)
+    if refused is None:
+        load_workflow(path)
+        return
+    with pytest.raises(UserError, match=r"agents\.a\.tool_choice: " + refused
+                       + r" and the answer comes in a later one: max_turns must be at least 2"):
+        load_workflow(path)
+    from agentflash.runtime.agent import Agent
+
+    def get_weather(city: str) -> str:
+        """Weather."""
+        return city
+
+    with pytest.raises(UserError, match="max_turns must be at least 2"):
+        Agent("a", tools=[get_weather], max_turns=1,
+              tool_choice=ForceTool("get_weather") if choice != "required" else "required")
+
+
 def test_an_agent_may_be_made_to_hand_off(tmp_path):
     """A handoff is a tool the model calls: ``tool_choice`` may require one or name it, and the
     demo model, under the grammar, then hands the conversation over."""
@@ -1326,7 +1388,7 @@ def test_a_run_that_fails_says_why_on_one_line(tmp_path):
         tools:
           - {name: fail, python: "ftools:fail"}
         agents:
-          a: {instructions: You fail., tools: [fail], tool_choice: fail, max_turns: 1}
+          a: {instructions: You fail., tools: [fail], max_turns: 1}
         steps:
           - {id: s, agent: a, input: "Use fail with x 2."}
         """)

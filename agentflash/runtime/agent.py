@@ -342,6 +342,14 @@ class Agent:
                             f"or handoffs")
         if not isinstance(choice, (ToolChoice, ForceTool)):
             raise UserError(f"{where}: tool_choice must be auto, required, none or ForceTool(name)")
+        handing = {handoff_tool_name(h) for h in self.handoffs if isinstance(h, Agent)}
+        if type(self.max_turns) is int and self.max_turns == 1 and (
+                choice is ToolChoice.REQUIRED and not handing
+                or isinstance(choice, ForceTool) and choice.name not in handing):
+            shown = "required" if choice is ToolChoice.REQUIRED else repr(choice.name)
+            raise UserError(f"{where}: tool_choice {shown} makes the first turn a tool call and "
+                            f"the answer comes in a later one: max_turns must be at least 2, "
+                            f"got 1")
         return choice
 
     def turn_tools(self) -> tuple[dict[str, Tool], dict[str, Agent]]:

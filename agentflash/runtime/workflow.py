@@ -890,9 +890,10 @@ class _Builder:
                     continue
                 # checked once the handoffs are wired: a handoff is a tool the choice may name
                 choice = raw.get("tool_choice", "auto")
-                if any(t not in tools for t in raw.get("tools", [])):
-                    continue  # a tool it lists failed or is unknown (reported): no follow-on
-                    # error ("required but the agent has no tools") at another line
+                if any(t not in tools for t in raw.get("tools", [])) or any(
+                        t == name or t not in agents for t in raw.get("handoffs", [])):
+                    continue  # a tool or handoff it lists failed or is unknown (reported): no
+                    # follow-on error ("required but the agent has no tools") at another line
                 if choice not in ("auto", "required", "none"):
                     if choice not in tools_now and choice not in handoffs:
                         known = ", ".join([*tools_now, *handoffs]) or "none"
@@ -904,7 +905,8 @@ class _Builder:
                 try:
                     agents[name].tool_choice = agents[name].check_tool_choice(choice)
                 except UserError as err:
-                    self.problems.add(("agents", name, "tool_choice"), str(err))
+                    self.problems.add(("agents", name, "tool_choice"),
+                                      str(err).removeprefix(f"agent {name!r}: "))
         return agents
 
     def steps(self, agents: dict[str, Agent], inputs: dict[str, Any]) -> list[Step]:
