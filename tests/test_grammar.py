@@ -1482,8 +1482,67 @@ def test_the_date_patterns_pass_their_probe(tok, monkeypatch):
     compile_grammar(json_schema({"type": "object", "properties": {
         "day": {"type": "string", "format": "date"},
         "at": {"type": "string", "format": "date-time"},
-        "code": {"type": "string", "pattern": "^[A-Z]{3}$"}}}), tok, use_cache=False)
-    assert probed == ["^[A-Z]{3}$"]  # the user's pattern is probed, the dates' are not
+        "code": {"type": "string", "pattern": "^[A-Z]{3,}$"}}}), tok, use_cache=False)
+    assert probed == ["^[A-Z]{3,}$"]  # the user's pattern is probed, the dates' are not
+
+
+_TIGHT = {"step_lexer_fuel": 2000, "max_lexer_states": 2500}  # a hundredth of the defaults
+
+
+@pytest.mark.parametrize("pattern, value", [
+    ("^[A-Z]{3}$", "SFO"),
+    ("^#[0-9a-f]{6}$", "#a0b1c2"),
+    (r"^\+\d{2} \d{3}-\d{4}$", "+41 555-0199"),
+    ("^[A-Za-z0-9_]{64}$", "the_quick_brown_fox_jumps_over_the_lazy_dog_0123456789_ABCDEFGHI"),
+    ("^" + "[A-Za-z0-9_]" * 64 + "$", "x" * 64),
+    (r"^[\dA-Z_]{32}[a-z\d]{32}$", "A1_" * 10 + "BC" + "z9" * 16),
+])
+def test_fixed_width_patterns_are_far_from_the_lexer_limits(tok, pattern, value):
+    """A fixed-width pattern is not probed (1.3 ms at Qwen3's vocabulary for an airport code):
+    its regex's derivatives are its suffixes, so its lexer's states are few whatever the
+    tokenizer; a whole string of the widest of them is written with a hundredth of llguidance's
+    lexer limits."""
+    import llguidance
+
+    from agentflash.grammar import compiler, llguidance_backend
+    from agentflash.grammar.tokenizers import tokenizer_info
+
+    assert compiler.fixed_width(pattern) and re.fullmatch(pattern, value)
+    info = tokenizer_info(tok, None, None)
+    assert compiler._pattern_problem(pattern, info) == ""
+    grammar = compiler._build(Backend.LLGUIDANCE, json_schema(
+        {"type": "string", "pattern": pattern}, strict=False), info)
+    grammar._matcher = llguidance.LLMatcher(
+        grammar._tokenizer, llguidance_backend.grammar_text(grammar.source), log_level=0,
+        limits=llguidance.LLParserLimits(**_TIGHT))
+    constraint = grammar.new_constraint()
+    for token in tok.encode(json.dumps(value), add_special_tokens=False):
+        constraint.bitmask()
+        constraint.advance([token])
+    assert constraint.is_accepting()
+
+
+@pytest.mark.parametrize("pattern", [
+    "^(a{1000}){1000}$", "^a{1000}{1000}$", "^x([a-z]{1,50}){1,50}$", "^([a-z]{1,50}){1,50}$",
+    "^[a-z]{65}$", "^[a-z]{40}[0-9]{25}$", "^a{99}$", "^[A-Z]{3}", "[A-Z]{3}$", "^[A-Z]{3,}$",
+    "^[A-Z]{1,3}$", "^[A-z]{3}$", "^[ -~]{3}$", "^.{3}$", "^\\w{3}$", "^[^a]{3}$", '^"{3}$',
+    "^(?:[A-Z]{3})$", "^[A-Z]|[0-9]$", "^a\\$", "^$", "^[A-Z]{0}$", "^[A-Z]{03}$",
+])
+def test_other_patterns_are_probed(tok, monkeypatch, pattern):
+    """What is not a fixed-width pattern of at most MAX_FIXED_WIDTH positions is probed: the
+    patterns that meet llguidance's lexer limits among them, refused when compiled
+    (test_a_grammar_whose_masks_llguidance_cannot_compute_is_refused_when_compiled)."""
+    from agentflash.grammar import compiler
+
+    assert not compiler.fixed_width(pattern)
+    probed: list[str] = []
+    monkeypatch.setattr(compiler, "_patterns", compiler.LRU(16))
+    monkeypatch.setattr(compiler, "_pattern_problem",
+                        lambda pattern, info: probed.append(pattern) or "")
+    compile_grammar(json_schema({"type": "object", "properties": {
+        "a": {"type": "integer"}, "code": {"type": "string", "pattern": pattern}}},
+        strict=False), tok, use_cache=False)
+    assert probed == [pattern]
 
 
 def _accepts(grammar, tok, text: str) -> bool:

@@ -33,7 +33,7 @@ def _probes(monkeypatch) -> list[str]:
 def test_clear_cache_empties_every_compile_cache(tok, monkeypatch):
     probed = _probes(monkeypatch)
     source = json_schema({"type": "object",
-                          "properties": {"code": {"type": "string", "pattern": "^[A-Z]{3}$"}}})
+                          "properties": {"code": {"type": "string", "pattern": "^[A-Z]{3,}$"}}})
     caches = (compiler._grammars, compiler._patterns, compiler._tokenizers)
     compile_grammar(source, tok)
     assert all(len(cache) for cache in caches)
@@ -41,7 +41,7 @@ def test_clear_cache_empties_every_compile_cache(tok, monkeypatch):
     assert not len(compiler._grammars) and not len(compiler._patterns)
     assert len(compiler._tokenizers)
     compile_grammar(source, tok)
-    assert probed == ["^[A-Z]{3}$"] * 2  # the pattern probed again after each clear
+    assert probed == ["^[A-Z]{3,}$"] * 2  # the pattern probed again after each clear
     clear_cache()
     assert not any(len(cache) for cache in caches)
 
@@ -68,10 +68,10 @@ def test_each_first_use_sample_builds_and_compiles_a_schema_no_cache_has_seen(to
                                                                                     **k))
     report = bench.time_first_use(workload, tok, samples=3)
     assert built == [0, 1, 2] and len({source.text for source in compiled}) == 3
-    # every sample pays its patterns' probes (the colour or the airport codes; the dates' own
-    # patterns are not probed: test_the_date_patterns_pass_their_probe)
-    per_sample = probed[: len(probed) // 3]
-    assert per_sample and probed == per_sample * 3
+    # no sample probes a pattern: the colour and the airport codes are of fixed width
+    # (test_fixed_width_patterns_are_far_from_the_lexer_limits), the dates' own patterns
+    # finite (test_the_date_patterns_pass_their_probe)
+    assert probed == []
     for key in ("build_ms", "compile_ms", "first_use_ms"):
         assert report[key]["p50"] > 0, key
 

@@ -274,7 +274,8 @@ def _check_patterns(source: GrammarSource, info: TokenizerInfo) -> None:
     for where, schema in schemas:
         for path, node in subschemas(schema, []):
             pattern = node.get("pattern") if isinstance(node, dict) else None
-            if isinstance(pattern, str) and pattern not in _SAFE_PATTERNS:
+            if (isinstance(pattern, str) and pattern not in _SAFE_PATTERNS
+                    and not fixed_width(pattern)):
                 problem = _patterns.get_or_make(
                     (pattern, info), lambda p=pattern: _pattern_problem(p, info))
                 if problem:
@@ -288,6 +289,35 @@ def _check_patterns(source: GrammarSource, info: TokenizerInfo) -> None:
 # each at Qwen3's vocabulary, was paid by every new tool with a date;
 # ``test_the_date_patterns_pass_their_probe``)
 _SAFE_PATTERNS = frozenset(DATE_PATTERNS.values())
+
+# one position of a fixed-width pattern: an ASCII letter, digit or mark that JSON writes as
+# itself, or a class of them (ranges within the capitals, the small letters or the digits;
+# ``\d`` is ASCII's in llguidance), once or a fixed number of times
+_FIXED_ATOM = re.compile(
+    r"(?:[A-Za-z0-9_ #:,@/-]|\\[.+()/:#-]|\\d"
+    r"|\[(?:[A-Z](?:-[A-Z])?|[a-z](?:-[a-z])?|[0-9](?:-[0-9])?|_|\\d)+\])"
+    r"(?:\{([1-9][0-9]?)\})?")
+MAX_FIXED_WIDTH = 64
+
+
+def fixed_width(pattern: str) -> bool:
+    """Whether ``pattern`` is ``^...$`` around at most ``MAX_FIXED_WIDTH`` positions, each one
+    ASCII character of a class written as itself in JSON (``^[A-Z]{3}$``, ``^#[0-9a-f]{6}$``,
+    ``^\\d{3}-\\d{4}$``): not probed (``_check_patterns``). Every derivative of such a regex
+    is one of its suffixes, so its lexer has at most ``MAX_FIXED_WIDTH + 2`` states whatever
+    the tokenizer, a hundredth of llguidance's limits more than met
+    (``test_fixed_width_patterns_are_far_from_the_lexer_limits``); its probe was 1.3 ms at
+    Qwen3's vocabulary, paid by each new tool with an airport code or a colour."""
+    if len(pattern) < 3 or pattern[0] != "^" or pattern[-1] != "$":
+        return False
+    pos, width, end = 1, 0, len(pattern) - 1
+    while pos < end:
+        match = _FIXED_ATOM.match(pattern, pos, end)
+        if match is None:
+            return False
+        width += int(match[1] or 1)
+        pos = match.end()
+    return 0 < width <= MAX_FIXED_WIDTH
 
 
 def _pattern_problem(pattern: str, info: TokenizerInfo) -> str:
