@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 import re
@@ -148,6 +149,14 @@ class CallEnd:
         at = self.text.find(CLOSE)
         return at if at >= 0 and not _json_or_its_beginning(self.text) else None
 
+    def copy(self) -> CallEnd:
+        """A twin to feed text that may still change, this one left as it is."""
+        twin, scan = CallEnd.__new__(CallEnd), JsonScan.__new__(JsonScan)
+        twin.__dict__.update(self.__dict__)
+        scan.__dict__.update(self._scan.__dict__)
+        twin._scan = scan
+        return twin
+
 
 # text that goes on with a JSON string and leaves it open: no quote nor control character, whole
 # escapes
@@ -176,11 +185,10 @@ def _json_or_its_beginning(text: str) -> bool:
     return True
 
 
-def _blocks(text: str) -> list[tuple[int, int, int | None]]:
-    """Each ``<tool_call>`` block of ``text``: where its tag starts, where its body starts, and
-    where its body ends (None for a call never closed, which runs to the end)."""
+def _blocks(text: str, pos: int = 0) -> list[tuple[int, int, int | None]]:
+    """Each ``<tool_call>`` block of ``text`` (from ``pos``): where its tag starts, where its body
+    starts, and where its body ends (None for a call never closed, which runs to the end)."""
     blocks: list[tuple[int, int, int | None]] = []
-    pos = 0
     while (at := text.find(OPEN, pos)) >= 0:
         start = at + len(OPEN)
         closer = CallEnd()
@@ -230,6 +238,123 @@ def unsettled_from(text: str) -> int | None:
     start = blocks[-1][1]
     at = text.find(CLOSE, start)
     return None if at < 0 else at
+
+
+class CallBlocks:
+    """``_blocks`` of a text that grows (a reply decoded a step at a time), not read again from
+    its start at each step: the blocks that their tag closed (``CallEnd.feed``) in the text's
+    stable beginning (what every later text begins with) are kept, and the call open there is
+    fed only what came since. What may still change (a body that may turn out no JSON and end
+    at its first tag, ``CallEnd.fallback``; what follows such a call; the text not stable yet)
+    is read again each time (``tail``)."""
+
+    def __init__(self) -> None:
+        self.closed: list[tuple[int, int]] = []  # kept: where the tag starts, its block ends
+        self.pos = 0  # where the next ``<tool_call>`` is looked for
+        self.call: CallEnd | None = None  # the call open in the stable text
+        self.at = self.start = 0  # ... where its tag and its body start
+        self.fed = 0  # ... ``text[start:fed]`` fed to it
+
+    @property
+    def frontier(self) -> int:
+        """Where the blocks not kept may begin."""
+        return self.at if self.call is not None else self.pos
+
+    def advance(self, text: str, stable: int) -> None:
+        """Read ``text[:stable]``, which every later text begins with."""
+        while True:
+            if self.call is None:
+                at = text.find(OPEN, self.pos, stable)
+                if at < 0:  # none begins before: one may straddle ``stable``
+                    self.pos = max(self.pos, stable - len(OPEN) + 1)
+                    return
+                self.call, self.at, self.start = CallEnd(), at, at + len(OPEN)
+                self.fed = self.start
+            if stable > self.fed:
+                self.call.feed(text[self.fed : stable])
+                self.fed = stable
+            if self.call.end is None:
+                return
+            self.pos = self.start + self.call.end + len(CLOSE)
+            self.closed.append((self.at, self.pos))
+            self.call = None
+
+    def tail(self, text: str) -> list[tuple[int, int, int | None]]:
+        """``_blocks(text)`` less the blocks kept; ``text`` begins with the stable text read."""
+        if self.call is None:
+            return _blocks(text, self.pos)
+        call = self.call
+        if len(text) > self.fed:
+            call = call.copy()
+            call.feed(text[self.fed :])
+        end = call.end if call.end is not None else call.fallback()
+        if end is None:
+            return [(self.at, self.start, None)]
+        return [(self.at, self.start, self.start + end),
+                *_blocks(text, self.start + end + len(CLOSE))]
+
+    def in_kept(self, at: int) -> bool:
+        """Whether ``at`` is inside a kept block (past its tag's ``<``)."""
+        i = bisect.bisect_left(self.closed, (at, -math.inf)) - 1
+        return i >= 0 and at < self.closed[i][1]
+
+
+class StopFinder:
+    """``stop_at`` of a text that grows a step at a time (a reply's settled text), reading only
+    what each step added: a stop string that ended in the text read before was outside every
+    call then (the request stopped) or inside one; those inside a call still open are kept, and
+    looked at again where that call turns out to end before them (``CallEnd.fallback``)."""
+
+    def __init__(self, stops: tuple[str, ...] | list[str], tool_calls: bool = True) -> None:
+        self.stops = tuple(stops)
+        self.calls = CallBlocks() if tool_calls else None
+        self.seen = 0  # the stop strings that end in ``text[:seen]`` are found
+        self.inside: list[int] = []  # ... where those in the blocks not kept begin, in order
+
+    def find(self, text: str, stable: int) -> int | None:
+        """``stop_at(text, stops, tool_calls)``, for a ``text`` that ends in no U+FFFD and begins
+        with the last one's ``text[:stable]``; every later text begins with this one's."""
+        found = []  # (start, end) of the stop strings that end after the text read
+        for stop in self.stops:
+            at = text.find(stop, max(0, self.seen - len(stop) + 1))
+            while at >= 0:
+                found.append((at, at + len(stop)))
+                at = text.find(stop, at + 1)
+        if self.calls is None:
+            return min((at for at, _ in found), default=None)
+        # those kept that a block kept now holds are in it for good (they end before its tag)
+        self.calls.advance(text, stable)
+        frontier = self.calls.frontier
+        del self.inside[: bisect.bisect_left(self.inside, frontier)]
+        first = self._first_outside(found, self.calls.tail(text))
+        if first is not None:
+            return first
+        for at, end in found:
+            if at >= frontier and end <= stable:
+                bisect.insort(self.inside, at)
+        self.seen = stable
+        return None
+
+    def _first_outside(self, found: list[tuple[int, int]],
+                       tail: list[tuple[int, int, int | None]]) -> int | None:
+        calls = [(at, None if end is None else end + len(CLOSE)) for at, _, end in tail]
+        first = None
+        for at, _ in found:
+            if first is not None and at >= first or self.calls.in_kept(at):
+                continue
+            if not any(opened < at and (closed is None or at < closed)
+                       for opened, closed in calls):
+                first = at
+        if not self.inside or not calls or calls[0][1] is None:
+            return first
+        # those kept are all past the first block's tag: outside where a block ends before them
+        for (_, closed), (opened, _) in zip(calls, [*calls[1:], (None, None)]):
+            if closed is None:
+                break
+            i = bisect.bisect_left(self.inside, closed)
+            if i < len(self.inside) and (opened is None or self.inside[i] <= opened):
+                return self.inside[i] if first is None else min(first, self.inside[i])
+        return first
 
 
 def parse_tool_calls(text: str) -> tuple[list[ParsedToolCall], list[MalformedToolCall]]:

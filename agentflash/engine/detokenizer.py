@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from agentflash.tool_format import CLOSE, OPEN, unsettled_from
+from agentflash.tool_format import CLOSE, OPEN, CallBlocks, StopFinder
 
 
 class OutputDecoder:
@@ -51,6 +51,79 @@ def settled(text: str) -> str:
     """``text`` less an incomplete UTF-8 sequence at its end (decoded as U+FFFD), which the next
     tokens may complete."""
     return text.rstrip("\ufffd") if text.endswith("\ufffd") else text
+
+
+class ReplyText:
+    """The settled text (``settled``) of a reply's tokens as they grow, decoded from the tokens
+    after the last point where the text was whole, not from the whole reply (O(step) a call;
+    StepText's window): where it ends in no U+FFFD, no character is cut there, so none will be;
+    but a byte-fallback decoder reads a run of byte tokens (``<0xE2>``) as one, all U+FFFD if a
+    byte in it is invalid (``<0x41>`` reads ``A``, then U+FFFD once ``<0x80>`` follows), so the
+    window starts again before such a run, never inside one; and a special token is left out
+    before decoding, so the tokens on either side of it are read as one (bytes of a character,
+    a run). A window that ends in U+FFFD (or such a token) starts again at a cut within its
+    last 9 tokens where its text splits (``head + tail == text``, the tail not empty).
+    ``stable``: how much of the text every later one begins with. A decoder
+    whose text of some tokens is not that of each part (not a fast tokenizer: SentencePiece's
+    own strips a part's first space; ``clean_up_tokenization_spaces`` joins `` .`` across
+    parts) decodes the whole reply, stable nowhere."""
+
+    def __init__(self, decode: OutputDecoder):
+        self.decode = decode
+        tokenizer = getattr(decode, "tokenizer", None)
+        self.local = (getattr(decode, "fast", False)
+                      and not getattr(tokenizer, "clean_up_tokenization_spaces", False))
+        self.head = ""  # the text of ``token_ids[:start]``, which later tokens leave as it is
+        self.start = 0
+        self.stable = 0
+
+    @functools.cached_property
+    def _joined(self) -> frozenset[int]:
+        """Tokens that may be read as one with the next: byte-fallback and left-out ones."""
+        return self.decode.byte_tokens | self.decode.skipped
+
+    def update(self, token_ids: list[int], end: int) -> str:
+        """The settled text of ``token_ids[:end]`` (the tokens before those read before)."""
+        if not self.local:
+            return settled(self.decode(token_ids[:end]))
+        tail = self.decode(token_ids[self.start : end])
+        if end > self.start and not tail.endswith("\ufffd") and (
+                token_ids[end - 1] not in self._joined):
+            self.head, self.start, tail = self.head + tail, end, ""
+        elif end - self.start > 1:
+            tail = self._cut(token_ids, end, tail)
+        self.stable = len(self.head.rstrip("\ufffd"))
+        return (self.head + tail).rstrip("\ufffd")
+
+    def _cut(self, token_ids: list[int], end: int, tail: str) -> str:
+        """``tail`` from a later start, where one splits it."""
+        joined, skipped = self._joined, self.decode.skipped
+        for cut in range(end - 1, max(self.start, end - 10), -1):
+            if token_ids[cut] in skipped or token_ids[cut - 1] in joined and (
+                    token_ids[cut] in joined):
+                continue
+            right = self.decode(token_ids[cut:end])
+            if not right or not tail.endswith(right):
+                continue
+            left = self.decode(token_ids[self.start : cut])
+            if left + right == tail:
+                self.head, self.start = self.head + left, cut
+                return right
+        return tail
+
+
+class StopCheck:
+    """Where the first stop string begins in a reply's text (``stop_at``), read a token at a
+    time as the reply grows (O(token) a token: ``ReplyText``, ``StopFinder``)."""
+
+    def __init__(self, decode: OutputDecoder, stop: tuple[str, ...], tool_calls: bool = True):
+        self.text = ReplyText(decode)
+        self.finder = StopFinder(stop, tool_calls)
+
+    def __call__(self, token_ids: list[int]) -> int | None:
+        """Where in the text of ``token_ids`` (the tokens of the last call and more)."""
+        text = self.text.update(token_ids, len(token_ids))
+        return self.finder.find(text, self.text.stable)
 
 
 class StepText:
@@ -127,24 +200,41 @@ class Detokenizer:
                  tool_calls: bool = True):
         self.decode, self.stop, self.tool_calls = decode, stop, tool_calls
         self.emitted = 0  # characters handed out so far
+        self.reply = ReplyText(decode)  # the text so far, a step at a time
+        # the calls of the text handed out or held (``unsettled_from``, a step at a time)
+        self.calls = CallBlocks() if stop and tool_calls else None
+        self.longest = max(map(len, stop), default=1)
 
     def text(self, token_ids: list[int]) -> str:
         return self.decode(token_ids)
 
     def delta(self, token_ids: list[int], final: bool = False, cut: int | None = None) -> str:
-        """New text; ``cut`` is where a stop string begins, once the request stopped on one."""
-        text = self.text(token_ids)
+        """New text (of ``token_ids``: the last call's and more); ``cut`` is where a stop string
+        begins, once the request stopped on one."""
         if cut is not None:
-            text = text[:cut]
-        elif not final:
-            text = settled(text)
+            text = self.text(token_ids)[:cut]
+        elif final:
+            text = self.text(token_ids)
+        else:
+            text = self.reply.update(token_ids, len(token_ids))
             text = text[: len(text) - self._held(text)]
-            if self.stop and self.tool_calls and CLOSE in text:
-                unsettled = unsettled_from(text)
-                text = text if unsettled is None else text[:unsettled]
+            if self.calls is not None:
+                text = self._settled_calls(text)
         new = text[self.emitted :]
         self.emitted = max(self.emitted, len(text))
         return new
+
+    def _settled_calls(self, text: str) -> str:
+        """``text`` less what follows an open call's first ``</tool_call>`` (``unsettled_from``).
+        It is the reply's settled text less what a stop string may begin with (shorter than
+        the longest), so every later one begins with its stable text less that much."""
+        self.calls.advance(text, max(0, self.reply.stable - self.longest + 1))
+        blocks = self.calls.tail(text)
+        if blocks and blocks[-1][2] is None:
+            at = text.find(CLOSE, blocks[-1][1])
+            if at >= 0:
+                return text[:at]
+        return text
 
     def _held(self, text: str) -> int:
         """Length of the longest suffix of ``text`` that a stop string starts with."""

@@ -21,7 +21,7 @@ import jinja2
 import torch
 
 from agentflash.dflash.speculate import accept_choices, draft_logits, lookup_draft
-from agentflash.engine.detokenizer import OutputDecoder, StepText
+from agentflash.engine.detokenizer import OutputDecoder, StepText, StopCheck
 from agentflash.engine.kv_cache import KVCache, whole_chunks
 from agentflash.engine.limits import limit_problems
 from agentflash.engine.model_runner import ModelRunner, Row
@@ -45,7 +45,7 @@ from agentflash.router.policy import (
     priors_from_validation,
 )
 from agentflash.router.segments import SegmentKind
-from agentflash.tool_format import parse_tool_calls, stop_at
+from agentflash.tool_format import parse_tool_calls
 
 log = logging.getLogger(__name__)
 
@@ -328,6 +328,8 @@ class Engine:
                             "auto or off)")
         req = Request([int(t) for t in prompt_ids], params)
         req.step_text = StepText(self.decode_output)
+        if params.stop:
+            req.stop_check = StopCheck(self.decode_output, params.stop, params.tool_calls)
         if params.grammar is not None:
             req.constraint = self.compile(params.grammar).new_constraint()
             answers = params.grammar.answers_in_schema  # text outside calls: the answer
@@ -1005,9 +1007,8 @@ class Engine:
 
     def _hits_stop(self, req: Request, token: int) -> bool:
         params = req.params
-        if params.stop:  # first: a stop token that ends a stop string cuts the text there too
-            at = stop_at(self.decode_output(req.output_ids),
-                         params.stop, params.tool_calls)
+        if req.stop_check is not None:  # first: a stop token that ends a stop string cuts
+            at = req.stop_check(req.output_ids)  # the text there too
             if at is not None:
                 req.stop_text_len = at
                 return True

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from agentflash.engine.detokenizer import StepText
+from agentflash.engine.detokenizer import StepText, StopCheck
 from agentflash.errors import (
     SEED_TEXT,
     TEMPERATURE_TEXT,
@@ -157,6 +157,8 @@ class Request:
         self.segments = SegmentTracker()
         # what the reply's text grew by at each step, for ``segments`` (the engine's decoder)
         self.step_text: StepText | None = None
+        # where a stop string begins in its text (``tool_format.stop_at``), a token at a time
+        self.stop_check: StopCheck | None = None
         self.routing = RequestRouting()
         self.generator: torch.Generator | None = None
         if not params.is_greedy:
