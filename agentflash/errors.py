@@ -3,17 +3,25 @@
 
 import numbers
 import re
+import sys
 from pathlib import Path
 from typing import Any
+
+if sys.version_info < (3, 11):
+    from exceptiongroup import BaseExceptionGroup
 
 
 def described(err: BaseException) -> str:
     """``Type: message`` of an exception (its type alone without a message, or where its
-    ``__str__`` itself fails: a user's exception class whose message is built wrongly)."""
+    ``__str__`` itself fails: a user's exception class whose message is built wrongly); a
+    group's, each of its exceptions' after its own (a tool's task group that failed twice)."""
     try:
         message = str(err)
     except Exception:  # noqa: BLE001
         message = ""
+    if isinstance(err, BaseExceptionGroup):  # its own text counts them: each one said too
+        inner = "; ".join(described(e) for e in err.exceptions)
+        message = f"{message}: {inner}" if message else inner
     return f"{type(err).__name__}: {message}" if message else type(err).__name__
 
 

@@ -1943,6 +1943,21 @@ def test_a_tool_failing_in_a_task_group_names_its_own_error():
     assert outcome.error_type == "OSError" and "port must be 0-65535" in outcome.output
 
 
+def test_a_tool_failing_twice_in_a_task_group_names_both_errors():
+    # the model read "unhandled errors in a TaskGroup (2 sub-exceptions)" and neither error
+    async def fetch() -> str:
+        async def fail(err: Exception) -> None:
+            raise err
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(fail, ValueError("no such city"))
+            tg.start_soon(fail, KeyError("days"))
+
+    outcome = anyio.run(run_tool, tool(fetch), {})
+    assert outcome.is_error and "ValueError: no such city" in outcome.output
+    assert "KeyError: 'days'" in outcome.output, outcome.output
+
+
 def test_a_tools_error_reaches_the_model_even_when_it_cannot_be_printed():
     class Unprintable(Exception):
         def __str__(self):
