@@ -149,6 +149,19 @@ def test_union_rejects_arguments_of_the_wrong_shape(tok):
         assert not is_legal(grammar, ids), body
 
 
+def test_parameters_without_a_type_take_an_object_alone(tok):
+    # they are an object's (check_parameters), but the grammar embedded them as they were:
+    # '"arguments": 5' was written, a call every parser refuses
+    for params in ({}, {"properties": {"x": {"type": "string"}}}):
+        tools = [{"type": "function", "function": {"name": "f", "parameters": params}}]
+        grammar = compile_grammar(tool_call_body(tools), tok)
+        for args, legal in (("5", False), ('"hi"', False), ("[1]", False), ("null", False),
+                            ('{"x": "a"}', True)):
+            body = '{"name": "f", "arguments": ' + args + '}'
+            ids = tok.encode(body, add_special_tokens=False) + [tok.eos_token_id]
+            assert is_legal(grammar, ids) == legal, (params, body)
+
+
 @pytest.mark.parametrize(("parameters", "legal", "illegal"), [
     # a $ref in a const or an enum is data: it was rewritten as the union's pointer, and the call
     # written with it refused by the tool's own schema

@@ -229,7 +229,10 @@ def tool_call_schema(
     resources: dict[str, tuple[str, Any, Any, bool]] = {}  # a nested $id: where it is
     for i, spec in enumerate(specs):
         base = f"#/anyOf/{i}/properties/arguments"
-        parameters = spec.parameters
+        # parameters without a type are an object's (check_parameters): {} let the grammar
+        # write '"arguments": 5', a call every parser refuses
+        parameters = (spec.parameters if "type" in spec.parameters
+                      else {"type": "object", **spec.parameters})
         parameters = exact_dates(close_objects(parameters) if strict and spec.strict
                                  else parameters)
         # (an $id of its own would make its refs its own: they are the union's, rebased)
