@@ -5,7 +5,9 @@ year, year 0000), and a backend that reads a string's pattern and not its format
 Torch-free, so that a tool's schema is made without loading the grammar layer."""
 
 import datetime
+import decimal
 import functools
+import numbers
 import re
 from typing import Any
 
@@ -237,19 +239,24 @@ def decimal_multiple_of(validator: Any, step: Any, instance: Any, schema: Any) -
 
     from jsonschema.exceptions import ValidationError
 
-    def exact(x: Any) -> Fraction:  # an int as it is (its text may pass Python's 4,300 digits)
-        return Fraction(x) if isinstance(x, int) else Fraction(repr(x))
+    def exact(x: Any) -> Fraction:  # an int as it is (its text may pass Python's 4,300 digits),
+        # a Decimal as it is, another number (a float, numpy's) by its float's shortest text
+        if isinstance(x, numbers.Integral):
+            return Fraction(int(x))
+        if isinstance(x, decimal.Decimal):
+            return Fraction(x)
+        return Fraction(repr(float(x)))
 
     def shown(x: Any) -> str:
-        if isinstance(x, int) and x.bit_length() > 4000:
-            return f"an integer of about {int(x.bit_length() * 0.30103)} digits"
+        if isinstance(x, numbers.Integral) and int(x).bit_length() > 4000:
+            return f"an integer of about {int(int(x).bit_length() * 0.30103)} digits"
         return repr(x)
 
     if not validator.is_type(instance, "number"):
         return
     try:
         multiple = exact(instance) % exact(step) == 0
-    except (ValueError, ZeroDivisionError):  # inf and nan are no multiple (jsonschema raised)
+    except (ValueError, OverflowError, ZeroDivisionError):  # inf and nan are no multiple
         multiple = False
     if not multiple:
         yield ValidationError(f"{shown(instance)} is not a multiple of {shown(step)}")

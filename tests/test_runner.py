@@ -348,6 +348,10 @@ def test_a_key_s_pattern_ends_at_the_key_s_end():
 def test_multiple_of_is_exact_on_the_numbers_as_written():
     """jsonschema divides floats: 0.07 / 0.01 is 7.000000000000001, and an answer the grammar
     wrote under multipleOf 0.01 (it checks the decimal text) failed the agent's own check."""
+    from decimal import Decimal
+
+    import numpy as np
+
     agent = Agent("a", output_type={"type": "object", "properties": {
         "price": {"type": "number", "multipleOf": 0.01}}, "required": ["price"]})
     for reply in ('{"price": 0.07}', '{"price": 1.15}', '{"price": 0.29}', '{"price": 7}'):
@@ -358,7 +362,11 @@ def test_multiple_of_is_exact_on_the_numbers_as_written():
                                (3, 9.0, True), (3, 2**60, False), (0.5, float("inf"), False),
                                (0.5, float("nan"), False), (2.5, 7.5, True),
                                (3, 3 * 10**5000, True), (3, 10**5000, False),  # (past 4,300
-                               (10**5000, 0.5, False)):  # digits an int's text raised)
+                               (10**5000, 0.5, False),  # digits an int's text raised)
+                               (0.5, np.float64(1.5), True), (0.5, np.int64(4), True),
+                               (0.5, Decimal("2"), True), (1, Decimal("3"), True),
+                               (0.1, Decimal("0.3"), True), (0.5, np.float64(1.2), False),
+                               (0.5, Decimal("NaN"), False), (0.5, Decimal("Infinity"), False)):
         assert value_validator({"multipleOf": step}).is_valid(value) == taken, (step, value)
 
 
