@@ -1393,16 +1393,25 @@ def test_outlines_refuses_what_it_cannot_do(tok):
         (json_schema({"properties": {"h": {"type": "string", "format": "hostname",
                                            "pattern": "^[a-z]{1,5}$"}}}),
          "#/properties/h: outlines-core ignores 'format'"),
-        # a subschema that does not compile alone: its maxLength went unchecked, and dropped
+        # a subschema that does not compile alone, judged in the whole: its maxLength dropped
         (json_schema({"properties": {"a": {"type": "string"},
                                      "b": {"$ref": "#/properties/a", "maxLength": 2}},
                       "required": ["b"]}),
-         "#/properties/b: outlines-core cannot compile this subschema on its own"),
+         "#/properties/b: outlines-core ignores 'maxLength'"),
     ]
     for source, what in cases:
         with pytest.raises(GrammarError) as err:
             compile_grammar(source, tok, backend=Backend.OUTLINES)
         assert what in str(err.value), str(err.value)
+    # a subschema that does not compile alone whose bounds the whole keeps: compiled
+    kept = compile_grammar(json_schema({
+        "type": "object", "properties": {"a": {"type": "string"}, "b": {
+            "type": "array", "items": {"$ref": "#/properties/a"}, "minItems": 1,
+            "maxItems": 2}}, "required": ["b"]}), tok, backend=Backend.OUTLINES)
+    for text, legal in (('{"b":[]}', False), ('{"b":["x"]}', True), ('{"b":["x","y"]}', True),
+                        ('{"b":["x","y","z"]}', False)):
+        ids = tok.encode(text, add_special_tokens=False) + [tok.eos_token_id]
+        assert (kept.new_constraint().validate_draft(ids) == len(ids)) == legal, text
     # a date's format is the whole of the pattern exact_dates puts beside it: kept, not refused
     for schema in ({"type": "string", "format": "date"}, {"type": "string", "format": "time"},
                    {"properties": {"at": {"type": "string", "format": "date-time"}}}):

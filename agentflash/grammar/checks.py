@@ -8,6 +8,7 @@ would run until ``max_tokens``. Both are caught here, naming the field or rule.
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import math
@@ -927,8 +928,9 @@ _ASSERTIONS = {
 
 
 class UncheckedSubschema(Exception):
-    """A subschema with assertions that the backend cannot compile on its own (a ``$ref`` into
-    its root's ``properties``): whether it keeps them cannot be checked."""
+    """A subschema with an assertion that the backend cannot compile on its own (a ``$ref`` into
+    its root's ``properties``), nor the whole schema without it: whether it keeps the assertion
+    cannot be checked."""
 
     def __init__(self, where: str, message: str):
         super().__init__(f"{where}: {message}")
@@ -942,11 +944,22 @@ def ignored_keyword(schema: Any, output_of: Callable[[Any], str]) -> tuple[str, 
     outlines-core) or raises ValueError or TypeError; an assertion whose removal leaves that
     form unchanged was ignored, and the backend would let values through that the schema
     rejects. One the form cannot do without (compiling fails without it: a ``format`` the
-    backend does not know beside a ``pattern``) was not. A subschema with assertions that does
-    not compile on its own raises ``UncheckedSubschema``.
+    backend does not know beside a ``pattern``) was not. A subschema that does not compile on
+    its own is judged in the whole schema (the whole's form without the assertion where it
+    stands); ``UncheckedSubschema`` where the whole does not compile either.
     """
     roots = schema if isinstance(schema, dict) else {}
     defs = {k: roots[k] for k in ("$defs", "definitions") if k in roots}
+    whole: list[Any] = []  # the whole schema's form, once one subschema needs it
+
+    def in_context(path: list[str | int], keyword: str, err: Exception) -> Any:
+        try:
+            if not whole:
+                whole.append(output_of(schema))
+            return whole[0], output_of(_without(schema, path, keyword))
+        except (ValueError, TypeError):
+            raise UncheckedSubschema(pointer(path), " ".join(str(err).split())) from None
+
     for path, node in subschemas(schema, []):  # $defs too: a $ref reaches what they assert
         if not isinstance(node, dict):
             continue
@@ -955,17 +968,30 @@ def ignored_keyword(schema: Any, output_of: Callable[[Any], str]) -> tuple[str, 
             continue
         standalone = {**node, **{k: v for k, v in defs.items() if k not in node}}
         try:
-            whole = output_of(standalone)
+            alone: Any = output_of(standalone)
         except (ValueError, TypeError) as err:
-            raise UncheckedSubschema(pointer(path), " ".join(str(err).split())) from None
+            alone = err
         for keyword in asserted:
             try:
-                alone = output_of({k: v for k, v in standalone.items() if k != keyword})
+                if isinstance(alone, Exception):
+                    kept, without = in_context(path, keyword, alone)
+                else:
+                    kept = alone
+                    without = output_of({k: v for k, v in standalone.items() if k != keyword})
             except (ValueError, TypeError):
                 continue
-            if alone == whole:
+            if without == kept:
                 return pointer(path), keyword
     return None
+
+
+def _without(schema: Any, path: list[str | int], keyword: str) -> Any:
+    """A copy of ``schema`` with ``keyword`` left out of the subschema at ``path``."""
+    if not path:
+        return {k: v for k, v in schema.items() if k != keyword}
+    copied = copy.copy(schema)
+    copied[path[0]] = _without(schema[path[0]], path[1:], keyword)
+    return copied
 
 
 def locate_schema_error(schema: Any, error_of: Callable[[Any], str | None],
