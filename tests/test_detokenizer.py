@@ -126,7 +126,8 @@ def decoder(request, demo_tokenizer_dir):
     runs = [tokenizer.encode(f, add_special_tokens=False) for f in FRAGMENTS + ["×😀", "中文"]]
     singles = sorted({t for run in runs for t in run} | set(tokenizer.all_special_ids)
                      | set(tokenizer.encode("é€×😀中", add_special_tokens=False))
-                     | set(range(0, len(tokenizer), max(1, len(tokenizer) // 300))))
+                     | set(range(0, len(tokenizer), max(1, len(tokenizer) // 300)))
+                     | {len(tokenizer), len(tokenizer) + 1})  # a model's rows past its tokens
     return decode, runs, singles
 
 
@@ -181,3 +182,24 @@ def test_streamed_deltas_are_those_of_the_whole_text(decoder, data, stop, tool_c
     got = [detok.delta(ids[:e], final=k == len(ends) - 1, cut=cut if k == len(ends) - 1
                        else None) for k, e in enumerate(ends)]
     assert got == reference_deltas(decode, stop, tool_calls, ids, ends, cut)
+
+
+def test_an_id_past_the_tokenizer_joins_the_byte_runs_beside_it():
+    # decoded as nothing, it left "é" (C3 A9) kept as whole, and a lone A9 after it made the
+    # run C3 A9 A9 three U+FFFD: the stop was found a character early, the deltas differed
+    tokenizer = _byte_fallback_tokenizer()
+    decode = OutputDecoder(tokenizer)
+    c3, a9 = tokenizer.convert_tokens_to_ids(["<0xC3>", "<0xA9>"])
+    a = tokenizer.convert_tokens_to_ids("a")
+    ids = [c3, a9, len(tokenizer), a9, a, a]
+    text = ReplyText(decode)
+    for end in range(1, len(ids) + 1):
+        assert text.update(ids, end) == settled(decode(ids[:end])), end
+    check = StopCheck(decode, ("a",))
+    at = next(found for end in range(1, len(ids) + 1)
+              if (found := check(ids[:end])) is not None)
+    assert at == stop_at(decode(ids), ("a",)) == 3
+    ends = [2, 3, 4, 5, 6]
+    detok = Detokenizer(decode, (), True)
+    assert [detok.delta(ids[:e], final=e == 6) for e in ends] == reference_deltas(
+        decode, (), True, ids, ends, None)

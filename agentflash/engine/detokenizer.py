@@ -76,19 +76,28 @@ class ReplyText:
         self.head = ""  # the text of ``token_ids[:start]``, which later tokens leave as it is
         self.start = 0
         self.stable = 0
+        # an id past the tokenizer's (a model's rows outnumber its tokens: Qwen3's 151,936 to
+        # 151,669) decodes to nothing: left out like a special token
+        self.size = len(tokenizer) if self.local else 0
 
     @functools.cached_property
     def _joined(self) -> frozenset[int]:
         """Tokens that may be read as one with the next: byte-fallback and left-out ones."""
         return self.decode.byte_tokens | self.decode.skipped
 
+    def _joins(self, token: int) -> bool:
+        return token in self._joined or token >= self.size
+
+    def _left_out(self, token: int) -> bool:
+        return token in self.decode.skipped or token >= self.size
+
     def update(self, token_ids: list[int], end: int) -> str:
         """The settled text of ``token_ids[:end]`` (the tokens before those read before)."""
         if not self.local:
             return settled(self.decode(token_ids[:end]))
         tail = self.decode(token_ids[self.start : end])
-        if end > self.start and not tail.endswith("\ufffd") and (
-                token_ids[end - 1] not in self._joined):
+        if end > self.start and not tail.endswith("\ufffd") and not self._joins(
+                token_ids[end - 1]):
             self.head, self.start, tail = self.head + tail, end, ""
         elif end - self.start > 1:
             tail = self._cut(token_ids, end, tail)
@@ -97,10 +106,9 @@ class ReplyText:
 
     def _cut(self, token_ids: list[int], end: int, tail: str) -> str:
         """``tail`` from a later start, where one splits it."""
-        joined, skipped = self._joined, self.decode.skipped
         for cut in range(end - 1, max(self.start, end - 10), -1):
-            if token_ids[cut] in skipped or token_ids[cut - 1] in joined and (
-                    token_ids[cut] in joined):
+            if self._left_out(token_ids[cut]) or self._joins(token_ids[cut - 1]) and (
+                    self._joins(token_ids[cut])):
                 continue
             right = self.decode(token_ids[cut:end])
             if not right or not tail.endswith(right):
