@@ -14,15 +14,37 @@ if sys.version_info < (3, 11):
 def described(err: BaseException) -> str:
     """``Type: message`` of an exception (its type alone without a message, or where its
     ``__str__`` itself fails: a user's exception class whose message is built wrongly); a
-    group's, each of its exceptions' after its own (a tool's task group that failed twice)."""
+    group's, its first few exceptions' after its own (a tool's task group that failed twice)."""
     try:
         message = str(err)
     except Exception:  # noqa: BLE001
         message = ""
-    if isinstance(err, BaseExceptionGroup):  # its own text counts them: each one said too
-        inner = "; ".join(described(e) for e in err.exceptions)
+    if isinstance(err, BaseExceptionGroup):  # its own text counts them: the first few said
+        leaves, more = _first_leaves(err)
+        inner = "; ".join(described(e) for e in leaves) + (f"; and {more} more" if more else "")
         message = f"{message}: {inner}" if message else inner
     return f"{type(err).__name__}: {message}" if message else type(err).__name__
+
+
+def _first_leaves(group: BaseException, shown: int = 5, visits: int = 1000
+                  ) -> tuple[list[BaseException], str]:
+    """The first ``shown`` exceptions inside ``group`` (nested groups walked, not recursed:
+    hundreds deep, or one group shared many times over), and how many more ("" for none;
+    "many" past ``visits`` nodes)."""
+    leaves: list[BaseException] = []
+    more, seen, stack = 0, 0, list(reversed(group.exceptions))  # type: ignore[attr-defined]
+    while stack:
+        seen += 1
+        if seen > visits:
+            return leaves, "many"
+        exc = stack.pop()
+        if isinstance(exc, BaseExceptionGroup):
+            stack.extend(reversed(exc.exceptions))
+        elif len(leaves) < shown:
+            leaves.append(exc)
+        else:
+            more += 1
+    return leaves, str(more) if more else ""
 
 
 class UserError(Exception):

@@ -252,10 +252,20 @@ def decimal_multiple_of(validator: Any, step: Any, instance: Any, schema: Any) -
             return f"an integer of about {int(int(x).bit_length() * 0.30103)} digits"
         return repr(x)
 
+    def too_fine(x: Any, denominator: int) -> bool:  # a Decimal's 10^-k, k past the step's:
+        # its denominator in lowest terms is over 10^(k - digits), so not the step's divisor
+        # (Fraction would build 10^k: 1E-10000000 took 8 s)
+        sign, digits, exponent = x.as_tuple()
+        return isinstance(exponent, int) and -exponent - len(digits) > len(str(denominator))
+
     if not validator.is_type(instance, "number"):
         return
     try:
-        multiple = exact(instance) % exact(step) == 0
+        if isinstance(instance, decimal.Decimal) and instance and too_fine(
+                instance, exact(step).denominator):
+            multiple = False
+        else:
+            multiple = exact(instance) % exact(step) == 0
     except (ValueError, OverflowError, ZeroDivisionError):  # inf and nan are no multiple
         multiple = False
     if not multiple:

@@ -366,7 +366,9 @@ def test_multiple_of_is_exact_on_the_numbers_as_written():
                                (0.5, np.float64(1.5), True), (0.5, np.int64(4), True),
                                (0.5, Decimal("2"), True), (1, Decimal("3"), True),
                                (0.1, Decimal("0.3"), True), (0.5, np.float64(1.2), False),
-                               (0.5, Decimal("NaN"), False), (0.5, Decimal("Infinity"), False)):
+                               (0.5, Decimal("NaN"), False), (0.5, Decimal("Infinity"), False),
+                               (0.01, Decimal("1E-10000000"), False),  # (Fraction: 8 s)
+                               (0.01, Decimal("100E-4"), True), (0.01, Decimal("0E-99999"), True)):
         assert value_validator({"multipleOf": step}).is_valid(value) == taken, (step, value)
 
 

@@ -1956,6 +1956,19 @@ def test_a_tool_failing_twice_in_a_task_group_names_both_errors():
     outcome = anyio.run(run_tool, tool(fetch), {})
     assert outcome.is_error and "ValueError: no such city" in outcome.output
     assert "KeyError: 'days'" in outcome.output, outcome.output
+    # the first few, walked (a group 400 deep raised RecursionError; 1,000 failed tasks were
+    # 84 KB of the model's context)
+    from agentflash.errors import described
+
+    if sys.version_info < (3, 11):
+        from exceptiongroup import ExceptionGroup
+
+    deep = ExceptionGroup("g", [ValueError("a")])
+    for _ in range(400):
+        deep = ExceptionGroup("g", [deep])
+    assert described(deep).endswith("(1 sub-exception): ValueError: a")
+    wide = described(ExceptionGroup("g", [ValueError(str(i)) for i in range(1000)]))
+    assert wide.endswith("ValueError: 3; ValueError: 4; and 995 more"), wide
 
 
 def test_a_tools_error_reaches_the_model_even_when_it_cannot_be_printed():
