@@ -21,22 +21,22 @@ def described(err: BaseException) -> str:
         message = ""
     if isinstance(err, BaseExceptionGroup):  # its own text counts them: the first few said
         leaves, more = _first_leaves(err)
-        inner = "; ".join(described(e) for e in leaves) + (f"; and {more} more" if more else "")
+        inner = "; ".join([*(described(e) for e in leaves), *([more] if more else [])])
         message = f"{message}: {inner}" if message else inner
     return f"{type(err).__name__}: {message}" if message else type(err).__name__
 
 
-def _first_leaves(group: BaseException, shown: int = 5, visits: int = 1000
+def _first_leaves(group: BaseException, shown: int = 5, visits: int = 10_000
                   ) -> tuple[list[BaseException], str]:
     """The first ``shown`` exceptions inside ``group`` (nested groups walked, not recursed:
-    hundreds deep, or one group shared many times over), and how many more ("" for none;
-    "many" past ``visits`` nodes)."""
+    hundreds deep, or one group shared many times over), and how many more ("and 3 more", ""
+    for none; "and many more" past ``visits`` nodes)."""
     leaves: list[BaseException] = []
     more, seen, stack = 0, 0, list(reversed(group.exceptions))  # type: ignore[attr-defined]
     while stack:
         seen += 1
-        if seen > visits:
-            return leaves, "many"
+        if seen > visits:  # (one group shared many times over, or nested past belief)
+            return leaves, "and many more" if leaves else f"nested past {visits:,} groups"
         exc = stack.pop()
         if isinstance(exc, BaseExceptionGroup):
             stack.extend(reversed(exc.exceptions))
@@ -44,7 +44,7 @@ def _first_leaves(group: BaseException, shown: int = 5, visits: int = 1000
             leaves.append(exc)
         else:
             more += 1
-    return leaves, str(more) if more else ""
+    return leaves, f"and {more} more" if more else ""
 
 
 class UserError(Exception):

@@ -209,11 +209,11 @@ def stop_at(text: str, stops: tuple[str, ...] | list[str], tool_calls: bool = Tr
     hold ``tool_calls``, not inside one (after its ``<tool_call>``, to the end of its
     ``</tool_call>``): the call is the grammar's to finish, and cut there its arguments would
     not parse. One that begins at the tag's ``<`` (``<``, ``<tool_call>``) cuts the reply before
-    the call, whichever tokens write the tag; one that begins later in the tag and ends before
-    its ``>`` (``tool``) is inside the call where the tag is one token, and cuts where it begins
-    where the tag is written in several (the text ``<tool`` is no call yet); one that reaches
-    the ``>`` is inside the call either way. Not at a character whose bytes are still coming
-    (a trailing U+FFFD)."""
+    the call, whichever tokens write the tag; one that begins later in the tag (``tool``) cuts
+    where it begins if the text held it whole before the token that writes the tag's ``>``
+    (the text ``<tool`` is no call yet), and is inside the call where that token completes it
+    (always where the tag is one token; a stop that reaches the ``>``). Not at a character
+    whose bytes are still coming (a trailing U+FFFD)."""
     text = text.rstrip("\ufffd")
     calls = ([(at, None if end is None else end + len(CLOSE)) for at, _, end in _blocks(text)]
              if tool_calls else [])

@@ -93,16 +93,17 @@ def test_stop_finder_is_stop_at_of_each_text(final, steps, stop, tool_calls):
             break
 
 
-def _byte_fallback_tokenizer():
+def _byte_fallback_tokenizer(hole: int = 0):
     """A SentencePiece-style vocabulary (Llama 2's decoder): byte-fallback tokens for every
-    character it has not, decoded a run at a time; the tags ordinary added tokens."""
+    character it has not, decoded a run at a time; the tags ordinary added tokens; ``hole``
+    ids left without a token after the bytes."""
     from tokenizers import AddedToken, Tokenizer, decoders, models
     from transformers import PreTrainedTokenizerFast
 
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{i:02X}>": 3 + i for i in range(256)}}
-    for piece in ["▁", "a", "▁a", "b", "é", "€", "<", "/", ">", "{", "}", '"', ":", "STOP",
-                  "▁x", "x", "\n", "tool_call", "l>"]:
-        vocab[piece] = len(vocab)
+    for i, piece in enumerate(["▁", "a", "▁a", "b", "é", "€", "<", "/", ">", "{", "}", '"',
+                               ":", "STOP", "▁x", "x", "\n", "tool_call", "l>"]):
+        vocab[piece] = len(vocab) + (hole if i else 0)
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
     tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
                                      decoders.Fuse(), decoders.Strip(" ", 1, 0)])
@@ -192,6 +193,16 @@ def test_an_id_past_the_tokenizer_joins_the_byte_runs_beside_it():
     c3, a9 = tokenizer.convert_tokens_to_ids(["<0xC3>", "<0xA9>"])
     a = tokenizer.convert_tokens_to_ids("a")
     ids = [c3, a9, len(tokenizer), a9, a, a]
+    _reads_as_the_whole(decode, ids)
+    # one in a hole of the tokenizer's ids (below its length): the same
+    tokenizer = _byte_fallback_tokenizer(hole=3)
+    decode = OutputDecoder(tokenizer)
+    c3, a9, a = tokenizer.convert_tokens_to_ids(["<0xC3>", "<0xA9>", "a"])
+    hole = next(i for i in range(len(tokenizer)) if tokenizer.convert_ids_to_tokens(i) is None)
+    _reads_as_the_whole(decode, [c3, a9, hole, a9, a, a])
+
+
+def _reads_as_the_whole(decode, ids):
     text = ReplyText(decode)
     for end in range(1, len(ids) + 1):
         assert text.update(ids, end) == settled(decode(ids[:end])), end

@@ -38,6 +38,7 @@ from agentflash.grammar import (
     masks_along_drafts,
     pydantic_model,
     regex,
+    tool_call_body,
     unpack_bitmask,
 )
 from agentflash.grammar.bench import closing_tokens, random_output
@@ -1393,6 +1394,13 @@ def test_outlines_refuses_what_it_cannot_do(tok):
         (json_schema({"properties": {"h": {"type": "string", "format": "hostname",
                                            "pattern": "^[a-z]{1,5}$"}}}),
          "#/properties/h: outlines-core ignores 'format'"),
+        # a type beside anyOf, which it ignores: '"Oslo"' for an object (a tool's parameters
+        # without a type are an object's)
+        (json_schema({"type": "object", "anyOf": [{"type": "string"}, {"type": "object"}]}),
+         "#: outlines-core ignores 'type' beside 'anyOf': anyOf[0] may write a value of"),
+        (tool_call_body([{"name": "f", "parameters": {"anyOf": [{"enum": ["Oslo"]},
+                                                                {"type": "object"}]}}]),
+         "outlines-core ignores 'type' beside 'anyOf': anyOf[0] may write"),
         # a subschema that does not compile alone, judged in the whole: its maxLength dropped
         (json_schema({"properties": {"a": {"type": "string"},
                                      "b": {"$ref": "#/properties/a", "maxLength": 2}},

@@ -32,6 +32,9 @@ from agentflash.runtime.tools import (
     tool_spec,
 )
 
+if sys.version_info < (3, 11):
+    from exceptiongroup import ExceptionGroup
+
 
 class Stay(BaseModel):
     nights: int
@@ -1959,9 +1962,6 @@ def test_a_tool_failing_twice_in_a_task_group_names_both_errors():
     # the first few, walked (a group 400 deep raised RecursionError; 1,000 failed tasks were
     # 84 KB of the model's context)
     from agentflash.errors import described
-
-    if sys.version_info < (3, 11):
-        from exceptiongroup import ExceptionGroup
 
     deep = ExceptionGroup("g", [ValueError("a")])
     for _ in range(400):

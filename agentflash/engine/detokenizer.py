@@ -76,9 +76,9 @@ class ReplyText:
         self.head = ""  # the text of ``token_ids[:start]``, which later tokens leave as it is
         self.start = 0
         self.stable = 0
-        # an id past the tokenizer's (a model's rows outnumber its tokens: Qwen3's 151,936 to
-        # 151,669) decodes to nothing: left out like a special token
-        self.size = len(tokenizer) if self.local else 0
+        # an id the tokenizer does not have (a model's rows outnumber its tokens: Qwen3's
+        # 151,936 to 151,669; a hole in its ids) decodes to nothing: left out like a special one
+        self.id_to_token = tokenizer.backend_tokenizer.id_to_token if self.local else None
 
     @functools.cached_property
     def _joined(self) -> frozenset[int]:
@@ -86,10 +86,10 @@ class ReplyText:
         return self.decode.byte_tokens | self.decode.skipped
 
     def _joins(self, token: int) -> bool:
-        return token in self._joined or token >= self.size
+        return token in self._joined or self.id_to_token(token) is None
 
     def _left_out(self, token: int) -> bool:
-        return token in self.decode.skipped or token >= self.size
+        return token in self.decode.skipped or self.id_to_token(token) is None
 
     def update(self, token_ids: list[int], end: int) -> str:
         """The settled text of ``token_ids[:end]`` (the tokens before those read before)."""

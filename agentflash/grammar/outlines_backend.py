@@ -277,6 +277,22 @@ _UNSOUND_FORMATS = {"email": "its email pattern writes a raw quote, which JSON r
 _PATTERN_IGNORED_BESIDE = ("enum", "const", "minLength", "maxLength")
 
 
+def _branch_outside_type(node: dict) -> tuple[str, int] | None:
+    """(keyword, index) of an anyOf or oneOf branch beside a ``type`` that does not say its
+    values are of that type (outlines-core writes the branches and ignores the type)."""
+    if "type" not in node:
+        return None
+    types = node["type"] if isinstance(node["type"], list) else [node["type"]]
+    allowed = {*types, "integer"} if "number" in types else set(types)
+    for keyword in ("anyOf", "oneOf"):
+        for i, branch in enumerate(node.get(keyword) or []):
+            kind = branch.get("type") if isinstance(branch, dict) else None
+            kinds = kind if isinstance(kind, list) else [kind]
+            if kind is None or not set(kinds) <= allowed:
+                return keyword, i
+    return None
+
+
 def _unsupported(schema: Any) -> tuple[str, str] | None:
     """(pointer, why) of the first keyword outlines-core would not keep to, or None."""
     for path, node in subschemas(schema, []):
@@ -297,6 +313,12 @@ def _unsupported(schema: Any) -> tuple[str, str] | None:
                                        f"which properties does not list")
         if node.get("enum") == []:  # it writes the key and no value: not JSON
             return pointer(path), "outlines-core writes no value for an enum of none"
+        branch = _branch_outside_type(node)
+        if branch is not None:  # (a tool's parameters without a type are an object's, and
+            # it wrote '"arguments": "Oslo"' for an anyOf of a string and an object)
+            return pointer(path), (f"outlines-core ignores 'type' beside '{branch[0]}': "
+                                   f"{branch[0]}[{branch[1]}] may write a value of another "
+                                   f"type")
         outside = value_outside_type(node)
         if outside is not None:
             return pointer(path), (f"outlines-core ignores 'type' beside '{outside[0]}': it "

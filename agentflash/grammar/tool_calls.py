@@ -97,14 +97,6 @@ def check_parameters(params: Any, origin: str) -> None:
         check_schema(params, f"{origin} parameters", max_depth=None)
     if not isinstance(params, dict) or params.get("type", "object") != "object":
         raise GrammarError(f"{origin}: parameters must be a JSON Schema of type object")
-    if "type" not in params:  # an object's (tool_call_schema): a branch of another type is not
-        # (outlines-core ignores the type beside anyOf, and wrote '"arguments": "Oslo"')
-        for key in ("anyOf", "oneOf"):
-            for i, branch in enumerate(params.get(key) or []):
-                kind = branch.get("type", "object") if isinstance(branch, dict) else "object"
-                if kind != "object" and not (isinstance(kind, list) and "object" in kind):
-                    raise GrammarError(f"{origin}: parameters must be a JSON Schema of type "
-                                       f"object, and {key}[{i}] is of type {kind!r}")
     check_schema_supported(params, f"{origin} parameters")
 
 
