@@ -1411,6 +1411,16 @@ def test_outlines_refuses_what_it_cannot_do(tok):
         with pytest.raises(GrammarError) as err:
             compile_grammar(source, tok, backend=Backend.OUTLINES)
         assert what in str(err.value), str(err.value)
+    # a type beside anyOf whose branches keep to it by their keywords, refs or values: compiled
+    for source in (
+            tool_call_body([{"name": "f", "parameters": {"anyOf": [
+                {"properties": {"city": {"type": "string"}}, "required": ["city"]},
+                {"properties": {"lat": {"type": "number"}}, "required": ["lat"]}]}}]),
+            json_schema({"type": "string", "anyOf": [{"const": "a"}, {"const": "b"}]}),
+            json_schema({"type": "object", "anyOf": [{"$ref": "#/$defs/A"}],
+                         "$defs": {"A": {"type": "object", "properties": {
+                             "x": {"type": "integer"}}, "required": ["x"]}}})):
+        compile_grammar(source, tok, backend=Backend.OUTLINES)
     # a subschema that does not compile alone whose bounds the whole keeps: compiled
     kept = compile_grammar(json_schema({
         "type": "object", "properties": {"a": {"type": "string"}, "b": {

@@ -277,20 +277,62 @@ _UNSOUND_FORMATS = {"email": "its email pattern writes a raw quote, which JSON r
 _PATTERN_IGNORED_BESIDE = ("enum", "const", "minLength", "maxLength")
 
 
-def _branch_outside_type(node: dict) -> tuple[str, int] | None:
-    """(keyword, index) of an anyOf or oneOf branch beside a ``type`` that does not say its
-    values are of that type (outlines-core writes the branches and ignores the type)."""
+_KIND_KEYWORDS = {
+    "object": ("properties", "required", "additionalProperties", "patternProperties",
+               "minProperties", "maxProperties"),
+    "array": ("items", "prefixItems", "minItems", "maxItems"),
+    "string": ("minLength", "maxLength", "pattern", "format"),
+}
+
+
+def _branch_outside_type(node: dict, root: Any) -> tuple[str, int] | None:
+    """(keyword, index) of an anyOf or oneOf branch beside a ``type`` that may write a value of
+    another type (outlines-core writes the branches and ignores the type)."""
     if "type" not in node:
         return None
     types = node["type"] if isinstance(node["type"], list) else [node["type"]]
     allowed = {*types, "integer"} if "number" in types else set(types)
     for keyword in ("anyOf", "oneOf"):
         for i, branch in enumerate(node.get(keyword) or []):
-            kind = branch.get("type") if isinstance(branch, dict) else None
-            kinds = kind if isinstance(kind, list) else [kind]
-            if kind is None or not set(kinds) <= allowed:
+            if not _keeps_to(branch, allowed, root, 0):
                 return keyword, i
     return None
+
+
+def _keeps_to(branch: Any, allowed: set[str], root: Any, depth: int) -> bool:
+    """Whether every value ``branch`` lets outlines-core write is of one of the ``allowed``
+    types, as far as its keywords say: its ``type``, else what its keywords are of (an
+    object's ``properties``), its ``const`` or ``enum`` values, where its ``$ref`` points, its
+    own anyOf's branches; False where none says."""
+    if not isinstance(branch, dict) or depth > 16:
+        return False
+    kind = branch.get("type")
+    if kind is not None:
+        return set(kind if isinstance(kind, list) else [kind]) <= allowed
+    if "const" in branch or "enum" in branch:
+        values = [branch["const"]] if "const" in branch else branch["enum"]
+        return isinstance(values, list) and all(
+            _json_type(v) in allowed or _json_type(v) == "integer" and "number" in allowed
+            for v in values)
+    if isinstance(branch.get("$ref"), str):
+        target = resolve_ref(root, branch["$ref"])
+        return target is not None and _keeps_to(target, allowed, root, depth + 1)
+    if isinstance(branch.get("anyOf"), list) and branch["anyOf"]:
+        return all(_keeps_to(b, allowed, root, depth + 1) for b in branch["anyOf"])
+    return any(any(k in branch for k in keys) and kind in allowed
+               for kind, keys in _KIND_KEYWORDS.items())
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int):
+        return "integer"
+    if isinstance(value, float):
+        return "number"
+    return {str: "string", list: "array", dict: "object"}.get(type(value), "?")
 
 
 def _unsupported(schema: Any) -> tuple[str, str] | None:
@@ -313,7 +355,7 @@ def _unsupported(schema: Any) -> tuple[str, str] | None:
                                        f"which properties does not list")
         if node.get("enum") == []:  # it writes the key and no value: not JSON
             return pointer(path), "outlines-core writes no value for an enum of none"
-        branch = _branch_outside_type(node)
+        branch = _branch_outside_type(node, schema)
         if branch is not None:  # (a tool's parameters without a type are an object's, and
             # it wrote '"arguments": "Oslo"' for an anyOf of a string and an object)
             return pointer(path), (f"outlines-core ignores 'type' beside '{branch[0]}': "
