@@ -310,10 +310,8 @@ def _keeps_to(branch: Any, allowed: set[str], root: Any, depth: int) -> bool:
     if kind is not None:
         return set(kind if isinstance(kind, list) else [kind]) <= allowed
     if "const" in branch or "enum" in branch:
-        values = [branch["const"]] if "const" in branch else branch["enum"]
-        return isinstance(values, list) and all(
-            _json_type(v) in allowed or _json_type(v) == "integer" and "number" in allowed
-            for v in values)
+        values = {k: branch[k] for k in ("const", "enum") if k in branch}
+        return value_outside_type({**values, "type": sorted(allowed)}) is None
     if isinstance(branch.get("$ref"), str):
         target = resolve_ref(root, branch["$ref"])
         return target is not None and _keeps_to(target, allowed, root, depth + 1)
@@ -321,18 +319,6 @@ def _keeps_to(branch: Any, allowed: set[str], root: Any, depth: int) -> bool:
         return all(_keeps_to(b, allowed, root, depth + 1) for b in branch["anyOf"])
     return any(any(k in branch for k in keys) and kind in allowed
                for kind, keys in _KIND_KEYWORDS.items())
-
-
-def _json_type(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, int):
-        return "integer"
-    if isinstance(value, float):
-        return "number"
-    return {str: "string", list: "array", dict: "object"}.get(type(value), "?")
 
 
 def _unsupported(schema: Any) -> tuple[str, str] | None:
