@@ -1117,6 +1117,17 @@ def written_literals(lark_text: str | None, schema: Any = None) -> list[tuple[st
     return found
 
 
+def _is_negation(tokens: Sequence[tuple[str, str]], i: int) -> bool:
+    """Whether ``tokens[i]`` is a ``~`` before an operand, not the repetition ``item ~ 3`` (one
+    after an operand or a group and before a count: ``"q" ~/abc/`` is a negation)."""
+    if tokens[i] != ("op", "~"):
+        return False
+    before = tokens[i - 1] if i else ("nl", "")
+    after = tokens[i + 1] if i + 1 < len(tokens) else ("nl", "")
+    return not ((before[0] in ("name", "string", "regex", "special") or before == ("op", ")"))
+                and after[0] == "number")
+
+
 def _negated_regexes(tokens: Sequence[tuple[str, str]]) -> set[int]:
     """The indices of a Lark grammar's regexes under a negation (a ``~`` before an operand, not
     the repetition ``item ~ 3``): the one after it, those of a group after it, and those of the
@@ -1134,12 +1145,10 @@ def _negated_regexes(tokens: Sequence[tuple[str, str]]) -> set[int]:
             bodies.setdefault(current or "", [])
         elif current is not None:
             bodies[current].append(i)
-    operands = ("name", "string", "regex", "special")
     regexes: set[int] = set()
     names: list[str] = []
-    for i, token in enumerate(tokens):
-        before = tokens[i - 1] if i else ("nl", "")
-        if token != ("op", "~") or before[0] in operands or before == ("op", ")"):
+    for i in range(len(tokens)):
+        if not _is_negation(tokens, i):
             continue
         depth, j = 0, i + 1
         while j < len(tokens):  # the operand: a regex, a name or a group
@@ -1538,5 +1547,4 @@ def may_write_special_bytes(text: str) -> bool:
         tokens = _lark_tokens(text)
     except _Unparsed:
         return "~" in text
-    return any(token == ("op", "~") and (i + 1 == len(tokens) or tokens[i + 1][0] != "number")
-               for i, token in enumerate(tokens))
+    return any(_is_negation(tokens, i) for i in range(len(tokens)))
