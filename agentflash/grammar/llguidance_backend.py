@@ -18,6 +18,7 @@ from agentflash.grammar.checks import (
     may_write_special_bytes,
     recursion_room,
 )
+from agentflash.grammar.compiler import LRU
 from agentflash.grammar.constraint import (
     CompiledGrammar,
     Constraint,
@@ -419,24 +420,16 @@ def compile_source(
                              names_specials)
 
 
-_special_id_cache: dict[TokenizerInfo, np.ndarray] = {}
-_special_id_lock = threading.Lock()
+_special_id_cache = LRU(8)  # (per tokenizer, as the converted tokenizers)
 
 
 def _special_ids(tokenizer: llguidance.LLTokenizer, info: TokenizerInfo) -> np.ndarray:
     """The tokens llguidance reads as special (0xFF and a name: <|im_start|>, the unnamed ids
     past the tokenizer's, <[4100]>), but the end token, whose bit ``fill_bitmask`` sets; per
     tokenizer (33 ms at 152k tokens, paid by grammars ``may_write_special_bytes`` only)."""
-    with _special_id_lock:
-        ids = _special_id_cache.get(info)
-    if ids is None:
-        ids = np.array([t for t in range(info.vocab_size)
-                        if t != info.eos_token_id and tokenizer.is_special_token(t)], np.int64)
-        with _special_id_lock:
-            if len(_special_id_cache) >= 8:  # (as the converted tokenizers' cache)
-                _special_id_cache.pop(next(iter(_special_id_cache)))
-            _special_id_cache[info] = ids
-    return ids
+    return _special_id_cache.get_or_make(info, lambda: np.array(
+        [t for t in range(info.vocab_size)
+         if t != info.eos_token_id and tokenizer.is_special_token(t)], np.int64))
 
 
 def _check_no_special_text(source: GrammarSource, info: TokenizerInfo,
