@@ -252,6 +252,28 @@ def test_missing_tokenizer(tmp_path):
         load_tokenizer(tmp_path)
 
 
+def test_a_malformed_tokenizer_file_is_named_with_its_line(tiny_model_dir, tmp_path):
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copytree(tiny_model_dir, tmp_path / name)
+        (tmp_path / name / name).write_text('{\n  "version": "1.0",\n  oops\n}')
+        with pytest.raises(UserError, match=rf"{name}:3: malformed JSON in {name}"):
+            load_tokenizer(tmp_path / name)
+
+
+def test_a_tokenizer_with_more_tokens_than_the_model_has_rows_is_refused(tiny_model_dir,
+                                                                          tmp_path):
+    from agentflash.engine.engine import Engine
+
+    _tiny_qwen3(tmp_path)  # 2048 rows; the demo tokenizer beside it has 4096 tokens
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (tiny_model_dir / name).exists():
+            shutil.copy(tiny_model_dir / name, tmp_path / name)
+    with pytest.raises(UserError, match=r"the tokenizer has 4096 tokens, more than "
+                                        r"config.json's vocab_size \(2048\)"):
+        Engine.from_pretrained(tmp_path, drafter=None)
+    assert len(load_tokenizer(tmp_path)) == 4096  # without the model's size: no check
+
+
 SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=2048)
 

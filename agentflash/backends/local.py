@@ -254,7 +254,7 @@ def load_weights(model: str, drafter: str = "auto") -> tuple[Any, Any, Path, Any
         if key not in _weights:
             net, _, model_dir = load_model(key[0])
             draft = load_drafter_for(net, drafter) if drafter != "none" else None
-            _weights[key] = (net, load_tokenizer(model_dir), model_dir, draft)
+            _weights[key] = (net, load_tokenizer(model_dir, net.cfg.vocab_size), model_dir, draft)
         return _weights[key]
 
 

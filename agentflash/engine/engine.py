@@ -271,7 +271,8 @@ class Engine:
             load_drafter_config(drafter_dir(drafter))
         net, _, model_dir = load_model(model, device=config.device)
         draft_net = load_drafter_for(net, drafter, config.device) if drafter is not None else None
-        return cls(net, load_tokenizer(model_dir), config, model_dir, draft_net)
+        return cls(net, load_tokenizer(model_dir, net.cfg.vocab_size), config, model_dir,
+                   draft_net)
 
     # --- prompts ---------------------------------------------------------------------------
 

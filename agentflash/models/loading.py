@@ -167,8 +167,14 @@ def load_model(
     return model.to(device=device, dtype=dtype).eval(), raw, model_dir
 
 
-def load_tokenizer(model_dir: Path):  # -> transformers.PreTrainedTokenizerBase
-    """The directory's tokenizer; a clear error if it is missing or unreadable."""
+# the tokenizer's JSON files transformers reads, named where one does not parse
+_TOKENIZER_JSON = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "added_tokens.json")
+
+
+def load_tokenizer(model_dir: Path, vocab_size: int | None = None):
+    """The directory's tokenizer; a clear error if it is missing or unreadable, or (given the
+    model's ``vocab_size``) if it holds more tokens than the model has rows for."""
     from transformers import AutoTokenizer
 
     if (
@@ -179,7 +185,17 @@ def load_tokenizer(model_dir: Path):  # -> transformers.PreTrainedTokenizerBase
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
     except Exception as err:  # transformers raises many kinds here; name the directory once
+        for name in _TOKENIZER_JSON:  # transformers' message does not say which file
+            if (model_dir / name).is_file():
+                read_json(model_dir / name, name)  # raises naming the file and line
         raise UserError(f"{model_dir}: cannot load tokenizer: {err}") from None
+    if vocab_size is not None and len(tokenizer) > vocab_size:
+        # a text would tokenize to an id past the embedding, refused per request as a bad
+        # prompt token, though the user wrote text
+        raise UserError(
+            f"{model_dir}: the tokenizer has {len(tokenizer)} tokens, more than config.json's "
+            f"vocab_size ({vocab_size}): text would tokenize to ids the model has no row for"
+        )
     # the engine checks a prompt's length against its own limit (max_len), with an error
     # naming the request: the tokenizer's warning about it was a second line on stderr
     tokenizer.model_max_length = sys.maxsize

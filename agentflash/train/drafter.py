@@ -539,7 +539,7 @@ def train_drafter(
     out_dir = Path(out_dir)
     target, _, model_dir = load_model(target_dir, device=cfg.device, dtype=torch.float32)
     target.requires_grad_(False)
-    tokenizer = load_tokenizer(model_dir)
+    tokenizer = load_tokenizer(model_dir, target.cfg.vocab_size)
     if not getattr(tokenizer, "chat_template", None):  # the target answers served prompts
         raise UserError(f"{model_dir}: the tokenizer has no chat template: the drafter learns "
                         f"the target's answers to prompts as it is served, in its template")
