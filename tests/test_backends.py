@@ -231,6 +231,9 @@ def test_scripted_backend_replays_turns_and_records_requests():
 
 def test_decoding_checks_each_field():
     assert Decoding(speculation="off").speculation is Speculation.OFF
+    from agentflash.engine.request import Speculation as EngineSpeculation
+
+    assert Decoding(speculation=EngineSpeculation.OFF).speculation is Speculation.OFF
     for bad, field in [(dict(speculation="fast"), "speculation"),
                        (dict(block_size=1), "block_size"),
                        (dict(temperature=-1), "temperature"), (dict(max_tokens=0), "max_tokens"),

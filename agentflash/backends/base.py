@@ -45,11 +45,14 @@ class Decoding:
     seed: int | None = None
 
     def __post_init__(self) -> None:
+        # the engine's own ``Speculation`` (``agentflash.engine.request``) by its value
+        given = self.speculation
+        value = given.value if isinstance(given, enum.Enum) else given
         try:
-            object.__setattr__(self, "speculation", Speculation(self.speculation))
+            object.__setattr__(self, "speculation", Speculation(value))
         except ValueError:
             raise UserError(f"decoding.speculation must be auto, dflash or off, "
-                            f"got {self.speculation!r}") from None
+                            f"got {given!r}") from None
         if self.block_size is not None and (not is_int(self.block_size)
                                             or not 2 <= self.block_size <= 64):
             raise UserError(f"decoding.block_size must be an integer in [2, 64], "
