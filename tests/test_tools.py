@@ -1683,6 +1683,94 @@ def test_field_defaults_partials_and_callable_objects_make_tools():
     assert (called.output, called.is_error) == ("A", False)
 
 
+class _Documented:
+    def run(self, x: int) -> int:
+        """Run it."""
+        return x
+
+    @staticmethod
+    def scale(x: int) -> int:
+        """Scale it."""
+        return x
+
+
+class _Overriding(_Documented):  # its undocumented methods read the ones they override
+    def run(self, x: int) -> int:
+        return x
+
+    @staticmethod
+    def scale(x: int) -> int:
+        return x
+
+
+class _Calculator:  # of the module, where inspect.getdoc found object's __call__ for it
+    """Evaluate an arithmetic expression.
+
+    Args:
+        expr: The expression, like 2+3*4.
+    """
+
+    def __call__(self, expr: str) -> float:
+        return 0.0
+
+
+class _Bare:
+    def __call__(self, x: int) -> int:
+        return x
+
+
+def test_a_tools_description_is_a_docstring_the_user_wrote():
+    """inspect.getdoc walked the class hierarchy up to Python's and pydantic's own classes: a
+    callable object documented on its class was described "Call self as a function." (object's
+    __call__), a model without a docstring by pydantic's BaseModel docs, a dataclass and a
+    NamedTuple by the text made of their fields ("DC(x: int)", "NT(x,)")."""
+    import dataclasses
+
+    class Lookup(BaseModel):
+        key: str
+
+    class Documented(BaseModel):
+        """Look it up."""
+        key: str
+
+    @dataclasses.dataclass
+    class DC:
+        x: int
+
+        def __call__(self, y: int) -> int:
+            return y
+
+    @dataclasses.dataclass
+    class Written:
+        """Write it."""
+        x: int
+
+    class NT(typing.NamedTuple):
+        x: int
+
+    class Pair(typing.NamedTuple):
+        x: int
+        y: str
+
+    calc = tool(name="calc")(_Calculator())
+    assert calc.description == "Evaluate an arithmetic expression."
+    assert calc.parameters["properties"]["expr"]["description"] == "The expression, like 2+3*4."
+    assert tool(name="calc")(functools.partial(_Calculator())).description == calc.description
+    for undocumented in (_Bare(), _Bare().__call__, Lookup, DC, DC(1), NT, Pair):
+        assert tool(name="t")(undocumented).description == "", undocumented
+    assert [tool(c).description for c in (Documented, Written)] == ["Look it up.", "Write it."]
+
+    def f(x: int) -> int:
+        """F it."""
+        return x
+
+    # functions, partials, bound methods and staticmethods read theirs as before
+    made = [f, functools.partial(f), _Documented().run, _Overriding().run, _Documented.scale,
+            _Overriding.scale]
+    assert [tool(name="t")(m).description for m in made] == [
+        "F it.", "F it.", "Run it.", "Run it.", "Scale it.", "Scale it."]
+
+
 def test_a_default_that_is_no_value_of_its_type_is_refused_when_the_tool_is_made():
     from typing import Annotated, Literal
 

@@ -1083,6 +1083,69 @@ def _unbound_method(where: str, fn: Any, first: str) -> str:
             f"Agent(tools=[...])), or make it a @staticmethod without {first}")
 
 
+# classes whose docstrings describe themselves, never a tool of the user's: Python's own (object's
+# "Call self as a function." for an undocumented __call__), pydantic's (BaseModel's)
+_LIBRARIES = frozenset(sys.stdlib_module_names) | {"pydantic", "pydantic_core",
+                                                   "typing_extensions"}
+
+
+def _docstring(source: Any, instance: Any = None) -> str:
+    """The docstring the user wrote for a tool of ``source``: a class's own (``_class_doc``);
+    a routine's own, else that of the method it overrides in a class of the user's
+    (``inspect.getdoc``'s rule, less the docs of Python's and pydantic's classes); for a
+    callable object (``instance``, ``source`` its class's ``__call__``), its ``__call__``'s,
+    else its class's own. '' where the user wrote none."""
+    if isinstance(source, type):
+        return _class_doc(source)
+    owner = type(instance) if instance is not None else None
+    if owner is None:
+        own = getattr(source, "__doc__", None)
+        if isinstance(own, str):
+            return inspect.cleandoc(own)
+        if inspect.ismethod(source):  # bound to an instance, or to a class (a classmethod)
+            owner = source.__self__ if isinstance(source.__self__, type) else type(
+                source.__self__)
+        else:
+            owner = _defining_class(source)
+    doc = ""
+    name = getattr(source, "__name__", None)
+    if owner is not None and isinstance(name, str):
+        doc = next((inspect.cleandoc(d) for d in (
+            getattr(vars(c).get(name), "__doc__", None) for c in owner.__mro__
+            if c.__module__.partition(".")[0] not in _LIBRARIES) if isinstance(d, str)), "")
+    return doc or (_class_doc(owner) if instance is not None else "")
+
+
+def _defining_class(fn: Any) -> type | None:
+    """The class whose body defines the function ``fn`` (a staticmethod), found by its
+    qualified name in its module, else ``None`` (a function of a function's body)."""
+    parts = getattr(fn, "__qualname__", "").split(".")
+    holder = sys.modules.get(getattr(fn, "__module__", None) or "")
+    for part in parts[:-1]:
+        holder = getattr(holder, part, None)
+    return holder if len(parts) > 1 and isinstance(holder, type) else None
+
+
+def _class_doc(cls: type) -> str:
+    """The class's own docstring (not one it inherits: BaseModel's), less the one a dataclass or
+    a namedtuple is given where it has none, ``DC(x: int)``, ``NT(x,)``."""
+    doc = vars(cls).get("__doc__")
+    if not isinstance(doc, str):
+        return ""
+    made: set[str] = set()
+    if dataclasses.is_dataclass(cls):  # dataclasses' text: the class's name and signature
+        made.add(cls.__name__)
+        try:
+            made.add(cls.__name__ + str(inspect.signature(cls)).replace(" -> None", ""))
+        except (TypeError, ValueError):
+            pass
+    fields = getattr(cls, "_fields", None)
+    if issubclass(cls, tuple) and isinstance(fields, tuple):  # namedtuple's: "NT(x,)" or "NT(x)"
+        names = ", ".join(map(str, fields))
+        made |= {f"{cls.__name__}({names})", f"{cls.__name__}({names},)"}
+    return "" if doc in made else inspect.cleandoc(doc)
+
+
 def function_tool(fn: Callable[..., Any], *, name: str | None = None,
                   description: str | None = None, timeout_s: float | None = None) -> FunctionTool:
     """A ``FunctionTool`` from ``fn``'s signature, type hints and docstring."""
@@ -1102,13 +1165,13 @@ def function_tool(fn: Callable[..., Any], *, name: str | None = None,
     name = _check_name(fn.__name__ if name is None else name, where)
     _check_timeout(timeout_s, where)
     # where the hints and the docstring are: a partial's function, a callable object's __call__
-    source = fn
+    source, instance = fn, None
     while isinstance(source, functools.partial):
         source = source.func
     if not (inspect.isroutine(source) or isinstance(source, type)):  # an object with __call__
-        source = type(source).__call__
+        instance, source = source, type(source).__call__
     _check_bound(fn, source, where)
-    summary, param_docs = parse_docstring(inspect.getdoc(source))
+    summary, param_docs = parse_docstring(_docstring(source, instance))
     try:
         hints = typing.get_type_hints(source, include_extras=True)
     except Exception as err:  # unresolvable forward references and the like
@@ -1226,7 +1289,9 @@ def tool(fn: Callable[..., Any] | None = None, /, *, name: str | None = None,
 
     Every parameter needs a type hint; parameter descriptions come from the docstring's ``Args:``
     (Google), ``Parameters`` (NumPy) or ``:param x:`` (Sphinx) entries, the tool's description
-    from the docstring's summary.
+    from the docstring's summary. The docstring is the one the user wrote (``_docstring``): a
+    class's own, a callable object's ``__call__``'s else its class's; never one inherited from
+    Python's or pydantic's classes, nor the one dataclasses or namedtuple make of the fields.
     """
     if fn is not None:
         return function_tool(fn, name=name, description=description, timeout_s=timeout_s)
