@@ -963,6 +963,14 @@ def test_agent_definition_errors():
     with pytest.raises(UserError, match="pydantic cannot describe it") as err:
         Agent("a", output_type=True)
     assert "\n" not in str(err.value)
+
+    class Thing:
+        pass
+
+    with pytest.raises(UserError, match="output_type Thing: pydantic cannot describe it: Unable "
+                                        "to generate pydantic-core schema for") as err:
+        Agent("a", output_type=Thing)
+    assert "arbitrary_types_allowed" not in str(err.value)  # an output_type has no model_config
     # the run's input, checked as the command line checks a messages file
     with pytest.raises(UserError, match=r"input: messages\[0\].content must be a string"):
         Runner.run_sync(Agent("a"), [{"role": "user"}], backend=ScriptedBackend([]))

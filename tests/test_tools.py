@@ -506,9 +506,23 @@ def test_bad_tool_definitions_are_user_errors():
     def takes(thing: Thing) -> str:
         return "x"
 
-    with pytest.raises(UserError, match="pydantic cannot describe the parameters") as err:
+    with pytest.raises(UserError, match="takes: parameter 'thing': pydantic cannot describe it: "
+                                        "Unable to generate pydantic-core schema for") as err:
         tool(takes)
     assert "\n" not in str(err.value)  # pydantic's paragraphs of advice are left out
+    # and its advice to set arbitrary_types_allowed: a tool has no model_config, and the type
+    # would still have no JSON Schema for the model to write
+    assert "arbitrary_types_allowed" not in str(err.value)
+    assert str(err.value).endswith("give it a type pydantic describes (str, int, a list, a model)")
+
+    def search(query: str, on_result: typing.Callable[[str], None], page: int = 1) -> list:
+        """Search."""
+        return []
+
+    with pytest.raises(UserError, match=r"^[^:]*search: parameter 'on_result': pydantic cannot "
+                                        r"describe it: Cannot generate a JsonSchema for "
+                                        r"core_schema.CallableSchema; a tool's arguments"):
+        tool(search)  # the parameter was named by none ("pydantic cannot describe the parameters")
 
     def pick(ids: set[int]) -> str:  # uniqueItems: no grammar binds a call to it
         return "x"
@@ -543,13 +557,15 @@ def test_bad_tool_definitions_are_user_errors():
     def looks_ahead(code: constr(pattern=r"^(?=.*\d)[a-z0-9]+$")) -> str:  # pydantic's own
         return code  # regex engine refuses it as the schema is made: named, not raised raw
 
-    with pytest.raises(UserError, match="looks_ahead.*pydantic cannot describe the parameters"):
-        tool(looks_ahead)
+    with pytest.raises(UserError, match="looks_ahead: parameter 'code': pydantic cannot describe "
+                                        "it: error: look-around, including look-ahead"):
+        tool(looks_ahead)  # the SchemaError's cause, its last line (the first: "Error building")
 
     def shadows(model_dump: int) -> int:  # a BaseModel member
         return model_dump
 
-    with pytest.raises(UserError, match="shadows.*pydantic cannot describe the parameters"):
+    with pytest.raises(UserError, match="shadows: parameter 'model_dump': pydantic cannot "
+                                        "describe it: Field 'model_dump' conflicts"):
         tool(shadows)
 
     def named_like_properties(model_extra: int, model_fields_set: int = 7) -> str:

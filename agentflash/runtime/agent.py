@@ -20,6 +20,7 @@ from agentflash.runtime.tools import (
     HttpTool,
     Tool,
     function_tool,
+    schema_problem,
     strict_schema,
     undeclared_key,
 )
@@ -89,8 +90,8 @@ def output_spec(output_type: type | dict[str, Any] | None) -> OutputSpec | None:
         adapter = pydantic.TypeAdapter(output_type)
         schema = strict_schema(adapter.json_schema(schema_generator=GrammarJsonSchema))
     except SCHEMA_ERRORS as err:
-        first = (str(err).strip().splitlines() or [type(err).__name__])[0]  # then advice
-        raise UserError(f"output_type {name}: pydantic cannot describe it: {first}") from None
+        raise UserError(f"output_type {name}: pydantic cannot describe it: "
+                        f"{schema_problem(err)}") from None
     _check_supported(schema)
 
     def parse(text: str) -> Any:

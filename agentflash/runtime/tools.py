@@ -1226,24 +1226,60 @@ def function_tool(fn: Callable[..., Any], *, name: str | None = None,
             info = pydantic.Field(default) if own else pydantic.Field(default, description=doc)
         fields[param.name] = (hints[param.name], info)
     try:
-        with warnings.catch_warnings():  # a parameter named json or copy is the tool's own
-            warnings.filterwarnings("ignore", message=".*shadows an attribute in parent")
-            model = pydantic.create_model(f"{name}_arguments",
-                                          __config__=pydantic.ConfigDict(extra="forbid"),
-                                          **fields)
-        schema = strict_schema(model.model_json_schema(schema_generator=GrammarJsonSchema))
+        model, schema = _arguments_model(f"{name}_arguments", fields)
     except NotBindable as err:
         name = next(n for n, (hint, _) in fields.items() if not _bindable(hint))
         raise UserError(f"{where}: parameter {name!r}: {err}") from None
     except SCHEMA_ERRORS as err:
-        first = (str(err).strip().splitlines() or [type(err).__name__])[0]  # then advice
-        raise UserError(f"{where}: pydantic cannot describe the parameters: {first}") from None
+        raise UserError(_undescribed(where, fields, err)) from None
     _check_defaults(model, where)
     from agentflash.grammar.tool_calls import check_parameters
 
     check_parameters(schema, where)  # one the grammar can bind a call to (set[int]: it cannot)
     return FunctionTool(name, description if description is not None else summary, model, schema,
                         fn, timeout_s, tuple(positional))
+
+
+def _arguments_model(name: str, fields: dict[str, Any]
+                     ) -> tuple[type[pydantic.BaseModel], dict[str, Any]]:
+    """The model of a tool's arguments (``fields``: each a hint and its ``FieldInfo``) and its
+    strict JSON Schema."""
+    with warnings.catch_warnings():  # a parameter named json or copy is the tool's own
+        warnings.filterwarnings("ignore", message=".*shadows an attribute in parent")
+        model = pydantic.create_model(name, __config__=pydantic.ConfigDict(extra="forbid"),
+                                      **fields)
+    return model, strict_schema(model.model_json_schema(schema_generator=GrammarJsonSchema))
+
+
+def _undescribed(where: str, fields: dict[str, Any], err: Exception) -> str:
+    """The error of a tool whose parameters pydantic cannot describe (``err``), naming the first
+    one it cannot describe alone (a Callable's "Cannot generate a JsonSchema for
+    core_schema.CallableSchema" named none), without pydantic's advice (``schema_problem``)."""
+    for name, spec in fields.items():
+        try:
+            _arguments_model("parameter", {name: spec})
+        except NotBindable:
+            continue
+        except SCHEMA_ERRORS as own:
+            advice = ""
+            if isinstance(own, (pydantic.PydanticSchemaGenerationError,
+                                pydantic.PydanticInvalidForJsonSchema)):  # its type's
+                advice = ("; a tool's arguments are JSON the model writes: give it a type "
+                          "pydantic describes (str, int, a list, a model)")
+            return (f"{where}: parameter {name!r}: pydantic cannot describe it: "
+                    f"{schema_problem(own)}{advice}")
+    return f"{where}: pydantic cannot describe the parameters: {schema_problem(err)}"
+
+
+def schema_problem(err: Exception) -> str:
+    """What pydantic says it cannot describe: its error's first line (then come paragraphs),
+    less its advice to set ``arbitrary_types_allowed`` in a model_config, which a tool or an
+    output_type has none of (and with which the type would still have no JSON Schema); a
+    SchemaError's last line, its cause ("look-around ... is not supported" under "Error
+    building "model" validator:")."""
+    lines = str(err).strip().splitlines() or [type(err).__name__]
+    text = lines[-1] if isinstance(err, pydantic_core.SchemaError) else lines[0]
+    return re.split(r"\.? Set `arbitrary_types_allowed", text)[0]
 
 
 def _check_defaults(model: type[pydantic.BaseModel], where: str) -> None:
