@@ -21,6 +21,7 @@ from agentflash.runtime import (
     AgentTurnStarted,
     FinalOutput,
     GenerationStats,
+    Guardrail,
     GuardrailTripped,
     HandoffOccurred,
     MaxTurnsExceeded,
@@ -656,6 +657,12 @@ def test_a_bad_tool_or_guardrail_names_its_agent_and_field(fields, error):
     with pytest.raises(UserError) as err:
         Agent("a", **fields)
     assert str(err.value) == error
+
+
+def test_a_guardrail_s_name_that_is_no_string_is_refused():
+    with pytest.raises(UserError, match="^guardrail name must be a string, got int$"):
+        Guardrail(print, name=5)  # kept, and shown in errors as 5
+    assert Guardrail(print, name=None).name == Guardrail(print).name == "print"
 
 
 def test_a_guardrail_s_bad_verdict_names_its_agent_and_kind():

@@ -2125,6 +2125,25 @@ def test_http_tool_definition_errors():
         anyio.run(HttpTool("t", "", "GET", "http://127.0.0.1:9/x").call, {"extra": 1})
 
 
+def test_a_tools_description_that_is_no_string_is_refused_when_the_tool_is_made():
+    def f(x: int) -> int:
+        """Doc."""
+        return x
+
+    # 5 and b"x" were kept, and shown to the model as 5 and b'x'
+    for bad, kind in ((5, "int"), (b"x", "bytes"), (["a"], "list")):
+        with pytest.raises(UserError, match=f"f: description must be a string, got {kind}$"):
+            tool(description=bad)(f)
+        with pytest.raises(UserError, match=f"^http tool 't': description must be a string, "
+                                            f"got {kind}$") as err:
+            HttpTool("t", bad, "GET", "http://127.0.0.1/x")
+        assert err.value.key == ("description",)  # a workflow's error names that line
+    with pytest.raises(UserError, match="description must be a string, got NoneType"):
+        HttpTool("t", None, "GET", "http://127.0.0.1/x")  # no docstring to read it from
+    assert tool(description=None)(f).description == "Doc."  # None: the docstring's
+    assert tool(description="")(f).description == ""
+
+
 def test_numpy_values_a_tool_returns_reach_the_model_as_json_values():
     import numpy as np
 

@@ -43,6 +43,8 @@ class Guardrail:
     def __post_init__(self) -> None:
         if not callable(self.check):
             raise UserError(f"a guardrail needs a function, got {type(self.check).__name__}")
+        if self.name is not None and not isinstance(self.name, str):  # None: the default's
+            raise UserError(f"guardrail name must be a string, got {type(self.name).__name__}")
         if not self.name:
             object.__setattr__(self, "name", getattr(self.check, "__name__", "guardrail"))
 

@@ -569,6 +569,14 @@ def _check_name(name: str, where: str) -> str:
     return name
 
 
+def _check_description(description: Any, where: str) -> None:
+    """A tool's description (``None``: its docstring's) a string: 5 or b"x" was shown to the
+    model as the text of another value, "5" or "b'x'"."""
+    if description is not None and not isinstance(description, str):
+        raise UserError(f"{where}: description must be a string, got "
+                        f"{type(description).__name__}")
+
+
 def _check_timeout(timeout_s: Any, where: str) -> None:
     if timeout_s is not None and not (is_number(timeout_s) and timeout_s > 0):
         raise UserError(f"{where}: timeout_s must be a positive number, got {timeout_s!r}")
@@ -1163,6 +1171,7 @@ def function_tool(fn: Callable[..., Any], *, name: str | None = None,
     if name is None and not hasattr(fn, "__name__"):  # a functools.partial, a callable object
         raise UserError(f"{where}: has no __name__; give the tool one (tool(name=...))")
     name = _check_name(fn.__name__ if name is None else name, where)
+    _check_description(description, where)
     _check_timeout(timeout_s, where)
     # where the hints and the docstring are: a partial's function, a callable object's __call__
     source, instance = fn, None
@@ -1363,7 +1372,8 @@ class HttpTool:
     def __post_init__(self) -> None:
         """Checks the definition; a ``UserError``'s ``key`` is the field it names (a
         workflow's error names that key's line)."""
-        checks = ((("name",), self._check_name), (("http", "method"), self._check_method),
+        checks = ((("name",), self._check_name), (("description",), self._check_description),
+                  (("http", "method"), self._check_method),
                   (("http", "url"), self._check_url), (("timeout_s",), self._check_timeout),
                   (("parameters",), self._check_parameters))
         for key, check in checks:
@@ -1375,6 +1385,11 @@ class HttpTool:
 
     def _check_name(self) -> None:
         _check_name(self.name, f"http tool {self.name!r}")
+
+    def _check_description(self) -> None:
+        if not isinstance(self.description, str):  # None too: it has no docstring to read
+            raise UserError(f"http tool {self.name!r}: description must be a string, got "
+                            f"{type(self.description).__name__}")
 
     def _check_method(self) -> None:
         if self.method not in HTTP_METHODS:
