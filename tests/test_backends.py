@@ -371,6 +371,32 @@ def test_local_backend_needs_opening(tiny_model_dir):
         anyio.run(main)
 
 
+def test_local_backend_definition_errors_are_raised_when_it_is_made(tiny_model_dir):
+    from agentflash.engine.async_engine import AsyncEngine
+    from agentflash.engine.engine import Engine
+
+    # drafter=None: a raw TypeError of os.fspath's; it is "none", as Engine.from_pretrained
+    # reads it
+    assert LocalBackend(tiny_model_dir, drafter=None).drafter == "none"
+    with pytest.raises(UserError, match=r"^drafter must be 'auto', 'demo', 'none' \(or None\) "
+                                        r"or a drafter directory, got int$"):
+        LocalBackend(tiny_model_dir, drafter=5)
+    # a model of None was read as the directory "None" when opened
+    with pytest.raises(UserError, match="^model must be 'demo' or a model directory, got "
+                                        "NoneType$"):
+        LocalBackend(None)
+    # an engine that is none: an AttributeError ('str' object has no attribute
+    # 'check_template_kwargs') when it was opened
+    for bad, kind in (("demo", "str"), (5, "int")):
+        with pytest.raises(UserError, match=f"^engine must be an Engine "
+                                            rf"\(Engine.from_pretrained\(...\)\), got {kind}$"):
+            LocalBackend(engine=bad)
+    engine = Engine.from_pretrained(tiny_model_dir, drafter=None)
+    with pytest.raises(UserError, match="got AsyncEngine \\(an AsyncEngine: give its .engine\\)"):
+        LocalBackend(engine=AsyncEngine(engine))
+    assert LocalBackend(engine=engine)._engine is engine
+
+
 def test_local_backend_shows_tools_under_every_tool_choice(tiny_model_dir):
     """Under ``none`` too (as OpenAI-compatible servers do): the grammar forbids calls."""
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]

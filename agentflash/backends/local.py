@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import re
 import threading
 import uuid
@@ -258,8 +259,14 @@ def load_weights(model: str, drafter: str = "auto") -> tuple[Any, Any, Path, Any
         return _weights[key]
 
 
-def check_drafter(drafter: str) -> str:
-    """``auto``, ``demo``, ``none`` or an existing drafter directory."""
+def check_drafter(drafter: str | Path | None) -> str | Path:
+    """``auto``, ``demo``, ``none`` or an existing drafter directory; ``None`` is ``none``, as
+    ``Engine.from_pretrained`` reads it."""
+    if drafter is None:
+        return "none"
+    if not isinstance(drafter, (str, os.PathLike)):  # 5 raised os.fspath's TypeError
+        raise UserError(f"drafter must be 'auto', 'demo', 'none' (or None) or a drafter "
+                        f"directory, got {type(drafter).__name__}")
     if drafter not in ("auto", "demo", "none") and not expand_user(drafter).is_dir():
         raise UserError(f"{drafter}: drafter directory does not exist")
     return drafter
@@ -278,19 +285,30 @@ class LocalBackend(Backend):
     to every run that should share the engine.
 
     ``model`` is ``demo`` or a Hugging Face model directory; ``drafter`` is ``auto`` (the demo
-    drafter with the demo model when it is shipped), ``demo``, ``none`` or a DFlash drafter
-    directory. ``prefix_cache_mb`` sizes the engine's prefix cache (0: off); ``max_running``,
-    ``max_len`` and ``kv_budget_mb`` are its limits (``EngineConfig``). ``engine`` serves an
-    already built ``Engine`` instead. ``chat_template_kwargs`` are variables of the model's
+    drafter with the demo model when it is shipped), ``demo``, ``none`` (or ``None``, as
+    ``Engine.from_pretrained`` reads it) or a DFlash drafter directory. ``prefix_cache_mb``
+    sizes the engine's prefix cache (0: off); ``max_running``, ``max_len`` and
+    ``kv_budget_mb`` are its limits (``EngineConfig``). ``engine`` serves an already built
+    ``Engine`` instead. ``chat_template_kwargs`` are variables of the model's
     chat template for every turn (Qwen3's ``{"enable_thinking": False}``).
     """
 
-    def __init__(self, model: str | Path = "demo", *, drafter: str = "auto",
+    def __init__(self, model: str | Path = "demo", *, drafter: str | Path | None = "auto",
                  prefix_cache_mb: float = 64.0, max_running: int = 8, max_len: int = 2048,
                  kv_budget_mb: float | None = None, engine: Any = None,
                  chat_template_kwargs: dict[str, Any] | None = None):
-        from agentflash.engine.engine import EngineConfig
+        from agentflash.engine.engine import Engine, EngineConfig
 
+        if engine is not None and not isinstance(engine, Engine):  # its AttributeError at open
+            from agentflash.engine.async_engine import AsyncEngine
+
+            served = " (an AsyncEngine: give its .engine)" if isinstance(engine,
+                                                                        AsyncEngine) else ""
+            raise UserError(f"engine must be an Engine (Engine.from_pretrained(...)), got "
+                            f"{type(engine).__name__}{served}")
+        if not isinstance(model, (str, os.PathLike)):  # str(None): "None: model directory ..."
+            raise UserError(f"model must be 'demo' or a model directory, got "
+                            f"{type(model).__name__}")
         try:
             self.config = EngineConfig(max_running=max_running, max_len=max_len,
                                        kv_budget_mb=kv_budget_mb, prefix_cache_mb=prefix_cache_mb)
