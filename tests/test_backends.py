@@ -378,6 +378,12 @@ def test_local_backend_definition_errors_are_raised_when_it_is_made(tiny_model_d
     # drafter=None: a raw TypeError of os.fspath's; it is "none", as Engine.from_pretrained
     # reads it
     assert LocalBackend(tiny_model_dir, drafter=None).drafter == "none"
+
+    class Place:  # a PathLike of the user's: its str() is its repr, opened as a directory
+        def __fspath__(self):
+            return str(tiny_model_dir)
+
+    assert LocalBackend(Place(), drafter=None).model == str(tiny_model_dir)
     with pytest.raises(UserError, match=r"^drafter must be 'auto', 'demo', 'none' \(or None\) "
                                         r"or a drafter directory, got int$"):
         LocalBackend(tiny_model_dir, drafter=5)

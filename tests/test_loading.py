@@ -268,10 +268,22 @@ def test_a_tokenizer_with_more_tokens_than_the_model_has_rows_is_refused(tiny_mo
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         if (tiny_model_dir / name).exists():
             shutil.copy(tiny_model_dir / name, tmp_path / name)
-    with pytest.raises(UserError, match=r"the tokenizer has 4096 tokens, more than "
-                                        r"config.json's vocab_size \(2048\)"):
+    with pytest.raises(UserError, match=r"the tokenizer's largest token id is 4095, past "
+                                        r"config.json's vocab_size \(2048, ids 0..2047\)"):
         Engine.from_pretrained(tmp_path, drafter=None)
     assert len(load_tokenizer(tmp_path)) == 4096  # without the model's size: no check
+    # the largest id, not the count: a token moved past the rows leaves a hole below
+    holed = tmp_path / "holed"
+    shutil.copytree(tiny_model_dir, holed)
+    spec = json.loads((holed / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    moved = next(t for t, i in vocab.items() if i == 4000)
+    vocab[moved] = 4500
+    (holed / "tokenizer.json").write_text(json.dumps(spec))
+    assert len(load_tokenizer(holed)) == 4096
+    with pytest.raises(UserError, match=r"largest token id is 4500, past config.json's "
+                                        r"vocab_size \(4096"):
+        load_tokenizer(holed, 4096)
 
 
 SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,

@@ -1787,6 +1787,49 @@ def test_a_tools_description_is_a_docstring_the_user_wrote():
         "F it.", "F it.", "Run it.", "Run it.", "Scale it.", "Scale it."]
 
 
+def test_a_tools_description_is_read_off_the_classes_that_define_its_method():
+    """The walk up a callable object's classes read ``vars(c).get("__call__").__doc__`` of every
+    class, None's where a class defines none: a string from Python 3.13 on ("The type of the
+    None singleton."); and a class whose ``__module__`` is None raised an AttributeError."""
+    class Base:
+        def __call__(self, x: int) -> int:
+            """Call the base."""
+            return x
+
+    class Mixin:
+        pass
+
+    class Nameless:
+        pass
+
+    Nameless.__module__ = None  # as some class factories leave it
+
+    class Inherits(Mixin, Base):
+        pass
+
+    class Odd(Nameless, Base):
+        pass
+
+    assert tool(name="t")(Inherits()).description == "Call the base."
+    assert tool(name="t")(Odd()).description == "Call the base."
+
+
+class _Later(BaseModel):
+    x: "_NotDefinedAnywhere"  # noqa: F821
+
+
+def test_a_parameter_whose_model_is_not_fully_defined_is_named_with_the_tools_model():
+    def fwd(q: str, m: _Later) -> str:
+        """Fwd."""
+        return q
+
+    # the probe of each parameter alone was a model named "parameter": pydantic's words then
+    # named a model the user never saw
+    with pytest.raises(UserError, match=r"fwd: parameter 'm': pydantic cannot describe it: "
+                                        r"`fwd_arguments` is not fully defined"):
+        tool(fwd)
+
+
 def test_a_default_that_is_no_value_of_its_type_is_refused_when_the_tool_is_made():
     from typing import Annotated, Literal
 

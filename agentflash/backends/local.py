@@ -314,7 +314,7 @@ class LocalBackend(Backend):
                                        kv_budget_mb=kv_budget_mb, prefix_cache_mb=prefix_cache_mb)
         except ValueError as err:
             raise UserError(str(err)) from None
-        self.model = str(model)
+        self.model = os.fspath(model)  # (str() of a PathLike of the user's is its repr)
         self.drafter = check_drafter(drafter)
         self.model_name = "demo" if self.model == "demo" else Path(self.model).name
         self.chat_template_kwargs = template_kwargs(chat_template_kwargs)

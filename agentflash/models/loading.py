@@ -189,13 +189,16 @@ def load_tokenizer(model_dir: Path, vocab_size: int | None = None):
             if (model_dir / name).is_file():
                 read_json(model_dir / name, name)  # raises naming the file and line
         raise UserError(f"{model_dir}: cannot load tokenizer: {err}") from None
-    if vocab_size is not None and len(tokenizer) > vocab_size:
+    if vocab_size is not None:
         # a text would tokenize to an id past the embedding, refused per request as a bad
-        # prompt token, though the user wrote text
-        raise UserError(
-            f"{model_dir}: the tokenizer has {len(tokenizer)} tokens, more than config.json's "
-            f"vocab_size ({vocab_size}): text would tokenize to ids the model has no row for"
-        )
+        # prompt token, though the user wrote text (the largest id, not the count: ids may
+        # leave holes)
+        top = max(tokenizer.get_vocab().values(), default=-1)
+        if top >= vocab_size:
+            raise UserError(
+                f"{model_dir}: the tokenizer's largest token id is {top}, past config.json's "
+                f"vocab_size ({vocab_size}, ids 0..{vocab_size - 1}): text would tokenize to "
+                f"ids the model has no row for")
     # the engine checks a prompt's length against its own limit (max_len), with an error
     # naming the request: the tokenizer's warning about it was a second line on stderr
     tokenizer.model_max_length = sys.maxsize

@@ -1119,8 +1119,11 @@ def _docstring(source: Any, instance: Any = None) -> str:
     name = getattr(source, "__name__", None)
     if owner is not None and isinstance(name, str):
         doc = next((inspect.cleandoc(d) for d in (
-            getattr(vars(c).get(name), "__doc__", None) for c in owner.__mro__
-            if c.__module__.partition(".")[0] not in _LIBRARIES) if isinstance(d, str)), "")
+            # only the classes that define it: vars(c).get(name) of the others is None, whose
+            # __doc__ is a string from Python 3.13 on ("The type of the None singleton.")
+            getattr(vars(c)[name], "__doc__", None) for c in owner.__mro__
+            if name in vars(c) and str(getattr(c, "__module__", None) or "").partition(".")[0]
+            not in _LIBRARIES) if isinstance(d, str)), "")
     return doc or (_class_doc(owner) if instance is not None else "")
 
 
@@ -1240,7 +1243,7 @@ def function_tool(fn: Callable[..., Any], *, name: str | None = None,
         name = next(n for n, (hint, _) in fields.items() if not _bindable(hint))
         raise UserError(f"{where}: parameter {name!r}: {err}") from None
     except SCHEMA_ERRORS as err:
-        raise UserError(_undescribed(where, fields, err)) from None
+        raise UserError(_undescribed(where, f"{name}_arguments", fields, err)) from None
     _check_defaults(model, where)
     from agentflash.grammar.tool_calls import check_parameters
 
@@ -1260,13 +1263,13 @@ def _arguments_model(name: str, fields: dict[str, Any]
     return model, strict_schema(model.model_json_schema(schema_generator=GrammarJsonSchema))
 
 
-def _undescribed(where: str, fields: dict[str, Any], err: Exception) -> str:
+def _undescribed(where: str, model_name: str, fields: dict[str, Any], err: Exception) -> str:
     """The error of a tool whose parameters pydantic cannot describe (``err``), naming the first
     one it cannot describe alone (a Callable's "Cannot generate a JsonSchema for
     core_schema.CallableSchema" named none), without pydantic's advice (``schema_problem``)."""
     for name, spec in fields.items():
         try:
-            _arguments_model("parameter", {name: spec})
+            _arguments_model(model_name, {name: spec})  # (pydantic's words name the model)
         except NotBindable:
             continue
         except SCHEMA_ERRORS as own:
