@@ -94,6 +94,10 @@ def test_plain_chat_equals_the_in_process_engine(client, reference):
     tiny = client.chat.completions.create(model="demo", messages=user("Hello, who are you?"),
                                           max_tokens=40, temperature=1e-7)
     assert tiny.choices[0].message.content == choice.message.content
+    # and so is top_p 0, which OpenAI's API takes (it was a 400: "greater than 0")
+    nucleus = client.chat.completions.create(model="demo", messages=user("Hello, who are you?"),
+                                             max_tokens=40, temperature=1.5, top_p=0, seed=3)
+    assert nucleus.choices[0].message.content == choice.message.content
     assert reply.usage.total_tokens == reply.usage.prompt_tokens + reply.usage.completion_tokens
     stats = reply.model_extra["agentflash"]
     assert stats["new_tokens"] == len(reference.token_ids) and stats["target_forwards"] >= 1

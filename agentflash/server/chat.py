@@ -105,14 +105,17 @@ def prepare(request: ChatCompletionRequest, engine: Engine, max_tokens_limit: in
     room = max_len - len(prompt_ids)
     options = request.agentflash
     temperature = DEFAULT_TEMPERATURE if request.temperature is None else request.temperature
-    if temperature < MIN_TEMPERATURE:  # OpenAI's API takes any from 0: below it, greedy
-        temperature = 0.0
+    top_p = 1.0 if request.top_p is None else request.top_p
+    # OpenAI's API takes any from 0: a temperature too small to sample with, and a nucleus of
+    # no mass (its smallest set keeps the likeliest token alone), are greedy
+    if temperature < MIN_TEMPERATURE or top_p == 0:
+        temperature, top_p = 0.0, 1.0
     calls = bool(tools) and choice.mode is not ToolChoiceMode.NONE  # the reply may hold calls
     try:
         params = SamplingParams(
             max_tokens=min(max_tokens or max_tokens_limit, room),
             temperature=temperature,
-            top_p=1.0 if request.top_p is None else request.top_p,
+            top_p=top_p,
             seed=request.seed,
             stop=request.stop_strings,
             tool_calls=calls,

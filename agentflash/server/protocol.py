@@ -152,7 +152,7 @@ class ChatCompletionRequest(_Wire):
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
     temperature: Annotated[float, Field(ge=0, le=2, allow_inf_nan=False)] | None = None
-    top_p: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] | None = None
+    top_p: Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)] | None = None
     seed: Annotated[int, Field(ge=-(2**63), le=2**64 - 1)] | None = None  # a torch seed
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
