@@ -1122,7 +1122,8 @@ def _docstring(source: Any, instance: Any = None) -> str:
             # only the classes that define it: vars(c).get(name) of the others is None, whose
             # __doc__ is a string from Python 3.13 on ("The type of the None singleton.")
             getattr(vars(c)[name], "__doc__", None) for c in owner.__mro__
-            if name in vars(c) and str(getattr(c, "__module__", None) or "").partition(".")[0]
+            if vars(c).get(name) is not None
+            and str(getattr(c, "__module__", None) or "").partition(".")[0]
             not in _LIBRARIES) if isinstance(d, str)), "")
     return doc or (_class_doc(owner) if instance is not None else "")
 
