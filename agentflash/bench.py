@@ -476,7 +476,7 @@ def _memory_fields(engine: Engine, drafts: bool, parts: list[MemoryUse], held: i
     return {"memory_mb": _mb(read + held),
             "memory_parts_mb": {"weights": _mb(read - copied), "weights_reordered": _mb(copied),
                                 "kv": _mb(peak.kv), "draft_context": _mb(peak.draft),
-                                "prefix_cache": _mb(peak.prefix)}}
+                                "prefix_cache": _mb(peak.prefix), "kept_hidden": _mb(peak.kept)}}
 
 
 def _memory_config(engine: Engine) -> dict[str, Any]:

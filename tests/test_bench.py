@@ -254,6 +254,7 @@ def test_concurrency_rows_match_outputs_run_alone(tiny_model_dir, tmp_path, monk
         assert parts["kv"] > 0
         if r["mode"] != "auto":  # (the router may not draft at all)
             assert (parts["draft_context"] > 0) == drafts
+            assert (parts["kept_hidden"] > 0) == drafts  # for their sequences' cache entries
     one, three = ([r for r in report["rows"] if r["concurrency"] == c and r["mode"] == "plain"][0]
                   for c in (1, 3))
     assert three["memory_parts_mb"]["kv"] > one["memory_parts_mb"]["kv"]  # more requests at once

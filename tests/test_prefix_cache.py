@@ -205,3 +205,89 @@ def test_without_exact_attention_the_cache_still_serves_the_next_turn(tiny_model
     cold = engine.generate(second, params)
     assert warm.stats["cached_prompt_tokens"] == len(first)
     assert warm.token_ids == cold.token_ids
+
+
+def with_prefix_budget(engine, tiny_model_dir, budget_bytes: int, **config):
+    """``engine``'s target and drafter, with a prefix cache of ``budget_bytes``."""
+    from agentflash.engine.engine import Engine, EngineConfig
+
+    config = EngineConfig(prefix_cache_mb=budget_bytes / 2**20, **config)
+    return Engine(engine.model, engine.tokenizer, config, tiny_model_dir, engine.drafter)
+
+
+# the tiny target and drafter: keys and values 4 layers x 2 kv heads x 16 dims x (k, v) x 4 bytes
+# = 1 KiB a position; the hidden states the drafter reads 2 layers x 64 x 4 bytes = 512 bytes
+ENTRY_POSITION = 1024 + 512
+
+
+def test_memory_in_use_counts_the_hidden_states_drafting_requests_keep(engine):
+    """A drafting request keeps its positions' hidden states for its finished sequence's entry:
+    they were counted nowhere (28% on top of what memory_in_use said in a demo run)."""
+    engine.prefix_cache.clear()
+    engine.reset_memory_peak()
+    first, _ = two_turns(engine)
+    drafting = engine.submit(first, SamplingParams(max_tokens=24, ignore_eos=True,
+                                                   speculation="dflash", block_size=8))
+    plain_row = engine.submit(first[:-3], SamplingParams(max_tokens=24, ignore_eos=True,
+                                                         speculation="off"))
+    for _ in range(3):
+        engine.step()
+    assert plain_row.kept_hidden is None
+    kept = drafting.kept_hidden
+    assert sum(len(t) for t in kept) == drafting.num_cached  # every cached position's
+    now = engine.memory_in_use()
+    # its prompt's states are its prompt's entry's (the same tensor, counted in the cache)
+    assert now.kept == 512 * (drafting.num_cached - len(first)) > 0
+    assert engine.prefix_cache.holds(kept[0]) and engine.drafter.hidden_bytes(1) == 512
+    assert now.total == now.kv + now.draft + now.prefix + now.kept
+    engine.prefix_cache.clear()  # the request alone holds them now
+    assert engine.memory_in_use().kept == 512 * drafting.num_cached
+    assert engine.memory_peak.kept > 0
+    while engine.has_work:
+        engine.step()
+    assert engine.memory_in_use().kept == 0
+
+
+def test_nothing_is_kept_where_no_entry_with_hidden_states_fits(engine, tiny_model_dir):
+    """A budget below the shortest entry (32 positions) kept nothing, yet every drafting
+    request kept its states and copied its keys and values for an entry the cache refused."""
+    first, _ = two_turns(engine)
+    params = SamplingParams(max_tokens=24, ignore_eos=True, speculation="dflash", block_size=8)
+    small = with_prefix_budget(engine, tiny_model_dir, 32 * ENTRY_POSITION - 1)
+    copies = []
+    cached = small.cache.cached
+    small.cache.cached = lambda slot, n: copies.append(n) or cached(slot, n)
+    req = small.submit(first, params)
+    small.step()
+    assert req.kept_hidden is None and small.memory_in_use().kept == 0
+    while small.has_work:
+        small.step()
+    assert copies == [] and len(small.prefix_cache) == 0
+    assert req.output_ids == engine.generate(first, SamplingParams(
+        max_tokens=24, ignore_eos=True, speculation="off")).token_ids
+
+
+def test_a_request_stops_keeping_once_its_entry_outgrows_the_budget(engine, tiny_model_dir):
+    """Its prompt's entry fits, its finished sequence's does not: it keeps its states until
+    its cached positions' entry could not fit, then frees them and offers nothing at the end."""
+    first, _ = two_turns(engine)
+    fits = len(first) + 5  # positions an entry may have
+    params = SamplingParams(max_tokens=24, ignore_eos=True, speculation="dflash", block_size=8)
+    small = with_prefix_budget(engine, tiny_model_dir, fits * ENTRY_POSITION)
+    req = small.submit(first, params)
+    seen = []
+    while small.has_work:
+        small.step()
+        if not req.is_finished:
+            seen.append((req.num_cached, req.kept_hidden is not None))
+    assert all(kept == (cached <= fits) for cached, kept in seen)
+    assert any(kept for _, kept in seen) and not all(kept for _, kept in seen)
+    (entry,) = small.prefix_cache._entries.values()  # the prompt's alone
+    assert len(entry.tokens) == len(first)
+    # a budget of exactly the finished sequence's entry keeps it
+    n = min(req.num_cached, req.num_tokens)
+    exact = with_prefix_budget(engine, tiny_model_dir, n * ENTRY_POSITION)
+    again = exact.generate(first, params)
+    assert again.token_ids == req.output_ids
+    assert [len(e.tokens) for e in exact.prefix_cache._entries.values()] == [n]
+    assert exact.prefix_cache.num_bytes == exact.prefix_cache.budget_bytes

@@ -98,11 +98,24 @@ def test_kv_budget_caps_slots_and_rejects_a_budget_that_holds_nothing(tiny_model
     # x (k, v) = 48 KiB a request, so 0.4 MB holds two requests where it held three
     drafting = tiny_dflash_engine(tiny_model_dir, max_len=128)
     assert drafting.drafter.context_bytes(128) == 48 * 2**10
-    config = EngineConfig(max_running=8, max_len=128, kv_budget_mb=0.4)
-    e = Engine(drafting.model, drafting.tokenizer, config, tiny_model_dir, drafting.drafter)
-    assert e.cache.num_slots == 2
+
+    def slots(**config):
+        config = EngineConfig(max_running=8, max_len=128, **config)
+        e = Engine(drafting.model, drafting.tokenizer, config, tiny_model_dir, drafting.drafter)
+        return e.cache.num_slots
+
+    assert slots(kv_budget_mb=0.4, prefix_cache_mb=0) == 2
+    # ...and with the prefix cache on, the target hidden states a drafting request keeps for its
+    # finished sequence's entry (they were left out: 0.4 MB held two requests of 240 KiB): 128
+    # positions x 2 layers x 64 x 4 bytes = 64 KiB, as many positions as the cache's longest
+    # entry (1.5 KiB a position with its keys and values), up to max_len, none below 32
+    assert slots(kv_budget_mb=0.4) == 1
+    assert slots(kv_budget_mb=0.42, prefix_cache_mb=0.09375) == 2  # 64 positions: 32 KiB
+    assert slots(kv_budget_mb=0.42, prefix_cache_mb=0.09375 * 2) == 1
+    assert slots(kv_budget_mb=0.4, prefix_cache_mb=31 * 1.5 / 2**10) == 2  # under 32 positions
     config = EngineConfig(max_running=8, max_len=128, kv_budget_mb=0.13)
-    need = r"needs 0.12 MB of keys and values and 0.05 MB of drafter context"
+    need = (r"needs 0.12 MB of keys and values and 0.05 MB of drafter context and 0.06 MB of "
+            r"hidden states kept for the prefix cache")
     with pytest.raises(UserError, match=need):
         Engine(drafting.model, drafting.tokenizer, config, tiny_model_dir, drafting.drafter)
     Engine(drafting.model, drafting.tokenizer, config, tiny_model_dir)  # fits without a drafter

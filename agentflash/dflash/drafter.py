@@ -509,6 +509,11 @@ class DFlashDrafter(nn.Module):
         cfg, itemsize = self.cfg, self.fc.weight.element_size()
         return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * capacity * itemsize
 
+    def hidden_bytes(self, positions: int) -> int:
+        """The target's hidden states it reads for ``positions`` tokens [positions, K*H], in its
+        dtype (the target's, which it is cast to)."""
+        return positions * self.fc.in_features * self.fc.weight.element_size()
+
     @torch.no_grad()
     def extend(self, contexts: list[DraftContext], target_hidden: list[torch.Tensor]) -> None:
         """Append newly committed positions to each request's context.

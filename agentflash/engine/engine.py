@@ -65,7 +65,8 @@ class EngineConfig:
     max_running: int = 8  # requests decoding together; each owns a KV-cache slot
     max_len: int = 2048  # tokens per request (prompt + output)
     # caps the slots to the requests of max_len tokens that fit (their keys and values, and the
-    # drafter's context of each); None: max_running slots
+    # drafter's context of each and the hidden states each keeps for the prefix cache); None:
+    # max_running slots
     kv_budget_mb: float | None = None
     # CPU: a row's logits bitwise the same whatever shares its step, and a verify block's
     # those of one-token decoding (ModelRunner); costs a lone one-token forward about 13% on
@@ -107,15 +108,18 @@ class MemoryUse:
     kv: int = 0  # the target's keys and values of the live requests' tokens
     draft: int = 0  # the live requests' drafter contexts (their storage, room to grow included)
     prefix: int = 0  # the prefix cache's entries (keys, values and, for drafting, hidden states)
+    # the target hidden states the live drafting requests keep for their finished sequences'
+    # entries (``Engine._keep_sequence``), but what an entry holds already (their prompts')
+    kept: int = 0
 
     @property
     def total(self) -> int:
-        return self.kv + self.draft + self.prefix
+        return self.kv + self.draft + self.prefix + self.kept
 
     def max(self, other: MemoryUse) -> MemoryUse:
         """Each part's larger value (peaks of the parts, which need not fall on one step)."""
         return MemoryUse(max(self.kv, other.kv), max(self.draft, other.draft),
-                         max(self.prefix, other.prefix))
+                         max(self.prefix, other.prefix), max(self.kept, other.kept))
 
 
 @dataclass(frozen=True)
@@ -211,7 +215,9 @@ class Engine:
             drafter.fuse_()
         max_len = min(config.max_len, model.cfg.max_position_embeddings)
         dtype = next(model.parameters()).dtype
-        slots = num_slots(model.cfg, config, max_len, dtype, drafter)
+        budget = config.prefix_cache_mb * 2**20  # past 1.7e302 MB an infinity: no bound
+        self.prefix_cache = PrefixCache(int(budget) if budget < math.inf else sys.maxsize)
+        slots = num_slots(model.cfg, config, max_len, dtype, drafter, self.prefix_cache)
         try:
             self.cache = KVCache(model.cfg, slots, max_len, torch.device(config.device), dtype)
         except RuntimeError as err:  # out of memory: say which setting asked for it
@@ -223,8 +229,6 @@ class Engine:
             drafter.use_onednn_(products is not None and products.onednn,
                                 products.mkl_shapes if products else frozenset())
         self.scheduler = Scheduler(SchedulerConfig(slots, max_len), self.cache)
-        budget = config.prefix_cache_mb * 2**20  # past 1.7e302 MB an infinity: no bound
-        self.prefix_cache = PrefixCache(int(budget) if budget < math.inf else sys.maxsize)
         self.eos_ids = end_of_turn_ids(tokenizer, model_dir)
         self.cost = self.new_router_state()  # what the router has measured of this engine
         self._inbox: deque[Request] = deque()  # filled from any thread, drained by step()
@@ -502,7 +506,7 @@ class Engine:
         forced: list[int] = []
         if lead:
             if req.kept_hidden is not None:
-                req.kept_hidden.append(hidden[fed:].clone())
+                self._keep(req, hidden[fed:].clone())
             forced = self._commit(req, lead)
             start = len(req.output_ids) - len(forced)
             for n in range(1, len(forced) + 1):  # a token at a time, each in the segment it
@@ -527,6 +531,7 @@ class Engine:
                     apply_bitmask_(logits, req.constraint.bitmask())
             token = sample(logits, req.params.temperature, req.params.top_p, req.generator)
         committed = self._commit(req, [token], in_grammar)
+        self._check_kept(req)
         self._track(req, req.segments.kind, mode, committed, 0)
         req.stats.first_step_tokens = len(forced) + len(committed)
         return StepOutput(req, forced + committed)
@@ -551,6 +556,8 @@ class Engine:
         drafting request keeps them for its finished sequence too (``_keep_sequence``)."""
         if self.prefix_cache.budget_bytes <= 0:
             return
+        if hidden is not None and not self._may_keep(len(req.prompt_ids)):
+            return  # no entry of its states fits the budget, now or as it grows: none copied
         if hidden is not None:  # a copy, not a view that keeps the whole step's states alive
             if hit is None:
                 hidden = hidden.clone()
@@ -559,8 +566,32 @@ class Engine:
             else:
                 hidden = None
         if hidden is not None and req.draft_context is not None:
-            req.kept_hidden = [hidden]
+            req.kept_hidden, req.kept_bytes = [], 0
+            self._keep(req, hidden)
         self._offer(req.prompt_ids, req.slot, hidden)
+
+    def _keep(self, req: Request, hidden: torch.Tensor) -> None:
+        """Keep the hidden states of ``req``'s next cached positions for its sequence's entry."""
+        req.kept_hidden.append(hidden)
+        req.kept_bytes += hidden.nbytes
+
+    def _check_kept(self, req: Request) -> None:
+        """After a commit that left ``req`` running: stop keeping its hidden states (and free
+        them) once no entry of its cached positions could fit the prefix cache. Its sequence's
+        entry, when it finishes, is at least that long."""
+        if req.kept_hidden is not None and not self._may_keep(req.num_cached):
+            req.kept_hidden, req.kept_bytes = None, 0
+
+    def _may_keep(self, length: int) -> bool:
+        """Whether an entry with hidden states of ``length`` positions or more, as many as the
+        prefix cache keeps at least, could fit its budget."""
+        return self.prefix_cache.fits(
+            self._entry_bytes(max(length, self.prefix_cache.min_tokens), with_hidden=True))
+
+    def _entry_bytes(self, length: int, with_hidden: bool) -> int:
+        """A prefix-cache entry's bytes (``PrefixEntry.num_bytes``)."""
+        hidden = self.drafter.hidden_bytes(length) if with_hidden else 0
+        return self._kv_bytes_per_token * length + hidden
 
     def _keep_sequence(self, req: Request) -> None:
         """Offer a finished request's prompt and answer (every position in its slot) to the
@@ -571,17 +602,22 @@ class Engine:
         n = min(req.num_cached, req.num_tokens)
         if self.prefix_cache.budget_bytes <= 0 or req.slot is None or n <= len(req.prompt_ids):
             return  # nothing past the prompt, which is kept already
+        if req.draft_context is not None and req.kept_hidden is None:
+            return  # its entry, hidden states and all, cannot fit (``_check_kept``)
         hidden = torch.cat(req.kept_hidden)[:n] if req.kept_hidden is not None else None
-        req.kept_hidden = None
+        req.kept_hidden, req.kept_bytes = None, 0
         if hidden is not None and len(hidden) < n:
             hidden = None
         self._offer(req.all_ids[:n], req.slot, hidden)
 
     def _offer(self, tokens: list[int], slot: int, hidden: torch.Tensor | None) -> None:
         """Copy the keys and values of ``tokens`` (positions ``0 ..`` of ``slot``) into the
-        prefix cache, unless they are too few or an entry holds them already."""
-        cache = self.prefix_cache
-        if len(tokens) < cache.min_tokens or cache.covers(tokens, with_hidden=hidden is not None):
+        prefix cache, unless they are too few, more than its budget holds or an entry holds them
+        already."""
+        cache, with_hidden = self.prefix_cache, hidden is not None
+        if (len(tokens) < cache.min_tokens
+                or not cache.fits(self._entry_bytes(len(tokens), with_hidden))
+                or cache.covers(tokens, with_hidden=with_hidden)):
             return
         cache.insert(tokens, self.cache.cached(slot, len(tokens)), hidden)
         # the entry beside the slot it was copied from (and the step's other requests): more
@@ -623,11 +659,11 @@ class Engine:
         fed = out.hidden[i][: 1 + num_accepted] if out.hidden is not None else None
         if req.kept_hidden is not None:  # before the commit: a stop there keeps the sequence
             if fed is None:
-                req.kept_hidden = None
+                req.kept_hidden, req.kept_bytes = None, 0
             else:
-                fed = fed.clone()  # kept: not a view of the whole step's states
-                req.kept_hidden.append(fed)
+                self._keep(req, fed.clone())  # not a view of the whole step's states
         committed = self._commit(req, draft.tokens[:num_accepted] + [bonus], in_grammar)
+        self._check_kept(req)
         # a stop among the accepted drafts ends the request there: the drafts after it were
         # never needed, and the target's choice after the end (not a token it would write) says
         # nothing of the drafter; counted as a miss, every answer's last verify was one
@@ -1022,7 +1058,7 @@ class Engine:
         self.scheduler.finish(req)
         # the drafter's state goes with the slot: a caller keeps its requests for their results
         # (a round of the bench, a batch), and their contexts outgrew the engine's own count
-        req.draft_context, req.kept_hidden = None, None
+        req.draft_context, req.kept_hidden, req.kept_bytes = None, None, 0
         req.pending_hidden.clear()
 
     # --- memory ----------------------------------------------------------------------------
@@ -1059,7 +1095,14 @@ class Engine:
         lengths = [r.num_cached for r in reqs] if lengths is None else lengths
         per_token = self._kv_bytes_per_token
         draft = sum(r.draft_context.num_bytes for r in reqs if r.draft_context is not None)
-        return MemoryUse(per_token * sum(lengths), draft, self.prefix_cache.num_bytes)
+        kept = sum(self._kept_bytes(r) for r in reqs if r.kept_hidden is not None)
+        return MemoryUse(per_token * sum(lengths), draft, self.prefix_cache.num_bytes, kept)
+
+    def _kept_bytes(self, req: Request) -> int:
+        """The hidden states ``req`` keeps, but its prompt's while its prompt's entry holds them
+        (the same tensor, counted in the prefix cache's bytes)."""
+        first = req.kept_hidden[0]
+        return req.kept_bytes - (first.nbytes if self.prefix_cache.holds(first) else 0)
 
     def reset_memory_peak(self) -> None:
         self.memory_peak, self.peak_total_bytes = MemoryUse(), 0
@@ -1231,22 +1274,31 @@ def grammar_clock(reqs: list[Request]) -> Iterator[None]:
             r.stats.grammar_s += share
 
 
-def num_slots(cfg, config: EngineConfig, max_len: int, dtype: torch.dtype, drafter=None) -> int:
+def num_slots(cfg, config: EngineConfig, max_len: int, dtype: torch.dtype, drafter=None,
+              prefix: PrefixCache | None = None) -> int:
     """KV-cache slots: ``max_running``, or fewer if the memory budget holds fewer requests of
     ``max_len`` tokens (their target keys and values, a slot's whole chunks of them as the
-    pool holds them, and with a drafter its context too)."""
+    pool holds them, and with a drafter its context too, and the hidden states it keeps for
+    ``prefix``, the prefix cache: as many positions as its longest entry, up to ``max_len``)."""
     if config.kv_budget_mb is None:
         return config.max_running
     itemsize = torch.tensor([], dtype=dtype).element_size()
     positions = whole_chunks(max_len)
-    target = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * positions * itemsize
+    per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize
+    target = per_token * positions
     draft = drafter.context_bytes(max_len) if drafter is not None else 0
+    kept = 0
+    if drafter is not None and prefix is not None:
+        longest = min(max_len, prefix.longest(per_token + drafter.hidden_bytes(1)))
+        kept = drafter.hidden_bytes(longest) if longest >= prefix.min_tokens else 0
     budget = config.kv_budget_mb * 2**20  # past 1.7e302 MB an infinity (// gave NaN)
-    fits = int(budget // (target + draft)) if budget < math.inf else config.max_running
+    fits = int(budget // (target + draft + kept)) if budget < math.inf else config.max_running
     if fits < 1:
         need = f"{target / 2**20:.2f} MB of keys and values"
         if draft:
             need += f" and {draft / 2**20:.2f} MB of drafter context"
+        if kept:
+            need += f" and {kept / 2**20:.2f} MB of hidden states kept for the prefix cache"
         raise UserError(
             f"kv_budget_mb {config.kv_budget_mb} holds no request of {max_len} tokens "
             f"(one needs {need})"

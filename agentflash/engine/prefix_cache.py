@@ -45,6 +45,7 @@ class PrefixCache:
         self._entries: OrderedDict[int, PrefixEntry] = OrderedDict()  # least recent first
         self._next_key = 0
         self.num_bytes = 0
+        self._hidden_ids: set[int] = set()  # the entries' hidden states (``holds``)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -66,6 +67,18 @@ class PrefixCache:
         self._entries.move_to_end(best_key)
         return PrefixHit(self._entries[best_key], best)
 
+    def fits(self, num_bytes: int) -> bool:
+        """Whether an entry of ``num_bytes`` is within the budget (kept at all)."""
+        return num_bytes <= self.budget_bytes
+
+    def longest(self, bytes_per_token: int) -> int:
+        """The most positions an entry of ``bytes_per_token`` a position may have."""
+        return self.budget_bytes // bytes_per_token
+
+    def holds(self, hidden: torch.Tensor) -> bool:
+        """Whether an entry keeps ``hidden`` (the very tensor) as its hidden states."""
+        return id(hidden) in self._hidden_ids
+
     def covers(self, sequence: list[int], with_hidden: bool) -> bool:
         """Whether an entry holds all of ``sequence`` (with hidden states if ``with_hidden``);
         it becomes the most recent."""
@@ -84,7 +97,7 @@ class PrefixCache:
         if len(sequence) < self.min_tokens or self.budget_bytes <= 0:
             return
         new = PrefixEntry(np.asarray(sequence, dtype=np.int64), kv, hidden)
-        if new.num_bytes > self.budget_bytes:  # kept nowhere: the entries it covers stay
+        if not self.fits(new.num_bytes):  # kept nowhere: the entries it covers stay
             return
         tokens = new.tokens
         covered = []  # entries the new one covers: one pass over them all
@@ -102,13 +115,19 @@ class PrefixCache:
         self._entries[self._next_key] = new
         self._next_key += 1
         self.num_bytes += new.num_bytes
+        if hidden is not None:
+            self._hidden_ids.add(id(hidden))
 
     def clear(self) -> None:
         self._entries.clear()
+        self._hidden_ids.clear()
         self.num_bytes = 0
 
     def _drop(self, key: int) -> None:
-        self.num_bytes -= self._entries.pop(key).num_bytes
+        entry = self._entries.pop(key)
+        self.num_bytes -= entry.num_bytes
+        if entry.hidden is not None:
+            self._hidden_ids.discard(id(entry.hidden))
 
 
 def _common_length(a: np.ndarray, b: np.ndarray) -> int:

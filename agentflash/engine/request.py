@@ -153,6 +153,7 @@ class Request:
         # the hidden states of every cached position, for the prefix cache to keep with the
         # finished sequence (None: not captured, or no prefix cache)
         self.kept_hidden: list[torch.Tensor] | None = None
+        self.kept_bytes = 0  # their storage
         self.constraint = None  # a grammar Constraint, advanced over committed tokens
         self.segments = SegmentTracker()
         # what the reply's text grew by at each step, for ``segments`` (the engine's decoder)
