@@ -341,3 +341,28 @@ def test_a_pool_that_grows_mid_flight_changes_no_output(tiny_model_dir):
     assert fresh.cache.capacity == 448  # 256 -> 320 for the prompt, -> 448 (400 in chunks)
     for req, ref in zip(early + [late], alone, strict=True):
         assert fresh.result(req).token_ids == ref.token_ids
+
+
+def test_a_finished_sequences_entry_holds_no_more_hidden_states_than_it_counts(
+    engine, monkeypatch
+):
+    """A stop among accepted drafts ends the sequence before the verified positions do: its
+    entry's hidden states were a view of all of them (the prefix cache counted 43 positions and
+    the entry kept 49 alive, in a demo run)."""
+    for start in range(2000, 4000, 100):  # a prompt whose output changes token early on
+        ids = list(range(start, start + 30))
+        free = plain(engine, ids, max_tokens=16, ignore_eos=True).token_ids
+        fresh = [i for i in range(3, 7) if free[i] not in free[:i]]
+        if fresh:
+            stop = fresh[0]
+            break
+    monkeypatch.setattr(engine.cost, "lookup_slots", lambda *args: 0)  # drafter blocks only
+    monkeypatch.setattr(engine_mod, "draft_logits", Oracle(len(ids), free, wrong_at=8))
+    engine.prefix_cache.clear()
+    out = dflash(engine, ids, max_tokens=16, block_size=8, stop_token_ids=(free[stop],))
+    assert out.token_ids == free[: stop + 1]
+    entry = max(engine.prefix_cache._entries.values(), key=lambda e: len(e.tokens))
+    assert len(entry.tokens) == len(ids) + stop + 1
+    hidden = entry.hidden
+    assert len(hidden) == len(entry.tokens)
+    assert hidden.untyped_storage().nbytes() == hidden.numel() * hidden.element_size()

@@ -604,7 +604,7 @@ class Engine:
             return  # nothing past the prompt, which is kept already
         if req.draft_context is not None and req.kept_hidden is None:
             return  # its entry, hidden states and all, cannot fit (``_check_kept``)
-        hidden = torch.cat(req.kept_hidden)[:n] if req.kept_hidden is not None else None
+        hidden = _first_rows(req.kept_hidden, n) if req.kept_hidden is not None else None
         req.kept_hidden, req.kept_bytes = None, 0
         if hidden is not None and len(hidden) < n:
             hidden = None
@@ -1272,6 +1272,19 @@ def grammar_clock(reqs: list[Request]) -> Iterator[None]:
         share = (time.perf_counter() - t0) / len(reqs)
         for r in reqs:
             r.stats.grammar_s += share
+
+
+def _first_rows(pieces: list[torch.Tensor], n: int) -> torch.Tensor:
+    """The first ``n`` rows of ``pieces`` one after another, in a tensor of their own: not a view
+    of more (a stop among accepted drafts ends a sequence before its verified positions do),
+    whose storage an entry would keep alive beyond the bytes it counts."""
+    head, total = [], 0
+    for piece in pieces:
+        if total >= n:
+            break
+        head.append(piece[: n - total])
+        total += len(head[-1])
+    return torch.cat(head)
 
 
 def num_slots(cfg, config: EngineConfig, max_len: int, dtype: torch.dtype, drafter=None,
