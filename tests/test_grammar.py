@@ -1670,6 +1670,38 @@ def test_outlines_says_it_ignores_a_pattern_beside_enum_const_or_a_length(tok):
             compile_grammar(json_schema(schema), tok, backend=Backend.OUTLINES)
 
 
+def test_outlines_refuses_a_count_it_keeps_only_in_part(tok):
+    """outlines-core 0.2.14 builds the same regex for minProperties 1, 2 and 3 (one key, then
+    any more): minProperties 2 wrote '{"a": 1}'. Compared with and without the keyword, the
+    regex differed; with the count one step looser it does not. The counts it keeps (an
+    array's, a string's, minProperties 1, maxProperties 0) compile and hold."""
+    pytest.importorskip("outlines_core")
+    extra = {"type": "object", "additionalProperties": {"type": "integer"}}
+    for schema, what in [
+            ({**extra, "minProperties": 2},
+             "#: outlines-core does not keep 'minProperties' 2: it writes the same as for "
+             "'minProperties' 1"),
+            ({"properties": {"m": {**extra, "minProperties": 3}}},
+             "#/properties/m: outlines-core does not keep 'minProperties' 3"),
+            ({"properties": {"m": {"$ref": "#/$defs/M"}}, "$defs": {
+                "M": {**extra, "minProperties": 2}}},
+             "#/$defs/M: outlines-core does not keep 'minProperties' 2"),
+            ({**extra, "maxProperties": 1}, "#: outlines-core ignores 'maxProperties'")]:
+        with pytest.raises(GrammarError) as err:
+            compile_grammar(json_schema(schema), tok, backend=Backend.OUTLINES)
+        assert what in str(err.value), str(err.value)
+    for schema, texts in [
+            ({**extra, "minProperties": 1}, {'{"a":1}': True, "{}": False}),
+            ({**extra, "maxProperties": 0}, {"{}": True, '{"a":1}': False}),
+            ({"type": "array", "items": {"type": "integer"}, "minItems": 2, "maxItems": 3},
+             {"[1]": False, "[1,2]": True, "[1,2,3]": True, "[1,2,3,4]": False}),
+            ({"type": "string", "minLength": 2, "maxLength": 2},
+             {'"a"': False, '"ab"': True, '"abc"': False})]:
+        grammar = compile_grammar(json_schema(schema), tok, backend=Backend.OUTLINES)
+        for text, legal in texts.items():
+            assert _accepts(grammar, tok, text) == legal, (schema, text)
+
+
 def test_outlines_checks_a_pattern_once_however_many_fields_share_it(tok):
     """The pattern check builds two byte automata (seconds for ^\\w{1,100}$): eight properties
     of one pattern paid it eight times."""

@@ -937,26 +937,43 @@ class UncheckedSubschema(Exception):
         self.where, self.message = where, message
 
 
-def ignored_keyword(schema: Any, output_of: Callable[[Any], str]) -> tuple[str, str] | None:
-    """(pointer, keyword) of an assertion a backend silently ignores, or None.
+# Count keywords, with the value one step looser: a backend may keep some of a bound's values and
+# not others (outlines-core 0.2.14 writes minProperties 2 as 1, maxProperties 1 as none), which
+# the form with and without the keyword cannot show
+_COUNTS = {
+    "minLength": -1,
+    "maxLength": 1,
+    "minItems": -1,
+    "maxItems": 1,
+    "minProperties": -1,
+    "maxProperties": 1,
+}
+
+
+def ignored_keyword(schema: Any, output_of: Callable[[Any], str]
+                    ) -> tuple[str, str, tuple[int, int] | None] | None:
+    """(pointer, keyword, counts) of an assertion a backend silently ignores, or None.
 
     ``output_of`` compiles a standalone schema to the backend's own form (a regex for
     outlines-core) or raises ValueError or TypeError; an assertion whose removal leaves that
-    form unchanged was ignored, and the backend would let values through that the schema
-    rejects. One the form cannot do without (compiling fails without it: a ``format`` the
-    backend does not know beside a ``pattern``) was not. A subschema that does not compile on
-    its own is judged in the whole schema (the whole's form without the assertion where it
-    stands); ``UncheckedSubschema`` where the whole does not compile either.
+    form unchanged was ignored (``counts`` None), and the backend would let values through that
+    the schema rejects. So was a count (``_COUNTS``) whose form is that of the count one step
+    looser (``counts``: (2, 1) where minProperties 2's is 1's, which lets a one-key object
+    through). One
+    the form cannot do without (compiling fails without it: a ``format`` the backend does not
+    know beside a ``pattern``) was not. A subschema that does not compile on its own is judged
+    in the whole schema (the whole's form without the assertion where it stands);
+    ``UncheckedSubschema`` where the whole does not compile either.
     """
     roots = schema if isinstance(schema, dict) else {}
     defs = {k: roots[k] for k in ("$defs", "definitions") if k in roots}
     whole: list[Any] = []  # the whole schema's form, once one subschema needs it
 
-    def in_context(path: list[str | int], keyword: str, err: Exception) -> Any:
+    def in_context(path: list[str | int], keyword: str, value: Any, err: Exception) -> Any:
         try:
             if not whole:
                 whole.append(output_of(schema))
-            return whole[0], output_of(_without(schema, path, keyword))
+            return whole[0], output_of(_replaced(schema, path, keyword, value))
         except (ValueError, TypeError):
             raise UncheckedSubschema(pointer(path), " ".join(str(err).split())) from None
 
@@ -972,25 +989,38 @@ def ignored_keyword(schema: Any, output_of: Callable[[Any], str]) -> tuple[str, 
         except (ValueError, TypeError) as err:
             alone = err
         for keyword in asserted:
-            try:
-                if isinstance(alone, Exception):
-                    kept, without = in_context(path, keyword, alone)
-                else:
-                    kept = alone
-                    without = output_of({k: v for k, v in standalone.items() if k != keyword})
-            except (ValueError, TypeError):
-                continue
-            if without == kept:
-                return pointer(path), keyword
+            count = node[keyword]
+            looser = None
+            if (keyword in _COUNTS and isinstance(count, int) and not isinstance(count, bool)
+                    and count + _COUNTS[keyword] >= 0):
+                looser = count + _COUNTS[keyword]
+            for value in (_ABSENT, looser) if looser is not None else (_ABSENT,):
+                try:
+                    if isinstance(alone, Exception):
+                        kept, other = in_context(path, keyword, value, alone)
+                    else:
+                        kept = alone
+                        other = output_of(_replaced(standalone, [], keyword, value))
+                except (ValueError, TypeError):
+                    continue
+                if other == kept:
+                    return pointer(path), keyword, None if value is _ABSENT else (count, value)
     return None
 
 
-def _without(schema: Any, path: list[str | int], keyword: str) -> Any:
-    """A copy of ``schema`` with ``keyword`` left out of the subschema at ``path``."""
+_ABSENT = object()  # (a keyword left out)
+
+
+def _replaced(schema: Any, path: list[str | int], keyword: str, value: Any) -> Any:
+    """A copy of ``schema`` whose subschema at ``path`` has ``keyword`` set to ``value``, or
+    left out (``_ABSENT``)."""
     if not path:
-        return {k: v for k, v in schema.items() if k != keyword}
+        copied = {k: v for k, v in schema.items() if k != keyword}
+        if value is not _ABSENT:
+            copied[keyword] = value
+        return copied
     copied = copy.copy(schema)
-    copied[path[0]] = _without(schema[path[0]], path[1:], keyword)
+    copied[path[0]] = _replaced(schema[path[0]], path[1:], keyword, value)
     return copied
 
 

@@ -6,15 +6,16 @@ silently emit values the schema rejects, so they are refused), JSON separators a
 patterns (``JsonStyle.DUMPS`` allows an optional space around ``,`` and ``:``, so json.dumps
 layout is allowed but not enforced), and forced tokens are only states with a single legal token.
 
-What outlines-core 0.2.14 would get wrong is refused when the grammar compiles, naming the
-field: assertions its regex ignores (bounds, in ``$defs`` too), ``allOf`` / ``oneOf`` / ``not``
-/ ``dependentSchemas`` / ``if``, the ``email`` format, a string ``pattern`` that could write a raw
-quote, backslash or control character (``_pattern_fault``), and a language in which a match goes on
-through text that is none (a top-level number, ``a(bc)?``), whose continuations its index drops
-(``check_continuations``, against llguidance on the same source). Property names go to it in
-their JSON spelling (``_json_spelled``): it escapes them for its regex, not for JSON, and the
-keys of a const's objects for neither. A regex's anchors at its ends are dropped
-(``_unanchored``): it fails on a leading one.
+What outlines-core 0.2.14 would get wrong is refused when the grammar compiles, naming the field:
+assertions its regex ignores (bounds, in ``$defs`` too) or keeps at some values only
+(``minProperties`` 2 as 1), ``allOf`` / ``oneOf`` / ``not`` / ``dependentSchemas`` / ``if``, the
+``email`` format, a string ``pattern`` that could write a raw quote, backslash or control character
+(``_pattern_fault``), and a language in which a match goes on through text that is none (a
+top-level number, ``a(bc)?``), whose continuations its index drops (``check_continuations``,
+against llguidance on the same source). Property names go to it in their JSON spelling
+(``_json_spelled``): it escapes them for its regex, not for JSON, and the keys of a const's objects
+for neither. A regex's anchors at its ends are dropped (``_unanchored``): it fails on a leading
+one.
 """
 
 from __future__ import annotations
@@ -220,9 +221,12 @@ def source_regex(source: GrammarSource) -> str:
             f"own ({err.message}), so whether it keeps its assertions cannot be checked; use "
             f"the llguidance backend") from None
     if ignored is not None:
-        where, keyword = ignored
+        where, keyword, counts = ignored
+        what = (f"ignores {keyword!r}" if counts is None else
+                f"does not keep {keyword!r} {counts[0]}: it writes the same as for "
+                f"{keyword!r} {counts[1]}")
         raise GrammarError(
-            f"{source.origin}: {where}: outlines-core ignores {keyword!r}, so "
+            f"{source.origin}: {where}: outlines-core {what}, so "
             f"its output could break the schema; use the llguidance backend"
         )
     return pattern
