@@ -1653,7 +1653,7 @@ def test_outlines_refuses_a_pattern_whose_text_is_no_json_string(tok):
                 f"pattern, and in {pattern!r} an anchor elsewhere")):
             compile_grammar(json_schema(schema), tok, backend=Backend.OUTLINES)
     for pattern, text in [("^[a-z]+$", '"abc"'), (r"^\d{3}-\d{4}$", '"555-1234"'),
-                          (r"^\w+$", '"héllo"'), ('^[^"\\\\\\x00-\\x1f]*$', '"a b!"')]:
+                          (r"^\w+$", '"h_llo9"'), ('^[^"\\\\\\x00-\\x1f]*$', '"a b!"')]:
         grammar = compile_grammar(json_schema({"type": "string", "pattern": pattern}), tok,
                                   backend=Backend.OUTLINES)
         assert _accepts(grammar, tok, text), pattern
@@ -1700,6 +1700,31 @@ def test_outlines_refuses_a_count_it_keeps_only_in_part(tok):
         grammar = compile_grammar(json_schema(schema), tok, backend=Backend.OUTLINES)
         for text, legal in texts.items():
             assert _accepts(grammar, tok, text) == legal, (schema, text)
+
+
+def test_outlines_reads_a_patterns_classes_as_ascii_as_llguidance_does(tok):
+    """A schema's pattern is ECMA-262's, whose \\d and \\w are ASCII (llguidance's reading);
+    outlines-core's Rust regex read them as Unicode's: '^[a-z]\\d$' wrote 'x۸'. Inside a class
+    too; an escaped backslash before a 'd' stays a backslash and a 'd'. A regex source is Rust's
+    regex on both backends: its \\d is Unicode's."""
+    pytest.importorskip("outlines_core")
+    for pattern, texts in [
+            (r"^[a-z]\d$", {"x7": True, "x۸": False, "x٣": False}),
+            (r"^\w+$", {"a_9Z": True, "é": False, "ａ": False}),
+            (r"^[\d_]+$", {"1_2": True, "١": False}),
+            (r"^[\w.]+$", {"a.b": True, "ß": False})]:
+        for backend in (Backend.OUTLINES, Backend.LLGUIDANCE):
+            grammar = compile_grammar(json_schema({"type": "string", "pattern": pattern}), tok,
+                                      backend=backend)
+            for text, legal in texts.items():
+                assert _accepts(grammar, tok, json.dumps(text, ensure_ascii=False)) == legal, (
+                    backend, pattern, text)
+    for backend in (Backend.OUTLINES, Backend.LLGUIDANCE):
+        assert _accepts(compile_grammar(regex(r"[a-z]\d"), tok, backend=backend), tok, "x٣")
+    from agentflash.grammar.outlines_backend import _ascii_classes
+
+    # (a backslash in the pattern is refused: its rewrite is seen here)
+    assert _ascii_classes(r"a\\d\.\d[^\W]") == r"a\\d\.[0-9][^[^0-9A-Za-z_]]"
 
 
 def test_outlines_checks_a_pattern_once_however_many_fields_share_it(tok):

@@ -14,8 +14,9 @@ assertions its regex ignores (bounds, in ``$defs`` too) or keeps at some values 
 top-level number, ``a(bc)?``), whose continuations its index drops (``check_continuations``,
 against llguidance on the same source). Property names go to it in their JSON spelling
 (``_json_spelled``): it escapes them for its regex, not for JSON, and the keys of a const's objects
-for neither. A regex's anchors at its ends are dropped (``_unanchored``): it fails on a leading
-one.
+for neither; a pattern's ``\\d`` and ``\\w`` as the ASCII classes ECMA-262 means
+(``_ascii_classes``), not Unicode's. A regex's anchors at its ends are dropped (``_unanchored``):
+it fails on a leading one.
 """
 
 from __future__ import annotations
@@ -167,6 +168,8 @@ def _json_spelled(schema: Any) -> Any:
         if isinstance(out.get("required"), list):
             out["required"] = [_json_spelling(name) if isinstance(name, str) else name
                                for name in out["required"]]
+        if isinstance(out.get("pattern"), str):
+            out["pattern"] = _ascii_classes(out["pattern"])
         if isinstance(out.get("$ref"), str):
             out["$ref"] = spelled_ref(out["$ref"])
         if "const" in out:
@@ -176,6 +179,29 @@ def _json_spelled(schema: Any) -> Any:
         return out
 
     return spelled(schema)
+
+
+# ECMA-262's classes (JSON Schema's regex dialect): ASCII, as llguidance reads a schema's pattern;
+# Rust's regex (outlines-core's) reads them as Unicode's ('^[a-z]\d$' wrote 'x۸'). A nested class
+# is a class inside one too ([\d_] is [[0-9]_])
+_ASCII_CLASSES = {"d": "[0-9]", "D": "[^0-9]", "w": "[0-9A-Za-z_]", "W": "[^0-9A-Za-z_]"}
+
+
+def _ascii_classes(pattern: str) -> str:
+    """A schema's ``pattern`` with ``\\d``, ``\\D``, ``\\w`` and ``\\W`` written as the ASCII
+    classes ECMA-262 means by them, inside a class too (an escaped backslash before a ``d`` is
+    left: ``\\\\d``)."""
+    if "\\" not in pattern:
+        return pattern
+    out, i = [], 0
+    while i < len(pattern):
+        if pattern[i] == "\\" and i + 1 < len(pattern):
+            out.append(_ASCII_CLASSES.get(pattern[i + 1], pattern[i:i + 2]))
+            i += 2
+        else:
+            out.append(pattern[i])
+            i += 1
+    return "".join(out)
 
 
 def _schema_error(source: GrammarSource, schema: Any) -> str | None:
@@ -402,15 +428,16 @@ def _pattern_fault(pattern: str) -> str | None:
     (``^a$|^b$``) leaves the index no way to finish the string: refused. None too where
     outlines-core cannot build it otherwise (refused where the schema's index is built)."""
     inner = pattern[1:-1] if pattern.startswith("^") and pattern.endswith("$") else pattern
+    written = _ascii_classes(inner)  # (as _json_spelled gives it)
     oc = _outlines()
     errors = []
     try:
-        index = oc.Index(f'("{inner}")', _byte_vocabulary())
+        index = oc.Index(f'("{written}")', _byte_vocabulary())
     except ValueError as err:
         index = None
         errors.append(str(err))
     try:  # it compiles between the quotes; alone it must too, or it reads across them
-        alone = oc.Index(inner, _byte_vocabulary())
+        alone = oc.Index(written, _byte_vocabulary())
     except ValueError as err:
         alone = None
         errors.append(str(err))
