@@ -1727,6 +1727,31 @@ def test_outlines_reads_a_patterns_classes_as_ascii_as_llguidance_does(tok):
     assert _ascii_classes(r"a\\d\.\d[^\W]") == r"a\\d\.[0-9][^[^0-9A-Za-z_]]"
 
 
+def test_a_set_is_refused_in_our_words_on_both_backends(tok):
+    """uniqueItems (pydantic's set[...] and frozenset[...]) is refused, naming the field and
+    saying to use a list: llguidance said 'Unimplemented keys: ["uniqueItems"]', outlines-core
+    'ignores' it and sent the user to llguidance. Other keys llguidance names stay named."""
+    pytest.importorskip("outlines_core")
+    import pydantic
+
+    from agentflash.grammar.llguidance_backend import check_schema_supported
+
+    class Answer(pydantic.BaseModel):
+        tags: frozenset[str]
+
+    said = ("#/properties/tags: uniqueItems is not supported (a set's or frozenset's schema): "
+            "the grammar cannot keep an array's items apart; use a list")
+    for backend in (Backend.LLGUIDANCE, Backend.OUTLINES):
+        with pytest.raises(GrammarError, match=re.escape(said)):
+            compile_grammar(pydantic_model(Answer), tok, backend=backend)
+    with pytest.raises(GrammarError, match=re.escape(said)):
+        check_schema_supported(Answer.model_json_schema(), "output schema")
+    with pytest.raises(GrammarError) as err:
+        check_schema_supported({"type": "array", "uniqueItems": True, "contains": {}}, "s")
+    assert "uniqueItems is not supported" in str(err.value)
+    assert 'Unimplemented keys: ["contains"]' in str(err.value), str(err.value)
+
+
 def test_outlines_checks_a_pattern_once_however_many_fields_share_it(tok):
     """The pattern check builds two byte automata (seconds for ^\\w{1,100}$): eight properties
     of one pattern paid it eight times."""

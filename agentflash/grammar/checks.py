@@ -927,6 +927,14 @@ _ASSERTIONS = {
 }
 
 
+# why ``uniqueItems`` (a set's schema) is refused, by both backends (llguidance said only
+# 'Unimplemented keys: ["uniqueItems"]'): a grammar writes an array's items one after another
+# and cannot keep them apart
+UNIQUE_ITEMS_REFUSED = ("uniqueItems is not supported (a set's or frozenset's schema): the "
+                        "grammar cannot keep an array's items apart; use a list (list[...], an "
+                        "array without uniqueItems)")
+
+
 class UncheckedSubschema(Exception):
     """A subschema with an assertion that the backend cannot compile on its own (a ``$ref`` into
     its root's ``properties``), nor the whole schema without it: whether it keeps the assertion

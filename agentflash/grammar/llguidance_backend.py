@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from agentflash.grammar.checks import (
+    UNIQUE_ITEMS_REFUSED,
     locate_schema_error,
     may_write_special_bytes,
     recursion_room,
@@ -103,7 +104,7 @@ def check_schema_supported(
 
 
 def _describe_error(source: GrammarSource, message: str) -> str:
-    message = _LOOSE_ADVICE.sub("", _one_line(message))
+    message = _unique_items_said(_LOOSE_ADVICE.sub("", _one_line(message)))
     if source.kind is GrammarKind.JSON_SCHEMA:
         where = locate_schema_error(source.schema, lambda s: _schema_error(source, s),
                                     same_error=True)
@@ -111,6 +112,21 @@ def _describe_error(source: GrammarSource, message: str) -> str:
     if source.kind is GrammarKind.REGEX:
         return f"{source.origin}: invalid regex {source.text!r}: {message}"
     return f"{source.origin}: {message}"
+
+
+_UNIMPLEMENTED = re.compile(r"Unimplemented keys: \[([^\]]*)\]")
+
+
+def _unique_items_said(message: str) -> str:
+    """llguidance's ``message`` with its refusal of ``uniqueItems`` in our words (what to use
+    instead); the other keys it names kept in its own."""
+    found = _UNIMPLEMENTED.search(message)
+    if found is None or '"uniqueItems"' not in found.group(1).split(", "):
+        return message
+    others = [key for key in found.group(1).split(", ") if key != '"uniqueItems"']
+    ours = UNIQUE_ITEMS_REFUSED + (f"; Unimplemented keys: [{', '.join(others)}]"
+                                   if others else "")
+    return message[:found.start()] + ours + message[found.end():]
 
 
 # llguidance's advice to turn on an option that makes it write what the schema refuses

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from agentflash.grammar.checks import (
+    UNIQUE_ITEMS_REFUSED,
     UncheckedSubschema,
     ignored_keyword,
     locate_schema_error,
@@ -248,6 +249,8 @@ def source_regex(source: GrammarSource) -> str:
             f"the llguidance backend") from None
     if ignored is not None:
         where, keyword, counts = ignored
+        if keyword == "uniqueItems":  # (llguidance refuses it too)
+            raise GrammarError(f"{source.origin}: {where}: {UNIQUE_ITEMS_REFUSED}")
         what = (f"ignores {keyword!r}" if counts is None else
                 f"does not keep {keyword!r} {counts[0]}: it writes the same as for "
                 f"{keyword!r} {counts[1]}")
