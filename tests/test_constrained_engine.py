@@ -1,6 +1,7 @@
 """Grammar-constrained decoding in the engine: every finished output is valid, and constrained
 DFlash gives exactly the tokens of constrained plain decoding."""
 
+import itertools
 import random
 
 import jsonschema
@@ -376,12 +377,20 @@ def test_a_step_whose_only_request_fails_before_the_forward_ends_it_and_serves_o
 def test_a_grammar_that_gets_stuck_while_decoding_ends_its_request_with_a_one_line_error(tiny):
     # the second term of A can never match (a bound intersection): no compile check sees that
     stuck = lark('start: "x" A\nA: /a+/ & /b+/\n')
+    # and one whose every match holds the text <|im_end|>, a special token's, in a way the
+    # compile checks do not read (a branch): after the x its mask holds no token at all
+    masked = regex(r"x<\|im_e(n|n)d\|>x")
     ids = tiny.chat_prompt([{"role": "user", "content": "x"}])
-    for speculation in ("off", "dflash"):
-        result = tiny.generate(ids, SamplingParams(max_tokens=8, grammar=stuck,
-                                                   speculation=speculation))
-        assert result.finish_reason == "error" and result.error.startswith("GrammarFailed: ")
-        assert "\n" not in result.error and "<state>" not in result.error
+    for speculation, grammar in itertools.product(("off", "dflash"), (stuck, masked)):
+        # sampling drew from the all-masked row's NaNs: "RuntimeError: probability tensor
+        # contains either `inf`, `nan` or element < 0"
+        for temperature, seed in ((0.0, None), (1.0, 1)):
+            result = tiny.generate(ids, SamplingParams(
+                max_tokens=8, grammar=grammar, speculation=speculation, temperature=temperature,
+                seed=seed))
+            assert result.finish_reason == "error", result.text
+            assert result.error.startswith("GrammarFailed: no legal token"), result.error
+            assert "\n" not in result.error and "<state>" not in result.error
 
 
 def test_a_negated_lexeme_keeps_the_demo_models_tool_call_out_of_a_reply(demo):

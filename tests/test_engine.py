@@ -392,6 +392,26 @@ def test_top_p_keeps_the_smallest_set_whose_mass_reaches_it():
     assert (crossing > 0).tolist() == [True, True, False]
 
 
+def test_sampling_a_row_a_grammar_left_no_token_in_is_grammar_failed_where_a_draw_reaches_it():
+    from agentflash.engine.sampling import accept, sample
+    from agentflash.grammar.constraint import GrammarFailed
+
+    # torch.multinomial raised "probability tensor contains either `inf`, `nan` or element < 0"
+    dead = torch.full((5,), float("-inf"))
+    with pytest.raises(GrammarFailed, match="no legal token"):
+        sample(dead, 1.0, 1.0, torch.Generator().manual_seed(0))
+    params = SamplingParams(temperature=1.0, seed=0)
+    only = torch.full((5,), float("-inf"))
+    only[3] = 0.0  # the draft's token is the only one row 0 allows: the draws reach row 1
+    with pytest.raises(GrammarFailed, match="no legal token"):
+        accept(torch.tensor([3]), torch.stack([only, dead]), params, torch.Generator())
+    # a dead row that no draw reaches ends nothing (row 0 draws another token than the draft's)
+    other = torch.full((5,), float("-inf"))
+    other[2] = 0.0
+    assert accept(torch.tensor([3]), torch.stack([other, dead]), params,
+                  torch.Generator()) == (0, 2)
+
+
 @pytest.mark.parametrize(("template", "messages", "message"), [
     # jinja's TemplateSyntaxError and TemplateError: tracebacks from generate, run and train
     ("{% for x in %}", [{"role": "user", "content": "hi"}],

@@ -61,7 +61,8 @@ def greedy_accept_batch(
 
 
 def sample_accept(
-    draft_tokens: torch.Tensor, target_probs: torch.Tensor, generator: torch.Generator | None
+    draft_tokens: torch.Tensor, target_probs: torch.Tensor, generator: torch.Generator | None,
+    dead: list[bool] | None = None,
 ) -> tuple[int, int]:
     """Lossless acceptance of a one-hot proposal under sampling.
 
@@ -72,11 +73,16 @@ def sample_accept(
     draw from the target's distribution given the committed prefix, taken in the same order and
     with the same ``torch.multinomial`` call as plain decoding, so a seeded request commits the
     same tokens in both modes (up to floating-point differences between a block forward and
-    one-token forwards). Returns ``(num_accepted, bonus_token)``.
+    one-token forwards). Returns ``(num_accepted, bonus_token)``. ``dead``: the rows a
+    grammar's mask left no token in, where a draw that reaches one raises ``GrammarFailed``.
     """
     t = draft_tokens.shape[0]
     assert target_probs.shape[0] == t + 1, "verify yields one more row than there are drafts"
     for i in range(t + 1):
+        if dead is not None and dead[i]:
+            from agentflash.grammar.constraint import GrammarFailed
+
+            raise GrammarFailed("no legal token: the grammar is stuck here")
         token = int(torch.multinomial(target_probs[i], 1, generator=generator))
         if i == t or token != int(draft_tokens[i]):
             return i, token

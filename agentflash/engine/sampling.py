@@ -17,7 +17,9 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
 def sample(
     logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None
 ) -> int:
-    """One token from ``logits`` [V]."""
+    """One token from ``logits`` [V]; ``GrammarFailed`` where a grammar's mask left no token."""
+    if bool(logits.amax() == float("-inf")):  # (NaN logits are the model's: left to torch)
+        raise _no_legal_token()
     if temperature == 0.0:
         return int(logits.argmax())
     probs = on_generator(probabilities(logits, temperature, top_p), generator)
@@ -56,4 +58,14 @@ def accept(draft: torch.Tensor, logits: torch.Tensor, params, generator) -> tupl
     if params.is_greedy:
         return greedy_accept(draft, logits)
     probs = torch.stack([probabilities(row, params.temperature, params.top_p) for row in logits])
-    return sample_accept(draft, on_generator(probs, generator), generator)
+    # a row that a grammar's mask left no token drew from NaNs ("probability tensor contains
+    # inf, nan"): the request ends as greedy's does, where the draws reach that row
+    dead = (logits.amax(-1) == float("-inf")).tolist()
+    return sample_accept(draft, on_generator(probs, generator), generator,
+                         dead=dead if any(dead) else None)
+
+
+def _no_legal_token() -> Exception:
+    from agentflash.grammar.constraint import GrammarFailed
+
+    return GrammarFailed("no legal token: the grammar is stuck here")
