@@ -1214,6 +1214,21 @@ def test_the_meta_schema_walk_passes_tools_and_leaves_each_fault_to_jsonschema()
          "the literal '<tool_call>' holds '<tool_call>', the text of a special token"),
         (lambda: regex("(ok|x</tool_call>)"), "the literal 'x</tool_call>' holds"),
         (lambda: regex("(<)tool_call>[a-z]+"), "the literal '<tool_call>' holds"),  # one run
+        # a schema's pattern likewise: it compiled, then every request failed at the text
+        # ("no legal token"; with <tool_call> llguidance's "token ... doesn't satisfy")
+        (lambda: json_schema({"type": "string", "pattern": r"^<\|im_end\|>x$"}),
+         "#/pattern: its literal '<|im_end|>x' holds '<|im_end|>', the text of a special token"),
+        (lambda: json_schema({"type": "object", "properties": {"a": {"anyOf": [
+            {"type": "integer"}, {"type": "string", "pattern": "^<tool_call>"}]}}}),
+         "#/properties/a/anyOf/1/pattern: its literal '<tool_call>' holds '<tool_call>'"),
+        (lambda: json_schema({"type": "object", "patternProperties": {"^<tool_call>$": {}},
+                              "additionalProperties": False, "minProperties": 1}),
+         "#/patternProperties/^<tool_call>$: its literal '<tool_call>' holds"),
+        (lambda: lark('start: %json {"type": "string", "pattern": "^x</tool_call>$"}'),
+         "%json #/pattern: its literal 'x</tool_call>' holds '</tool_call>'"),
+        (lambda: assistant_turn([{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"q": {"type": "string", "pattern": "^<tools>$"}},
+            "required": ["q"]}}}], "required"), "its literal '<tools>' holds '<tools>'"),
         (lambda: lark("start: /[/"), "unclosed character class"),
         (lambda: regex("a[b"), "invalid regex"),
         (lambda: regex("[a&&b]"), "no output matches"),

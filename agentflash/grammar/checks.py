@@ -1124,8 +1124,8 @@ def written_literals(lark_text: str | None, schema: Any = None) -> list[tuple[st
     """(where, text) of each literal a grammar writes as text: a JSON ``schema``'s property names
     and enum and const strings, or a Lark grammar's strings and its ``%json`` schemas' literals.
     A Lark regex's literal runs are among them, but under a negation (``~``: it names a text
-    to keep out; ``_negated_regexes``); a schema's patterns are left out (``not`` may name
-    one); so is what the checker cannot read."""
+    to keep out; ``_negated_regexes``), and a schema's patterns' (``_schema_literals``), but
+    under ``not``; what the checker cannot read is left out."""
     if lark_text is None:
         return list(_schema_literals(schema, []))
     try:
@@ -1289,10 +1289,14 @@ def _literal_text(sequence: Any) -> str | None:
     return "".join(out)
 
 
-def _schema_literals(node: Any, path: list[str | int]) -> Iterator[tuple[str, str]]:
+def _schema_literals(node: Any, path: list[str | int],
+                     negated: bool = False) -> Iterator[tuple[str, str]]:
+    """(where, text) of the literals a schema writes: its property names, its enum and const
+    strings, and the literal runs of its ``pattern`` s and ``patternProperties`` ' names but
+    those under ``not`` (``negated``: there a pattern names a text to keep out)."""
     if isinstance(node, list):
         for i, item in enumerate(node):
-            yield from _schema_literals(item, path + [i])
+            yield from _schema_literals(item, path + [i], negated)
         return
     if not isinstance(node, dict):
         return
@@ -1303,9 +1307,22 @@ def _schema_literals(node: Any, path: list[str | int]) -> Iterator[tuple[str, st
         elif key == "properties" and isinstance(value, dict):
             for name, sub in value.items():
                 yield pointer(path + [key]), name
-                yield from _schema_literals(sub, path + [key, name])
-        elif key not in ("description", "title", "$comment", "examples", "default", "pattern"):
-            yield from _schema_literals(value, path + [key])
+                yield from _schema_literals(sub, path + [key, name], negated)
+        elif key == "pattern" and isinstance(value, str):
+            if not negated:  # (a string's: every match holds the run, or its branch's does)
+                yield from _pattern_literals(value, path + [key])
+        elif key == "patternProperties" and isinstance(value, dict):
+            for name, sub in value.items():
+                if not negated:
+                    yield from _pattern_literals(name, path + [key, name])
+                yield from _schema_literals(sub, path + [key, name], negated)
+        elif key not in ("description", "title", "$comment", "examples", "default"):
+            yield from _schema_literals(value, path + [key], negated or key == "not")
+
+
+def _pattern_literals(pattern: str, path: list[str | int]) -> Iterator[tuple[str, str]]:
+    for run in regex_literals(pattern):
+        yield f"{pointer(path)}: its literal {run!r}", run
 
 
 def _strings(value: Any) -> Iterator[str]:
