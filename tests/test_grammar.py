@@ -1632,6 +1632,44 @@ def test_outlines_writes_the_keys_of_const_and_enum_objects_as_they_are(tok):
     assert _accepts(grammar, tok, '[{"(": 1}]')  # (a regex outlines-core could not build)
 
 
+@pytest.mark.parametrize("backend", [Backend.LLGUIDANCE, Backend.OUTLINES])
+def test_an_enum_or_const_number_is_written_as_that_number_or_refused(tok, closers, backend):
+    """llguidance wrote an integer const past 2^53 as its float (9007199254740993 as ...992,
+    18446744073709551615 as 18446744073709552000) and 1.5e300 as '15' and 299 zeros, which
+    reads back as an integer; outlines-core an integer past 64 bits as a float
+    (1.2345678901234568e+29): the output failed its schema. Each is refused naming the field,
+    on the backend that would write it wrong; what compiles writes the very number."""
+    if backend is Backend.OUTLINES:
+        pytest.importorskip("outlines_core")
+    name = backend.name.lower()
+    wrong = {"llguidance": [
+        ({"const": 2**53 + 1}, "#/const: 9007199254740993 would be written as another number"),
+        ({"type": "object", "properties": {"id": {"anyOf": [
+            {"type": "string"}, {"const": 2**64 - 1}]}}}, "#/properties/id/anyOf/1/const"),
+        ({"enum": ["x", [{"n": 123456789012345678901234567890}]]}, "#/enum: 1234567890123456"),
+        ({"enum": [1.5e300]}, "#/enum: 1.5e+300 would be written as another number"),
+    ], "outlines": [
+        ({"const": 123456789012345678901234567890}, "#/const: 123456789012345678901234567890"),
+        ({"type": "object", "properties": {"id": {"enum": [-2**64, 1]}}}, "#/properties/id/enum"),
+    ]}[name]
+    for schema, what in wrong:
+        with pytest.raises(GrammarError, match=re.escape(what)):
+            compile_grammar(json_schema(schema), tok, backend=backend)
+    right = [2**53, -2**53, 0.1, 1e-7, -0.0, 2.5, 1e22, 1e16, -273.15, 2**60]
+    right += [2**53 + 1, 2**64 - 1, -2**63 + 2**11] if backend is Backend.OUTLINES else []
+    for value in right:
+        grammar = compile_grammar(json_schema({"const": value}), tok, backend=backend)
+        text = decoded(tok, random_output(grammar.new_constraint(), closers, random.Random(0)))
+        assert json.loads(text) == value, (value, text)
+    if backend is Backend.LLGUIDANCE:  # in a Lark grammar's %json and a tool's parameters
+        with pytest.raises(GrammarError, match=re.escape("%json in rule 'start': #/const")):
+            compile_grammar(lark('start: %json {"const": 9007199254740993}'), tok)
+        tools = [{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"n": {"enum": [2**63 + 1]}}, "required": ["n"]}}}]
+        with pytest.raises(GrammarError, match="#/properties/n/enum: 9223372036854775809"):
+            compile_grammar(assistant_turn(tools, "required"), tok)
+
+
 def test_outlines_refuses_a_pattern_whose_text_is_no_json_string(tok):
     """outlines-core 0.2.14 matches a string's pattern against its JSON text, between quotes it
     writes around it as it is: ^a.b$ wrote "a"b" and a raw control character, [^x] a raw

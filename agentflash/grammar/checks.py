@@ -9,6 +9,7 @@ would run until ``max_tokens``. Both are caught here, naming the field or rule.
 from __future__ import annotations
 
 import copy
+import decimal
 import functools
 import json
 import math
@@ -497,6 +498,82 @@ def _bounds_llguidance_misreads(node: dict) -> str | None:
                     f"llguidance lets {int(edge)} itself through there; give an inclusive "
                     f"bound a fraction past it instead (e.g. {instead}) or widen the range")
     return None
+
+
+def inexact_value(schema: Any, backend: str) -> tuple[str, Any] | None:
+    """(pointer, number) of the first number in an ``enum`` or ``const`` of ``schema`` (in an
+    object or array value too) that ``backend`` ("llguidance" or "outlines") may write as
+    another number, or None. Both read a schema's numbers with serde_json's parser, which is
+    exact for an integer (to 64 bits) and for a float whose shortest digits are below 2^53
+    with a decimal exponent within 22 (one exact product or quotient of exact floats); else it
+    may be a unit in the last place off (``0.1234567891234567`` and ``-1.5e-300`` came back
+    as other floats). llguidance then writes a number through a float: an integer past 2^53
+    as its float (9007199254740993 as ...992), and a whole float without an exponent (1.5e300
+    as '15' and 299 zeros, which Python reads as an integer, not 1.5e300); outlines-core writes
+    an integer of 64 bits as it is and a float in its shortest digits, but an integer past 64
+    bits as a float (1.2345678901234568e+29). An integer whose float is -2^63 is refused on
+    both: llguidance crashes the process on it (a segmentation fault; 1.9.1), and outlines'
+    compile checks against it."""
+    for path, node in subschemas(schema, []):
+        if not isinstance(node, dict):
+            continue
+        for key in ("const", "enum"):
+            if key in node:
+                for value in _numbers(node[key]):
+                    if not _writes_exactly(value, backend):
+                        return pointer(path + [key]), value
+    return None
+
+
+def inexact_message(value: int | float, backend: str) -> str:
+    """Why ``inexact_value``'s ``value`` is refused, and what to give instead."""
+    reader = "llguidance" if backend == "llguidance" else "outlines-core"
+    if isinstance(value, int) and -_INT64 * 2 < value < _INT64 * 2 and float(value) == -_INT64:
+        why = "llguidance crashes on an integer whose float is -2^63"
+    elif isinstance(value, int):
+        why = (f"{reader} reads an integer past "
+               f"{'2^53 as a float' if backend == 'llguidance' else '64 bits as a float'}")
+    else:
+        why = (f"{reader} reads a number of more than 15 digits or an exponent past 22 "
+               f"inexactly")
+    return (f"{json.dumps(value)} would be written as another number ({why}): give it as a "
+            f"string, or a number it holds exactly")
+
+
+def _numbers(value: Any) -> Iterator[int | float]:
+    if isinstance(value, bool):
+        return
+    if isinstance(value, (int, float)):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _numbers(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _numbers(item)
+
+
+_INT64 = 2**63
+
+
+def _writes_exactly(value: int | float, backend: str) -> bool:
+    if isinstance(value, int):
+        if abs(value) <= _EXACT_INTEGERS:
+            return True
+        if not -_INT64 * 2 < value < _INT64 * 2 or float(value) == -_INT64:
+            return False
+        if backend == "outlines":  # (serde_json's i64 and u64, written as they are)
+            return -_INT64 <= value < _INT64 * 2
+        return float(value) == value and abs(value) < _INT64  # (written as the float's i64)
+    if not math.isfinite(value):
+        return True  # (not JSON: the schema's own check refuses it)
+    sign, digits, exponent = decimal.Decimal(repr(value)).as_tuple()
+    significand = int("".join(map(str, digits)))
+    if significand >= _EXACT_INTEGERS or abs(exponent) > 22:
+        return False  # serde_json's parse may be a unit in the last place off
+    if backend == "llguidance" and value.is_integer():  # its digits, no exponent: an integer
+        return int(decimal.Decimal(repr(value))) == value
+    return True
 
 
 def _is_number(value: Any) -> bool:

@@ -34,6 +34,8 @@ from agentflash.grammar.checks import (
     UNIQUE_ITEMS_REFUSED,
     UncheckedSubschema,
     ignored_keyword,
+    inexact_message,
+    inexact_value,
     locate_schema_error,
     pointer,
     recursive_ref,
@@ -223,6 +225,10 @@ def source_regex(source: GrammarSource) -> str:
             "only; use the llguidance backend for Lark grammars and tool_choice"
         )
     schema = source.schema
+    inexact = inexact_value(schema, "outlines")
+    if inexact is not None:
+        raise GrammarError(f"{source.origin}: {inexact[0]}: "
+                           f"{inexact_message(inexact[1], 'outlines')}")
     unsupported = _unsupported(schema)
     if unsupported is not None:
         where, what = unsupported
