@@ -291,3 +291,23 @@ def test_a_request_stops_keeping_once_its_entry_outgrows_the_budget(engine, tiny
     assert again.token_ids == req.output_ids
     assert [len(e.tokens) for e in exact.prefix_cache._entries.values()] == [n]
     assert exact.prefix_cache.num_bytes == exact.prefix_cache.budget_bytes
+
+
+def test_a_prompt_that_hit_an_entry_without_states_still_offers_its_keys_and_values(
+        engine, tiny_model_dir):
+    """A plain request admitted beside a drafting one has its prompt's states captured; its
+    prompt hit an entry of keys and values alone, so its own entry holds them alone too, and
+    that fits where one with states would not: it was offered nothing (ba23fda)."""
+    first, second = two_turns(engine)
+    kv_position = 1024  # the tiny model's keys and values a position (ENTRY_POSITION less 512)
+    small = with_prefix_budget(engine, tiny_model_dir, (len(second) + 2) * kv_position,
+                               max_running=4)
+    off = SamplingParams(max_tokens=4, ignore_eos=True, speculation="off")
+    small.generate(first, off)  # alone: nothing captured, an entry of keys and values
+    plain = small.submit(second, off)
+    drafting = small.submit(engine.chat_prompt([{"role": "user", "content": "x"}]),
+                            SamplingParams(max_tokens=4, speculation="dflash"))
+    while not (plain.is_finished and drafting.is_finished):
+        small.step()
+    assert plain.stats.cached_prompt_tokens == len(first)
+    assert len(second) in [len(e.tokens) for e in small.prefix_cache._entries.values()]

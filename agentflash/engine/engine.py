@@ -556,15 +556,13 @@ class Engine:
         drafting request keeps them for its finished sequence too (``_keep_sequence``)."""
         if self.prefix_cache.budget_bytes <= 0:
             return
+        if hit is not None and hit.entry.hidden is None:
+            hidden = None  # the prompt's entry holds keys and values alone, as the hit's
         if hidden is not None and not self._may_keep(len(req.prompt_ids)):
             return  # no entry of its states fits the budget, now or as it grows: none copied
         if hidden is not None:  # a copy, not a view that keeps the whole step's states alive
-            if hit is None:
-                hidden = hidden.clone()
-            elif hit.entry.hidden is not None:
-                hidden = torch.cat((hit.entry.hidden[: hit.length], hidden))
-            else:
-                hidden = None
+            hidden = hidden.clone() if hit is None else torch.cat(
+                (hit.entry.hidden[: hit.length], hidden))
         if hidden is not None and req.draft_context is not None:
             req.kept_hidden, req.kept_bytes = [], 0
             self._keep(req, hidden)
