@@ -1226,6 +1226,14 @@ def test_the_meta_schema_walk_passes_tools_and_leaves_each_fault_to_jsonschema()
          "#/patternProperties/^<tool_call>$: its literal '<tool_call>' holds"),
         (lambda: lark('start: %json {"type": "string", "pattern": "^x</tool_call>$"}'),
          "%json #/pattern: its literal 'x</tool_call>' holds '</tool_call>'"),
+        # a pattern Python's parser cannot read (Rust's \p{..}, \z, \x{..}) was not read
+        # at all: it compiled, then every request failed
+        (lambda: json_schema({"type": "string", "pattern": r"^\p{Lu}<tool_call>$"}),
+         "#/pattern: its literal '<tool_call>' holds '<tool_call>'"),
+        (lambda: json_schema({"type": "string", "pattern": r"^[A-Z]<tool_call>\z"}),
+         "#/pattern: its literal '<tool_call>' holds '<tool_call>'"),
+        (lambda: json_schema({"type": "string", "pattern": r"^a\x{3c}tool_call>$"}),
+         "#/pattern: its literal '^a<tool_call>$' holds '<tool_call>'"),
         (lambda: assistant_turn([{"type": "function", "function": {"name": "f", "parameters": {
             "type": "object", "properties": {"q": {"type": "string", "pattern": "^<tools>$"}},
             "required": ["q"]}}}], "required"), "its literal '<tools>' holds '<tools>'"),
@@ -1792,8 +1800,9 @@ def test_a_set_is_refused_in_our_words_on_both_backends(tok):
     class Answer(pydantic.BaseModel):
         tags: frozenset[str]
 
-    said = ("#/properties/tags: uniqueItems is not supported (a set's or frozenset's schema): "
-            "the grammar cannot keep an array's items apart; use a list")
+    said = ("#/properties/tags: uniqueItems is not supported (a set's or frozenset's schema; "
+            "a false one asks nothing: leave it out): the grammar cannot keep an array's items "
+            "apart; use a list")
     for backend in (Backend.LLGUIDANCE, Backend.OUTLINES):
         with pytest.raises(GrammarError, match=re.escape(said)):
             compile_grammar(pydantic_model(Answer), tok, backend=backend)
@@ -1803,6 +1812,30 @@ def test_a_set_is_refused_in_our_words_on_both_backends(tok):
         check_schema_supported({"type": "array", "uniqueItems": True, "contains": {}}, "s")
     assert "uniqueItems is not supported" in str(err.value)
     assert 'Unimplemented keys: ["contains"]' in str(err.value), str(err.value)
+
+
+def test_a_number_llguidance_crashes_on_is_refused_where_a_tool_is_declared_too():
+    """check_schema_supported (a tool's parameters, an output type, a response_format, checked
+    without a tokenizer) handed {"const": -2**63} to llguidance first: a segmentation fault."""
+    import subprocess
+    import sys
+
+    script = ("from agentflash.grammar.llguidance_backend import check_schema_supported\n"
+              "from agentflash.grammar import GrammarError\n"
+              "for schema in ({'const': -2**63}, {'type': 'object', 'properties': {'x': "
+              "{'enum': [1, -2**63 + 1]}}}):\n"
+              "    try:\n"
+              "        check_schema_supported(schema, 'tool f parameters')\n"
+              "    except GrammarError as err:\n"
+              "        print(err)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, (done.returncode, done.stderr[-500:])
+    said = done.stdout.splitlines()
+    assert said[0].startswith("tool f parameters: #/const: -9223372036854775808 would be "
+                              "written as another number (llguidance crashes"), said
+    assert said[1].startswith("tool f parameters: #/properties/x/enum: -9223372036854775807 "
+                              "would be written"), said
 
 
 def test_outlines_checks_a_pattern_once_however_many_fields_share_it(tok):

@@ -528,8 +528,8 @@ def test_bad_tool_definitions_are_user_errors():
         return "x"
 
     with pytest.raises(UserError, match=r"pick parameters: #/properties/ids: uniqueItems is not "
-                                        r"supported \(a set's or frozenset's schema\).*use a "
-                                        r"list"):
+                                        r"supported \(a set's or frozenset's schema; a false "
+                                        r"one asks nothing: leave it out\).*use a list"):
         tool(pick)  # (in llguidance's words: 'Unimplemented keys: ["uniqueItems"]')
     with pytest.raises(UserError, match="has no __name__; give the tool one"):
         tool(functools.partial(pick))

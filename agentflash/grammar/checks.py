@@ -1007,9 +1007,9 @@ _ASSERTIONS = {
 # why ``uniqueItems`` (a set's schema) is refused, by both backends (llguidance said only
 # 'Unimplemented keys: ["uniqueItems"]'): a grammar writes an array's items one after another
 # and cannot keep them apart
-UNIQUE_ITEMS_REFUSED = ("uniqueItems is not supported (a set's or frozenset's schema): the "
-                        "grammar cannot keep an array's items apart; use a list (list[...], an "
-                        "array without uniqueItems)")
+UNIQUE_ITEMS_REFUSED = ("uniqueItems is not supported (a set's or frozenset's schema; a false "
+                        "one asks nothing: leave it out): the grammar cannot keep an array's "
+                        "items apart; use a list (list[...], an array without uniqueItems)")
 
 
 class UncheckedSubschema(Exception):
@@ -1303,6 +1303,11 @@ def regex_literals(pattern: str) -> list[str]:
     return list(_regex_literals(pattern))
 
 
+# Rust regex syntax Python's parser lacks, after an even run of backslashes: a Unicode class
+# (\p{Lu}, \PN) and the end of text (\z)
+_RUST_ONLY = re.compile(r"((?<!\\)(?:\\\\)*)\\(?:[pP](?:\{[^}]*\}|[A-Za-z])|(z))")
+
+
 # (every turn's grammar with free text has the same regexes: 0.6 ms to parse at each compile)
 @functools.lru_cache(maxsize=256)
 def _regex_literals(pattern: str) -> tuple[str, ...]:
@@ -1314,8 +1319,16 @@ def _regex_literals(pattern: str) -> tuple[str, ...]:
         with warnings.catch_warnings():  # Rust's [a&&b] is Python's "possible set intersection"
             warnings.simplefilter("ignore")
             tree = parser.parse(pattern)
-    except Exception:  # noqa: BLE001  (a syntax Python's parser lacks: llguidance's to judge)
-        return ()
+    except Exception:  # noqa: BLE001  (a syntax Python's parser lacks)
+        neutral = _RUST_ONLY.sub(lambda m: m[1] + ("$" if m[2] == "z" else "(?:a|b)"), pattern)
+        if neutral != pattern:  # \p{Lu}, \z: what they match holds no literal run
+            return _regex_literals(neutral)
+        # else the whole pattern, its braced code points (\x{3c}) read and its other escapes
+        # dropped, as one run: a special token's text in it is refused even where the pattern
+        # may not write it (over-strict, never missed)
+        text = re.sub(r"\\[xuU]\{([0-9A-Fa-f]{1,6})\}",
+                      lambda m: chr(min(int(m[1], 16), sys.maxunicode)), pattern)
+        return (re.sub(r"\\(.)", r"\1", text),)
     runs: list[str] = []
 
     def walk(sequence: Any) -> None:

@@ -98,6 +98,7 @@ def check_schema_supported(
     """Raise ``GrammarError`` naming the field if llguidance cannot compile ``schema`` (no
     tokenizer needed, so tools can be checked when they are declared)."""
     source = GrammarSource(GrammarKind.JSON_SCHEMA, json.dumps(schema), json_style, origin)
+    _check_exact_values(source)  # first: llguidance crashes on some (-2^63), as at compile
     message = _schema_error(source, schema)
     if message is not None:
         raise GrammarError(_describe_error(source, message))
