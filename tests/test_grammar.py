@@ -1823,7 +1823,8 @@ def test_a_number_llguidance_crashes_on_is_refused_where_a_tool_is_declared_too(
     script = ("from agentflash.grammar.llguidance_backend import check_schema_supported\n"
               "from agentflash.grammar import GrammarError\n"
               "for schema in ({'const': -2**63}, {'type': 'object', 'properties': {'x': "
-              "{'enum': [1, -2**63 + 1]}}}):\n"
+              "{'enum': [1, -2**63 + 1]}}}, {'type': 'object', 'properties': {'a': "
+              "{'$ref': '#/foo'}}, 'foo': {'const': -2**63}}):\n"
               "    try:\n"
               "        check_schema_supported(schema, 'tool f parameters')\n"
               "    except GrammarError as err:\n"
@@ -1836,6 +1837,9 @@ def test_a_number_llguidance_crashes_on_is_refused_where_a_tool_is_declared_too(
                               "written as another number (llguidance crashes"), said
     assert said[1].startswith("tool f parameters: #/properties/x/enum: -9223372036854775807 "
                               "would be written"), said
+    # a $ref reaches an object beside the schema's keywords, which the walk passed by
+    assert said[2].startswith("tool f parameters: #/foo/const: -9223372036854775808 would be "
+                              "written"), said
 
 
 def test_outlines_checks_a_pattern_once_however_many_fields_share_it(tok):

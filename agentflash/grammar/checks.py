@@ -514,15 +514,27 @@ def inexact_value(schema: Any, backend: str) -> tuple[str, Any] | None:
     bits as a float (1.2345678901234568e+29). An integer whose float is -2^63 is refused on
     both: llguidance crashes the process on it (a segmentation fault; 1.9.1), and outlines'
     compile checks against it."""
-    for path, node in subschemas(schema, []):
-        if not isinstance(node, dict):
-            continue
+    for path, node in _objects(schema, []):
         for key in ("const", "enum"):
             if key in node:
                 for value in _numbers(node[key]):
                     if not _writes_exactly(value, backend):
                         return pointer(path + [key]), value
     return None
+
+
+def _objects(node: Any, path: list[str | int]) -> Iterator[tuple[list[str | int], dict]]:
+    """Every object of a schema but those inside a value (``const``, ``enum``, ``default``,
+    ``examples``), under a keyword or not: a ``$ref`` reaches any of them (``#/foo`` beside
+    the schema's keywords), and llguidance read a number there it crashes on."""
+    if isinstance(node, list):
+        for i, item in enumerate(node):
+            yield from _objects(item, path + [i])
+    elif isinstance(node, dict):
+        yield path, node
+        for key, value in node.items():
+            if key not in ("const", "enum", "default", "examples"):
+                yield from _objects(value, path + [key])
 
 
 def inexact_message(value: int | float, backend: str) -> str:
