@@ -80,9 +80,9 @@ def sample_accept(
     assert target_probs.shape[0] == t + 1, "verify yields one more row than there are drafts"
     for i in range(t + 1):
         if dead is not None and dead[i]:
-            from agentflash.grammar.constraint import GrammarFailed
+            from agentflash.grammar.constraint import NO_LEGAL_TOKEN, GrammarFailed
 
-            raise GrammarFailed("no legal token: the grammar is stuck here")
+            raise GrammarFailed(NO_LEGAL_TOKEN)
         token = int(torch.multinomial(target_probs[i], 1, generator=generator))
         if i == t or token != int(draft_tokens[i]):
             return i, token

@@ -66,6 +66,6 @@ def accept(draft: torch.Tensor, logits: torch.Tensor, params, generator) -> tupl
 
 
 def _no_legal_token() -> Exception:
-    from agentflash.grammar.constraint import GrammarFailed
+    from agentflash.grammar.constraint import NO_LEGAL_TOKEN, GrammarFailed
 
-    return GrammarFailed("no legal token: the grammar is stuck here")
+    return GrammarFailed(NO_LEGAL_TOKEN)

@@ -31,6 +31,10 @@ class GrammarError(UserError):
     finish. Raised when the grammar is compiled; the message names the source and the field."""
 
 
+# why a request ends where a grammar's mask leaves no token (greedy, sampled, verified)
+NO_LEGAL_TOKEN = "no legal token: the grammar is stuck here"
+
+
 class GrammarFailed(RuntimeError):
     """The grammar cannot go on while a request decodes (a parser limit; a dead end that the
     compile checks did not see): that request ends with an error, the others go on. ``limit``:
@@ -648,7 +652,7 @@ def _masked_argmax(row: torch.Tensor, logits: torch.Tensor, vocab_size: int) -> 
         token = int(masked_argmax(logits.detach()[None, :vocab_size].contiguous(),
                                   row.to(logits.device)[None].contiguous())[0])
         if token < 0:
-            raise GrammarFailed("no legal token: the grammar is stuck here")
+            raise GrammarFailed(NO_LEGAL_TOKEN)
         return token
     bits = _unpacked(row, vocab_size) if row.device.type == "cpu" else (
         unpack_bitmask(row, vocab_size).cpu().numpy())
@@ -656,7 +660,7 @@ def _masked_argmax(row: torch.Tensor, logits: torch.Tensor, vocab_size: int) -> 
     # masked row gives): cheaper than masking a whole row
     allowed = np.flatnonzero(bits)
     if not len(allowed):
-        raise GrammarFailed("no legal token: the grammar is stuck here")
+        raise GrammarFailed(NO_LEGAL_TOKEN)
     if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64):
         values = logits.detach().numpy()  # numpy throughout: no tensor ops
         return int(allowed[values[allowed].argmax()])
