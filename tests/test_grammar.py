@@ -1676,6 +1676,14 @@ def test_an_enum_or_const_number_is_written_as_that_number_or_refused(tok, close
             "type": "object", "properties": {"n": {"enum": [2**63 + 1]}}, "required": ["n"]}}}]
         with pytest.raises(GrammarError, match="#/properties/n/enum: 9223372036854775809"):
             compile_grammar(assistant_turn(tools, "required"), tok)
+        # a property named const or enum is a subschema, not the keyword: its default (1e30,
+        # read as a const's number) was refused; a const inside it is named where it stands
+        named = {"type": "object", "properties": {"const": {"type": "number", "default": 1e30},
+                                                  "enum": {"type": "integer"}}}
+        compile_grammar(json_schema(named), tok)
+        named["properties"]["enum"] = {"const": 2**65 + 1}
+        with pytest.raises(GrammarError, match="#/properties/enum/const: 36893488147419103233"):
+            compile_grammar(json_schema(named), tok)
 
 
 def test_outlines_refuses_a_pattern_whose_text_is_no_json_string(tok):

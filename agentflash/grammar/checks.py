@@ -526,15 +526,23 @@ def inexact_value(schema: Any, backend: str) -> tuple[str, Any] | None:
 def _objects(node: Any, path: list[str | int]) -> Iterator[tuple[list[str | int], dict]]:
     """Every object of a schema but those inside a value (``const``, ``enum``, ``default``,
     ``examples``), under a keyword or not: a ``$ref`` reaches any of them (``#/foo`` beside
-    the schema's keywords), and llguidance read a number there it crashes on."""
+    the schema's keywords), and llguidance read a number there it crashes on. A map of names
+    to subschemas (``properties``) is no schema: a property named ``const`` is a subschema."""
     if isinstance(node, list):
         for i, item in enumerate(node):
             yield from _objects(item, path + [i])
     elif isinstance(node, dict):
         yield path, node
         for key, value in node.items():
-            if key not in ("const", "enum", "default", "examples"):
+            if key in _SCHEMA_MAPS and isinstance(value, dict):
+                for name, sub in value.items():
+                    yield from _objects(sub, path + [key, name])
+            elif key not in ("const", "enum", "default", "examples"):
                 yield from _objects(value, path + [key])
+
+
+# keywords whose value maps names to subschemas
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 
 
 def inexact_message(value: int | float, backend: str) -> str:
