@@ -1832,7 +1832,9 @@ def test_a_number_llguidance_crashes_on_is_refused_where_a_tool_is_declared_too(
               "from agentflash.grammar import GrammarError\n"
               "for schema in ({'const': -2**63}, {'type': 'object', 'properties': {'x': "
               "{'enum': [1, -2**63 + 1]}}}, {'type': 'object', 'properties': {'a': "
-              "{'$ref': '#/foo'}}, 'foo': {'const': -2**63}}):\n"
+              "{'$ref': '#/foo'}}, 'foo': {'const': -2**63}}, {'type': 'object', "
+              "'properties': {'default': {'const': -2**63}}}, {'type': 'object', 'properties': "
+              "{'a': {'$ref': '#/default'}}, 'default': {'const': -2**63}}):\n"
               "    try:\n"
               "        check_schema_supported(schema, 'tool f parameters')\n"
               "    except GrammarError as err:\n"
@@ -1848,6 +1850,9 @@ def test_a_number_llguidance_crashes_on_is_refused_where_a_tool_is_declared_too(
     # a $ref reaches an object beside the schema's keywords, which the walk passed by
     assert said[2].startswith("tool f parameters: #/foo/const: -9223372036854775808 would be "
                               "written"), said
+    # and a property named default, and a $ref to an object named so
+    assert said[3].startswith("tool f parameters: #/properties/default/const: "), said
+    assert said[4].startswith("tool f parameters: #/default/const: "), said
 
 
 def test_outlines_checks_a_pattern_once_however_many_fields_share_it(tok):

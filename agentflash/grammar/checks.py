@@ -524,10 +524,12 @@ def inexact_value(schema: Any, backend: str) -> tuple[str, Any] | None:
 
 
 def _objects(node: Any, path: list[str | int]) -> Iterator[tuple[list[str | int], dict]]:
-    """Every object of a schema but those inside a value (``const``, ``enum``, ``default``,
-    ``examples``), under a keyword or not: a ``$ref`` reaches any of them (``#/foo`` beside
-    the schema's keywords), and llguidance read a number there it crashes on. A map of names
-    to subschemas (``properties``) is no schema: a property named ``const`` is a subschema."""
+    """Every object of a schema but those inside a ``const`` or an ``enum`` (whose numbers are
+    read whole), under a keyword or not: a ``$ref`` reaches any of them (``#/foo`` beside the
+    schema's keywords, ``#/default``), and llguidance read a number there it crashes on. A map
+    of names to subschemas (``properties``) is no schema: a property named ``const`` is a
+    subschema. (Over-strict where no ``$ref`` reaches: an ``x-example`` holding ``{"const":
+    2**60 + 1}`` is refused.)"""
     if isinstance(node, list):
         for i, item in enumerate(node):
             yield from _objects(item, path + [i])
@@ -537,7 +539,7 @@ def _objects(node: Any, path: list[str | int]) -> Iterator[tuple[list[str | int]
             if key in _SCHEMA_MAPS and isinstance(value, dict):
                 for name, sub in value.items():
                     yield from _objects(sub, path + [key, name])
-            elif key not in ("const", "enum", "default", "examples"):
+            elif key not in ("const", "enum"):
                 yield from _objects(value, path + [key])
 
 
