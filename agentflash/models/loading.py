@@ -174,7 +174,7 @@ _TOKENIZER_JSON = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 def load_tokenizer(model_dir: Path, vocab_size: int | None = None):
     """The directory's tokenizer; a clear error if it is missing or unreadable, or (given the
-    model's ``vocab_size``) if it holds more tokens than the model has rows for."""
+    model's ``vocab_size``) if its largest token id is past the model's rows."""
     from transformers import AutoTokenizer
 
     if (
